@@ -1,0 +1,47 @@
+"""packstream's packing core, packed-row contract and training-time loader.
+
+Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``,
+``register_varlen_attention``, ``check_packing_safe``) import torch on first use.
+"""
+
+from packers._errors import ContractError, InternalError, PackstreamError
+from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
+from packers._schema import CONTRACT_VERSION, SCHEMA, read_metadata, schema_metadata, shard_schema, validate_row
+from packers._stats import PackStats, pack_stats
+
+_TORCH_NAMES = {
+    "Collator": "packers._collate",
+    "PackedBatch": "packers._collate",
+    "PackedDataset": "packers._loader",
+    "register_varlen_attention": "packers._attention",
+    "check_packing_safe": "packers._attention",
+}
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "SCHEMA",
+    "ContractError",
+    "InternalError",
+    "LongPolicy",
+    "PackResult",
+    "PackStats",
+    "PackstreamError",
+    "Strategy",
+    "pack",
+    "pack_stats",
+    "pack_stream",
+    "read_metadata",
+    "schema_metadata",
+    "shard_schema",
+    "validate_row",
+    *sorted(_TORCH_NAMES),
+]
+
+
+def __getattr__(name: str):
+    # Lazy: the torch-backed loader must not make `import packers` need torch.
+    if name in _TORCH_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
+    raise AttributeError(f"module 'packers' has no attribute {name!r}")
