@@ -1,0 +1,19 @@
+"""packstream's offline packing job: read, render, tokenize, pack and write (Apache Beam).
+
+Layout: ``_read`` (inputs -> records), ``_formats`` (records -> conversations),
+``_render`` (conversations -> tokens and loss masks), ``_rows`` (examples -> packed rows),
+``_write`` (rows -> shards, dead letters, manifest, card), ``_job`` (the Beam composites and
+:func:`run`), ``cli`` (the ``packstream`` command).
+"""
+
+from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn
+
+
+def run(options: PackOptions, beam_args=(), workers: int = 1) -> dict:
+    """Run the packing job; returns the manifest (see ``manifest.json``)."""
+    from pipeline._job import run as _run
+
+    return _run(options, beam_args, workers)
+
+
+__all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "TrainOn", "run"]

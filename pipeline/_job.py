@@ -1,0 +1,400 @@
+"""The Beam job behind ``packstream pack``: thin composites around the pure functions.
+
+::
+
+    ListInputs -> ReadRecords -> Normalize ----------------------------> rejected
+                                   |                                      ^
+                                   v                                      |
+                 BatchRecords -> RenderTokenize ------------------------->|
+                                   |                                      |
+                                   v                                      |
+       grouped: KeyByIdHash -> GroupByKey -> PackGroups ----------------->|  (duplicates, too long)
+       global:  CollectLengths -> PlanGlobally -> JoinTokens -> Assemble->|
+                                   |                                      |
+                                   v                                      v
+                 KeyByShard -> WriteShards                      WriteRejected
+                                   \\______________ WriteManifest ________/
+
+Counts are data, not metrics: the manifest sums what the steps emitted and refuses to finish
+if records read != examples packed + rejected + dropped for length. Beam metrics (namespace
+``packstream``) mirror them for runner UIs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import PipelineOptions
+
+import packers
+from packers import InternalError, PackstreamError
+from pipeline import _read, _rows, _write
+from pipeline._formats import Reason, Rejected, normalize
+from pipeline._options import PackMode, PackOptions
+from pipeline._render import Renderer, tokenizer_identity
+
+NS = "packstream"
+SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens (~300 MB)
+log = logging.getLogger("packstream")
+
+
+def _count(name: str, n: int = 1) -> None:
+    Metrics.counter(NS, name).inc(n)
+
+
+class ReadRecords(beam.DoFn):
+    """One input file -> ``(source, position, record)``; unparseable lines become Rejected."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+
+    def process(self, f: _read.InputFile):
+        for position, record in _read.read_file(f, self.max_bytes):
+            _count("records_read")
+            yield f.source, position, record
+
+
+class Normalize(beam.DoFn):
+    """``(source, position, record)`` -> ``(example_id, source, position, Conversation)``."""
+
+    def __init__(self, options: PackOptions):
+        self.options = options
+
+    def process(self, item):
+        source, position, record = item
+        try:
+            if isinstance(record, Rejected):
+                raise record
+            conv = normalize(record, self.options.format, self.options.fields)
+        except Rejected as r:
+            _count(f"rejected_{r.reason.value}")
+            yield beam.pvalue.TaggedOutput("rejected", _rows.reject_record(source, position, r.reason, r.detail))
+            return
+        own = record.get("id")
+        own = own if isinstance(own, (str, int)) and not isinstance(own, bool) and str(own) != "" else position
+        yield f"{source}:{own}", source, position, conv
+
+
+class RenderTokenize(beam.DoFn):
+    """A batch of conversations -> :class:`Example` s. The tokenizer loads once per process."""
+
+    def __init__(self, options: PackOptions):
+        self.options = options
+        self.renderer: Optional[Renderer] = None
+
+    def setup(self):
+        self.renderer = Renderer(self.options)  # load_tokenizer() is cached per process
+
+    def process(self, batch):
+        results = self.renderer.encode([conv for _, _, _, conv in batch])
+        for (eid, source, position, _), res in zip(batch, results):
+            if isinstance(res, Rejected):
+                _count(f"rejected_{res.reason.value}")
+                yield beam.pvalue.TaggedOutput("rejected", _rows.reject_record(source, position, res.reason, res.detail, eid))
+            else:
+                _count("examples_tokenized")
+                _count("tokens", res.shape[1])
+                yield _rows.Example(eid, source, position, res)
+
+
+class PackGroups(beam.DoFn):
+    """Grouped mode: bin-pack one group of examples (all duplicates of an id land in one group)."""
+
+    def __init__(self, options: PackOptions):
+        self.options = options
+        self.fill = Metrics.distribution(NS, "row_tokens")
+
+    def process(self, keyed):
+        _, examples = keyed
+        rows, rejected, stats = _rows.pack_group(examples, self.options)
+        for r in rejected:
+            _count(f"rejected_{r['reason']}")
+            yield beam.pvalue.TaggedOutput("rejected", r)
+        _count("rows", len(rows))
+        for row in rows:
+            self.fill.update(row["num_tokens"])
+            yield row
+        yield beam.pvalue.TaggedOutput("stats", stats)
+
+
+def _plan_globally(items: list, options: PackOptions):
+    kept, rejected = _rows.dedupe(items)
+    plan = _rows.plan(kept, options)
+    plan.stats["duplicates"] = len(rejected)
+    for r in rejected + plan.rejected:
+        yield beam.pvalue.TaggedOutput("rejected", r)
+    yield beam.pvalue.TaggedOutput("stats", plan.stats)
+    for row_no, pieces in enumerate(plan.rows):
+        for slot, piece in enumerate(pieces):
+            yield piece.example_id, (row_no, slot, piece)
+
+
+def _join_tokens(keyed):
+    _, grouped = keyed
+    placements, examples = grouped["placements"], grouped["examples"]
+    if not placements:
+        return  # a duplicate or dropped example: already dead-lettered by the plan
+    tokens = min(examples, key=lambda e: (e.source, e.position)).tokens
+    for row_no, slot, piece in placements:
+        yield row_no, (slot, piece, tokens)
+
+
+def _assemble_global(keyed, seed: int):
+    _, parts = keyed
+    parts = sorted(parts, key=lambda t: t[0])
+    tokens = {p.example_id: tok for _, p, tok in parts}
+    return _rows.assemble([p for _, p, _ in parts], tokens, seed)
+
+
+class PackRows(beam.PTransform):
+    """Examples -> packed rows, plus ``rejected`` and per-group ``stats`` side outputs."""
+
+    def __init__(self, options: PackOptions):
+        super().__init__()
+        self.options = options
+
+    def expand(self, examples):
+        o = self.options
+        if o.mode is PackMode.GLOBAL:
+            planned = (
+                examples
+                | "Lengths" >> beam.Map(lambda e: (e.example_id, e.source, e.position, e.length))
+                | "CollectLengths" >> beam.combiners.ToList()
+                | "PlanGlobally" >> beam.FlatMap(_plan_globally, o).with_outputs("rejected", "stats", main="placements")
+            )
+            rows = (
+                {"placements": planned.placements, "examples": examples | "KeyById" >> beam.Map(lambda e: (e.example_id, e))}
+                | "JoinTokens" >> beam.CoGroupByKey()
+                | "ToRows" >> beam.FlatMap(_join_tokens)
+                | "GroupRows" >> beam.GroupByKey()
+                | "Assemble" >> beam.Map(_assemble_global, o.seed)
+            )
+            return rows, planned.rejected, planned.stats
+        n = examples | "CountExamples" >> beam.combiners.Count.Globally()
+        groups = (
+            examples
+            | "KeyByIdHash" >> beam.Map(
+                lambda e, n: (_rows.stable_hash(e.example_id) % max(1, math.ceil(n / o.group_size)), e),
+                n=beam.pvalue.AsSingleton(n),
+            )
+            | "GroupByKey" >> beam.GroupByKey()
+            | "PackGroups" >> beam.ParDo(PackGroups(o)).with_outputs("rejected", "stats", main="rows")
+        )
+        return groups.rows, groups.rejected, groups.stats
+
+
+def num_shards(options: PackOptions, rows: int) -> int:
+    if options.num_shards:
+        return options.num_shards
+    return max(1, math.ceil(rows * options.max_tokens / SHARD_TOKENS))
+
+
+class WriteShards(beam.PTransform):
+    """Rows -> shard files ``train-XXXXX-of-NNNNN``; every shard index exists, even an empty one."""
+
+    def __init__(self, options: PackOptions, schema):
+        super().__init__()
+        self.options, self.schema = options, schema
+
+    def expand(self, rows):
+        o = self.options
+        count = rows | "CountRows" >> beam.combiners.Count.Globally()
+        keyed = rows | "KeyByShard" >> beam.Map(
+            lambda r, c: (r["key"] % num_shards(o, c), r), c=beam.pvalue.AsSingleton(count)
+        )
+        every = count | "EveryShard" >> beam.FlatMap(lambda c: [(i, None) for i in range(num_shards(o, c))])
+        return (
+            {"rows": keyed, "exists": every}
+            | "GroupShards" >> beam.CoGroupByKey()
+            | "WriteShard" >> beam.Map(
+                lambda kv, c: _write.write_shard(
+                    o.output, kv[0], num_shards(o, c), list(kv[1]["rows"]), self.schema, o.output_format.value
+                ),
+                c=beam.pvalue.AsSingleton(count),
+            )
+        )
+
+
+def _manifest(_, *, options, identity, files, shards, rejected, stats, records_read) -> dict:
+    """Sum what the steps emitted into manifest.json and README.md; check that counts reconcile."""
+    totals: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.items():
+            totals[k] = totals.get(k, 0) + v
+    rows = sum(s["rows"] for s in shards)
+    tokens = sum(s["tokens"] for s in shards)
+    budget = options.max_tokens
+    too_long = rejected.get(Reason.TOO_LONG.value, 0)
+    rejected_other = sum(v for k, v in rejected.items() if k != Reason.TOO_LONG.value)
+    examples = totals.get("examples_packed", 0)
+    counts = {
+        "records_read": records_read,
+        "examples_packed": examples,
+        "rejected": rejected_other,
+        "rejected_by_reason": {k: v for k, v in rejected.items() if k != Reason.TOO_LONG.value},
+        "dropped_too_long": too_long,
+        "dropped_too_long_tokens": totals.get("dropped_too_long_tokens", 0),
+        "truncated_examples": totals.get("truncated_examples", 0),
+        "truncated_tokens": totals.get("truncated_tokens", 0),
+        "split_examples": totals.get("split_examples", 0),
+        "pieces": totals.get("pieces", 0),
+        "rows": rows,
+        "tokens": tokens,
+        "target_tokens": sum(s["target_tokens"] for s in shards),
+        "lower_bound": math.ceil(tokens / budget) if tokens else 0,
+        "fill": tokens / (rows * budget) if rows else 0.0,
+        "examples_per_row": totals.get("pieces", 0) / rows if rows else 0.0,
+    }
+    if records_read != examples + rejected_other + too_long:
+        raise InternalError(
+            f"counts do not reconcile: read {records_read} != packed {examples} + rejected {rejected_other} "
+            f"+ dropped for length {too_long}"
+        )
+    if totals.get("rows", rows) != rows or sum(s["examples"] for s in shards) != counts["pieces"]:
+        raise InternalError(f"shards hold {rows} rows / {sum(s['examples'] for s in shards)} pieces, packing made "
+                            f"{totals.get('rows')} / {counts['pieces']}")
+    manifest = {
+        "packstream_version": _version(),
+        "contract_version": packers.CONTRACT_VERSION,
+        "config": options.to_dict(),
+        "tokenizer": identity,
+        "inputs": [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split} for f in files],
+        "counts": counts,
+        "shards": sorted(shards, key=lambda s: s["name"]),
+        "rejected_file": "rejected.jsonl",
+    }
+    body = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    _write.write_atomic(_write.join(options.output, "manifest.json"), body.encode())
+    _write.write_atomic(_write.join(options.output, "README.md"), _write.dataset_card(manifest).encode())
+    return manifest
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("packstream")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def prepare_output(options: PackOptions) -> None:
+    """Refuse a non-empty output folder unless --overwrite; then remove only packstream's own files."""
+    from apache_beam.io.filesystems import FileSystems
+
+    out = options.output.rstrip("/")
+    if "://" not in out:
+        import os
+
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise PackstreamError(f"--output {out} is a file; give a folder")
+        os.makedirs(out, exist_ok=True)
+        existing = sorted(os.listdir(out))
+    else:
+        existing = [posixpath_basename(m.path) for m in FileSystems.match([out + "/*"])[0].metadata_list]
+    if not existing:
+        return
+    if not options.overwrite:
+        raise PackstreamError(
+            f"--output {out} is not empty ({len(existing)} entries, e.g. {existing[0]}); "
+            "pass --overwrite to replace packstream's files there, or choose an empty folder"
+        )
+    own = [n for n in existing if n.startswith(_write.OWN_FILES)]
+    if own:
+        FileSystems.delete([_write.join(out, n) for n in own])
+
+
+def posixpath_basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def pipeline_options(beam_args: Sequence[str], workers: int) -> tuple[PipelineOptions, Any]:
+    """Beam options plus the runner: FnApiRunner locally (never Prism, which downloads a binary)."""
+    args = list(beam_args)
+    runner = None
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        runner = FnApiRunner()
+        if workers > 1:
+            args += [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
+    return PipelineOptions(args, pipeline_type_check=True), runner
+
+
+def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -> dict:
+    """Build and run the whole job; returns the manifest. Raises PackstreamError on user error."""
+    started = time.time()
+    files = _read.expand_inputs(options.inputs)
+    identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+    prepare_output(options)
+    schema = packers.shard_schema(
+        budget=options.max_tokens,
+        tokenizer=identity["name"],
+        vocab_sha256=identity["vocab_sha256"],
+        pad_token_id=identity["pad_token_id"],
+        eos_token_id=identity["eos_token_id"],
+    )
+    pipe_opts, runner = pipeline_options(beam_args, workers)
+    with beam.Pipeline(runner=runner, options=pipe_opts) as p:
+        records = (
+            p
+            | "ListInputs" >> beam.Create(files)
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "ReadRecords" >> beam.ParDo(ReadRecords(options.max_record_bytes))
+        )
+        parsed = records | "Normalize" >> beam.ParDo(Normalize(options)).with_outputs("rejected", main="ok")
+        tokenized = (
+            parsed.ok
+            | "BatchRecords" >> beam.BatchElements(min_batch_size=options.batch_size, max_batch_size=options.batch_size)
+            | "RenderTokenize" >> beam.ParDo(RenderTokenize(options)).with_outputs("rejected", main="ok")
+        )
+        rows, pack_rejected, stats = tokenized.ok | "PackRows" >> PackRows(options)
+        shards = rows | "WriteShards" >> WriteShards(options, schema)
+        reject_counts = (
+            (parsed.rejected, tokenized.rejected, pack_rejected)
+            | "AllRejected" >> beam.Flatten()
+            | "OneFile" >> beam.combiners.ToList()
+            | "WriteRejected" >> beam.Map(lambda recs: _write.write_rejected(options.output, recs))
+        )
+        (
+            p
+            | "Finish" >> beam.Create([None])
+            | "WriteManifest" >> beam.Map(
+                _manifest,
+                options=options,
+                identity=identity,
+                files=files,
+                shards=beam.pvalue.AsList(shards),
+                rejected=beam.pvalue.AsSingleton(reject_counts),
+                stats=beam.pvalue.AsList(stats),
+                records_read=beam.pvalue.AsSingleton(records | "CountRecords" >> beam.combiners.Count.Globally()),
+            )
+        )
+    with open(_write.join(options.output, "manifest.json")) if "://" not in options.output else _open_remote(
+        _write.join(options.output, "manifest.json")
+    ) as f:
+        manifest = json.load(f)
+    manifest["elapsed_s"] = round(time.time() - started, 3)
+    c = manifest["counts"]
+    rejected_frac = (c["rejected"] + c["dropped_too_long"]) / max(1, c["records_read"])
+    if rejected_frac > options.max_reject_fraction:
+        raise PackstreamError(
+            f"{rejected_frac:.1%} of {c['records_read']} records were rejected or dropped, more than "
+            f"--max-reject-fraction {options.max_reject_fraction:.1%}; see {options.output}/rejected.jsonl"
+        )
+    return manifest
+
+
+def _open_remote(path: str):
+    import io
+
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path) as f:
+        return io.StringIO(f.read().decode())

