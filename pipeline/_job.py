@@ -2,10 +2,8 @@
 
 ::
 
-    ListInputs -> ReadRecords -> Normalize ----------------------------> rejected
-                                   |                                      ^
-                                   v                                      |
-                 BatchRecords -> RenderTokenize ------------------------->|
+    ListInputs -> ReadRecords (chunks) -> EncodeChunks ----------------> rejected
+                                   (normalize, render, tokenize)          ^
                                    |                                      |
                                    v                                      |
        grouped: KeyByIdHash -> GroupByKey -> PackGroups ----------------->|  (duplicates, too long)
@@ -44,63 +42,90 @@ SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens
 log = logging.getLogger("packstream")
 
 
-def _count(name: str, n: int = 1) -> None:
-    Metrics.counter(NS, name).inc(n)
-
-
 class ReadRecords(beam.DoFn):
-    """One input file -> ``(source, position, record)``; unparseable lines become Rejected."""
+    """One input file -> chunks of ``(source, position, record)``; unparseable lines become Rejected.
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    Records travel in chunks of ``--batch-size`` so that Beam's per-element cost is paid per
+    chunk, not per record; the tokenizer then encodes a whole chunk in one batch call.
+    """
+
+    def __init__(self, max_bytes: int, chunk_size: int):
+        self.max_bytes, self.chunk_size = max_bytes, chunk_size
+        self.read = Metrics.counter(NS, "records_read")
 
     def process(self, f: _read.InputFile):
+        chunk = []
         for position, record in _read.read_file(f, self.max_bytes):
-            _count("records_read")
-            yield f.source, position, record
+            chunk.append((f.source, position, record))
+            if len(chunk) == self.chunk_size:
+                self.read.inc(len(chunk))
+                yield chunk
+                chunk = []
+        if chunk:
+            self.read.inc(len(chunk))
+            yield chunk
 
 
-class Normalize(beam.DoFn):
-    """``(source, position, record)`` -> ``(example_id, source, position, Conversation)``."""
+class _Rejects:
+    """One Beam counter per rejection reason, created on first use."""
 
-    def __init__(self, options: PackOptions):
-        self.options = options
+    def __init__(self):
+        self.counters: dict[str, Any] = {}
 
-    def process(self, item):
-        source, position, record = item
-        try:
-            if isinstance(record, Rejected):
-                raise record
-            conv = normalize(record, self.options.format, self.options.fields)
-        except Rejected as r:
-            _count(f"rejected_{r.reason.value}")
-            yield beam.pvalue.TaggedOutput("rejected", _rows.reject_record(source, position, r.reason, r.detail))
-            return
-        own = record.get("id")
-        own = own if isinstance(own, (str, int)) and not isinstance(own, bool) and str(own) != "" else position
-        yield f"{source}:{own}", source, position, conv
+    def __call__(self, rec: dict):
+        reason = rec["reason"]
+        if reason not in self.counters:
+            self.counters[reason] = Metrics.counter(NS, f"rejected_{reason}")
+        self.counters[reason].inc()
+        return beam.pvalue.TaggedOutput("rejected", rec)
 
 
-class RenderTokenize(beam.DoFn):
-    """A batch of conversations -> :class:`Example` s. The tokenizer loads once per process."""
+class EncodeChunk(beam.DoFn):
+    """A chunk of raw records -> a list of :class:`Example` s (normalize, render, tokenize).
+
+    The tokenizer loads once per worker process (``setup`` + a per-process cache).
+    """
 
     def __init__(self, options: PackOptions):
         self.options = options
         self.renderer: Optional[Renderer] = None
+        self.reject = _Rejects()
+        self.examples = Metrics.counter(NS, "examples_tokenized")
+        self.tokens = Metrics.counter(NS, "tokens")
 
     def setup(self):
-        self.renderer = Renderer(self.options)  # load_tokenizer() is cached per process
+        self.renderer = Renderer(self.options)
 
-    def process(self, batch):
-        results = self.renderer.encode([conv for _, _, _, conv in batch])
-        for (eid, source, position, _), res in zip(batch, results):
+    def process(self, chunk):
+        convs, metas = [], []
+        for source, position, record in chunk:
+            try:
+                if isinstance(record, Rejected):
+                    raise record
+                convs.append(normalize(record, self.options.format, self.options.fields))
+            except Rejected as r:
+                yield self.reject(_rows.reject_record(source, position, r.reason, r.detail))
+                continue
+            metas.append((_rows.example_id(source, position, record), source, position))
+        out = []
+        for (eid, source, position), res in zip(metas, self.renderer.encode(convs)):
             if isinstance(res, Rejected):
-                _count(f"rejected_{res.reason.value}")
-                yield beam.pvalue.TaggedOutput("rejected", _rows.reject_record(source, position, res.reason, res.detail, eid))
+                yield self.reject(_rows.reject_record(source, position, res.reason, res.detail, eid))
             else:
-                _count("examples_tokenized")
-                _count("tokens", res.shape[1])
-                yield _rows.Example(eid, source, position, res)
+                out.append(_rows.Example(eid, source, position, res))
+        if out:
+            self.examples.inc(len(out))
+            self.tokens.inc(sum(e.length for e in out))
+            yield out
+
+
+def _by_group(chunk: list, n: int, group_size: int):
+    """Split a chunk of examples by group: a stable hash of the example id modulo the group count."""
+    groups = max(1, math.ceil(n / group_size))
+    parts: dict[int, list] = {}
+    for e in chunk:
+        parts.setdefault(_rows.stable_hash(e.example_id) % groups, []).append(e)
+    return sorted(parts.items(), key=lambda kv: kv[0])
 
 
 class PackGroups(beam.DoFn):
@@ -109,14 +134,16 @@ class PackGroups(beam.DoFn):
     def __init__(self, options: PackOptions):
         self.options = options
         self.fill = Metrics.distribution(NS, "row_tokens")
+        self.rows = Metrics.counter(NS, "rows")
+
+        self.reject = _Rejects()
 
     def process(self, keyed):
-        _, examples = keyed
-        rows, rejected, stats = _rows.pack_group(examples, self.options)
+        _, parts = keyed
+        rows, rejected, stats = _rows.pack_group((e for part in parts for e in part), self.options)
         for r in rejected:
-            _count(f"rejected_{r['reason']}")
-            yield beam.pvalue.TaggedOutput("rejected", r)
-        _count("rows", len(rows))
+            yield self.reject(r)
+        self.rows.inc(len(rows))
         for row in rows:
             self.fill.update(row["num_tokens"])
             yield row
@@ -153,15 +180,16 @@ def _assemble_global(keyed, seed: int):
 
 
 class PackRows(beam.PTransform):
-    """Examples -> packed rows, plus ``rejected`` and per-group ``stats`` side outputs."""
+    """Chunks of examples -> packed rows, plus ``rejected`` and per-group ``stats`` side outputs."""
 
     def __init__(self, options: PackOptions):
         super().__init__()
         self.options = options
 
-    def expand(self, examples):
+    def expand(self, chunks):
         o = self.options
         if o.mode is PackMode.GLOBAL:
+            examples = chunks | "Examples" >> beam.FlatMap(lambda chunk: chunk)
             planned = (
                 examples
                 | "Lengths" >> beam.Map(lambda e: (e.example_id, e.source, e.position, e.length))
@@ -176,13 +204,10 @@ class PackRows(beam.PTransform):
                 | "Assemble" >> beam.Map(_assemble_global, o.seed)
             )
             return rows, planned.rejected, planned.stats
-        n = examples | "CountExamples" >> beam.combiners.Count.Globally()
+        n = chunks | "ChunkSizes" >> beam.Map(len) | "CountExamples" >> beam.CombineGlobally(sum)
         groups = (
-            examples
-            | "KeyByIdHash" >> beam.Map(
-                lambda e, n: (_rows.stable_hash(e.example_id) % max(1, math.ceil(n / o.group_size)), e),
-                n=beam.pvalue.AsSingleton(n),
-            )
+            chunks
+            | "KeyByIdHash" >> beam.FlatMap(_by_group, n=beam.pvalue.AsSingleton(n), group_size=o.group_size)
             | "GroupByKey" >> beam.GroupByKey()
             | "PackGroups" >> beam.ParDo(PackGroups(o)).with_outputs("rejected", "stats", main="rows")
         )
@@ -346,18 +371,13 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -
             p
             | "ListInputs" >> beam.Create(files)
             | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadRecords" >> beam.ParDo(ReadRecords(options.max_record_bytes))
+            | "ReadRecords" >> beam.ParDo(ReadRecords(options.max_record_bytes, options.batch_size))
         )
-        parsed = records | "Normalize" >> beam.ParDo(Normalize(options)).with_outputs("rejected", main="ok")
-        tokenized = (
-            parsed.ok
-            | "BatchRecords" >> beam.BatchElements(min_batch_size=options.batch_size, max_batch_size=options.batch_size)
-            | "RenderTokenize" >> beam.ParDo(RenderTokenize(options)).with_outputs("rejected", main="ok")
-        )
+        tokenized = records | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", main="ok")
         rows, pack_rejected, stats = tokenized.ok | "PackRows" >> PackRows(options)
         shards = rows | "WriteShards" >> WriteShards(options, schema)
         reject_counts = (
-            (parsed.rejected, tokenized.rejected, pack_rejected)
+            (tokenized.rejected, pack_rejected)
             | "AllRejected" >> beam.Flatten()
             | "OneFile" >> beam.combiners.ToList()
             | "WriteRejected" >> beam.Map(lambda recs: _write.write_rejected(options.output, recs))
@@ -373,7 +393,9 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -
                 shards=beam.pvalue.AsList(shards),
                 rejected=beam.pvalue.AsSingleton(reject_counts),
                 stats=beam.pvalue.AsList(stats),
-                records_read=beam.pvalue.AsSingleton(records | "CountRecords" >> beam.combiners.Count.Globally()),
+                records_read=beam.pvalue.AsSingleton(
+                    records | "RecordChunkSizes" >> beam.Map(len) | "CountRecords" >> beam.CombineGlobally(sum)
+                ),
             )
         )
     with open(_write.join(options.output, "manifest.json")) if "://" not in options.output else _open_remote(

@@ -54,6 +54,14 @@ class Plan:
     stats: dict
 
 
+def example_id(source: str, position: int, record: dict) -> str:
+    """``source:<record's own id>`` when it has one, else ``source:position``."""
+    own = record.get("id")
+    if isinstance(own, (str, int)) and not isinstance(own, bool) and str(own) != "":
+        return f"{source}:{own}"
+    return f"{source}:{position}"
+
+
 def reject_record(source: str, position: int, reason: Reason, detail: str, example_id: str | None = None) -> dict:
     """A dead-letter record. ``position`` is a 1-based line for JSONL, a 0-based index otherwise."""
     rec = {"source": source, "position": position, "reason": reason.value, "detail": detail}

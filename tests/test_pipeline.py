@@ -19,6 +19,7 @@ from pipeline._formats import Rejected, normalize
 from pipeline._options import Format
 from pipeline._read import expand_inputs, read_file
 from pipeline._render import Renderer, load_tokenizer
+from pipeline._rows import example_id
 from pipeline.cli import bundled_sample
 from tests.conftest import GSM8K_FIELDS, shared_data
 
@@ -39,9 +40,8 @@ def _inputs_by_id(options: PackOptions) -> dict[str, tuple[str, int, object]]:
     out = {}
     for f in expand_inputs(options.inputs):
         for pos, rec in read_file(f, options.max_record_bytes):
-            own = rec.get("id") if isinstance(rec, dict) else None
-            own = own if isinstance(own, (str, int)) and not isinstance(own, bool) and str(own) else pos
-            out[f"{f.source}:{own}"] = (f.source, pos, rec)
+            eid = example_id(f.source, pos, rec) if isinstance(rec, dict) else f"{f.source}:{pos}"
+            out[eid] = (f.source, pos, rec)
     return out
 
 
