@@ -42,6 +42,10 @@ SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens
 log = logging.getLogger("packstream")
 
 
+class TooManyRejected(PackstreamError):
+    """More records were rejected than ``--max-reject-fraction`` allows (the CLI exits with 3)."""
+
+
 class ReadRecords(beam.DoFn):
     """One input file -> chunks of ``(source, position, record)``; unparseable lines become Rejected.
 
@@ -114,18 +118,19 @@ class EncodeChunk(beam.DoFn):
             else:
                 out.append(_rows.Example(eid, source, position, res))
         if out:
-            self.examples.inc(len(out))
-            self.tokens.inc(sum(e.length for e in out))
-            yield out
+            batch = _rows.ExampleBatch.of(out)
+            self.examples.inc(len(batch))
+            self.tokens.inc(batch.num_tokens)
+            yield batch
 
 
-def _by_group(chunk: list, n: int, group_size: int):
-    """Split a chunk of examples by group: a stable hash of the example id modulo the group count."""
+def _by_group(batch: _rows.ExampleBatch, n: int, group_size: int):
+    """Split a batch of examples by group: a stable hash of the example id modulo the group count."""
     groups = max(1, math.ceil(n / group_size))
     parts: dict[int, list] = {}
-    for e in chunk:
+    for e in batch.examples():
         parts.setdefault(_rows.stable_hash(e.example_id) % groups, []).append(e)
-    return sorted(parts.items(), key=lambda kv: kv[0])
+    return [(g, _rows.ExampleBatch.of(part)) for g, part in sorted(parts.items())]
 
 
 class PackGroups(beam.DoFn):
@@ -140,7 +145,7 @@ class PackGroups(beam.DoFn):
 
     def process(self, keyed):
         _, parts = keyed
-        rows, rejected, stats = _rows.pack_group((e for part in parts for e in part), self.options)
+        rows, rejected, stats = _rows.pack_group((e for part in parts for e in part.examples()), self.options)
         for r in rejected:
             yield self.reject(r)
         self.rows.inc(len(rows))
@@ -189,7 +194,7 @@ class PackRows(beam.PTransform):
     def expand(self, chunks):
         o = self.options
         if o.mode is PackMode.GLOBAL:
-            examples = chunks | "Examples" >> beam.FlatMap(lambda chunk: chunk)
+            examples = chunks | "Examples" >> beam.FlatMap(lambda batch: batch.examples())
             planned = (
                 examples
                 | "Lengths" >> beam.Map(lambda e: (e.example_id, e.source, e.position, e.length))
@@ -406,7 +411,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -
     c = manifest["counts"]
     rejected_frac = (c["rejected"] + c["dropped_too_long"]) / max(1, c["records_read"])
     if rejected_frac > options.max_reject_fraction:
-        raise PackstreamError(
+        raise TooManyRejected(
             f"{rejected_frac:.1%} of {c['records_read']} records were rejected or dropped, more than "
             f"--max-reject-fraction {options.max_reject_fraction:.1%}; see {options.output}/rejected.jsonl"
         )
