@@ -90,6 +90,8 @@ class _Options:
     """Most pieces in one row; None for no cap."""
     seed: int | None = None
     """Shuffle the order of the rows with this seed; None keeps creation order."""
+    refine: bool = False
+    """Also pack by minimum bin slack (:func:`_mbs`) and keep whichever uses fewer rows."""
 
     def __post_init__(self) -> None:
         fix = "pass the row size in tokens, e.g. budget=4096"
@@ -101,6 +103,11 @@ class _Options:
         if self.max_per_row is not None:
             fix = "pass max_per_row=None for no cap, or a cap >= 1"
             object.__setattr__(self, "max_per_row", _positive_int(self.max_per_row, "max_per_row", fix))
+        if self.refine and self.max_per_row is not None:
+            raise PackstreamError(
+                f"refine=True cannot honour max_per_row={self.max_per_row} (exact fill has no per-row cap); "
+                "pass refine=False or max_per_row=None"
+            )
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
                 raise PackstreamError(f"seed must be a non-negative integer or None, got {self.seed!r}")
@@ -601,6 +608,59 @@ def _rows(bins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pos, np.bincount(bins, minlength=n_bins)
 
 
+def _mbs(length: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimum bin slack: fill one row at a time as exactly as possible. (piece indices, sizes).
+
+    Each row takes the longest remaining piece (ties: lowest index), then the subset of the
+    remaining pieces whose total comes closest to the space left, found by a bounded subset-sum
+    over distinct lengths (bitsets as Python ints, binary-split counts, lowest indices first).
+    This is Gupta and Ho's MBS' heuristic ("A new heuristic algorithm for the one-dimensional
+    bin-packing problem", Production Planning & Control, 1999). It finds near-exact rows where
+    best-fit leaves a few tokens in every row (gsm8k alone at 2048: 686 rows vs BFD's 692, lower
+    bound 685), and can be worse when long pieces are left for last, hence ``refine`` keeps the
+    better of the two. Cost: O(rows * distinct lengths) big-int operations.
+    """
+    pools: dict[int, deque] = {}
+    for i in np.lexsort((np.arange(len(length)), length)).tolist():  # by length, then index
+        pools.setdefault(int(length[i]), deque()).append(i)
+    ascending = sorted(pools)
+    rows: list[int] = []
+    sizes: list[int] = []
+    while pools:
+        top = ascending[-1]
+        row = [pools[top].popleft()]
+        if not pools[top]:
+            del pools[top]
+            ascending.pop()
+        cap = budget - top
+        if cap > 0 and ascending and ascending[0] <= cap:
+            full = (1 << (cap + 1)) - 1
+            reach, steps = 1, []  # steps: (length, copies, reachable sums before this step)
+            for size in ascending:
+                if size > cap or reach >> cap & 1:
+                    break
+                left, k = min(len(pools[size]), cap // size), 1
+                while left:
+                    t = min(k, left)
+                    steps.append((size, t, reach))
+                    reach = (reach | (reach << (t * size))) & full
+                    left, k = left - t, k * 2
+            target = reach.bit_length() - 1
+            for size, t, before in reversed(steps):  # walk back: take a step only if needed
+                if not before >> target & 1:
+                    target -= t * size
+                    for _ in range(t):
+                        row.append(pools[size].popleft())
+                    if not pools[size]:
+                        del pools[size]
+                        ascending.remove(size)
+            if target != 0:
+                raise InternalError(f"minimum bin slack: subset-sum walk-back ended at {target}, not 0")
+        rows.extend(row)
+        sizes.append(len(row))
+    return np.array(rows, dtype=np.int64), np.array(sizes, dtype=np.int64)
+
+
 # ---------------------------------------------------------------------------------------
 # Public functions.
 
@@ -662,7 +722,12 @@ def _pack(lengths: np.ndarray, opts: _Options, *, per_item: bool = False) -> Pac
     else:
         bins = _place_all(fit(opts.budget), pieces.length[placed].tolist(), opts.budget, opts.max_per_row)
         pos, sizes = _rows(np.array(bins, dtype=np.int64))
-    result = _assemble(pieces, placed[pos], sizes, opts)
+    idx = placed[pos]
+    if opts.refine and len(pieces.length):
+        exact, exact_sizes = _mbs(pieces.length, opts.budget)
+        if len(exact_sizes) < len(sizes):
+            idx, sizes = exact, exact_sizes
+    result = _assemble(pieces, idx, sizes, opts)
     return result if opts.seed is None else _shuffle_rows(result, opts.seed)
 
 
@@ -684,8 +749,12 @@ def pack(
     long: LongPolicy | str = LongPolicy.DROP,
     max_per_row: int | None = None,
     seed: int | None = None,
+    refine: bool = False,
 ) -> PackResult:
     """Pack examples of the given lengths (tokens) into rows of at most ``budget`` tokens.
+
+    ``refine=True`` also packs by minimum bin slack (exact subset-sum fill, :func:`_mbs`) and keeps
+    that packing when it uses fewer rows: the last fraction of a percent of fill, at extra cost.
 
     Deterministic: the same input gives the same rows. BFD and FFD place pieces longest
     first, ties by example index (and a split example's pieces in order); a fitting bin is
@@ -699,7 +768,7 @@ def pack(
     >>> pack([5, 0, 9], budget=8).dropped, pack([5, 0, 9], budget=8).empty
     (array([2]), array([1]))
     """
-    opts = _Options(budget=budget, strategy=strategy, long=long, max_per_row=max_per_row, seed=seed)
+    opts = _Options(budget=budget, strategy=strategy, long=long, max_per_row=max_per_row, seed=seed, refine=refine)
     return _pack(_as_lengths(lengths), opts)
 
 
@@ -747,6 +816,7 @@ def pack_stream(
     long: LongPolicy | str = LongPolicy.DROP,
     max_per_row: int | None = None,
     seed: int | None = None,
+    refine: bool = False,
 ) -> PackResult:
     """Pack bounded groups of consecutive examples independently, as a streaming job would.
 
@@ -762,7 +832,7 @@ def pack_stream(
     >>> pack_stream(iter([[5, 3], [7, 2, 4]]), budget=8).rows
     [array([0, 1]), array([2]), array([4, 3])]
     """
-    opts = _Options(budget=budget, strategy=strategy, long=long, max_per_row=max_per_row, seed=seed)
+    opts = _Options(budget=budget, strategy=strategy, long=long, max_per_row=max_per_row, seed=seed, refine=refine)
     per_group = dataclasses.replace(opts, seed=None)
     if group_size is not None:
         group_size = _positive_int(group_size, "group_size", "pass the examples per group, e.g. group_size=10000")

@@ -337,3 +337,40 @@ def test_large_input_is_exact_and_near_the_lower_bound():
     assert r.row_lengths.max() <= budget
     lower = -(-int(lengths[check].sum()) // budget)
     assert r.num_rows <= lower * 1.001 + 1
+
+
+# --- refine: best-fit, then minimum bin slack (exact fill), keeping the fewer rows -----------------
+
+
+def test_refine_worked_example():
+    # 30 tokens in rows of 10: the lower bound is 3 rows.
+    # BFD, longest first: 5+5 | 4+4 | then the 3s: 3+3+3 | 3  -> 4 rows (slack 2 in the 4+4 row).
+    # Exact fill: 5 + best subset for 5 = 5 | 4 + 3+3 | 4 + 3+3 -> 3 rows, every row full.
+    lengths = [5, 5, 4, 4, 3, 3, 3, 3]
+    assert ROWS(pack(lengths, 10)) == [[0, 1], [2, 3], [4, 5, 6], [7]]
+    assert ROWS(pack(lengths, 10, refine=True)) == [[0, 1], [2, 4, 5], [3, 6, 7]]
+    # Where BFD is already optimal, refine keeps BFD's rows: 6+4 | 5+3+2.
+    assert ROWS(pack([6, 5, 4, 3, 2], 10, refine=True)) == ROWS(pack([6, 5, 4, 3, 2], 10))
+
+
+def test_refine_refuses_a_row_cap():
+    with pytest.raises(PackstreamError, match="max_per_row"):
+        pack([1, 2], 8, refine=True, max_per_row=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 70), min_size=0, max_size=120),
+    budget=st.integers(1, 64),
+    long=st.sampled_from(list(LongPolicy)),
+)
+def test_refine_is_valid_deterministic_and_never_worse(lengths, budget, long):
+    base = pack(lengths, budget, long=long)
+    refined = pack(lengths, budget, long=long, refine=True)
+    assert refined.num_rows <= base.num_rows
+    assert (refined.row_lengths <= budget).all() and (np.diff(refined.row_offsets) >= 1).all()
+    # The same pieces are placed, each exactly once.
+    key = lambda r: sorted(zip(r.order.tolist(), r.starts.tolist(), r.stops.tolist()))
+    assert key(refined) == key(base)
+    again = pack(lengths, budget, long=long, refine=True)
+    assert np.array_equal(again.order, refined.order) and np.array_equal(again.row_offsets, refined.row_offsets)
