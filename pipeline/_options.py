@@ -70,6 +70,9 @@ class PackOptions:
     """What to do with examples longer than ``max_tokens``."""
     max_per_row: Optional[int] = None
     """Cap on examples per row."""
+    refine: bool = True
+    """After best-fit decreasing, also pack each group by exact fill (minimum bin slack) and keep
+    whichever uses fewer rows. Applies only without ``max_per_row``."""
     group_size: int = 10_000
     """Examples per packing group in grouped mode (held in one worker's memory)."""
     mode: PackMode = PackMode.GROUPED

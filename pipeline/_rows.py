@@ -125,7 +125,8 @@ def plan(items: Sequence[tuple[str, str, int, int]], options: PackOptions) -> Pl
     """Bin-pack ``(id, source, position, length)`` items (already de-duplicated, sorted by id)."""
     budget = options.max_tokens
     lengths = np.fromiter((t[3] for t in items), dtype=np.int64, count=len(items))
-    result = packers.pack(lengths, budget, "bfd", long=options.long, max_per_row=options.max_per_row)
+    result = packers.pack(lengths, budget, "bfd", long=options.long, max_per_row=options.max_per_row,
+                          refine=options.refine and options.max_per_row is None)
     split = set(result.split.tolist())
     rows = []
     for r in range(result.num_rows):
