@@ -6,7 +6,6 @@ import glob
 import json
 import os
 from collections import Counter
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -15,8 +14,7 @@ import pytest
 
 import packers
 from pipeline import PackOptions, run
-from pipeline._formats import Rejected, normalize
-from pipeline._options import Format
+from pipeline._formats import normalize
 from pipeline._read import expand_inputs, read_file
 from pipeline._render import Renderer, load_tokenizer
 from pipeline._rows import example_id
