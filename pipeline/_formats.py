@@ -197,8 +197,49 @@ def _alpaca(record: Mapping[str, Any]) -> list[dict]:
 
 def normalize(record: Any, fmt: Format, fields: Sequence[tuple[str, str]]) -> Conversation:
     """Turn one raw record into a validated :class:`Conversation`, or raise :class:`Rejected`."""
+    return _renderable(_normalize(record, fmt, fields))
+
+
+def _renderable(conv: Conversation) -> Conversation:
+    """Refuse text the tokenizer cannot take, before it fails a whole batch.
+
+    JSON may escape lone surrogates (``"\\ud800"``): Python decodes them into a ``str`` that is
+    not valid Unicode, and the Rust tokenizer raises TypeError on the whole batch. The readers
+    already dead-letter such records (Beam's coders fail on them too); this guards any other
+    caller. Tool definitions and calls from Parquet/Arrow inputs may hold values JSON cannot render.
+    """
+    parts: list[tuple[str, Any]] = [("text", conv.text)] if conv.text is not None else []
+    for i, m in enumerate(conv.messages):
+        parts.append((f"messages[{i}].content", m["content"]))
+        if "tool_calls" in m:
+            parts.append((f"messages[{i}].tool_calls", m["tool_calls"]))
+        if "name" in m:
+            parts.append((f"messages[{i}].name", m["name"]))
+    if conv.tools:
+        parts.append(("tools", conv.tools))
+    for where, value in parts:
+        if not isinstance(value, str):
+            try:
+                value = json.dumps(value, ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise Rejected(Reason.BAD_TYPE, f"{where} cannot be rendered as JSON ({e})") from None
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise Rejected(
+                    Reason.INVALID_UTF8,
+                    f"{where} holds a lone surrogate {value[e.start]!r} at character {e.start} "
+                    "(an unpaired \\ud800-\\udfff escape is not valid Unicode)",
+                ) from None
+    return conv
+
+
+def _normalize(record: Any, fmt: Format, fields: Sequence[tuple[str, str]]) -> Conversation:
     if not isinstance(record, dict):
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is a JSON {type(record).__name__}, expected an object")
+        kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        kind = kinds.get(type(record), type(record).__name__)
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is a JSON {kind}, expected an object")
     # A field mapping applies to records that have every mapped field; in auto mode the others are
     # still detected, so one run can mix a mapped source (e.g. gsm8k) with standard shapes.
     if fields and (fmt is not Format.AUTO or all(k in record for k, _ in fields)):
@@ -220,7 +261,8 @@ def normalize(record: Any, fmt: Format, fields: Sequence[tuple[str, str]]) -> Co
             messages = _messages(conv, "conversations", "role", "content", roles)
         else:
             messages = _messages(conv, "conversations", "from", "value", _SHAREGPT_ROLES)
-        if isinstance(record.get("system"), str) and record["system"] and messages[:1] != [{"role": "system"}]:
+        # A system turn inside the conversation wins over the "system" column (as in LLaMA-Factory).
+        if isinstance(record.get("system"), str) and record["system"] and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": record["system"]})
     elif fmt is Format.PROMPT_COMPLETION:
         prompt, completion = _field(record, "prompt"), _field(record, "completion")

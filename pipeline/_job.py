@@ -24,15 +24,15 @@ import json
 import logging
 import math
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 import packers
 from packers import InternalError, PackstreamError
-from pipeline import _read, _rows, _write
+from pipeline import _progress, _read, _rows, _write
 from pipeline._formats import Reason, Rejected, normalize
 from pipeline._options import PackMode, PackOptions
 from pipeline._render import Renderer, tokenizer_identity
@@ -55,7 +55,7 @@ class ReadRecords(beam.DoFn):
 
     def __init__(self, max_bytes: int, chunk_size: int):
         self.max_bytes, self.chunk_size = max_bytes, chunk_size
-        self.read = Metrics.counter(NS, "records_read")
+        self.read = _progress.Counter(NS, "records_read")
 
     def process(self, f: _read.InputFile):
         chunk = []
@@ -94,8 +94,8 @@ class EncodeChunk(beam.DoFn):
         self.options = options
         self.renderer: Optional[Renderer] = None
         self.reject = _Rejects()
-        self.examples = Metrics.counter(NS, "examples_tokenized")
-        self.tokens = Metrics.counter(NS, "tokens")
+        self.examples = _progress.Counter(NS, "examples_tokenized")
+        self.tokens = _progress.Counter(NS, "tokens")
 
     def setup(self):
         self.renderer = Renderer(self.options)
@@ -139,7 +139,7 @@ class PackGroups(beam.DoFn):
     def __init__(self, options: PackOptions):
         self.options = options
         self.fill = Metrics.distribution(NS, "row_tokens")
-        self.rows = Metrics.counter(NS, "rows")
+        self.rows = _progress.Counter(NS, "rows")
 
         self.reject = _Rejects()
 
@@ -357,8 +357,15 @@ def pipeline_options(beam_args: Sequence[str], workers: int) -> tuple[PipelineOp
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
-def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -> dict:
-    """Build and run the whole job; returns the manifest. Raises PackstreamError on user error."""
+def run(
+    options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1, progress: Optional[_progress.Progress] = None
+) -> dict:
+    """Build and run the whole job; returns the manifest. Raises PackstreamError on user error.
+
+    ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
+    changes the output. A Flex Template launch (``--template_location``) only writes the job
+    graph: Dataflow runs it later, so there is no manifest yet and this returns the config.
+    """
     started = time.time()
     files = _read.expand_inputs(options.inputs)
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
@@ -371,7 +378,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -
         eos_token_id=identity["eos_token_id"],
     )
     pipe_opts, runner = pipeline_options(beam_args, workers)
-    with beam.Pipeline(runner=runner, options=pipe_opts) as p:
+    with _progress.watching(progress, files, local=runner is not None), beam.Pipeline(runner=runner, options=pipe_opts) as p:
         records = (
             p
             | "ListInputs" >> beam.Create(files)
@@ -403,12 +410,18 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1) -
                 ),
             )
         )
+    template = pipe_opts.view_as(GoogleCloudOptions).template_location
+    if template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
+        return {"config": options.to_dict(), "template_location": template}
     with open(_write.join(options.output, "manifest.json")) if "://" not in options.output else _open_remote(
         _write.join(options.output, "manifest.json")
     ) as f:
         manifest = json.load(f)
     manifest["elapsed_s"] = round(time.time() - started, 3)
     c = manifest["counts"]
+    if c["records_read"] == 0:
+        shown = ", ".join(f.path for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        raise PackstreamError(f"the inputs hold no records ({shown}); check that they are the files you meant")
     rejected_frac = (c["rejected"] + c["dropped_too_long"]) / max(1, c["records_read"])
     if rejected_frac > options.max_reject_fraction:
         raise TooManyRejected(

@@ -115,6 +115,8 @@ class PackOptions:
         """JSON-ready, for manifest.json."""
         out = {}
         for f in dataclasses.fields(self):
+            if f.name == "overwrite":
+                continue  # how this run treated the folder, not what it produced: reruns stay identical
             v = getattr(self, f.name)
             out[f.name] = v.value if isinstance(v, enum.Enum) else (list(map(list, v)) if f.name == "fields" else v)
         out["inputs"] = list(self.inputs)

@@ -12,11 +12,13 @@ A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
 import os
 import posixpath
+import zlib
 from typing import Any, Iterator
 
 from packers import PackstreamError
@@ -58,14 +60,20 @@ def _sniff(path: str, kind: str) -> None:
     """Refuse a file whose bytes do not match its extension, or that is empty."""
     from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(path, compression_type="uncompressed") as f:
-        head = f.read(4096)
+    try:
+        with FileSystems.open(path, compression_type="uncompressed") as f:
+            head = f.read(4096)
+    except (OSError, IOError) as e:  # permissions, a folder named like a file, a vanished file
+        raise PackstreamError(f"cannot read input {path}: {type(e).__name__}: {e}; check the path and its permissions") from None
     if not head:
         raise PackstreamError(f"input {path} is empty; remove it from the inputs")
     if path.lower().endswith(".gz"):
         if head[:2] != b"\x1f\x8b":
             raise PackstreamError(f"input {path} ends in .gz but is not gzip data; rename it or recompress it")
-        head = gzip.decompress(head) if len(head) < 4096 else _gunzip_head(path)
+        try:
+            head = gzip.decompress(head) if len(head) < 4096 else _gunzip_head(path)
+        except (OSError, EOFError, zlib.error) as e:
+            raise PackstreamError(f"input {path} is a corrupt or truncated gzip file ({e}); re-create it") from None
     if kind == "parquet" and head[:4] != b"PAR1":
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
@@ -78,6 +86,11 @@ def _sniff(path: str, kind: str) -> None:
             raise PackstreamError(
                 f"input {path} has extension {kind} but does not start with a JSON object or array "
                 f"(starts with {stripped[:12]!r}); check the file type"
+            )
+        if kind == "jsonl" and stripped.split(b"\n", 1)[0].strip() == b"[":
+            raise PackstreamError(
+                f"input {path} holds a JSON array spread over lines, not JSON Lines (one object per line); "
+                "rename it to .json"
             )
 
 
@@ -156,11 +169,27 @@ def _hf_splits(path: str, source: str) -> list[InputFile]:
     return [InputFile(path, source, "hf_disk")]
 
 
-def _jsonl(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
+@contextlib.contextmanager
+def _open_bytes(path: str) -> Iterator[Any]:
+    """The file's bytes, gunzipped for ``.gz``.
+
+    Python's gzip over the raw stream, not Beam's ``CompressedFile``: that one is not iterable,
+    and at a truncated gzip member it stops silently, so the rest of the file would vanish
+    without a trace; ``gzip.GzipFile`` raises EOFError (see :func:`read_file`).
+    """
     from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(f.path) as fh:  # compression inferred from the extension
-        for lineno, raw in enumerate(fh, start=1):
+    with FileSystems.open(path, compression_type="uncompressed") as raw:
+        if path.lower().endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+                yield gz
+        else:
+            yield raw
+
+
+def _jsonl(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
+    with _open_bytes(f.path) as fh:
+        for lineno, raw in enumerate(iter(fh.readline, b""), start=1):
             if not raw.strip():
                 continue  # blank lines are not records
             if len(raw) > max_bytes:
@@ -169,22 +198,48 @@ def _jsonl(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
                 )
                 continue
             try:
-                text = raw.decode("utf-8")
+                # utf-8-sig on the first line: a byte-order mark is not part of the first record.
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 yield lineno, Rejected(Reason.INVALID_UTF8, f"byte {e.start}: {e.reason}")
                 continue
             try:
-                yield lineno, json.loads(text)
+                record = json.loads(text.rstrip("\r\n"))  # so that e.colno counts within this line
             except json.JSONDecodeError as e:
                 yield lineno, Rejected(Reason.MALFORMED_JSON, f"{e.msg} at column {e.colno}")
+                continue
             except RecursionError:
                 yield lineno, Rejected(Reason.MALFORMED_JSON, "nesting too deep")
+                continue
+            yield lineno, (_lone_surrogate(record) if _may_hold_surrogates(raw) else None) or record
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    return b"\\ud" in raw or b"\\uD" in raw
+
+
+def _lone_surrogate(value: Any) -> "Rejected | None":
+    """A Rejected if ``value`` holds a lone surrogate, else None.
+
+    JSON can escape a lone UTF-16 surrogate (``"\\udfff"``) and Python decodes it into a ``str``
+    that is not valid Unicode. Beam's coders (between steps) and the Rust tokenizer both fail on
+    it, taking the whole job down, so the record is dead-lettered before it leaves the reader.
+    Only records whose raw bytes hold a ``\\ud`` escape are checked (:func:`_may_hold_surrogates`).
+    """
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return Rejected(
+            Reason.INVALID_UTF8,
+            f"the record holds a lone surrogate {e.object[e.start]!r} (an unpaired \\ud800-\\udfff escape is not valid Unicode)",
+        )
+    except (RecursionError, ValueError):
+        return None
+    return None
 
 
 def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    from apache_beam.io.filesystems import FileSystems
-
-    with FileSystems.open(f.path) as fh:
+    with _open_bytes(f.path) as fh:
         data = fh.read()
     try:
         value = json.loads(data.decode("utf-8"))
@@ -195,7 +250,12 @@ def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
             return
         raise PackstreamError(f"input {f.path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
     items = value if isinstance(value, list) else [value]
+    check_surrogates = _may_hold_surrogates(data)
     for i, item in enumerate(items):
+        bad = _lone_surrogate(item) if check_surrogates else None
+        if bad is not None:
+            yield i, bad
+            continue
         if max_bytes < 2**31 and isinstance(item, dict):
             size = len(json.dumps(item, ensure_ascii=False).encode())
             if size > max_bytes:
@@ -235,14 +295,25 @@ def _table_batches(f: InputFile) -> Iterator[list[dict]]:
 
 
 def read_file(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    """``(position, record or Rejected)`` for every record of one input."""
-    if f.kind == "jsonl":
-        yield from _jsonl(f, max_bytes)
-    elif f.kind == "json":
-        yield from _json(f, max_bytes)
-    else:
-        i = 0
-        for rows in _table_batches(f):
-            for row in rows:
-                yield i, row
-                i += 1
+    """``(position, record or Rejected)`` for every record of one input.
+
+    A file that breaks off mid-way (a truncated gzip, Parquet or Arrow file) is a whole-input
+    problem: it raises :class:`PackstreamError` naming the file and the last good position.
+    """
+    position = None
+    try:
+        if f.kind == "jsonl":
+            records = _jsonl(f, max_bytes)
+        elif f.kind == "json":
+            records = _json(f, max_bytes)
+        else:
+            records = enumerate(row for rows in _table_batches(f) for row in rows)
+        for position, record in records:
+            yield position, record
+    except PackstreamError:
+        raise
+    except (OSError, EOFError, ValueError, zlib.error) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+        after = "at the start" if position is None else f"after position {position}"
+        raise PackstreamError(
+            f"input {f.path} is corrupt or truncated ({type(e).__name__} {after}: {e}); re-create or remove the file"
+        ) from None

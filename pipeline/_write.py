@@ -38,16 +38,26 @@ def write_atomic(path: str, data: bytes) -> None:
 
     folder, name = posixpath.split(path) if "://" not in path else path.rsplit("/", 1)
     tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
-    with FileSystems.create(tmp) as f:
-        f.write(data)
-    if "://" not in path:
-        import os
+    try:
+        with FileSystems.create(tmp) as f:
+            f.write(data)
+        if "://" not in path:
+            import os
 
-        os.replace(tmp, path)  # atomic on POSIX
-    else:
-        if FileSystems.exists(path):
-            FileSystems.delete([path])
-        FileSystems.rename([tmp], [path])
+            os.replace(tmp, path)  # atomic on POSIX
+        else:
+            if FileSystems.exists(path):
+                FileSystems.delete([path])
+            FileSystems.rename([tmp], [path])
+    except BaseException:
+        # A failed attempt leaves no temp file behind (the retry writes its own); only a hard kill
+        # can, and prepare_output removes those on the next --overwrite run.
+        try:
+            if FileSystems.exists(tmp):
+                FileSystems.delete([tmp])
+        except OSError:  # best effort (BeamIOError is an OSError); the original error matters more
+            pass
+        raise
 
 
 def rows_table(rows: Sequence[dict], schema: pa.Schema) -> pa.Table:
@@ -115,6 +125,26 @@ def write_rejected(folder: str, records: Iterable[dict]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _yaml_features(schema: pa.Schema) -> str:
+    """The ``features:`` list of a datasets card for ``schema`` (what ``datasets.Features`` writes)."""
+    lines = []
+    for field in schema:
+        if pa.types.is_list(field.type):
+            lines += [f"  - name: {field.name}", f"    list: {field.type.value_type}"]
+        else:
+            lines += [f"  - name: {field.name}", f"    dtype: {field.type}"]
+    return "\n".join(lines)
+
+
+def _size_category(rows: int) -> str:
+    """The Hub's ``size_categories`` tag for ``rows`` rows."""
+    bounds = ["1K", "10K", "100K", "1M", "10M", "100M", "1B", "10B", "100B", "1T"]
+    for i, b in enumerate(bounds):
+        if rows < 10 ** (3 + i):
+            return f"n<{b}" if i == 0 else f"{bounds[i - 1]}<n<{b}"
+    return "n>1T"
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
     """The output folder's README.md, with the YAML header that datasets and the Hub read."""
     c = manifest["counts"]
@@ -128,16 +158,7 @@ configs:
     path: "train-*.{ext}"
 dataset_info:
   features:
-  - name: input_ids
-    list: int32
-  - name: loss_mask
-    list: uint8
-  - name: seq_offsets
-    list: int32
-  - name: example_ids
-    list: string
-  - name: num_tokens
-    dtype: int32
+{_yaml_features(packers.SCHEMA)}
   splits:
   - name: train
     num_bytes: {total_bytes}
@@ -147,6 +168,10 @@ dataset_info:
 tags:
 - packstream
 - packed-sft
+task_categories:
+- text-generation
+size_categories:
+- {_size_category(c['rows'])}
 ---
 """
     t = manifest["tokenizer"]

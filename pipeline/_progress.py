@@ -1,0 +1,318 @@
+"""Progress of a local run: records read, tokenized and packed, with the rate and an ETA.
+
+The local FnApiRunner runs the job's DoFns in this process (``--workers 1``) or in worker
+subprocesses it starts itself (``--workers N``), so Beam metrics are only readable once the job
+is over. Progress therefore travels through small files instead::
+
+    launcher (this process)                      each process that runs DoFns
+    -----------------------------------------    ---------------------------------------------
+    Progress.watch(files):                       Counter(ns, name).inc(n):
+      mkdtemp(), set $PACKSTREAM_PROGRESS_DIR      the Beam counter += n, then record(name, n):
+      thread, every --log-interval:                  counts[name] += n, and at most every 0.25 s
+        read_counts(): sum <dir>/*.json  <------     write <dir>/<pid>.json (temp name, os.replace)
+        render a line or a JSON event
+      on exit: unset the variable, remove <dir>
+
+The folder is a fresh temporary folder outside the output, the environment variable is how
+the runner's worker subprocesses learn it (they inherit the launcher's environment), and a
+process without the variable (a Dataflow, Flink or Spark worker) records nothing. Progress
+never touches the output folder, so it cannot change the output's bytes; a progress file that
+cannot be written or read is skipped, never an error.
+
+The total for the ETA is the number of input records, counted in a background thread
+(:func:`pipeline._estimate.count_records`); until it is known the line shows counts and
+rates only. The ETA covers reading and tokenizing, which dominate a run; packing and writing
+follow and are shown as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any, Iterator, Optional, Sequence
+
+ENV = "PACKSTREAM_PROGRESS_DIR"
+FLUSH_S = 0.25
+COUNTERS = ("records_read", "examples_tokenized", "tokens", "rows")
+
+
+class LogFormat(str, enum.Enum):
+    """How ``packstream pack`` reports: for people or for batch logs."""
+
+    TEXT = "text"  #: a progress line on a terminal's stderr, then the summary table on stdout
+    JSON = "json"  #: JSON lines on stdout: ``progress`` events, then one ``done`` (or ``error``) event
+
+
+# ---------------------------------------------------------------------------------------
+# Worker side: called for every counter increment, so the fast path is one dict lookup.
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"dir": None, "counts": {}, "flushed": 0.0}
+
+
+def record(name: str, n: int = 1) -> None:
+    """Add ``n`` to counter ``name`` of this process, if a launcher is watching."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+    with _lock:
+        if _state["dir"] != folder:  # a new run in a long-lived process (tests, notebooks)
+            _state.update(dir=folder, counts={}, flushed=0.0)
+        counts = _state["counts"]
+        counts[name] = counts.get(name, 0) + n
+        now = time.monotonic()
+        if now - _state["flushed"] < FLUSH_S:
+            return
+        _state["flushed"] = now
+        body = json.dumps(counts)
+    _write(folder, body)
+
+
+class Counter:
+    """A Beam metrics counter that also feeds :func:`record`: a drop-in for ``Metrics.counter``."""
+
+    def __init__(self, namespace: str, name: str):
+        from apache_beam.metrics import Metrics
+
+        self.name = name
+        self.metric = Metrics.counter(namespace, name)
+
+    def inc(self, n: int = 1) -> None:
+        self.metric.inc(n)
+        record(self.name, n)
+
+
+def _write(folder: str, body: str) -> None:
+    path = os.path.join(folder, f"{os.getpid()}.json")  # one file per process: counts are per process
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # progress is best effort: the launcher may already have removed the folder
+
+
+def read_counts(folder: str) -> dict[str, int]:
+    """The sum of every process's counters in ``folder``."""
+    total = {k: 0 for k in COUNTERS}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return total
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                counts = json.load(f)
+        except (OSError, ValueError):
+            continue  # replaced or removed while we read it: the next poll sees it
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# Launcher side.
+
+
+def _clock(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "--:--"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _short(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+class Progress:
+    """Renders the progress of a local run (see the module docstring).
+
+    ``fmt`` TEXT draws one line on ``stream`` (rewritten with ``\\r``; meant for a terminal);
+    JSON writes one ``{"event": "progress", ...}`` line per ``interval``. :meth:`done` and
+    :meth:`error` write the final event in JSON mode.
+    """
+
+    def __init__(self, fmt: LogFormat, stream: IO[str], interval: float):
+        if interval <= 0:
+            from packers import PackstreamError
+
+            raise PackstreamError(f"--log-interval {interval} must be > 0 seconds (e.g. 0.5 or 10)")
+        self.fmt, self.stream, self.interval = LogFormat(fmt), stream, interval
+        self.started = time.monotonic()
+        self.total: Optional[int] = None
+        self.events: list[dict] = []  # what was reported, for tests and callers
+        self._history: list[tuple[float, int]] = []  # (time, records_read) for the recent rate
+        self._width = 0
+
+    # -- the job side -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watch(self, files: Sequence[Any]) -> Iterator[None]:
+        """Set up the progress folder, report until the block ends, then clean up."""
+        folder = tempfile.mkdtemp(prefix="packstream-progress-")
+        previous = os.environ.get(ENV)
+        os.environ[ENV] = folder
+        stop = threading.Event()
+        threading.Thread(target=self._count_total, args=(files,), daemon=True, name="packstream-total").start()
+        reporter = threading.Thread(target=self._loop, args=(folder, stop), daemon=True, name="packstream-progress")
+        self.started = time.monotonic()
+        reporter.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            reporter.join(timeout=5)
+            self._clear()
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _count_total(self, files: Sequence[Any]) -> None:
+        from pipeline._estimate import count_records
+
+        try:
+            self.total = sum(count_records(f) for f in files)
+        except Exception:  # noqa: BLE001 - the total only feeds the ETA; without it we show counts
+            self.total = None
+
+    def _loop(self, folder: str, stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
+            try:
+                self.report(read_counts(folder))
+            except (OSError, ValueError):  # a closed stream: stop drawing, never fail the job
+                return
+
+    # -- rendering --------------------------------------------------------------------
+
+    def snapshot(self, counts: dict[str, int]) -> dict[str, Any]:
+        """One progress event: counts, recent rate and ETA."""
+        now = time.monotonic()
+        elapsed = now - self.started
+        read = counts.get("records_read", 0)
+        self._history.append((now, read))
+        self._history = [h for h in self._history if now - h[0] <= 30] or self._history[-1:]
+        t0, r0 = self._history[0]
+        rate = (read - r0) / (now - t0) if now - t0 > 1e-6 else (read / elapsed if elapsed > 0 else 0.0)
+        total = self.total
+        eta = None
+        if total is not None and rate > 0 and read < total:
+            eta = (total - read) / rate
+        elif total is not None and read >= total:
+            eta = 0.0
+        return {
+            "event": "progress",
+            "elapsed_s": round(elapsed, 1),
+            "records_read": read,
+            "records_total": total,
+            "examples_tokenized": counts.get("examples_tokenized", 0),
+            "tokens": counts.get("tokens", 0),
+            "rows": counts.get("rows", 0),
+            "records_per_s": round(rate, 1),
+            "eta_s": None if eta is None else round(eta, 1),
+        }
+
+    def line(self, e: dict[str, Any]) -> str:
+        read = f"{e['records_read']:,}"
+        if e["records_total"]:
+            pct = min(100.0, 100.0 * e["records_read"] / e["records_total"])
+            read += f"/{e['records_total']:,} ({pct:.0f}%)"
+        phase = "packing and writing" if e["eta_s"] == 0.0 else f"ETA {_clock(e['eta_s'])}"
+        return (
+            f"read {read} | tokenized {e['examples_tokenized']:,} | {_short(e['tokens'])} tokens | "
+            f"rows {e['rows']:,} | {e['records_per_s']:,.0f} rec/s | {phase} | {_clock(e['elapsed_s'])}"
+        )
+
+    def report(self, counts: dict[str, int]) -> dict[str, Any]:
+        e = self.snapshot(counts)
+        self.events.append(e)
+        if self.fmt is LogFormat.JSON:
+            self._json(e)
+        else:
+            text = self.line(e)
+            pad = max(0, self._width - len(text))
+            self._width = len(text)
+            self.stream.write("\r" + text + " " * pad)
+            self.stream.flush()
+        return e
+
+    def _clear(self) -> None:
+        if self.fmt is LogFormat.TEXT and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+    def _json(self, event: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(event, sort_keys=True) + "\n")
+        self.stream.flush()
+
+    def done(self, manifest: dict[str, Any]) -> None:
+        """The final event (JSON mode): the manifest's counts and where the output is."""
+        if self.fmt is not LogFormat.JSON:
+            return
+        event = {
+            "event": "done",
+            "elapsed_s": manifest.get("elapsed_s", round(time.monotonic() - self.started, 3)),
+            "output": manifest.get("config", {}).get("output"),
+            "shards": len(manifest.get("shards", [])),
+            "counts": manifest.get("counts", {}),
+        }
+        self.events.append(event)
+        self._json(event)
+
+    def error(self, message: str, exit_code: int) -> None:
+        if self.fmt is not LogFormat.JSON:
+            return
+        event = {"event": "error", "message": message, "exit_code": exit_code,
+                 "elapsed_s": round(time.monotonic() - self.started, 1)}
+        self.events.append(event)
+        self._json(event)
+
+
+def watching(progress: Optional[Progress], files: Sequence[Any], *, local: bool) -> contextlib.AbstractContextManager:
+    """``progress.watch(files)`` for a local run; nothing for none, or for a remote runner."""
+    if progress is None or not local:
+        return contextlib.nullcontext()
+    return progress.watch(files)
+
+
+def default_interval(fmt: LogFormat) -> float:
+    """Redraw a terminal line twice a second; write a JSON line every 10 s."""
+    return 0.5 if LogFormat(fmt) is LogFormat.TEXT else 10.0
+
+
+def for_cli(fmt: LogFormat, quiet: bool, progress: Optional[bool], interval: Optional[float]) -> Optional[Progress]:
+    """The reporter ``packstream pack`` uses, or None for no progress.
+
+    ``--quiet`` shows nothing (errors still go to stderr). TEXT shows the line when
+    ``progress`` is True, or when it is None (auto) and stderr is a terminal. JSON reports to
+    stdout, whatever ``progress`` says.
+    """
+    fmt = LogFormat(fmt)
+    interval = default_interval(fmt) if interval is None else interval
+    if quiet:
+        return None
+    if fmt is LogFormat.JSON:
+        return Progress(fmt, sys.stdout, interval)
+    if progress is False:
+        return None
+    if progress is None and not sys.stderr.isatty():
+        return None
+    return Progress(fmt, sys.stderr, interval)

@@ -1,0 +1,457 @@
+"""Bad input through ``packstream pack``: every record is packed or dead-lettered with a reason.
+
+Per-record problems are one corpus: one small file per case (the file name is the case), packed in
+a single run. For each file the test knows which positions (1-based lines for JSONL, 0-based
+indices otherwise) must be dead-lettered, under which reason and with which words in the detail,
+and that every other record is packed. The run is then reconciled three ways: per source from
+the files, through the manifest's counts, and by ``packstream verify --inputs``.
+
+Whole-input problems (a file that is not what its extension says, empty inputs, unreadable or
+truncated files) are separate CLI invocations that must exit 2 with one ``error:`` line and no
+traceback. The last section covers safety: sandboxed chat templates, ``trust_remote_code``,
+and record ids that look like paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import logging
+import os
+from collections import Counter
+from typing import Any, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from pipeline import PackOptions
+from pipeline._formats import Conversation, Reason
+from pipeline.cli import main
+from tests.test_verify import read_rows
+
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+BUDGET = 256
+MAX_RECORD_BYTES = 2_000_000
+
+
+def turns(*pairs) -> dict:
+    return {"messages": [{"role": r, "content": c} for r, c in pairs]}
+
+
+def sharegpt(*pairs, **extra) -> dict:
+    return {"conversations": [{"from": f, "value": v} for f, v in pairs], **extra}
+
+
+def jsonl(*lines: Union[dict, list, str, bytes]) -> bytes:
+    """One line each: objects are JSON-encoded, str and bytes written verbatim."""
+    out = []
+    for line in lines:
+        if isinstance(line, bytes):
+            out.append(line)
+        elif isinstance(line, str):
+            out.append(line.encode())
+        else:
+            out.append(json.dumps(line).encode())
+    return b"\n".join(out) + b"\n"
+
+
+def parquet(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+Expect = Union[str, tuple[str, str]]  # reason, or (reason, words the detail must contain)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    data: bytes
+    expect: dict[int, Expect]
+    """Position -> reason; every other record of the file must be packed."""
+    ext: str = "jsonl"
+    records: int = 0
+    """Records in the file (JSONL: counted from the non-blank lines)."""
+
+    @property
+    def source(self) -> str:
+        return f"{self.name}.{self.ext}"
+
+    def num_records(self) -> int:
+        if self.ext == "jsonl":
+            return sum(1 for line in self.data.split(b"\n") if line.strip())
+        return self.records
+
+
+HUGE = {"text": "x" * 3_000_000}  # 3 MB > --max-record-bytes 2 MB
+BIG = {"text": "word " * 240_000}  # 1.2 MB: parsed, but far over the token budget
+LONG = {"text": " ".join(f"word{i}" for i in range(600))}
+
+CASES = [
+    # --- malformed JSON (each line is its own record; the file still starts like JSON)
+    Case("json_truncated", jsonl(GOOD, '{"messages": [{"role": "user"'), {2: ("malformed_json", "column 30")}),
+    Case("json_trailing_comma", jsonl('{"text": "a",}', GOOD), {1: "malformed_json"}),
+    Case("json_single_quotes", jsonl("{'text': 'a'}", GOOD), {1: ("malformed_json", "property name")}),
+    Case("json_deep_nesting", jsonl('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", GOOD),
+         {1: ("malformed_json", "nesting too deep")}),
+    Case("json_nan_content", jsonl('{"text": NaN}', GOOD), {1: ("bad_type", "text is float")}),
+    Case("blank_lines_keep_line_numbers", jsonl(GOOD, "", "   ", "{broken"), {4: "malformed_json"}),
+    # --- not an object, or no known shape
+    Case("top_level_array", jsonl(GOOD, "[1, 2]"), {2: ("not_an_object", "JSON array")}),
+    Case("top_level_string", jsonl(GOOD, '"hello"'), {2: ("not_an_object", "JSON string")}),
+    Case("top_level_null", jsonl(GOOD, "null"), {2: ("not_an_object", "JSON null")}),
+    Case("top_level_number", jsonl(GOOD, "42"), {2: ("not_an_object", "JSON number")}),
+    Case("unknown_keys", jsonl({"foo": 1, "bar": 2}, GOOD), {1: ("unknown_format", "--field")}),
+    # --- wrong types
+    Case("content_object", jsonl(turns(("user", {"text": "hi"}), ("assistant", "ok"))),
+         {1: ("bad_type", "messages[0].content is dict")}),
+    Case("content_list", jsonl(turns(("user", [1, 2]), ("assistant", "ok"))), {1: ("bad_type", "messages[0].content is list")}),
+    Case("content_null", jsonl(turns(("user", None), ("assistant", "ok"))), {1: ("bad_type", "messages[0].content is null")}),
+    Case("content_number", jsonl(turns(("user", 3.5), ("assistant", "ok"))), {1: ("bad_type", "messages[0].content is float")}),
+    Case("assistant_content_number", jsonl(turns(("user", "hi"), ("assistant", 7))),
+         {1: ("bad_type", "messages[1].content is int")}),
+    Case("messages_is_string", jsonl({"messages": "hi"}), {1: ("bad_type", "messages is str")}),
+    Case("turn_is_string", jsonl({"messages": ["hi", "there"]}), {1: ("bad_type", "messages[0] is str")}),
+    Case("alpaca_output_null", jsonl({"instruction": "Add 2 and 3.", "output": None}), {1: ("bad_type", "output is null")}),
+    Case("alpaca_instruction_number", jsonl({"instruction": 5, "output": "x"}), {1: ("bad_type", "instruction is int")}),
+    Case("completion_number", jsonl({"prompt": "2+2?", "completion": 4}), {1: ("bad_type", "completion is int")}),
+    Case("sharegpt_not_a_list", jsonl({"conversations": "hi"}), {1: ("bad_type", "conversations is str")}),
+    Case("tools_not_json", jsonl({**GOOD, "tools": "{not json"}), {1: ("bad_type", "tools")}),
+    Case("tool_calls_not_a_list", jsonl({"messages": [{"role": "user", "content": "x"},
+                                                      {"role": "assistant", "content": "", "tool_calls": "f()"}]}),
+         {1: ("bad_type", "tool_calls is str")}),
+    # --- missing fields
+    Case("turn_without_content", jsonl({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),
+         {1: ("missing_field", "messages[0] has no 'content'")}),
+    Case("turn_without_role", jsonl({"messages": [{"content": "x"}, {"role": "assistant", "content": "x"}]}),
+         {1: ("missing_field", "messages[0] has no 'role'")}),
+    Case("sharegpt_without_value", jsonl({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]}),
+         {1: ("missing_field", "'value'")}),
+    Case("instances_without_output", jsonl({"instruction": "Sort.", "instances": [{"input": "b a"}]}),
+         {1: ("missing_field", "'output'")}),
+    # --- conversation structure
+    Case("empty_messages", jsonl({"messages": []}), {1: "empty_conversation"}),
+    Case("empty_sharegpt", jsonl({"conversations": []}), {1: "empty_conversation"}),
+    Case("only_system", jsonl(turns(("system", "Be brief."))), {1: ("no_assistant_turn", "only a system turn")}),
+    Case("no_assistant_turn", jsonl(turns(("user", "hi"))), {1: "no_assistant_turn"}),
+    Case("starts_with_assistant", jsonl(turns(("assistant", "hi"), ("user", "x"), ("assistant", "y"))),
+         {1: ("starts_with_assistant", "messages[0]")}),
+    Case("sharegpt_starts_with_gpt", jsonl(sharegpt(("gpt", "hi"), ("human", "yo"), ("gpt", "x"))),
+         {1: "starts_with_assistant"}),
+    Case("consecutive_user", jsonl(turns(("user", "a"), ("user", "b"), ("assistant", "c"))),
+         {1: ("consecutive_same_role", "messages[0] and messages[1] are both user")}),
+    Case("consecutive_assistant", jsonl(turns(("user", "a"), ("assistant", "b"), ("assistant", "c"))),
+         {1: ("consecutive_same_role", "both assistant")}),
+    Case("unknown_role", jsonl(turns(("user", "a"), ("bot", "b"))), {1: ("unknown_role", "'bot'")}),
+    Case("sharegpt_unknown_speaker", jsonl(sharegpt(("human", "a"), ("narrator", "b"))), {1: ("unknown_role", "'narrator'")}),
+    Case("role_is_number", jsonl({"messages": [{"role": 1, "content": "a"}, {"role": "assistant", "content": "b"}]}),
+         {1: "unknown_role"}),
+    Case("misplaced_system", jsonl(turns(("user", "a"), ("assistant", "b"), ("system", "c"), ("user", "d"), ("assistant", "e"))),
+         {1: ("misplaced_system", "messages[2]")}),
+    # --- encoding
+    Case("invalid_utf8", b'{"text": "caf\xe9"}\n' + jsonl(GOOD), {1: ("invalid_utf8", "byte")}),
+    Case("lone_surrogate", jsonl('{"text": "a \\ud800 b"}', GOOD), {1: ("invalid_utf8", "lone surrogate")}),
+    Case("lone_surrogate_in_tools", jsonl({**GOOD, "tools": [{"name": "\udfff"}]}, GOOD), {1: ("invalid_utf8", "'\\udfff'")}),
+    Case("lone_surrogate_in_json_array", ('[{"text": "\\udfff"}, ' + json.dumps(GOOD) + "]").encode(),
+         {0: ("invalid_utf8", "lone surrogate")}, ext="json", records=2),
+    Case("surrogate_pair_is_fine", jsonl('{"text": "smile \\ud83d\\ude00"}'), {}),
+    Case("byte_order_mark", b"\xef\xbb\xbf" + jsonl(GOOD), {}),  # the BOM is not part of the first record
+    # --- size
+    Case("huge_record", jsonl(GOOD, HUGE), {2: ("record_too_large", "--max-record-bytes")}),
+    Case("huge_in_json_array", json.dumps([GOOD, HUGE]).encode(), {1: "record_too_large"}, ext="json", records=2),
+    Case("big_but_allowed_too_long", jsonl(BIG, GOOD), {1: ("too_long", "--long")}),
+    Case("too_long", jsonl(LONG, GOOD), {1: ("too_long", f"> budget {BUDGET}")}),
+    # --- empty once rendered
+    Case("empty_text", jsonl({"text": ""}, GOOD), {1: ("empty_after_render", "no tokens")}),
+    Case("whitespace_text", jsonl({"text": " \n\t "}, GOOD), {1: "empty_after_render"}),
+    # --- ids
+    Case("duplicate_id", jsonl({"id": "q1", **GOOD}, {"id": "q1", **turns(("user", "Yo"), ("assistant", "Hey"))}),
+         {2: ("duplicate_id", "duplicate_id.jsonl:1")}),
+    # --- other containers: positions are 0-based indices
+    Case("json_array_with_number", json.dumps([GOOD, 5, GOOD]).encode(), {1: "not_an_object"}, ext="json", records=3),
+    Case("parquet_rows", parquet(pa.table({"messages": [
+        GOOD["messages"], [], [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]]})),
+         {1: "empty_conversation", 2: ("bad_type", "messages[0].content is null")}, ext="parquet", records=3),
+    Case("jsonl_gz", gzip.compress(jsonl(GOOD, "{broken", GOOD)), {2: "malformed_json"}, ext="jsonl.gz", records=3),
+    # --- controls that must be packed, not rejected
+    Case("text_parts_content", jsonl(turns(("user", [{"type": "text", "text": "Hi"}]), ("assistant", "Yo"))), {}),
+    Case("empty_assistant_turn", jsonl(turns(("user", "hi"), ("assistant", ""))), {}),  # target: its end-of-turn token
+    Case("sharegpt_system_twice", jsonl(sharegpt(("system", "s"), ("human", "a"), ("gpt", "b"), system="t")), {}),
+    Case("path_like_id", jsonl({"id": "../../escape/x", **GOOD}, {"id": "/etc/passwd", **GOOD}), {}),
+    Case("crlf_lines", jsonl(GOOD).replace(b"\n", b"\r\n") * 2, {}),
+]
+
+
+def _reason(e: Expect) -> str:
+    return e if isinstance(e, str) else e[0]
+
+
+def test_corpus_is_big_and_covers_every_reason():
+    bad = [c for c in CASES if c.expect]
+    assert len(bad) >= 30 and len({c.name for c in CASES}) == len(CASES)
+    covered = {_reason(e) for c in CASES for e in c.expect.values()}
+    # misplaced templates and tokenizer-side rejections are exercised in test_malicious_chat_template;
+    # no_target_tokens cannot happen with ChatML (the end-of-turn token of an assistant turn is a target).
+    assert {r.value for r in Reason} - covered <= {"template_error", "no_target_tokens"}
+
+
+def pack(*args: str) -> Any:
+    result = CliRunner().invoke(main, ["pack", *args, "-q"])
+    assert isinstance(result.exception, (SystemExit, type(None))), result.exception  # never a traceback
+    assert "Traceback" not in result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def corpus_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    data = root / "in"
+    data.mkdir()
+    for c in CASES:
+        (data / c.source).write_bytes(c.data)
+    (data / "good.jsonl").write_bytes(jsonl(*[turns(("user", f"Q{i}"), ("assistant", f"A{i}")) for i in range(20)]))
+    out = root / "out"
+    result = pack(str(data), "-o", str(out), "--max-tokens", str(BUDGET), "--max-record-bytes", str(MAX_RECORD_BYTES),
+                  "--max-reject-fraction", "0.95")
+    assert result.exit_code == 0, result.output
+    return data, out
+
+
+def test_every_case_gets_its_reason(corpus_run):
+    _, out = corpus_run
+    dead: dict[str, dict[int, dict]] = {}
+    for line in (out / "rejected.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["detail"] and rec["reason"] in {r.value for r in Reason}
+        assert (rec["position"]) not in dead.setdefault(rec["source"], {}), "dead-lettered twice"
+        dead[rec["source"]][rec["position"]] = rec
+    failures = []
+    for c in CASES:
+        got = dead.pop(c.source, {})
+        if set(got) != set(c.expect):
+            failures.append(f"{c.name}: dead-lettered positions {sorted(got)}, expected {sorted(c.expect)}")
+            continue
+        for pos, e in c.expect.items():
+            reason, words = (e, "") if isinstance(e, str) else e
+            if got[pos]["reason"] != reason or words not in got[pos]["detail"]:
+                failures.append(f"{c.name}:{pos}: got {got[pos]['reason']}: {got[pos]['detail']!r}, expected {e}")
+    assert not failures, "\n".join(failures)
+    assert not dead, f"unexpected dead letters: {dead}"  # good.jsonl is fully packed
+
+
+def test_every_record_is_packed_or_dead_lettered(corpus_run):
+    """Per source: packed + dead-lettered = records in the file; then the manifest, then verify."""
+    data, out = corpus_run
+    rows = read_rows(out)
+    packed = Counter(eid.split(":", 1)[0] for r in rows for eid in r["example_ids"])
+    dead = Counter(json.loads(line)["source"] for line in (out / "rejected.jsonl").read_text().splitlines())
+    for c in CASES:
+        assert packed[c.source] + dead[c.source] == c.num_records(), c.name
+        assert dead[c.source] == len(c.expect), c.name
+    assert packed["good.jsonl"] == 20
+    m = json.loads((out / "manifest.json").read_text())
+    counts = m["counts"]
+    total = sum(c.num_records() for c in CASES) + 20
+    assert counts["records_read"] == total == counts["examples_packed"] + counts["rejected"] + counts["dropped_too_long"]
+    want = Counter(_reason(e) for c in CASES for e in c.expect.values())
+    assert counts["dropped_too_long"] == want.pop("too_long")
+    assert counts["rejected_by_reason"] == dict(sorted(want.items()))
+    # The same, re-derived from the inputs by `packstream verify --inputs`.
+    result = CliRunner().invoke(main, ["verify", str(out), "--inputs", str(data)])
+    assert result.exit_code == 0, result.output
+    assert f"{total:,} input records reconciled" in result.output
+
+
+def test_path_like_ids_stay_inside_the_data(corpus_run):
+    """A record id like ``../../escape/x`` is only ever a string in a row, never a path."""
+    data, out = corpus_run
+    ids = {eid for r in read_rows(out) for eid in r["example_ids"]}
+    assert {"path_like_id.jsonl:../../escape/x", "path_like_id.jsonl:/etc/passwd"} <= ids
+    names = sorted(os.listdir(out))
+    assert names == ["README.md", "manifest.json", "rejected.jsonl", "train-00000-of-00001.arrow"]
+    assert not (data.parent / "escape").exists() and not (out.parent / "escape").exists()
+
+
+@pytest.mark.parametrize("policy", ["truncate", "split"])
+def test_too_long_under_truncate_and_split(tmp_path, policy):
+    """drop is in the corpus (too_long); truncate and split pack the example and count it."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl(LONG, GOOD))
+    out = tmp_path / "out"
+    result = pack(str(src), "-o", str(out), "--max-tokens", "128", "--long", policy)
+    assert result.exit_code == 0, result.output
+    c = json.loads((out / "manifest.json").read_text())["counts"]
+    assert (out / "rejected.jsonl").read_text() == ""
+    assert c["records_read"] == c["examples_packed"] == 2 and c["dropped_too_long"] == 0
+    ids = sorted(eid for r in read_rows(out) for eid in r["example_ids"])
+    if policy == "truncate":
+        assert c["truncated_examples"] == 1 and c["truncated_tokens"] > 0 and ids == ["in.jsonl:1", "in.jsonl:2"]
+    else:
+        assert c["split_examples"] == 1 and ids[0] == "in.jsonl:1#0" and len(ids) == c["pieces"] > 3
+    # Stored tokens are the re-tokenized prefix (truncate) or consecutive pieces (split).
+    result = CliRunner().invoke(main, ["verify", str(out), "--inputs", str(src)])
+    assert result.exit_code == 0, result.output
+
+
+def test_max_reject_fraction_fails_the_job(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl(GOOD, "{bad", turns(("user", "x")), {"foo": 1}))
+    result = pack(str(src), "-o", str(tmp_path / "out"), "--max-reject-fraction", "0.5")
+    assert result.exit_code == 3
+    assert "error: 75.0% of 4 records were rejected or dropped, more than --max-reject-fraction 50.0%" in result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole-input problems: exit 2, one "error:" line, no traceback.
+
+
+def _gz_truncated_big() -> bytes:
+    lines = b"".join(json.dumps({"text": f"record {i} " + "abcdefgh" * (i % 50)}).encode() + b"\n" for i in range(3000))
+    data = gzip.compress(lines)
+    return data[: len(data) // 2]
+
+
+def _parquet_truncated() -> bytes:
+    data = parquet(pa.table({"text": [f"row {i}" for i in range(5000)]}))
+    return data[: len(data) // 2]
+
+
+def _arrow_truncated() -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema([("text", pa.string())])) as w:
+        for _ in range(5):
+            w.write_batch(pa.record_batch([pa.array([f"t{i}" for i in range(1000)])], names=["text"]))
+    data = sink.getvalue().to_pybytes()
+    return data[: len(data) // 2]
+
+
+WHOLE_INPUT = {
+    # name: (files to create {relative path: bytes}, the input argument, words of the error)
+    "text_in_jsonl": ({"a.jsonl": b"just some text\n"}, "a.jsonl", "does not start with a JSON object"),
+    "png_in_jsonl": ({"a.jsonl": b"\x89PNG\r\n\x1a\n\x00\x00"}, "a.jsonl", "does not start with a JSON object"),
+    "json_array_in_jsonl": ({"a.jsonl": b'[\n  {"text": "a"}\n]\n'}, "a.jsonl", "rename it to .json"),
+    "json_in_parquet": ({"a.parquet": b'{"text": "a"}\n'}, "a.parquet", "not a Parquet file"),
+    "text_in_arrow": ({"a.arrow": b"hello"}, "a.arrow", "not an Arrow IPC file"),
+    "plain_in_gz": ({"a.jsonl.gz": b'{"text": "a"}\n'}, "a.jsonl.gz", "not gzip data"),
+    "empty_file": ({"a.jsonl": b""}, "a.jsonl", "is empty"),
+    "whitespace_file": ({"a.jsonl": b" \n\n\t"}, "a.jsonl", "only whitespace"),
+    "empty_json_array": ({"a.json": b"[]"}, "a.json", "hold no records"),
+    "broken_json_array": ({"a.json": b'[{"text": "a"}, {"text": '}, "a.json", "is not valid JSON"),
+    "truncated_gzip_small": ({"a.jsonl.gz": gzip.compress(b'{"text": "a"}\n' * 50)[:-12]}, "a.jsonl.gz", "truncated gzip"),
+    "truncated_gzip_big": ({"a.jsonl.gz": _gz_truncated_big()}, "a.jsonl.gz", "corrupt or truncated (EOFError"),
+    "truncated_parquet": ({"a.parquet": _parquet_truncated()}, "a.parquet", "corrupt or truncated"),
+    "truncated_arrow": ({"a.arrow": _arrow_truncated()}, "a.arrow", "corrupt or truncated"),
+    "broken_datasets_folder": ({"ds/state.json": b"{}", "ds/x.arrow": b"x"}, "ds", "cannot open datasets folder"),
+    "missing_path": ({}, "nope.jsonl", "matches no file"),
+    "empty_folder": ({"d/.keep": b""}, "d", "matches no supported file"),
+    "unsupported_files": ({"d/readme.txt": b"hi"}, "d", "matches no supported file"),
+    "glob_matching_nothing": ({"a.jsonl": jsonl(GOOD)}, "*.parquet", "matches no file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WHOLE_INPUT))
+def test_whole_input_problem_is_a_clear_cli_error(tmp_path, monkeypatch, caplog, case):
+    files, arg, words = WHOLE_INPUT[case]
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.ERROR):
+        result = pack(arg, "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], result.output
+    # Beam logs a failing DoFn's traceback; for a user error the CLI hides it.
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+def test_dangling_symlink_and_unreadable_file(tmp_path, monkeypatch):
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    result = pack(str(tmp_path / "link.jsonl"), "-o", str(tmp_path / "o1"))
+    assert result.exit_code == 2 and "matches no file" in result.output
+    src = tmp_path / "locked.jsonl"
+    src.write_bytes(jsonl(GOOD))
+    if os.geteuid() != 0:  # root reads anything: simulate the permission error instead
+        src.chmod(0)
+    else:
+        from apache_beam.io.filesystems import FileSystems
+
+        real_open = FileSystems.open
+
+        def deny(path, *a, **kw):
+            if str(path).endswith("locked.jsonl"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *a, **kw)
+
+        monkeypatch.setattr(FileSystems, "open", staticmethod(deny))
+    result = pack(str(src), "-o", str(tmp_path / "o2"))
+    assert result.exit_code == 2 and "error: cannot read input" in result.output and "Permission denied" in result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# Safety
+
+
+MALICIOUS_TEMPLATES = {
+    "subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals": "{{ raise_exception.__globals__['os'].system('touch pwned') }}",
+    "func_globals": "{% for m in messages %}{{ m.__init__.__globals__ }}{% endfor %}",
+    "include_file": "{% include '/etc/passwd' %}",
+    "import": "{% import 'os' as os %}{{ os }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALICIOUS_TEMPLATES))
+def test_malicious_chat_template_is_a_template_error(tmp_path, monkeypatch, name):
+    """Templates render only in transformers' sandboxed Jinja: no attribute escapes, no files."""
+    from pipeline._render import Renderer
+
+    monkeypatch.chdir(tmp_path)
+    r = Renderer(PackOptions(inputs=("x",), output="y", chat_template=MALICIOUS_TEMPLATES[name]))
+    conv = Conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    (res,) = r.encode([conv])
+    assert getattr(res, "reason", None) is Reason.TEMPLATE_ERROR, res
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_malicious_template_through_the_cli(tmp_path):
+    """Every record dead-lettered as template_error: the run fails the reject guard, nothing leaks."""
+    tpl = tmp_path / "evil.jinja"
+    tpl.write_text(MALICIOUS_TEMPLATES["subclasses"])
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl(GOOD, GOOD))
+    out = tmp_path / "out"
+    result = pack(str(src), "-o", str(out), "--chat-template", str(tpl), "--max-reject-fraction", "0.5")
+    assert result.exit_code == 3, result.output
+    dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["template_error", "template_error"]
+    assert "SecurityError" in dead[0]["detail"] or "unsafe" in dead[0]["detail"].lower()
+
+
+def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
+    from transformers import AutoTokenizer
+
+    from pipeline import _render
+
+    assert PackOptions(inputs=("x",), output="y").trust_remote_code is False
+    seen = []
+    real = AutoTokenizer.from_pretrained
+
+    def spy(path, **kw):
+        seen.append(kw.get("trust_remote_code"))
+        return real(path, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    for flag in (False, True):
+        _render.load_tokenizer.__wrapped__(_render.DEFAULT_TOKENIZER, flag)
+    assert seen == [False, True]
+    # The CLI maps --trust-remote-code to the option, and leaves it off otherwise.
+    captured = []
+    monkeypatch.setattr("pipeline._job.run", lambda options, *a, **kw: captured.append(options) or {"template_location": "-"})
+    for extra in ([], ["--trust-remote-code"]):
+        CliRunner().invoke(main, ["pack", "-o", "unused", "-q", *extra])
+    assert [o.trust_remote_code for o in captured] == [False, True]

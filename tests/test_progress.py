@@ -1,0 +1,146 @@
+"""Progress of local runs: the worker-side counters, the reporter, and the CLI's three modes."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline import _progress
+from pipeline._progress import LogFormat, Progress
+from pipeline.cli import main
+
+PROGRESS_KEYS = {"event", "elapsed_s", "records_read", "records_total", "examples_tokenized", "tokens", "rows",
+                 "records_per_s", "eta_s"}
+
+
+@pytest.fixture
+def progress_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "progress"
+    folder.mkdir()
+    monkeypatch.setenv(_progress.ENV, str(folder))
+    monkeypatch.setattr(_progress, "FLUSH_S", 0.0)  # write on every increment
+    return folder
+
+
+def test_record_writes_one_file_per_process_and_read_counts_sums_them(progress_dir):
+    _progress.record("records_read", 5)
+    _progress.record("records_read", 2)
+    _progress.record("tokens", 100)
+    # Another worker process's file, as a subprocess worker would write it.
+    (progress_dir / "99999999.json").write_text(json.dumps({"records_read": 10, "rows": 1}))
+    (progress_dir / "99999999.json.tmp").write_text("{half a write")  # ignored: not renamed yet
+    counts = _progress.read_counts(str(progress_dir))
+    assert counts == {"records_read": 17, "examples_tokenized": 0, "tokens": 100, "rows": 1}
+    assert sorted(os.listdir(progress_dir)) == sorted([f"{os.getpid()}.json", "99999999.json", "99999999.json.tmp"])
+
+
+def test_record_is_a_no_op_without_a_watching_launcher(tmp_path, monkeypatch):
+    monkeypatch.delenv(_progress.ENV, raising=False)
+    _progress.record("records_read", 3)
+    assert _progress.read_counts(str(tmp_path / "nowhere")) == {k: 0 for k in _progress.COUNTERS}
+
+
+def test_a_new_folder_starts_new_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(_progress, "FLUSH_S", 0.0)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv(_progress.ENV, str(tmp_path / name))
+        _progress.record("rows", 4)
+        assert _progress.read_counts(str(tmp_path / name))["rows"] == 4
+
+
+def test_counter_feeds_beam_and_progress(progress_dir):
+    c = _progress.Counter("packstream", "rows")
+    c.inc(3)
+    assert _progress.read_counts(str(progress_dir))["rows"] == 3
+
+
+def test_snapshot_rate_and_eta():
+    p = Progress(LogFormat.JSON, io.StringIO(), interval=1.0)
+    p.total = 1000
+    p.started -= 10  # ten seconds into the run
+    e = p.snapshot({"records_read": 250, "examples_tokenized": 240, "tokens": 9000, "rows": 0})
+    assert set(e) == PROGRESS_KEYS and e["event"] == "progress"
+    assert e["records_per_s"] == pytest.approx(25.0, rel=0.01)  # first snapshot: the average since the start
+    assert e["eta_s"] == pytest.approx(30.0, rel=0.01)  # 750 records left at 25/s
+    done = p.snapshot({"records_read": 1000})
+    assert done["eta_s"] == 0.0 and "packing and writing" in p.line(done)
+
+
+def test_text_mode_redraws_one_line_and_clears_it(tmp_path):
+    out = io.StringIO()
+    p = Progress(LogFormat.TEXT, out, interval=1.0)
+    p.total = 10
+    p.report({"records_read": 5, "examples_tokenized": 5, "tokens": 1234, "rows": 0})
+    p.report({"records_read": 10, "examples_tokenized": 10, "tokens": 2500, "rows": 2})
+    text = out.getvalue()
+    assert text.startswith("\rread 5/10 (50%) | tokenized 5 | 1.2k tokens | rows 0")
+    assert "\rread 10/10 (100%)" in text and "\n" not in text
+    p._clear()
+    assert out.getvalue().endswith("\r")
+
+
+def test_for_cli_modes(monkeypatch):
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal
+    assert _progress.for_cli(LogFormat.TEXT, quiet=False, progress=None, interval=None) is None
+    forced = _progress.for_cli(LogFormat.TEXT, quiet=False, progress=True, interval=None)
+    assert forced is not None and forced.interval == 0.5
+    assert _progress.for_cli(LogFormat.TEXT, quiet=True, progress=True, interval=None) is None
+    assert _progress.for_cli(LogFormat.JSON, quiet=True, progress=None, interval=None) is None
+    j = _progress.for_cli(LogFormat.JSON, quiet=False, progress=False, interval=None)
+    assert j is not None and j.interval == 10.0
+    with pytest.raises(Exception, match="--log-interval"):
+        _progress.for_cli(LogFormat.JSON, quiet=False, progress=None, interval=0)
+
+
+def test_watching_a_remote_runner_does_nothing(monkeypatch):
+    monkeypatch.delenv(_progress.ENV, raising=False)
+    p = Progress(LogFormat.JSON, io.StringIO(), interval=0.05)
+    with _progress.watching(p, [], local=False):
+        assert _progress.ENV not in os.environ
+    with _progress.watching(None, [], local=True):
+        assert _progress.ENV not in os.environ
+
+
+def _shards_and_rejects(folder) -> dict[str, bytes]:
+    names = sorted(glob.glob(os.path.join(folder, "train-*"))) + [os.path.join(folder, "rejected.jsonl")]
+    return {os.path.basename(p): open(p, "rb").read() for p in names}
+
+
+def test_json_log_of_a_real_run_and_output_unchanged(tmp_path, monkeypatch):
+    """--log-format json: progress lines, then a done event with the manifest's counts; same bytes as --quiet."""
+    monkeypatch.delenv(_progress.ENV, raising=False)
+    runner = CliRunner()
+    logged = runner.invoke(main, ["pack", "--output", str(tmp_path / "a"), "--max-tokens", "256",
+                                  "--log-format", "json", "--log-interval", "0.1"])
+    assert logged.exit_code == 0, logged.output
+    events = [json.loads(line) for line in logged.stdout.splitlines()]  # stdout holds nothing but JSON lines
+    progress, done = events[:-1], events[-1]
+    assert progress and all(set(e) == PROGRESS_KEYS for e in progress)
+    assert max(e["records_read"] for e in progress) > 0
+    manifest = json.load(open(tmp_path / "a" / "manifest.json"))
+    assert done["event"] == "done" and done["counts"] == manifest["counts"]
+    assert done["output"] == str(tmp_path / "a") and done["shards"] == len(manifest["shards"])
+    assert {e["records_total"] for e in progress} <= {None, manifest["counts"]["records_read"]}
+    # The progress folder is gone and the variable unset: nothing leaks into the next run.
+    assert _progress.ENV not in os.environ
+    assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".tmp")]
+
+    quiet = runner.invoke(main, ["pack", "--output", str(tmp_path / "b"), "--max-tokens", "256", "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+    assert _shards_and_rejects(tmp_path / "a") == _shards_and_rejects(tmp_path / "b")
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))
+
+
+def test_json_log_ends_with_an_error_event(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("not empty")
+    r = CliRunner().invoke(main, ["pack", "--output", str(tmp_path / "out"), "--log-format", "json"])
+    assert r.exit_code == 2
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert last["event"] == "error" and last["exit_code"] == 2 and "not empty" in last["message"]
