@@ -385,7 +385,12 @@ def run(
             | "SpreadFiles" >> beam.Reshuffle()
             | "ReadRecords" >> beam.ParDo(ReadRecords(options.max_record_bytes, options.batch_size))
         )
-        tokenized = records | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", main="ok")
+        tokenized = (
+            records
+            # Big files are read by one worker; spreading their chunks lets every worker tokenize.
+            | "SpreadChunks" >> beam.Reshuffle()
+            | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", main="ok")
+        )
         rows, pack_rejected, stats = tokenized.ok | "PackRows" >> PackRows(options)
         shards = rows | "WriteShards" >> WriteShards(options, schema)
         reject_counts = (

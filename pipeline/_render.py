@@ -76,8 +76,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """Name, vocabulary hash and special ids, stored in the schema metadata and the manifest."""
     tok = load_tokenizer(name, trust_remote_code)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    sha = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    # sha256 of the tokens in id order, one per line (a token may itself hold a newline, so the
+    # separator is NUL): the same vocabulary gives the same hash whatever the tokenizer's format.
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    by_id: list[str] = [""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        by_id[i] = token
+    sha = hashlib.sha256("\0".join(by_id).encode("utf-8", "surrogatepass")).hexdigest()
     if name == DEFAULT_TOKENIZER:
         from importlib.metadata import version
 
