@@ -56,6 +56,9 @@ class Rejected(Exception):
         self.reason = reason
         self.detail = detail
 
+    def __reduce__(self):  # pickle (Beam ships read-time rejections between steps) by our own fields
+        return (Rejected, (self.reason, self.detail))
+
 
 @dataclasses.dataclass
 class Conversation:
