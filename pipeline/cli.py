@@ -11,6 +11,19 @@ from typing import Sequence
 
 import click
 
+# Import-time chatter that says nothing to a packstream user: Beam's optional GCP clients and
+# transformers' "PyTorch was not found" (the job needs only tokenizers).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+class _DropImportNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "apitools not found" not in record.getMessage()
+
+
+logging.getLogger().addFilter(_DropImportNoise())
+
 from packers import LongPolicy, PackstreamError
 from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn
 from pipeline._progress import LogFormat
