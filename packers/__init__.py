@@ -13,8 +13,11 @@ _TORCH_NAMES = {
     "Collator": "packers._collate",
     "PackedBatch": "packers._collate",
     "PackedDataset": "packers._loader",
+    "PackedLoader": "packers._loader",
+    "BatchBy": "packers._loader",
     "register_varlen_attention": "packers._attention",
     "check_packing_safe": "packers._attention",
+    "install_packing_guard": "packers._attention",
 }
 
 __all__ = [

@@ -1,0 +1,181 @@
+"""Turn packed rows into one flattened training batch (the FlashAttention-2 "padding-free" layout).
+
+Two rows of budget 8 (``T`` = target token, ``.`` = not), collated with the defaults::
+
+    row 0  input_ids [ 5  9 41 17 | 5 30 ]           seq_offsets [0, 4, 6]
+           loss_mask [ .  .  T  T | .  T ]
+    row 1  input_ids [ 5  8  6  1  2 ]               seq_offsets [0, 5]
+           loss_mask [ .  .  T  T  T ]
+
+    input_ids     [[ 5  9 41 17  5 30  5  8  6  1  2]]      [1, T], rows back to back
+    position_ids  [[ 0  1  2  3  0  1  0  1  2  3  4]]      reset at every example
+    labels        [[-100 -100 41 17 -100 30 -100 -100 6 1 2]]
+                     ^ first token of each example: never a target (nothing before it to predict from)
+    cu_seq_lens_q [0, 4, 6, 11]   (int32, also cu_seq_lens_k)   max_length_q = max_length_k = 5
+    seq_idx       [[0 0 0 0 1 1 2 2 2 2 2]]                 (int32) example index, for Mamba-style layers
+    use_cache     False                                     see "why use_cache" below
+
+With ``fixed_shape=True, budget=8`` every row is padded to the budget, so ``T = rows x budget``
+at every step. The padding of a row is one more sequence of its own: its tokens are
+``pad_token_id``, its labels -100, its positions restart at 0, and it gets its own entry in
+``cu_seq_lens``. Real tokens never attend to it (it comes later and is another sequence), and
+it never reaches the loss::
+
+    row 0  input_ids [ 5  9 41 17  5 30  0  0 ]   position_ids [0 1 2 3 0 1 0 1]
+                                         ^^^^ pad  cu_seq_lens [0, 4, 6, 8, ...]
+
+``max_length_*`` is then the budget (a valid upper bound for the kernels; a constant keeps
+``torch.compile`` from specialising on it).
+
+Why ``use_cache=False`` is in the batch: transformers' sdpa/eager attention builds the
+block-diagonal packed mask from ``position_ids`` only when there is no KV cache, and a model
+whose config says ``use_cache=True`` (Llama, Qwen, Mistral by default) creates one in a plain
+``model(**batch)`` call, even in ``train()`` mode. The packed examples then attend to each
+other (max logit error about 0.2-0.8). Passing ``use_cache=False`` in the batch makes a plain
+``model(**batch)`` safe; :func:`packers.check_packing_safe` checks the rest.
+
+>>> import numpy as np
+>>> rows = [{"input_ids": [5, 9, 41, 17, 5, 30], "loss_mask": [0, 0, 1, 1, 0, 1], "seq_offsets": [0, 4, 6]},
+...         {"input_ids": [5, 8, 6, 1, 2], "loss_mask": [0, 0, 1, 1, 1], "seq_offsets": [0, 5]}]
+>>> b = Collator()(rows)
+>>> b["labels"].tolist()
+[[-100, -100, 41, 17, -100, 30, -100, -100, 6, 1, 2]]
+>>> b["position_ids"].tolist(), b["cu_seq_lens_q"].tolist(), b["max_length_q"]
+([[0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4]], [0, 4, 6, 11], 5)
+>>> f = Collator(fixed_shape=True, budget=8)(rows)
+>>> f["input_ids"].shape, f["cu_seq_lens_q"].tolist(), f["max_length_q"]
+(torch.Size([1, 16]), [0, 4, 6, 8, 13, 16], 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, TypedDict
+
+import numpy as np
+import torch
+
+from packers._errors import ContractError, PackstreamError
+
+IGNORE_INDEX = -100
+"""The label of a token that is not a training target (the ``ignore_index`` of the HF losses)."""
+
+
+class PackedBatch(TypedDict, total=False):
+    """What :class:`Collator` returns: keyword arguments for a transformers causal LM.
+
+    ``T`` is the number of tokens in the batch (the rows' lengths summed, or rows x budget
+    with ``fixed_shape``); ``N`` the number of sequences (examples, plus one per padded row).
+    """
+
+    input_ids: torch.Tensor
+    """``[1, T]`` int64: the rows back to back."""
+    labels: torch.Tensor
+    """``[1, T]`` int64: the token where ``loss_mask`` is 1, else -100; -100 on every example's first token."""
+    position_ids: torch.Tensor
+    """``[1, T]`` int64: 0, 1, 2, ... restarting at every example (and at every row's padding)."""
+    cu_seq_lens_q: torch.Tensor
+    """``[N + 1]`` int32: sequence boundaries ``[0, end_1, ..., T]``. Only with ``return_flash_attn_kwargs``."""
+    cu_seq_lens_k: torch.Tensor
+    """Same tensor as ``cu_seq_lens_q`` (self-attention)."""
+    max_length_q: int
+    """Longest sequence in the batch (the budget with ``fixed_shape``)."""
+    max_length_k: int
+    """Same as ``max_length_q``."""
+    seq_idx: torch.Tensor
+    """``[1, T]`` int32: index of each token's sequence. Only with ``return_seq_idx``."""
+    use_cache: bool
+    """Always ``False`` (unless ``disable_cache=False``): see the module docstring."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collator:
+    """Collate packed rows (dicts with ``input_ids``, ``loss_mask``, ``seq_offsets``) into a :class:`PackedBatch`.
+
+    Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
+    :class:`packers.PackedDataset` yields) or CPU tensors. Other keys (``example_ids``,
+    ``num_tokens``) are ignored.
+    """
+
+    fixed_shape: bool = False
+    """Pad every row to ``budget`` so that ``T = rows x budget`` (for ``torch.compile`` and constant memory)."""
+    budget: int | None = None
+    """Token budget of a row; required with ``fixed_shape``, and rows longer than it are rejected when given."""
+    pad_token_id: int = 0
+    """Token id of the padding; it takes no part in loss or attention, any valid id will do."""
+    return_flash_attn_kwargs: bool = True
+    """Return ``cu_seq_lens_q/k`` and ``max_length_q/k`` (used by FA2 and the varlen backend; sdpa/eager ignore them)."""
+    return_seq_idx: bool = True
+    """Return ``seq_idx`` (for models with Mamba-style convolution layers)."""
+    disable_cache: bool = True
+    """Put ``use_cache=False`` in the batch, so that sdpa/eager build the packed mask. Leave it on."""
+    validate: bool = True
+    """Check each row's offsets and lengths (vectorised, cheap) and raise ContractError if broken."""
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 1:
+            raise PackstreamError(f"budget={self.budget} must be >= 1")
+        if self.fixed_shape and self.budget is None:
+            raise PackstreamError(
+                "Collator(fixed_shape=True) needs the row budget: pass budget=..., e.g. PackedDataset(...).budget"
+            )
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        if len(rows) == 0:
+            raise PackstreamError("Collator got an empty list of rows")
+        ids_parts, mask_parts, len_parts = [], [], []
+        for i, row in enumerate(rows):
+            ids = np.asarray(row["input_ids"], dtype=np.int64)
+            mask = np.asarray(row["loss_mask"], dtype=bool)
+            offs = np.asarray(row["seq_offsets"], dtype=np.int64)
+            n = ids.shape[0]
+            if self.validate:
+                _check_row(i, n, mask, offs, self.budget)
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+            len_parts.append(np.diff(offs))
+            if self.fixed_shape and n < self.budget:
+                pad = self.budget - n
+                ids_parts.append(np.full(pad, self.pad_token_id, dtype=np.int64))
+                mask_parts.append(np.zeros(pad, dtype=bool))
+                len_parts.append(np.array([pad], dtype=np.int64))
+
+        input_ids = np.concatenate(ids_parts)
+        if input_ids.shape[0] == 0:
+            raise PackstreamError(f"Collator got {len(rows)} rows with no tokens at all")
+        target = np.concatenate(mask_parts)
+        seq_lens = np.concatenate(len_parts)
+        ends = np.cumsum(seq_lens)
+        starts = ends - seq_lens
+        position_ids = np.arange(input_ids.shape[0], dtype=np.int64) - np.repeat(starts, seq_lens)
+        labels = np.where(target, input_ids, IGNORE_INDEX)
+        # The loss shifts labels left by one, so the last token of an example predicts label[start of the
+        # next one]: -100 there keeps examples from predicting each other (as DataCollatorWithFlattening).
+        labels[starts] = IGNORE_INDEX
+
+        batch: dict[str, Any] = {
+            "input_ids": torch.from_numpy(input_ids)[None],
+            "labels": torch.from_numpy(labels)[None],
+            "position_ids": torch.from_numpy(position_ids)[None],
+        }
+        if self.return_flash_attn_kwargs:
+            cu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
+            max_len = self.budget if self.fixed_shape else int(seq_lens.max())
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        if self.return_seq_idx:
+            seq_idx = np.repeat(np.arange(seq_lens.shape[0], dtype=np.int32), seq_lens)
+            batch["seq_idx"] = torch.from_numpy(seq_idx)[None]
+        if self.disable_cache:
+            batch["use_cache"] = False
+        return batch  # type: ignore[return-value]
+
+
+def _check_row(i: int, n: int, mask: np.ndarray, offs: np.ndarray, budget: int | None) -> None:
+    if budget is not None and n > budget:
+        raise ContractError(f"row {i} has {n} tokens > budget {budget}; collate with the budget the data was packed to")
+    if mask.shape[0] != n:
+        raise ContractError(f"row {i}: loss_mask has {mask.shape[0]} entries, input_ids has {n}")
+    if offs.shape[0] == 0 or offs[0] != 0 or offs[-1] != n:
+        raise ContractError(f"row {i}: seq_offsets must run from 0 to len(input_ids)={n}, got {offs.tolist()[:8]}")
+    if offs.shape[0] > 1 and (np.diff(offs) <= 0).any():
+        raise ContractError(f"row {i}: seq_offsets must be strictly increasing, got {offs.tolist()[:16]}")

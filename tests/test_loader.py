@@ -1,0 +1,284 @@
+"""packers.PackedDataset: shards round trip, epochs, rank sharding, exact resumption, DataLoader workers."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packers import BatchBy, Collator, ContractError, PackedDataset, PackstreamError
+from packers._loader import _Sampling, plan_epoch
+from tests._shards import pack_first_fit, random_examples, write_shards
+
+BUDGET = 64
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """3 shards, ~70 rows of random examples packed to 64 tokens."""
+    folder = tmp_path_factory.mktemp("packed")
+    rows = pack_first_fit(random_examples(220, seed=5), BUDGET)
+    write_shards(folder, rows, budget=BUDGET, num_shards=3)
+    return folder, rows
+
+
+def ids_of(batch):
+    return [tuple(r["example_ids"]) for r in batch]
+
+
+def test_round_trip_zero_copy(shards):
+    folder, rows = shards
+    ds = PackedDataset(folder, shuffle=False)
+    assert len(ds.rows) == len(rows) and ds.budget == BUDGET and ds.metadata["pad_token_id"] == 0
+    assert ds.rows[:] == {k: [r[k] for r in rows] for k in rows[0]}  # map-style, shards in name order
+    assert sorted(f["filename"] for f in ds.rows.cache_files) == sorted(str(p) for p in folder.glob("*.arrow"))
+    assert ds.num_examples.tolist() == [len(r["example_ids"]) for r in rows]
+    fetched = ds.fetch([5, 0])
+    assert fetched[0]["input_ids"].tolist() == rows[5]["input_ids"] and fetched[1]["example_ids"] == rows[0]["example_ids"]
+
+
+def test_rows_from_datasets_collate_with_defaults(shards):
+    """`Collator()(rows)` where rows are what `datasets` yields (Python lists)."""
+    import datasets
+
+    folder, rows = shards
+    hf = datasets.Dataset.from_file(str(sorted(folder.glob("*.arrow"))[0]))
+    batch = Collator()([hf[0], hf[1]])
+    assert batch["input_ids"][0].tolist() == rows[0]["input_ids"] + rows[1]["input_ids"]
+
+
+def test_datasets_cache_files_in_the_folder_are_not_shards(shards, tmp_path):
+    folder, rows = shards
+    copy = tmp_path / "copy"
+    write_shards(copy, rows, budget=BUDGET, num_shards=3)
+    PackedDataset(copy).rows.map(lambda r: {"n": r["num_tokens"]})  # datasets writes cache-*.arrow beside the shards
+    assert list(copy.glob("cache-*.arrow"))
+    assert len(PackedDataset(copy).rows) == len(rows)
+
+
+def test_fsspec_path(shards, tmp_path):
+    import fsspec
+
+    folder, rows = shards
+    fs = fsspec.filesystem("memory")
+    for p in folder.glob("*.arrow"):
+        fs.pipe(f"/remote-run/{p.name}", p.read_bytes())
+    ds = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), shuffle=False)
+    assert ds.rows["example_ids"] == [r["example_ids"] for r in rows]
+    assert all(f["filename"].startswith(str(tmp_path)) for f in ds.rows.cache_files)  # copied once, then mapped
+
+
+def test_bad_folders_are_refused(shards, tmp_path):
+    folder, rows = shards
+    partial = tmp_path / "partial"
+    write_shards(partial, rows, budget=BUDGET, num_shards=3)
+    (partial / "train-00001-of-00003.arrow").unlink()
+    with pytest.raises(ContractError, match=r"shard\(s\) \[1\] of 3 missing"):
+        PackedDataset(partial)
+
+    mixed = tmp_path / "mixed"
+    write_shards(mixed, rows[:10], budget=BUDGET)
+    write_shards(mixed / "b", rows[10:20], budget=128)
+    with pytest.raises(ContractError, match="metadata differs"):
+        PackedDataset([mixed / "train-00000-of-00001.arrow", mixed / "b"])
+
+    plain = tmp_path / "plain.arrow"  # no packstream metadata
+    with pa.OSFile(str(plain), "wb") as f, pa.ipc.new_stream(f, pa.schema([("x", pa.int32())])) as w:
+        w.write_table(pa.table({"x": pa.array([1], pa.int32())}))
+    with pytest.raises(ContractError, match="columns"):
+        PackedDataset(plain)
+
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows[:3]), parquet / "train-00000-of-00001.parquet")
+    with pytest.raises(PackstreamError, match="--output-format arrow"):
+        PackedDataset(parquet)
+
+    with pytest.raises(PackstreamError, match="does not exist"):
+        PackedDataset(tmp_path / "nope")
+    with pytest.raises(PackstreamError, match="batch_by"):
+        PackedDataset(folder, batch_by="bytes")
+    with pytest.raises(PackstreamError, match="rank=2"):
+        PackedDataset(folder, rank=2, world_size=2)
+    with pytest.raises(PackstreamError, match="tokens < row budget"):
+        PackedDataset(folder, batch_by="tokens", batch_size=10)
+
+
+def test_epochs_are_seeded_permutations(shards):
+    folder, rows = shards
+    ds = PackedDataset(folder, batch_size=4, seed=11)
+    epochs = [[r for b in ds for r in ids_of(b)] for _ in range(2)]  # the second loop rolls over to epoch 1
+    assert ds.epoch == 1
+    assert all(sorted(e) == sorted(tuple(r["example_ids"]) for r in rows) for e in epochs)  # each row once
+    assert epochs[0] != epochs[1]
+    again = PackedDataset(folder, batch_size=4, seed=11)
+    assert [r for b in again for r in ids_of(b)] == epochs[0]
+    assert [r for b in PackedDataset(folder, batch_size=4, seed=12) for r in ids_of(b)] != epochs[0]
+    unshuffled = PackedDataset(folder, batch_size=4, shuffle=False)
+    assert [r for b in unshuffled for r in ids_of(b)] == [tuple(r["example_ids"]) for r in rows]
+
+
+@pytest.mark.parametrize("by,size", [("rows", 3), ("examples", 9), ("tokens", 150)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_two_ranks_disjoint_same_steps(shards, by, size, drop_last):
+    folder, rows = shards
+    ranks = [PackedDataset(folder, batch_by=by, batch_size=size, rank=r, world_size=2, drop_last=drop_last, seed=3)
+             for r in range(2)]
+    seen = [[list(b) for b in ds.plan()] for ds in ranks]
+    assert len(ranks[0]) == len(ranks[1]) == len(seen[0]) > 0
+    flat = [set(itertools.chain(*s)) for s in seen]
+    counts = Counter(itertools.chain(*seen[0], *seen[1]))
+    if drop_last:
+        assert not flat[0] & flat[1] and max(counts.values()) == 1
+    else:  # every row at least once; repeats only to fill the last step on every rank
+        assert set(counts) == set(range(len(rows)))
+        repeated = [i for i, c in counts.items() if c > 1]
+        assert len(repeated) <= max(len(b) for b in seen[0]) and all(i in seen[0][0] for i in repeated)
+    assert [len(list(ds)) for ds in ranks] == [len(seen[0])] * 2
+
+
+def test_examples_per_step_track_the_target(shards):
+    folder, _ = shards
+    ds = PackedDataset(folder, batch_by=BatchBy.EXAMPLES, batch_size=12, world_size=1)
+    per_step = [int(ds.num_examples[b].sum()) for b in ds.plan()]
+    assert abs(np.mean(per_step[:-1]) - 12) < 1.0
+    tokens = PackedDataset(folder, batch_by="tokens", batch_size=200)
+    assert all(int(tokens.num_tokens[b].sum()) <= 200 for b in tokens.plan())
+
+
+def run(ds, n):
+    """The next ``n`` batches' example ids, starting a new ``iter()`` (a new epoch) as often as needed."""
+    out = []
+    while len(out) < n:
+        out += [ids_of(b) for b in itertools.islice(iter(ds), n - len(out))]
+    return out
+
+
+@pytest.mark.parametrize("by,size", [("rows", 4), ("examples", 10)])
+def test_resume_gives_the_same_next_batches(shards, by, size):
+    folder, _ = shards
+    make = lambda: PackedDataset(folder, batch_by=by, batch_size=size, rank=1, world_size=2, seed=9)
+    steps = len(make())
+    uninterrupted = run(make(), 2 * steps)  # two epochs
+    for k in (0, 3, steps - 1, steps, steps + 2):  # stop after k batches, in either epoch or at the boundary
+        first = make()
+        head = run(first, k)
+        resumed = make()
+        resumed.load_state_dict(first.state_dict())
+        assert head + run(resumed, 2 * steps - k) == uninterrupted, k
+
+
+def test_set_epoch_keeps_a_resumed_position(shards):
+    folder, _ = shards
+    ds = PackedDataset(folder, batch_size=4)
+    ds.load_state_dict({**ds.state_dict(), "epoch": 2, "position": 5})
+    ds.set_epoch(2)  # a training loop calling set_epoch(epoch) after resuming
+    assert (ds.epoch, ds.position) == (2, 5)
+    ds.set_epoch(3)
+    assert (ds.epoch, ds.position) == (3, 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_an_epoch_end_in_a_set_epoch_loop(shards, workers):
+    """State saved right after an epoch's last batch; a loop that calls set_epoch(e) trains the same epochs."""
+    folder, _ = shards
+    make = lambda: PackedDataset(folder, batch_size=8, seed=1)
+
+    def train(ds, epochs, stop_after=None):
+        seen = []
+        for epoch in epochs:
+            ds.set_epoch(epoch)
+            for batch in ds.dataloader(num_workers=workers):
+                seen.append((ds.epoch, ids_of(batch)))
+                if len(seen) == stop_after:
+                    return seen, ds.state_dict()
+        return seen, ds.state_dict()
+
+    full, _ = train(make(), range(3))
+    steps = len(make())
+    head, state = train(make(), range(3), stop_after=steps)  # stopped after epoch 0's last batch
+    assert state["epoch"] == 0 and state["position"] == steps
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail, _ = train(resumed, range(state["epoch"], 3))
+    assert head + tail == full and [e for e, _ in full] == [0] * steps + [1] * steps + [2] * steps
+
+
+def test_state_from_another_setup_is_refused(shards):
+    folder, _ = shards
+    state = PackedDataset(folder, batch_size=4, world_size=2).state_dict()
+    with pytest.raises(PackstreamError, match="world_size"):
+        PackedDataset(folder, batch_size=4, world_size=4).load_state_dict(state)
+
+
+def test_dataloader_workers_keep_order_and_position(shards):
+    folder, _ = shards
+    make = lambda: PackedDataset(folder, batch_size=3, seed=4)
+    collate = Collator()
+    plain = [collate(b)["input_ids"] for b in make()]
+    ds = make()
+    loader = ds.dataloader(num_workers=2, collate_fn=collate)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(batch["input_ids"])
+        if i == 6:
+            state = loader.state_dict()
+            break
+    assert state["position"] == 7 and all(torch.equal(a, b) for a, b in zip(got, plain))
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b["input_ids"] for b in resumed.dataloader(num_workers=2, collate_fn=collate)]
+    assert len(got) + len(rest) == len(plain) and all(torch.equal(a, b) for a, b in zip(got + rest, plain))
+    assert resumed.position == len(plain)
+    second = [b["input_ids"] for b in resumed.dataloader(num_workers=2, collate_fn=collate)]  # rolls over
+    assert resumed.epoch == 1 and len(second) == len(plain)
+
+
+def test_plain_dataloader_with_workers_is_refused(shards):
+    folder, _ = shards
+    ds = PackedDataset(folder, batch_size=3)
+    assert len(list(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=Collator()))) == len(ds)
+    with pytest.raises(PackstreamError, match="ds.dataloader"):
+        list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, collate_fn=Collator()))
+    with pytest.raises(PackstreamError, match="persistent_workers"):
+        ds.dataloader(num_workers=1, persistent_workers=True)
+
+
+# -- the plan, over random setups --------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 60),
+    by=st.sampled_from(list(BatchBy)),
+    size=st.integers(1, 12),
+    world=st.integers(1, 4),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_plan_properties(n, by, size, world, drop_last, seed):
+    rng = np.random.default_rng(seed)
+    units = None if by is BatchBy.ROWS else rng.integers(1, 6, size=n)
+    budget = 5
+    size = max(size, budget) if by is BatchBy.TOKENS else size
+    plans = [plan_epoch(n, units, _Sampling(batch_by=by, batch_size=size, rank=r, world_size=world,
+                                            drop_last=drop_last, seed=seed), 0, budget) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1  # same number of steps on every rank
+    assert all(len(mb) > 0 for p in plans for mb in p)
+    every = Counter(int(i) for p in plans for mb in p for i in mb)
+    if drop_last:
+        assert max(every.values(), default=1) == 1
+    elif n:
+        assert set(every) == set(range(n))
+    if by is BatchBy.ROWS:
+        assert all(len(mb) <= size for p in plans for mb in p)
+    if by is BatchBy.TOKENS:
+        assert all(units[mb].sum() <= size for p in plans for mb in p)
