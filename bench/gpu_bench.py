@@ -57,19 +57,6 @@ def load_examples(n: int) -> tuple[list[_shards.Example], str]:
     return _shards.random_examples(n, min_len=32, max_len=1024, vocab=129280), "random lengths 32-1024"
 
 
-def padded_batch(examples) -> dict:
-    n = max(len(e.input_ids) for e in examples)
-    ids = torch.zeros(len(examples), n, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, e in enumerate(examples):
-        k = len(e.input_ids)
-        ids[i, :k] = torch.tensor(e.input_ids)
-        mask[i, :k] = 1
-        labels[i, :k] = torch.where(torch.tensor(e.loss_mask, dtype=torch.bool), ids[i, :k], -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
-
-
 def run_mode(model, batches: list[dict], useful: list[int], warmup: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     check_packing_safe(model, batches[0])
@@ -124,7 +111,7 @@ def main(argv=None) -> int:
 
     flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     modes = {
-        "padded (sdpa + mask)": ("sdpa", [padded_batch(s) for s in random_steps],
+        "padded (sdpa + mask)": ("sdpa", [_shards.padded_batch(s) for s in random_steps],
                                  [sum(len(e.input_ids) for e in s) for s in random_steps]),
         f"flattening ({varlen})": (varlen, [{**flat([{"input_ids": e.input_ids, "labels": [t if m else -100 for t, m in
                                                       zip(e.input_ids, e.loss_mask)]} for e in s]), "use_cache": False}

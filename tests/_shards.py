@@ -145,3 +145,19 @@ def compact_vocab(examples: Iterable[Example], size: int) -> dict[int, int]:
 def remap(examples: Iterable[Example], mapping: dict[int, int], size: int) -> list[Example]:
     """Apply :func:`compact_vocab`'s mapping (unknown ids -> ``size - 1``)."""
     return [Example(e.id, [mapping.get(t, size - 1) for t in e.input_ids], e.loss_mask) for e in examples]
+
+
+def padded_batch(examples: Sequence[Example]) -> dict:
+    """The unpacked baseline: examples right-padded into ``[B, max_len]`` with an attention mask."""
+    import torch
+
+    n = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, e in enumerate(examples):
+        k = len(e.input_ids)
+        ids[i, :k] = torch.tensor(e.input_ids)
+        mask[i, :k] = 1
+        labels[i, :k] = torch.where(torch.tensor(e.loss_mask, dtype=torch.bool), ids[i, :k], -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}

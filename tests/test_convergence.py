@@ -33,6 +33,7 @@ from tests._shards import (
     compact_vocab,
     gsm8k_examples,
     load_tokenizer,
+    padded_batch,
     pack_first_fit,
     random_examples,
     remap,
@@ -53,19 +54,6 @@ def tiny_llama(attn: str = "sdpa"):
                       attn_implementation=attn, tie_word_embeddings=True)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
-
-
-def padded_batch(examples):
-    n = max(len(e.input_ids) for e in examples)
-    ids = torch.zeros(len(examples), n, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, e in enumerate(examples):
-        k = len(e.input_ids)
-        ids[i, :k] = torch.tensor(e.input_ids)
-        mask[i, :k] = 1
-        labels[i, :k] = torch.where(torch.tensor(e.loss_mask, dtype=torch.bool), ids[i, :k], -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
 
 
 def train(steps, attn: str):
