@@ -128,14 +128,13 @@ def plan(items: Sequence[tuple[str, str, int, int]], options: PackOptions) -> Pl
     result = packers.pack(lengths, budget, "bfd", long=options.long, max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
     split = set(result.split.tolist())
-    rows = []
-    for r in range(result.num_rows):
-        lo, hi = result.row_offsets[r], result.row_offsets[r + 1]
-        row = []
-        for j in range(lo, hi):
-            e, start, stop = int(result.order[j]), int(result.starts[j]), int(result.stops[j])
-            row.append(Piece(items[e][0], start, stop, start // budget if e in split else -1))
-        rows.append(row)
+    order, starts, stops = result.order.tolist(), result.starts.tolist(), result.stops.tolist()
+    bounds = result.row_offsets.tolist()
+    rows = [
+        [Piece(items[e][0], a, b, a // budget if e in split else -1)
+         for e, a, b in zip(order[lo:hi], starts[lo:hi], stops[lo:hi])]
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
     rejected = []
     for e in result.dropped.tolist():
         eid, source, position, n = items[e]
