@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -79,15 +77,9 @@ def _evenly(n: int, k: int) -> list[int]:
     return sorted({int((i + 0.5) * n / k) for i in range(k)})
 
 
-def _parse_lines(f: _read.InputFile, lines: Sequence[tuple[int, bytes]], max_bytes: int) -> list:
-    """Parse raw JSONL lines with the job's own reader (through a temporary file)."""
-    with tempfile.TemporaryDirectory(prefix="packstream-sample-") as d:
-        path = os.path.join(d, "sample.jsonl")
-        with open(path, "wb") as out:
-            for _, raw in lines:
-                out.write(raw.rstrip(b"\r\n") + b"\n")
-        parsed = list(_read.read_file(_read.InputFile(path, f.source, "jsonl"), max_bytes))
-    return [(pos, rec) for (pos, _), (_, rec) in zip(lines, parsed)]
+def _parse_lines(lines: Sequence[tuple[int, bytes]], max_bytes: int) -> list:
+    """Parse sampled JSONL lines with the job's own line parser."""
+    return [(pos, _read.parse_line(raw, max_bytes, first=pos == 1)) for pos, raw in lines]
 
 
 def _count_lines(path: str) -> int:
@@ -114,12 +106,12 @@ def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random
                     j = rng.randrange(n)
                     if j < k:
                         kept[j] = (lineno, raw)
-        return _parse_lines(f, sorted(kept), max_bytes), n, True
+        return _parse_lines(sorted(kept), max_bytes), n, True
     size = _size(f.path)
     if size <= _SMALL:
         with FileSystems.open(f.path, compression_type="uncompressed") as fh:
             lines = [(i, raw) for i, raw in enumerate(fh.read().split(b"\n"), start=1) if raw.strip()]
-        return _parse_lines(f, [lines[i] for i in _evenly(len(lines), k)], max_bytes), len(lines), True
+        return _parse_lines([lines[i] for i in _evenly(len(lines), k)], max_bytes), len(lines), True
     # Large: seek to k evenly spaced offsets and take the line after each one. The line a seek
     # lands in is chosen in proportion to its length; the line after it is not.
     lines = []
@@ -143,7 +135,7 @@ def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random
         records, exact = int(round(size / per_record)), False
     # Positions are line numbers in the job; here the offset's approximate line.
     lines = [(int(off / per_record) + 1, raw) for off, raw in lines]
-    return _parse_lines(f, lines, max_bytes), records, exact
+    return _parse_lines(lines, max_bytes), records, exact
 
 
 def _parquet_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
@@ -233,7 +225,7 @@ class _Tokenized:
 
 
 def _tokenize(s: InputSample, options: PackOptions, renderer) -> _Tokenized:
-    from pipeline._rows import Example
+    from pipeline._rows import Example, example_id
 
     started = time.perf_counter()
     rejected: dict[str, int] = {}
@@ -252,7 +244,7 @@ def _tokenize(s: InputSample, options: PackOptions, renderer) -> _Tokenized:
             if isinstance(res, Rejected):
                 rejected[res.reason.value] = rejected.get(res.reason.value, 0) + 1
                 continue
-            examples.append(Example(f"{s.file.source}:{pos}", s.file.source, pos, res))
+            examples.append(Example(example_id(s.file.source, pos, record), s.file.source, pos, res))
             lengths.append(res.shape[1])
             targets.append(int(res[1, : options.max_tokens].sum()))
             full.append(int(res[1].sum()))

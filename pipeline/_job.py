@@ -21,7 +21,6 @@ if records read != examples packed + rejected + dropped for length. Beam metrics
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from typing import Any, Optional, Sequence
@@ -39,7 +38,6 @@ from pipeline._render import Renderer, tokenizer_identity
 
 NS = "packstream"
 SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens (~300 MB)
-log = logging.getLogger("packstream")
 
 
 class TooManyRejected(PackstreamError):

@@ -187,31 +187,29 @@ def _open_bytes(path: str) -> Iterator[Any]:
             yield raw
 
 
+def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
+    """One JSONL line -> its record, or a Rejected saying why not. ``first``: line 1 of its file."""
+    if len(raw) > max_bytes:
+        return Rejected(Reason.RECORD_TOO_LARGE, f"{len(raw)} bytes > --max-record-bytes {max_bytes}")
+    try:
+        # utf-8-sig on the first line: a byte-order mark is not part of the first record.
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        return Rejected(Reason.INVALID_UTF8, f"byte {e.start}: {e.reason}")
+    try:
+        record = json.loads(text.rstrip("\r\n"))  # so that e.colno counts within this line
+    except json.JSONDecodeError as e:
+        return Rejected(Reason.MALFORMED_JSON, f"{e.msg} at column {e.colno}")
+    except RecursionError:
+        return Rejected(Reason.MALFORMED_JSON, "nesting too deep")
+    return (_lone_surrogate(record) if _may_hold_surrogates(raw) else None) or record
+
+
 def _jsonl(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
     with _open_bytes(f.path) as fh:
         for lineno, raw in enumerate(iter(fh.readline, b""), start=1):
-            if not raw.strip():
-                continue  # blank lines are not records
-            if len(raw) > max_bytes:
-                yield lineno, Rejected(
-                    Reason.RECORD_TOO_LARGE, f"{len(raw)} bytes > --max-record-bytes {max_bytes}"
-                )
-                continue
-            try:
-                # utf-8-sig on the first line: a byte-order mark is not part of the first record.
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, Rejected(Reason.INVALID_UTF8, f"byte {e.start}: {e.reason}")
-                continue
-            try:
-                record = json.loads(text.rstrip("\r\n"))  # so that e.colno counts within this line
-            except json.JSONDecodeError as e:
-                yield lineno, Rejected(Reason.MALFORMED_JSON, f"{e.msg} at column {e.colno}")
-                continue
-            except RecursionError:
-                yield lineno, Rejected(Reason.MALFORMED_JSON, "nesting too deep")
-                continue
-            yield lineno, (_lone_surrogate(record) if _may_hold_surrogates(raw) else None) or record
+            if raw.strip():  # blank lines are not records
+                yield lineno, parse_line(raw, max_bytes, first=lineno == 1)
 
 
 def _may_hold_surrogates(raw: bytes) -> bool:
