@@ -26,6 +26,7 @@ import pyarrow as pa
 
 import packers
 from packers import PackstreamError
+from pipeline import _write
 
 SCHEMA_VERSION = 1
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -64,13 +65,9 @@ def _fs():
     return FileSystems
 
 
-def _join(folder: str, name: str) -> str:
-    return _fs().join(folder, name) if "://" in folder else os.path.join(folder, name)
-
-
 def _shards(folder: str) -> list[str]:
     if "://" in folder:
-        found = _fs().match([_join(folder, "train-*")])[0].metadata_list
+        found = _fs().match([_write.join(folder, "train-*")])[0].metadata_list
         paths = [m.path for m in found]
     else:
         paths = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("train-")]
@@ -83,8 +80,7 @@ def _read_columns(path: str) -> tuple[pa.Schema, np.ndarray, np.ndarray, np.ndar
         source: Any = pa.memory_map(path)
         size = os.path.getsize(path)
     else:
-        with _fs().open(path, compression_type="uncompressed") as f:
-            data = f.read()
+        data = _write.read_bytes(path)
         source, size = pa.BufferReader(data), len(data)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -118,10 +114,9 @@ def _percentiles(x: np.ndarray) -> dict[str, Any]:
 def _manifest(folder: str) -> Optional[dict]:
     from apache_beam.io.filesystem import BeamIOError
 
-    path = _join(folder, "manifest.json")
+    path = _write.join(folder, "manifest.json")
     try:
-        with _fs().open(path, compression_type="uncompressed") as f:
-            return json.loads(f.read().decode())
+        return json.loads(_write.read_bytes(path))
     except (OSError, BeamIOError):
         return None  # a folder of shards without a manifest: report what the shards hold
 

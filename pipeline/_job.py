@@ -416,10 +416,7 @@ def run(
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     if template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
         return {"config": options.to_dict(), "template_location": template}
-    with open(_write.join(options.output, "manifest.json")) if "://" not in options.output else _open_remote(
-        _write.join(options.output, "manifest.json")
-    ) as f:
-        manifest = json.load(f)
+    manifest = json.loads(_write.read_bytes(_write.join(options.output, "manifest.json")))
     manifest["elapsed_s"] = round(time.time() - started, 3)
     c = manifest["counts"]
     if c["records_read"] == 0:
@@ -433,11 +430,3 @@ def run(
         )
     return manifest
 
-
-def _open_remote(path: str):
-    import io
-
-    from apache_beam.io.filesystems import FileSystems
-
-    with FileSystems.open(path) as f:
-        return io.StringIO(f.read().decode())

@@ -42,7 +42,7 @@ import pyarrow as pa
 
 import packers
 from packers import ContractError, InternalError, LongPolicy, PackstreamError
-from pipeline import _read, _rows
+from pipeline import _read, _rows, _write
 from pipeline._formats import Reason, Rejected, normalize
 from pipeline._options import Format, OutputFormat, PackMode, PackOptions, TrainOn
 
@@ -120,13 +120,6 @@ def _list(folder: str) -> list[str]:
     import os
 
     return sorted(os.listdir(folder))
-
-
-def _read_bytes(path: str) -> bytes:
-    from apache_beam.io.filesystems import FileSystems
-
-    with FileSystems.open(path, compression_type="uncompressed") as f:
-        return f.read()
 
 
 def options_from_config(config: dict, inputs: Sequence[str], output: str) -> PackOptions:
@@ -329,7 +322,7 @@ def verify(folder: str, inputs: Optional[Sequence[str]] = None) -> Report:
     for n in on_disk:
         if manifest is not None and not n.endswith(expected_ext):
             report.add(n, f"extension differs from the manifest's output_format {config.get('output_format')!r}")
-        data = _read_bytes(_join(folder, n))
+        data = _write.read_bytes(_join(folder, n))
         measured[n] = check_shard(
             report, n, data, budget=budget or 2**31 - 1, eos_id=eos_id, long=long, train_all=train_all,
             expect_meta=expect_meta, pieces=pieces, keep_tokens=inputs is not None,
@@ -357,7 +350,7 @@ def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[di
         report.add("manifest.json", "missing: the run did not finish, or this is not a packstream output folder")
         return None
     try:
-        manifest = json.loads(_read_bytes(_join(folder, "manifest.json")))
+        manifest = json.loads(_write.read_bytes(_join(folder, "manifest.json")))
     except (ValueError, UnicodeDecodeError) as e:
         report.add("manifest.json", f"is not valid JSON: {e}")
         return None
@@ -376,7 +369,7 @@ def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[di
 
 def _budget_from_shard(folder: str, name: str) -> Optional[int]:
     try:
-        schema, _ = _read_table(_read_bytes(_join(folder, name)), name.rsplit(".", 1)[-1])
+        schema, _ = _read_table(_write.read_bytes(_join(folder, name)), name.rsplit(".", 1)[-1])
         return int(packers.read_metadata(schema)["budget"])
     except (pa.ArrowInvalid, OSError, ValueError, KeyError):
         return None
@@ -392,7 +385,7 @@ def _check_dead_letters(folder, names, manifest, pieces, report) -> dict[tuple[s
         report.add(fname, "missing")
         return {}
     dead: dict[tuple[str, int], dict] = {}
-    lines = _read_bytes(_join(folder, fname)).decode("utf-8", errors="replace").splitlines()
+    lines = _write.read_bytes(_join(folder, fname)).decode("utf-8", errors="replace").splitlines()
     for lineno, line in enumerate(lines, start=1):
         at = f"{fname} line {lineno}"
         try:

@@ -32,6 +32,14 @@ def join(folder: str, name: str) -> str:
     return FileSystems.join(folder, name) if "://" in folder else posixpath.join(folder, name)
 
 
+def read_bytes(path: str) -> bytes:
+    """A whole file's bytes, local or remote (no decompression)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        return f.read()
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary sibling and a rename."""
     from apache_beam.io.filesystems import FileSystems
