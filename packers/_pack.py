@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from packers._errors import InternalError, PackstreamError
+from packers._schema import MAX_TOKENS_LIMIT
 
 
 class Strategy(str, enum.Enum):
@@ -74,8 +75,7 @@ def _positive_int(value: object, name: str, fix: str) -> int:
     return int(value)
 
 
-_MAX_BUDGET = 1 << 24
-"""Best-fit keeps a bucket per capacity: O(budget) memory. 16M tokens is far above any row."""
+_MAX_BUDGET = MAX_TOKENS_LIMIT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -50,6 +50,10 @@ from packers._errors import ContractError
 CONTRACT_VERSION = 1
 """Bump on any incompatible change to :data:`SCHEMA` or its metadata keys."""
 
+MAX_TOKENS_LIMIT = 1 << 24
+"""The largest row budget: offsets are int32, and best-fit keeps a bucket per capacity (O(budget) memory).
+16,777,216 tokens is far above any row a model trains on."""
+
 SCHEMA = pa.schema(
     [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),

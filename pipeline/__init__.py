@@ -9,11 +9,11 @@ Layout: ``_read`` (inputs -> records), ``_formats`` (records -> conversations),
 from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn
 
 
-def run(options: PackOptions, beam_args=(), workers: int = 1) -> dict:
+def run(options: PackOptions, beam_args=()) -> dict:
     """Run the packing job; returns the manifest (see ``manifest.json``)."""
     from pipeline._job import run as _run
 
-    return _run(options, beam_args, workers)
+    return _run(options, beam_args)
 
 
 __all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "TrainOn", "run"]

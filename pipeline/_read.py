@@ -38,6 +38,8 @@ class InputFile:
     """Short, stable name used in example ids and dead letters (path relative to the common root)."""
     kind: str  # jsonl | json | parquet | arrow | hf_disk
     split: str = ""
+    dataset: int = 0
+    """Index of the data set (``PackOptions.datasets()``) whose format options apply."""
 
 
 def _kind(path: str) -> str | None:
@@ -51,6 +53,8 @@ def _kind(path: str) -> str | None:
 def _is_hf_disk(path: str) -> bool:
     from apache_beam.io.filesystems import FileSystems
 
+    if "://" not in path:
+        return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json"))
     return any(
         FileSystems.exists(FileSystems.join(path, name)) for name in ("state.json", "dataset_dict.json")
     )
@@ -101,72 +105,161 @@ def _gunzip_head(path: str) -> bytes:
         return f.read(4096)
 
 
-def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
-    """Resolve files, globs and folders into a sorted, de-duplicated list of checked inputs."""
+def _local_matches(pattern: str) -> list[str]:
+    """Absolute paths of the local files (or datasets folders) that ``pattern`` names.
+
+    A name that exists is taken literally, before any glob expansion (so ``a[1].jsonl`` is that
+    file); a folder is walked recursively, skipping hidden names (``.tmp-*``, ``.git``) and not
+    following symlinked folders; otherwise the pattern is a glob (``**`` recursive).
+    """
+    import glob
+
+    if os.path.lexists(pattern):
+        path = os.path.abspath(pattern)
+        if not os.path.isdir(path) or _is_hf_disk(path):
+            return [path]
+        out = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            if _is_hf_disk(dirpath) and dirpath != path:
+                out.append(dirpath)
+                dirnames[:] = []
+                continue
+            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".") and _kind(f)]
+        return out
+    return sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True)
+                  if not os.path.isdir(p) or _is_hf_disk(p))
+
+
+def _remote_matches(pattern: str) -> list[str]:
     from apache_beam.io.filesystems import FileSystems
 
-    found: list[tuple[str, str]] = []  # (path, kind)
-    for pattern in patterns:
-        is_dir = os.path.isdir(pattern) if "://" not in pattern else False
-        if is_dir or ("://" in pattern and _is_hf_disk(pattern)):
-            if _is_hf_disk(pattern):
-                found.append((pattern.rstrip("/"), "hf_disk"))
-                continue
-            pattern = FileSystems.join(pattern, "**")
-        try:
-            matches = FileSystems.match([pattern])[0].metadata_list
-        except Exception as e:  # beam raises BeamIOError for unreadable or unknown schemes
-            raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
-        paths = sorted(m.path for m in matches)
-        if not paths:
-            raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
-        usable = [(p, _kind(p)) for p in paths]
-        usable = [(p, k) for p, k in usable if k]
-        if not usable:
-            raise PackstreamError(
-                f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)} "
-                "or a datasets save_to_disk folder"
-            )
-        found.extend(usable)
-    seen: dict[str, str] = {}
-    for p, k in found:
-        seen.setdefault(p, k)
-    for p, k in seen.items():
+    if _is_hf_disk(pattern):
+        return [pattern.rstrip("/")]
+    try:
+        if FileSystems.exists(pattern):  # literal name first
+            return [pattern]
+        literal_dir = not any(c in pattern for c in "*?[")
+        query = FileSystems.join(pattern, "**") if literal_dir else pattern
+        return sorted(m.path for m in FileSystems.match([query])[0].metadata_list)
+    except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError (or worse) for unreadable or unknown schemes
+        raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
+
+
+def _check_regular(path: str) -> None:
+    """Refuse what is not a regular file (a FIFO would block the reader forever; a device never ends)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise PackstreamError(f"cannot read input {path}: {e.strerror or e}; check the path and its permissions") from None
+    if not stat.S_ISREG(mode):
+        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise PackstreamError(f"input {path} is {what}; packstream reads regular files: copy the data to a file first")
+
+
+def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
+    """Resolve every data set's files, globs and folders into checked inputs, plus notes on duplicates.
+
+    Local paths are made absolute and de-duplicated by real path (``d/./x.jsonl``, a symlink to a
+    file already named): the first name is kept and the others are noted. Each input's source
+    name is its path relative to the common root of all inputs. A file named by two data sets is
+    an error: it would be read twice, in two shapes.
+    """
+    found: list[tuple[str, str, int]] = []  # (path, kind, dataset)
+    owner: dict[str, tuple[str, int]] = {}  # real path -> (first path, dataset)
+    notes: list[str] = []
+    for d, spec in enumerate(datasets):
+        for pattern in spec.paths:
+            if not pattern:
+                raise PackstreamError("an input path is empty; give a file, glob or folder")
+            remote = "://" in pattern
+            paths = _remote_matches(pattern) if remote else _local_matches(pattern)
+            if not paths:
+                raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
+            usable = [(p, "hf_disk" if _is_hf_disk(p) else _kind(p)) for p in paths]
+            usable = [(p, k) for p, k in usable if k]
+            if not usable:
+                raise PackstreamError(
+                    f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)} "
+                    "or a datasets save_to_disk folder"
+                )
+            for p, k in usable:
+                if not remote and k != "hf_disk":
+                    _check_regular(p)
+                real = p if remote else os.path.realpath(p)
+                if real in owner:
+                    first, first_d = owner[real]
+                    if first_d != d:
+                        raise PackstreamError(
+                            f"input {p} is named by two data sets ({datasets[first_d].name!r} and {spec.name!r}); "
+                            "give each file to one data set"
+                        )
+                    if first != p:
+                        notes.append(f"{p} is the same file as {first}; read once")
+                    continue
+                owner[real] = (p, d)
+                found.append((p, k, d))
+    for p, k, _ in found:
         if k != "hf_disk":
             _sniff(p, k)
-    paths = sorted(seen)
-    root = _common_root(paths)
+    found.sort(key=lambda t: t[0])
+    root = _common_root([p for p, _, _ in found])
     out = []
-    for p in paths:
+    for p, k, d in found:
         source = p[len(root):].lstrip("/") if root else p
         source = source or posixpath.basename(p.rstrip("/"))
-        if seen[p] == "hf_disk":
-            out.extend(_hf_splits(p, source))
+        if k == "hf_disk":
+            out.extend(_hf_splits(p, source, d, datasets[d].split))
         else:
-            out.append(InputFile(p, source, seen[p]))
-    return out
+            out.append(InputFile(p, source, k, dataset=d))
+    return out, notes
+
+
+def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
+    """The inputs of one data set (see :func:`expand_datasets`)."""
+    from pipeline._options import DatasetSpec, FormatOptions
+
+    return expand_datasets((DatasetSpec(name="default", paths=tuple(patterns), format=FormatOptions()),))[0]
 
 
 def _common_root(paths: list[str]) -> str:
-    """The folder shared by all paths ('' for a single path's own folder handling)."""
+    """The folder shared by all paths, ending at a path component (one path: its own folder)."""
     if not paths:
         return ""
     if len(paths) == 1:
         return posixpath.dirname(paths[0].rstrip("/"))
-    root = posixpath.commonpath([p.replace("://", ":/") for p in paths]).replace(":/", "://", 1)
-    return root if "://" not in paths[0] or "://" in root else ""
+    split = [p.rstrip("/").split("/") for p in paths]
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    root = "/".join(common)
+    if len(common) == min(len(s) for s in split):  # one path is a prefix folder of another: keep a name
+        root = "/".join(common[:-1])
+    if "://" in paths[0] and "://" not in root + "/":  # never cut inside the scheme
+        return ""
+    return root
 
 
-def _hf_splits(path: str, source: str) -> list[InputFile]:
+def _hf_splits(path: str, source: str, dataset: int = 0, split: "str | None" = None) -> list[InputFile]:
     import datasets
 
     try:
         ds = datasets.load_from_disk(path)
-    except Exception as e:  # datasets raises FileNotFoundError or ValueError on a broken folder
+    except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError, ValueError, or worse on a broken folder
         raise PackstreamError(f"cannot open datasets folder {path}: {e}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        return [InputFile(path, f"{source}[{name}]", "hf_disk", name) for name in sorted(ds)]
-    return [InputFile(path, source, "hf_disk")]
+    names = sorted(ds) if isinstance(ds, datasets.DatasetDict) else []
+    if split is not None:
+        if split not in names:
+            raise PackstreamError(f"datasets folder {path} has no split {split!r}; it has {names or 'no splits'}")
+        return [InputFile(path, f"{source}[{split}]", "hf_disk", split, dataset)]
+    if names:
+        return [InputFile(path, f"{source}[{name}]", "hf_disk", name, dataset) for name in names]
+    return [InputFile(path, source, "hf_disk", "", dataset)]
 
 
 @contextlib.contextmanager

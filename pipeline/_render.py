@@ -34,7 +34,7 @@ import numpy as np
 
 from packers import PackstreamError
 from pipeline._formats import Conversation, Reason, Rejected
-from pipeline._options import DEFAULT_TOKENIZER, PackOptions, TrainOn
+from pipeline._options import DEFAULT_TOKENIZER, FormatOptions, PackOptions, TrainOn
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
 
@@ -172,7 +172,6 @@ class Renderer:
     """Render and tokenize batches of conversations with one tokenizer (loaded once per process)."""
 
     def __init__(self, options: PackOptions):
-        self.train_all = options.train_on is TrainOn.ALL
         self.tok = load_tokenizer(options.tokenizer, options.trust_remote_code)
         self.template = options.chat_template or self.tok.chat_template
         if isinstance(self.template, dict):  # tokenizers with named templates
@@ -181,7 +180,10 @@ class Renderer:
         self.eos_id = self.tok.eos_token_id
         self._backend = self.tok.backend_tokenizer
 
-    def segments(self, conv: Conversation) -> Segments:
+    def segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
+        """The conversation as ``[(text, is_target), ...]``; every target flag follows ``fmt``."""
+        if conv.segments is not None:
+            return [(t, y) for t, y in conv.segments if t]
         if conv.text is not None:
             segs = [(conv.text, True)]
         elif self.template is None:
@@ -194,53 +196,13 @@ class Renderer:
         if segs:
             text, target = segs[-1]
             segs[-1] = (text.rstrip(), target)
-        if self.train_all:
+        if fmt.train_on is TrainOn.ALL:
             segs = [(t, True) for t, _ in segs]
         return [(t, y) for t, y in segs if t]
 
-    def render_text(self, conv: Conversation) -> str:
+    def render_text(self, conv: Conversation, fmt: FormatOptions) -> str:
         """The full example as text, EOS included: what decoding the stored tokens gives back."""
-        text = "".join(t for t, _ in self.segments(conv))
+        text = "".join(t for t, _ in self.segments(conv, fmt))
         if self.eos_text and not text.endswith(self.eos_text):
             text += self.eos_text
         return text
-
-    def encode(self, convs: Sequence[Conversation]) -> list["np.ndarray | Rejected"]:
-        """Tokenize a batch. Each result is an ``(2, n)`` uint32 array (ids, mask) or a Rejected."""
-        all_segs: list[Optional[Segments]] = []
-        results: list[Any] = [None] * len(convs)
-        flat: list[str] = []
-        for i, conv in enumerate(convs):
-            try:
-                segs = self.segments(conv)
-            except Rejected as r:
-                results[i] = r
-                all_segs.append(None)
-                continue
-            all_segs.append(segs)
-            flat.extend(t for t, _ in segs)
-        encodings = self._backend.encode_batch_fast(flat, add_special_tokens=False) if flat else []
-        k = 0
-        for i, segs in enumerate(all_segs):
-            if segs is None:
-                continue
-            ids: list[int] = []
-            mask: list[int] = []
-            for _, target in segs:
-                seg_ids = encodings[k].ids
-                k += 1
-                ids.extend(seg_ids)
-                mask.extend([int(target)] * len(seg_ids))
-            if not ids:
-                results[i] = Rejected(Reason.EMPTY_AFTER_RENDER, "the record renders to no tokens")
-                continue
-            if self.eos_id is not None and ids[-1] != self.eos_id:
-                ids.append(self.eos_id)
-                mask.append(mask[-1])
-            if not any(mask):
-                results[i] = Rejected(
-                    Reason.NO_TARGET_TOKENS, "no token is a training target (empty assistant turns?); use --train-on all"
-                )
-                continue
-            results[i] = np.array((ids, mask), dtype=np.int32)
-        return results

@@ -59,6 +59,35 @@ class ExampleBatch:
         return cls([e.example_id for e in examples], [e.source for e in examples],
                    [e.position for e in examples], offsets, tokens)
 
+    @classmethod
+    def from_arrays(cls, ids: list[str], sources: list[str], positions: list[int], lengths: np.ndarray,
+                    input_ids: np.ndarray, loss_mask: np.ndarray) -> "ExampleBatch":
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.empty((2, len(input_ids)), dtype=np.int32)
+        tokens[0], tokens[1] = input_ids, loss_mask
+        return cls(list(ids), list(sources), list(positions), offsets, tokens)
+
+    def take(self, which: Sequence[int], suffix: str = "") -> "ExampleBatch":
+        """The examples at ``which``, with ``suffix`` added to their ids."""
+        o = self.offsets
+        parts = [self.tokens[:, o[i]:o[i + 1]] for i in which]
+        lengths = np.array([o[i + 1] - o[i] for i in which], dtype=np.int64)
+        offsets = np.zeros(len(which) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), np.int32)
+        return ExampleBatch([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
+                            [self.positions[i] for i in which], offsets, tokens)
+
+    @classmethod
+    def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
+        tokens = np.concatenate([b.tokens for b in batches], axis=1)
+        lengths = np.concatenate([np.diff(b.offsets) for b in batches])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls([i for b in batches for i in b.ids], [s for b in batches for s in b.sources],
+                    [p for b in batches for p in b.positions], offsets, tokens)
+
     def __len__(self) -> int:
         return len(self.ids)
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
+import functools
 import logging
 import os
 import sys
+import typing
 from importlib import resources
-from typing import Sequence
+from typing import Any, Sequence
 
 import click
 
@@ -24,8 +28,7 @@ class _DropImportNoise(logging.Filter):
 
 logging.getLogger().addFilter(_DropImportNoise())
 
-from packers import LongPolicy, PackstreamError
-from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn
+from packers import PackstreamError
 from pipeline._progress import LogFormat
 
 
@@ -68,7 +71,9 @@ EXIT_TOO_MANY_REJECTED = 3
 """The job finished but rejected more than ``--max-reject-fraction`` of the records."""
 
 
-def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None) -> None:
+def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None, summary: "dict | None" = None) -> None:
+    if summary is not None:
+        click.echo(summary_table(summary), err=True)
     click.secho(f"error: {e}", fg="red", err=True)
     if reporter is not None:
         reporter.error(str(e), code)  # --log-format json: the batch log ends with an error event
@@ -89,41 +94,82 @@ def main() -> None:
     """Pack instruction data into fixed-budget rows for FlashAttention-2 training."""
 
 
+def _click_type(field: dataclasses.Field, hint: Any):
+    """The click type of a PackOptions field (``Optional[X]`` -> X; enums -> their values)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return _enum_choice(base)
+    return {int: int, float: float}.get(base, str)
+
+
+def options_for(command: str):
+    """Click decorators for every PackOptions field whose CLI metadata names ``command``."""
+    from pipeline._options import PackOptions
+
+    hints = typing.get_type_hints(PackOptions)
+    decorators = []
+    for f in dataclasses.fields(PackOptions):
+        meta = f.metadata.get("cli")
+        if not meta or command not in meta["commands"]:
+            continue
+        names = [meta["flag"]] + ([meta["short"]] if meta["short"] else [])
+        kw: dict[str, Any] = {"help": meta["help"]}
+        kind = meta["kind"]
+        if kind == "flag":
+            names = [f"{meta['flag']}/--no-{meta['flag'][2:]}"]
+            kw.update(default=f.default, show_default=True)
+        elif kind == "switch":
+            kw.update(is_flag=True, default=False)
+        elif kind == "pairs":
+            kw.update(multiple=True, metavar=meta["metavar"])
+        elif kind in ("file", "config"):
+            kw.update(type=click.Path(exists=True, dir_okay=False), default=None, metavar=meta["metavar"])
+        else:
+            default = f.default
+            kw.update(type=_click_type(f, hints[f.name]), metavar=meta["metavar"],
+                      default=default.value if isinstance(default, enum.Enum) else default,
+                      show_default=default is not None and default != "")
+        decorators.append(click.option(*names, f.name, **kw))
+    return lambda fn: functools.reduce(lambda acc, d: d(acc), reversed(decorators), fn)
+
+
+def build_options(paths: Sequence[str], params: dict[str, Any], *, output_required: bool = False):
+    """PackOptions from the generated click parameters; a bad value is a PackstreamError."""
+    from pipeline._options import PackOptions, load_config
+
+    known = {f.name for f in dataclasses.fields(PackOptions)}
+    kw = {k: v for k, v in params.items() if k in known and v is not None}
+    if output_required and not kw.get("output"):
+        raise click.UsageError("Missing option '--output' / '-o'.")
+    if kw.get("chat_template"):
+        kw["chat_template"] = read_text_file(kw["chat_template"], "--chat-template")
+    config = kw.pop("config", None)
+    kw["inputs"] = tuple(paths) if (paths or config) else (bundled_sample(),)
+    if config:
+        defaults = PackOptions(**{**kw, "inputs": ("-",)}).format_options()
+        kw["config"] = load_config(config, defaults)
+    return PackOptions(**kw)
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A small text file given on the command line (a template), as UTF-8 text, or a clear error."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4 * 2**20 + 1)
+    except OSError as e:
+        raise PackstreamError(f"{flag} {path} cannot be read: {e.strerror or e}") from None
+    if len(data) > 4 * 2**20:
+        raise PackstreamError(f"{flag} {path} is larger than 4 MiB; a chat template is a few KB")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise PackstreamError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
 @click.argument("inputs", nargs=-1, type=click.UNPROCESSED)
-@click.option("--output", "-o", default=None, help="Output folder (local, gs://, s3://). Required unless --estimate.")
-@click.option("--tokenizer", default=DEFAULT_TOKENIZER, show_default=True,
-              help="Hugging Face tokenizer name or local path (fast tokenizers only).")
-@click.option("--max-tokens", type=int, default=4096, show_default=True, help="Token budget per packed row.")
-@click.option("--format", "fmt", type=_enum_choice(Format), default="auto", show_default=True,
-              help="Record shape; auto detects it per record.")
-@click.option("--field", "fields", multiple=True, metavar="NAME=ROLE",
-              help="Map a field to a turn (repeat, in order), e.g. --field question=user --field answer=assistant. "
-                   "ROLE: system, user, assistant, tool, or text (one field, every token trained).")
-@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
-              help="Jinja chat template file overriding the tokenizer's own and the built-in ChatML.")
-@click.option("--train-on", type=_enum_choice(TrainOn), default="assistant", show_default=True)
-@click.option("--long", "long_policy", type=_enum_choice(LongPolicy), default="drop", show_default=True,
-              help="Examples longer than --max-tokens: drop (dead-lettered), truncate, or split.")
-@click.option("--max-per-row", type=int, default=None, help="Cap on examples per row.")
-@click.option("--refine/--no-refine", default=True, show_default=True,
-              help="After best-fit decreasing, try exact fill (minimum bin slack) per group and keep the "
-                   "fewer rows. Off when --max-per-row is set.")
-@click.option("--group-size", type=int, default=10_000, show_default=True,
-              help="Examples per packing group (grouped mode).")
-@click.option("--mode", type=_enum_choice(PackMode), default="grouped", show_default=True,
-              help="grouped: pack bounded groups; global: two passes over all lengths for the last bit of fill.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the row shuffle.")
-@click.option("--num-shards", type=int, default=0, show_default=True, help="Output shards (0: automatic).")
-@click.option("--output-format", type=_enum_choice(OutputFormat), default="arrow", show_default=True)
-@click.option("--max-record-bytes", type=int, default=16 * 2**20, show_default=True)
-@click.option("--max-reject-fraction", type=float, default=1.0, show_default=True,
-              help="Fail (exit 3) when more than this fraction of records is rejected or dropped.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow tokenizers with custom code (off by default).")
-@click.option("--overwrite", is_flag=True, help="Replace packstream's files in a non-empty --output.")
-@click.option("--batch-size", type=int, default=512, show_default=True, help="Records per tokenizer batch.")
-@click.option("--workers", type=int, default=1, show_default=True,
-              help="Local worker processes (FnApiRunner multi-processing); use the machine's cores.")
+@options_for("pack")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
 @click.option("--progress/--no-progress", default=None,
               help="Show records read, tokenized and packed with the rate and an ETA on stderr "
@@ -132,57 +178,30 @@ def main() -> None:
               help="json: JSON lines on stdout for batch logs (progress events, then one done or error event).")
 @click.option("--log-interval", type=float, default=None,
               help="Seconds between progress updates [default: 0.5 on a terminal, 10 with --log-format json].")
-@click.option("--estimate", "estimate_only", is_flag=True,
-              help="Pack nothing: sample the inputs and predict rows, fill, tokens, output size and local run time.")
-@click.option("--sample", type=int, default=1000, show_default=True, help="Records sampled per input by --estimate.")
-def pack(inputs, output, tokenizer, max_tokens, fmt, fields, chat_template, train_on, long_policy, max_per_row, refine,
-         group_size, mode, seed, num_shards, output_format, max_record_bytes, max_reject_fraction,
-         trust_remote_code, overwrite, batch_size, workers, quiet, progress, log_format, log_interval,
-         estimate_only, sample):
-    """Pack INPUT files (JSONL, JSON, Parquet, Arrow, datasets folders; globs; gs://, s3://) into OUTPUT.
+@click.option("--estimate", "estimate_only", is_flag=True, hidden=True)
+@click.option("--sample", type=int, default=1000, hidden=True)
+def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sample, **params):
+    """Pack INPUT files (JSONL, JSON, Parquet, Arrow, datasets folders; globs; gs://, s3://) into --output.
 
     With no INPUT, packs the bundled sample. Other Beam options (--runner=DataflowRunner,
     --project=..., --setup_file=...) pass through to Beam; give them as --name=value.
     """
-    from pipeline._job import TooManyRejected, run
-
     from pipeline import _progress
+    from pipeline._job import TooManyRejected, run
 
     own = [o for p in click.get_current_context().command.params for o in getattr(p, "opts", [])]
     paths, beam_args = split_beam_args(inputs, own)
-    if output is None and not estimate_only:
-        raise click.UsageError("Missing option '--output' / '-o' (required unless --estimate).")
     reporter = None
     try:
-        mapping = []
-        for spec in fields:
-            if "=" not in spec:
-                raise PackstreamError(f"--field {spec!r} must look like NAME=ROLE, e.g. question=user")
-            name, role = spec.split("=", 1)
-            mapping.append((name, role))
-        template = open(chat_template, encoding="utf-8").read() if chat_template else None
-        options = PackOptions(
-            inputs=tuple(paths) or (bundled_sample(),), output=output or "", tokenizer=tokenizer, max_tokens=max_tokens,
-            format=Format(fmt), fields=tuple(mapping), chat_template=template, train_on=TrainOn(train_on),
-            long=LongPolicy(long_policy), max_per_row=max_per_row, refine=refine, group_size=group_size, mode=PackMode(mode),
-            seed=seed, num_shards=num_shards, output_format=OutputFormat(output_format),
-            max_record_bytes=max_record_bytes, max_reject_fraction=max_reject_fraction,
-            trust_remote_code=trust_remote_code, overwrite=overwrite, batch_size=batch_size,
-        )
-        if workers < 1:
-            raise PackstreamError(f"--workers {workers} must be >= 1 (this machine has {os.cpu_count()} cores)")
-        if quiet:
-            logging.getLogger().setLevel(logging.ERROR)
-        beam_log = logging.getLogger("apache_beam.runners.common")
-        if not any(isinstance(f, _NoUserErrorTracebacks) for f in beam_log.filters):
-            beam_log.addFilter(_NoUserErrorTracebacks())
+        options = build_options(paths, params, output_required=not estimate_only)
+        _quiet_logs(quiet)
         if estimate_only:
-            _print_estimate(options, sample, workers, log_format, quiet)
+            _print_estimate(options, sample, log_format, quiet)
             return
         reporter = _progress.for_cli(LogFormat(log_format), quiet, progress, log_interval)
-        manifest = run(options, beam_args, workers=workers, progress=reporter)
+        manifest = run(options, beam_args, progress=reporter)
     except TooManyRejected as e:
-        _fail(e, EXIT_TOO_MANY_REJECTED, reporter)
+        _fail(e, EXIT_TOO_MANY_REJECTED, reporter, summary=e.manifest)
     except PackstreamError as e:
         _fail(e, reporter=reporter)
     except Exception as e:  # a Beam job failure wraps the worker's exception: surface user errors cleanly
@@ -200,10 +219,62 @@ def pack(inputs, output, tokenizer, max_tokens, fmt, fields, chat_template, trai
         click.echo(summary_table(manifest))
 
 
-def _print_estimate(options: PackOptions, sample: int, workers: int, log_format: str, quiet: bool) -> None:
+def _quiet_logs(quiet: bool) -> None:
+    if quiet:
+        logging.getLogger().setLevel(logging.ERROR)
+        os.environ["PACKSTREAM_QUIET"] = "1"  # worker processes inherit it (pipeline._job silences their logs)
+    beam_log = logging.getLogger("apache_beam.runners.common")
+    if not any(isinstance(f, _NoUserErrorTracebacks) for f in beam_log.filters):
+        beam_log.addFilter(_NoUserErrorTracebacks())
+
+
+@main.command("estimate")
+@click.argument("inputs", nargs=-1)
+@options_for("estimate")
+@click.option("--sample", type=int, default=1000, show_default=True, help="Records sampled per input.")
+@click.option("--json", "as_json", is_flag=True, help="Print the estimate as one JSON object.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
+def estimate_command(inputs, sample, as_json, quiet, **params):
+    """Predict a pack job from a sample of its INPUT files: rows, fill, tokens, output size, run time.
+
+    Takes the options of `packstream pack` that shape the output (no --output needed).
+    """
+    try:
+        options = build_options(inputs, params)
+        _quiet_logs(quiet)
+        _print_estimate(options, sample, "json" if as_json else "text", quiet)
+    except PackstreamError as e:
+        _fail(e)
+
+
+@main.command("preview")
+@click.argument("inputs", nargs=-1)
+@options_for("preview")
+@click.option("-n", "--records", "n", type=int, default=5, show_default=True, help="Records shown per input.")
+@click.option("--color/--no-color", default=None, help="Highlight targets in colour [default: on a terminal]; "
+              "otherwise targets are shown in [[...]] brackets.")
+def preview_command(inputs, n, color, **params):
+    """Show how the first records of each INPUT are read, rendered and masked, without packing.
+
+    For each record: the detected format and the mapping used, the rendered text with the training
+    targets highlighted, token counts, or the rejection reason with its remedy. No Beam; quick.
+    """
+    from pipeline import _preview
+
+    try:
+        options = build_options(inputs, params)
+        if n < 1:
+            raise PackstreamError(f"-n {n} must be >= 1 records per input")
+        use_color = sys.stdout.isatty() if color is None else color
+        click.echo(_preview.format_preview(_preview.preview(options, n), color=use_color))
+    except PackstreamError as e:
+        _fail(e)
+
+
+def _print_estimate(options, sample: int, log_format: str, quiet: bool) -> None:
     from pipeline._estimate import estimate, format_estimate
 
-    est = estimate(options, sample=sample, workers=workers)
+    est = estimate(options, sample=sample)
     if quiet:
         return
     if LogFormat(log_format) is LogFormat.JSON:
@@ -263,19 +334,6 @@ def inspect_command(folder, as_json, plots_dir, no_plots):
     except PackstreamError as e:
         _fail(e)
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else _inspect.format_report(report))
-
-
-@main.command("estimate", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                           "help_option_names": []})
-@click.pass_context
-def estimate_command(ctx):
-    """Predict a pack job from a sample of its inputs; the same as `packstream pack --estimate`.
-
-    Takes the options of `packstream pack` (--output is optional); see `packstream estimate --help`.
-    """
-    sub = pack.make_context("estimate", [*ctx.args, "--estimate"], parent=ctx.parent)
-    with sub:
-        pack.invoke(sub)
 
 
 EXIT_VERIFY_FAILED = 1

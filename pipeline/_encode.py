@@ -1,0 +1,204 @@
+"""The encode stage: a chunk of raw records -> encoded examples plus typed rejections.
+
+Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam job, ``estimate``,
+``verify --inputs``, ``preview`` and the benchmarks. One chunk goes through::
+
+    [(dataset, source, position, record | Rejected), ...]
+       | normalize  per record (pipeline._formats)   -> Conversation, or Rejected
+       | render     per record (pipeline._render)    -> segments [(text, is_target), ...]
+       | tokenize   ONE encode_batch_fast call over every segment of the chunk (Rust, threads)
+       | masks      numpy: each segment's flag repeated over its token count; EOS appended
+       v
+    Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
+
+Nothing leaves silently: a record becomes an example (or several, when its data set repeats),
+a dead letter with a :class:`~pipeline._formats.Reason`, or a ``not_sampled`` count (a data set
+sampled below weight 1). ``counts`` also carries what normalization did to the records that
+were kept (turns trimmed, merged, dropped; fields ignored), summed into the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from pipeline import _rows
+from pipeline._formats import Conversation, Reason, Rejected, normalize
+from pipeline._options import PackOptions
+from pipeline._render import Renderer
+
+Item = tuple[int, str, int, Any]
+"""``(dataset index, source, position, record or Rejected)``: what the readers emit."""
+
+
+@dataclasses.dataclass
+class Encoded:
+    batch: _rows.ExampleBatch
+    rejected: list[dict]
+    counts: dict[str, int]
+    """Per-chunk counters: ``not_sampled``, ``repeated_copies``, normalization notes, ``ignored_field:<name>``."""
+
+
+def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + v
+    return into
+
+
+class Encoder:
+    """Normalize, render and tokenize chunks of records with one tokenizer (loaded once per process)."""
+
+    def __init__(self, options: PackOptions):
+        self.options = options
+        self.datasets = options.datasets()
+        self.renderer = Renderer(options)
+        tok = self.renderer.tok
+        self._backend = tok.backend_tokenizer
+        self.eos_id: Optional[int] = tok.eos_token_id
+        self.vocab_size = len(tok)
+
+    # -- per record ---------------------------------------------------------------------------
+    def _sampled(self, dataset: int, example_id: str) -> bool:
+        weight = self.datasets[dataset].weight
+        if weight >= 1:
+            return True
+        # A stable fraction: the same records at every run, on every machine and runner.
+        return _rows.stable_hash(example_id, salt=f"sample:{self.options.seed}") < weight * 2**64
+
+    def _pretokenized(self, conv: Conversation, dataset: int) -> np.ndarray:
+        tokens = conv.tokens
+        fmt = self.datasets[dataset].format
+        if fmt.tokenized_with is None:
+            raise Rejected(
+                Reason.PRETOKENIZED_UNVERIFIED,
+                "the record holds input_ids, but nothing says which tokenizer made them; pass --tokenized-with "
+                f"{self.options.tokenizer} (it must be the tokenizer they were made with)",
+            )
+        if tokens.shape[1] and (int(tokens[0].min()) < 0 or int(tokens[0].max()) >= self.vocab_size):
+            bad = int(tokens[0].max()) if int(tokens[0].max()) >= self.vocab_size else int(tokens[0].min())
+            raise Rejected(Reason.BAD_TOKEN_ID, f"input_ids holds {bad}, outside the tokenizer's vocabulary "
+                                                f"[0, {self.vocab_size}); were they made with another tokenizer?")
+        return tokens
+
+    # -- per chunk ----------------------------------------------------------------------------
+    def encode(self, chunk: Sequence[Item]) -> Encoded:
+        """Encode one chunk (see the module docstring). Never raises for a bad record."""
+        rejected: list[dict] = []
+        counts: dict[str, int] = {}
+        kept_meta: list[tuple[str, str, int, int]] = []  # (example id, source, position, dataset)
+        direct: dict[int, np.ndarray] = {}  # index in kept_meta -> pre-tokenized (2, n)
+        texts: list[str] = []
+        flags: list[bool] = []
+        owner: list[int] = []  # index in kept_meta of each segment
+        for dataset, source, position, record in chunk:
+            eid = None
+            try:
+                if isinstance(record, Rejected):
+                    raise record
+                eid = _rows.example_id(source, position, record)
+                if not self._sampled(dataset, eid):
+                    counts["not_sampled"] = counts.get("not_sampled", 0) + 1
+                    continue
+                fmt = self.datasets[dataset].format
+                conv = normalize(record, fmt)
+                if conv.tokens is not None:
+                    direct[len(kept_meta)] = self._pretokenized(conv, dataset)
+                else:
+                    segs = self.renderer.segments(conv, fmt)
+                    k = len(kept_meta)
+                    texts.extend(t for t, _ in segs)
+                    flags.extend(y for _, y in segs)
+                    owner.extend(itertools.repeat(k, len(segs)))
+                add_counts(counts, conv.notes)
+            except Rejected as r:
+                rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
+                continue
+            kept_meta.append((eid, source, position, dataset))
+
+        n = len(kept_meta)
+        encs = self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+        seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
+        mask = np.repeat(np.asarray(flags, dtype=np.uint8), seg_lens)
+        rec_lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
+        if direct:  # splice pre-tokenized examples in at their place
+            ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
+        ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, direct)
+
+        starts = np.concatenate([[0], np.cumsum(rec_lens)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
+        targets = np.add.reduceat(mask.astype(np.int64), starts) if n and len(mask) else np.zeros(n, np.int64)
+        targets = np.where(rec_lens > 0, targets, 0)
+        keep = np.ones(n, dtype=bool)
+        for i in np.flatnonzero(rec_lens == 0):
+            eid, source, position, _ = kept_meta[i]
+            rejected.append(_rows.reject_record(source, position, Reason.EMPTY_AFTER_RENDER,
+                                                "the record renders to no tokens", eid))
+            keep[i] = False
+        for i in np.flatnonzero((rec_lens > 0) & (targets == 0)):
+            eid, source, position, _ = kept_meta[i]
+            rejected.append(_rows.reject_record(
+                source, position, Reason.NO_TARGET_TOKENS,
+                "no token is a training target (every turn is context: empty assistant turns, or train flags "
+                "set to 0); use --train-on all to train on every token", eid))
+            keep[i] = False
+        if not keep.all():
+            token_keep = np.repeat(keep, rec_lens)
+            ids, mask, rec_lens = ids[token_keep], mask[token_keep], rec_lens[keep]
+            kept_meta = [m for m, k in zip(kept_meta, keep) if k]
+        batch = _rows.ExampleBatch.from_arrays(
+            [m[0] for m in kept_meta], [m[1] for m in kept_meta], [m[2] for m in kept_meta], rec_lens, ids, mask,
+        )
+        batch, copies = self._repeat(batch, [m[3] for m in kept_meta])
+        if copies:
+            counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies
+        return Encoded(batch, rejected, counts)
+
+    def _append_eos(self, ids, mask, rec_lens, direct):
+        """Every rendered example ends with the tokenizer's EOS: append it where the text did not end with it.
+        The EOS is a target when the example's last token is one. Pre-tokenized examples stay as they are."""
+        if self.eos_id is None or not len(rec_lens):
+            return ids, mask, rec_lens
+        ends = np.cumsum(rec_lens)
+        need = rec_lens > 0
+        need[rec_lens > 0] &= ids[ends[rec_lens > 0] - 1] != self.eos_id
+        if direct:
+            need[list(direct)] = False
+        if not need.any():
+            return ids, mask, rec_lens
+        at = ends[need]
+        ids = np.insert(ids, at, np.int32(self.eos_id))
+        mask = np.insert(mask, at, mask[at - 1])
+        return ids, mask, rec_lens + need
+
+    def _repeat(self, batch: _rows.ExampleBatch, datasets: list[int]) -> tuple[_rows.ExampleBatch, int]:
+        """Data sets with an integer weight above 1: every example again, with ids ``<id>~2``, ``<id>~3``, ..."""
+        times = [int(self.datasets[d].weight) if self.datasets[d].weight > 1 else 1 for d in datasets]
+        if all(t == 1 for t in times):
+            return batch, 0
+        parts = [batch]
+        for copy in range(2, max(times) + 1):
+            which = [i for i, t in enumerate(times) if t >= copy]
+            parts.append(batch.take(which, suffix=f"~{copy}"))
+        return _rows.ExampleBatch.concat(parts), sum(times) - len(times)
+
+
+def _splice(ids, mask, rec_lens, direct: dict[int, np.ndarray]):
+    """Insert pre-tokenized examples (index -> (2, n) array) into the rendered ones' flat arrays."""
+    n = len(rec_lens)
+    parts_ids, parts_mask = [], []
+    ends = np.cumsum(rec_lens)
+    start = 0
+    for i in range(n):
+        if i in direct:
+            parts_ids.append(direct[i][0].astype(np.int32))
+            parts_mask.append(direct[i][1].astype(np.uint8))
+            rec_lens[i] = direct[i].shape[1]
+        else:
+            parts_ids.append(ids[start:ends[i]])
+            parts_mask.append(mask[start:ends[i]])
+            start = ends[i]
+    return (np.concatenate(parts_ids) if parts_ids else ids, np.concatenate(parts_mask) if parts_mask else mask,
+            rec_lens)
