@@ -1,18 +1,52 @@
 """Record shapes -> one normalized conversation.
 
-Every supported shape becomes a :class:`Conversation`: a list of ``{"role", "content"}``
-messages with roles in ``system | user | assistant | tool`` (plus optional ``tool_calls`` on
-assistant messages) and an optional ``tools`` list. Anything that cannot be normalized raises
-:class:`Rejected` with a :class:`Reason`, which the job turns into a dead-letter record.
+Every record becomes a :class:`Conversation` or raises :class:`Rejected` with a :class:`Reason`
+whose detail names the value, the limit and the fix. Conversational shapes become a list of
+messages ``{"role", "content"}`` with roles ``system | user | assistant | tool`` (assistant
+messages may carry ``reasoning`` and OpenAI-shaped ``tool_calls``; tool results ``name`` and
+``tool_call_id``). Three shapes are not conversations: plain ``text`` (every token trained),
+labelled ``segments`` (trained exactly where labelled) and pre-tokenized ``tokens``.
 
->>> normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
-Conversation(messages=[{'role': 'user', 'content': 'Add 2 and 3.'}, {'role': 'assistant', 'content': '5'}], tools=None, text=None)
->>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions(fields=(("question", "user"), ("answer", "assistant")))).messages[1]
-{'role': 'assistant', 'content': '4'}
->>> normalize({"messages": [{"role": "assistant", "content": "hi"}]}, FormatOptions())
+Shapes (``--format auto`` picks the first whose keys a record has; ``docs/formats.md`` has the table):
+
+==================  =========================================================================
+tokens              ``input_ids`` (+ ``labels`` with -100, or ``loss_mask``; ``attention_mask``)
+segments            ``segments: [{text, label}]`` (template-free, Axolotl's input_output)
+messages            ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)
+sharegpt            ``conversations: [{from, value}]`` (or role/content)
+prompt-completion   ``prompt`` + ``completion`` (strings, or lists of messages as in TRL)
+alpaca              ``instruction`` + ``output``/``response`` (+ ``input``, ``system``, ``history``)
+text                ``text``
+==================  =========================================================================
+
+Any other shape is mapped: ``--field PATH=ROLE`` (paths like ``choices[0].turns``; lists of
+equal length interleave; ``transcript`` parses "Human: ... Assistant: ..." strings) or
+``--messages-field PATH`` for a list of turn objects under any key (``--role-key``,
+``--content-key``, ``--roles``). A record of no known shape is refused with a suggestion
+computed from its own keys.
+
+Conversation hygiene, the same for every conversational shape, each step counted in ``notes``:
+empty turns are dropped; consecutive same-role turns are merged (``--same-role``); a first
+assistant turn that answers nothing is dropped, kept as context, or refused
+(``--leading-assistant``); trailing turns that are not trained (user, tool, or flagged 0) are
+trimmed, so every example ends on a target turn. Record keys outside the detected shape are
+counted as ``ignored_field:<key>``.
+
+>>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
+>>> c.shape, c.messages
+('alpaca', [{'role': 'user', 'content': 'Add 2 and 3.'}, {'role': 'assistant', 'content': '5'}])
+>>> c = normalize({"conversations": [{"from": "gpt", "value": "Hi! Ask me anything."},
+...                                  {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}, FormatOptions())
+>>> [m["role"] for m in c.messages], c.notes
+(['user', 'assistant'], {'leading_assistant_dropped': 1})
+>>> fmt = FormatOptions(fields=(("turns", "user"), ("choices[0].turns", "assistant")))
+>>> c = normalize({"turns": ["Hi", "2+2?"], "choices": [{"turns": ["Hello", "4"]}], "category": "math"}, fmt)
+>>> [(m["role"], m["content"]) for m in c.messages], c.notes
+([('user', 'Hi'), ('assistant', 'Hello'), ('user', '2+2?'), ('assistant', '4')], {'ignored_field:category': 1})
+>>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
 Traceback (most recent call last):
 ...
-pipeline._formats.Rejected: starts_with_assistant: messages[0] is an assistant turn; a conversation must open with system or user
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (messages, conversations, prompt/completion, instruction/output, text, segments, input_ids); it looks like --field question=user --field answer=assistant
 """
 
 from __future__ import annotations
@@ -20,9 +54,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from typing import Any, Mapping, Optional, Sequence
+import math
+import re
+from typing import Any, Optional, Sequence
 
-from pipeline._options import ROLES, Format, FormatOptions
+from pipeline._options import ROLES, Format, FormatOptions, LeadingAssistant, SameRole, TrainOn
 
 
 class Reason(str, enum.Enum):
@@ -50,6 +86,7 @@ class Reason(str, enum.Enum):
     TEMPLATE_LIMIT = "template_limit"
     PRETOKENIZED_UNVERIFIED = "pretokenized_unverified"
     BAD_TOKEN_ID = "bad_token_id"
+    CORRUPT_INPUT = "corrupt_input"
 
 
 class Rejected(Exception):
@@ -66,7 +103,10 @@ class Rejected(Exception):
 
 @dataclasses.dataclass
 class Conversation:
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """``{"role", "content"}`` plus, where present: ``reasoning`` (assistant), ``tool_calls``
+    (assistant; ``[{"type": "function", "function": {"name", "arguments"}, "id"?}]``), ``name``
+    and ``tool_call_id`` (tool)."""
     tools: Optional[list] = None
     text: Optional[str] = None
     """Set for plain-text records (every token trained); ``messages`` is then empty."""
@@ -78,141 +118,937 @@ class Conversation:
     """Pre-tokenized: a ``(2, n)`` int32 array (ids, loss mask); ``messages`` is then empty."""
     notes: dict[str, int] = dataclasses.field(default_factory=dict)
     """What normalization did to the record (turns trimmed, merged, dropped; ``ignored_field:<name>``)."""
+    shape: str = ""
+    """The shape the record was read as (``alpaca``, ``messages``, ``fields``, ...)."""
+    mapping: tuple[str, ...] = ()
+    """How the record's fields became turns, in words (``instruction+input -> user``), for ``preview``."""
 
 
-# ShareGPT speaker names seen in the wild (ShareGPT, Glaive, LLaMA-Factory, Vicuna).
-_SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "function_call": "assistant",
-    "tool_call": "assistant",
-    "observation": "tool",
-    "function": "tool",
-    "tool": "tool",
-    "ipython": "tool",
+NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns_dropped", "turns_merged")
+"""Notes that count turns a record held but its conversation does not (besides ``ignored_field:*``)."""
+
+_CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
+
+ROLE_ALIASES: dict[str, str] = {
+    "user": "user", "human": "user", "prompter": "user",
+    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant",
+    "system": "system", "developer": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool", "tool_response": "tool",
+    "function_response": "tool",
+    "function_call": _CALL, "tool_call": _CALL,
 }
+"""Built-in speaker names (case-insensitive); ``--roles FROM=ROLE`` adds to and overrides them."""
+
+ROLE_KEYS = ("role", "from", "speaker", "author")
+CONTENT_KEYS = ("content", "value", "text", "utterance")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+TRAIN_KEYS = ("loss_weight", "train", "training")
+MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
+
+_TEXT_PARTS = {"text", "input_text", "output_text"}
+_REASONING_PARTS = {"reasoning", "thinking", "reasoning_text"}
+_CALL_PARTS = {"tool_call", "function_call", "tool_use"}
+_MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file",
+                "input_file", "document", "image_file"}
+
+_BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
+    ("### Human:", "user"), ("### Assistant:", "assistant"), ("### System:", "system"), ("### User:", "user"),
+    ("### Human", "user"), ("### Assistant", "assistant"),
+    ("Human:", "user"), ("Assistant:", "assistant"), ("User:", "user"), ("System:", "system"),
+    ("USER:", "user"), ("ASSISTANT:", "assistant"), ("SYSTEM:", "system"),
+)
+"""Transcript speaker markers, matched at the start of a line (``--transcript-marker`` adds more)."""
+
+_ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape
+
+_PATH_RE = re.compile(r"(?:[^.\[\]]+|\[-?\d+\])(?:\.[^.\[\]]+|\[-?\d+\])*")
+_PATH_TOKEN = re.compile(r"\[(-?\d+)\]|([^.\[\]]+)")
+_MISSING = object()
 
 
-def detect(record: Mapping[str, Any]) -> Format:
-    """The record's shape, by its keys; :class:`Rejected` (unknown_format) if none fits."""
-    if "messages" in record:
-        return Format.MESSAGES
-    if "conversations" in record:
-        return Format.SHAREGPT
-    if "prompt" in record and "completion" in record:
-        return Format.PROMPT_COMPLETION
-    if "instruction" in record and any(k in record for k in ("output", "response", "instances")):
-        return Format.ALPACA
-    if "text" in record:
-        return Format.TEXT
-    keys = ", ".join(sorted(map(str, record))[:8]) or "none"
-    raise Rejected(
-        Reason.UNKNOWN_FORMAT,
-        f"keys [{keys}] match no format (messages, conversations, prompt/completion, "
-        "instruction/output, text); pass --field NAME=ROLE to map fields to turns",
-    )
+def parse_path(path: str) -> list:
+    """``"choices[0].turns"`` -> ``["choices", 0, "turns"]``; ValueError if it is not a path.
+
+    >>> parse_path("a.b"), parse_path("choices[0].turns"), parse_path("x[-1]")
+    (['a', 'b'], ['choices', 0, 'turns'], ['x', -1])
+    """
+    if not isinstance(path, str) or not _PATH_RE.fullmatch(path):
+        raise ValueError(f"{path!r} is not a field path (e.g. answer, meta.answer, choices[0].turns)")
+    return [int(i) if i else key for i, key in _PATH_TOKEN.findall(path)]
 
 
-def _text(value: Any, where: str) -> str:
-    """Content as a string: a str, or OpenAI-style text parts [{"type": "text", "text": ...}]."""
+def resolve(record: Any, path: str) -> Any:
+    """The value at ``path`` (a key first taken literally, so ``"a.b"`` may be one key), or ``_MISSING``."""
+    if isinstance(record, dict) and path in record:
+        return record[path]
+    value = record
+    for step in parse_path(path):
+        if isinstance(step, int):
+            if not isinstance(value, list) or not -len(value) <= step < len(value):
+                return _MISSING
+        elif not isinstance(value, dict) or step not in value:
+            return _MISSING
+        value = value[step]
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {str: "str", bool: "bool", int: "int", float: "float", list: "list", dict: "dict"}.get(
+        type(value), type(value).__name__)
+
+
+def _keys(record: dict) -> str:
+    keys = sorted(map(str, record))
+    return ", ".join(keys[:10]) + (f", ... ({len(keys)} keys)" if len(keys) > 10 else "") if keys else "none"
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------
+# One record's reading context: options, notes and the words preview shows.
+
+
+class _Ctx:
+    def __init__(self, options: FormatOptions):
+        self.o = options
+        self.notes: dict[str, int] = {}
+        self.mapping: list[str] = []
+        self.speakers: dict[str, str] = {}  # raw speaker name -> role, as seen
+        self.roles = {k.lower(): v for k, v in options.roles}
+        self.flagged_off = 0  # trailing assistant turns trimmed because their own flag says not to train
+
+    def note(self, key: str, n: int = 1) -> None:
+        if n:
+            self.notes[key] = self.notes.get(key, 0) + n
+
+
+@dataclasses.dataclass
+class _Turn:
+    role: str
+    content: str
+    at: str  # where in the record, for messages: "messages[3]"
+    speaker: str = ""  # the raw speaker name, when the role came from one
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    train: Optional[bool] = None
+
+    def empty(self) -> bool:
+        return (self.role != "tool" and not self.content.strip() and not self.tool_calls
+                and not (self.reasoning or "").strip())
+
+    def message(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            m["reasoning"] = self.reasoning
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+# ------------------------------------------------------------------------------------------------
+# Content: strings, numbers, parts, objects.
+
+
+@dataclasses.dataclass
+class _Content:
+    text: str
+    reasoning: Optional[str] = None
+    calls: Optional[list] = None
+
+
+def _content(value: Any, at: str, ctx: _Ctx, role: str, allow_null: bool = False) -> _Content:
+    """A turn's content: a string, a number, a list of parts, or an object holding the text."""
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        if all(isinstance(p.get("text"), str) for p in value):
-            return "".join(p["text"] for p in value)
-    kind = "null" if value is None else type(value).__name__
-    raise Rejected(Reason.BAD_TYPE, f"{where} is {kind}, expected a string")
+        return _Content(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Rejected(Reason.BAD_TYPE, f"{at} is float {value!r}, expected a string")
+        ctx.note("number_as_text")
+        return _Content(json.dumps(value))
+    if value is None:
+        if allow_null:
+            return _Content("")
+        raise Rejected(Reason.BAD_TYPE, f"{at} is null, expected a string")
+    if isinstance(value, list):
+        return _parts(value, at, ctx, role)
+    if isinstance(value, dict):
+        if isinstance(value.get("type"), str):  # one content part on its own
+            return _parts([value], at, ctx, role)
+        key = ctx.o.content_key
+        if key is not None and key in value:
+            return _content(value[key], f"{at}.{key}", ctx, role, allow_null)
+        strings = [k for k, v in value.items() if isinstance(v, str)]
+        if key is None and len(value) == 1 and len(strings) == 1:
+            return _Content(value[strings[0]])
+        if key is not None:
+            raise Rejected(Reason.BAD_TYPE, f"{at} is an object without {key!r} (--content-key {key}); "
+                                            f"its keys: [{_keys(value)}]")
+        pick = f"--content-key {strings[0]}" if strings else "--content-key KEY"
+        raise Rejected(Reason.BAD_TYPE, f"{at} is an object with keys [{_keys(value)}], not text; "
+                                        f"pick the key that holds the text: {pick}")
+    raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(value)}, expected a string")
 
 
-def _field(record: Mapping[str, Any], key: str) -> Any:
-    if key not in record:
-        raise Rejected(Reason.MISSING_FIELD, f"field {key!r} is missing")
-    return record[key]
+def _part_text(part: dict, at: str, keys: Sequence[str]) -> str:
+    for k in keys:
+        if k in part:
+            if isinstance(part[k], str):
+                return part[k]
+            raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is {_kind(part[k])}, expected a string")
+    raise Rejected(Reason.MISSING_FIELD, f"{at} has no text (looked for {', '.join(keys)}); its keys: [{_keys(part)}]")
 
 
-def _tools(record: Mapping[str, Any]) -> Optional[list]:
+def _parts(parts: list, at: str, ctx: _Ctx, role: str) -> _Content:
+    """OpenAI/LLaMA-Factory/Anthropic content parts: text (under text or value), reasoning, tool calls."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list = []
+    for j, part in enumerate(parts):
+        where = f"{at}[{j}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise Rejected(Reason.BAD_TYPE, f"{at} is list holding {_kind(part)} at [{j}], expected a string "
+                                            "or text parts [{type: text, text: ...}]")
+        kind = part.get("type")
+        if kind is None:
+            media = [k for k in part if k in _MEDIA_PARTS]
+            if media:
+                raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; packstream packs text only: "
+                                                        "drop records with media, or their media parts")
+            texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content")))
+        elif not isinstance(kind, str):
+            raise Rejected(Reason.BAD_TYPE, f"{where}.type is {_kind(kind)}, expected a string such as 'text'")
+        elif kind in _TEXT_PARTS:
+            texts.append(_part_text(part, where, ("text", "value")))
+        elif kind in _REASONING_PARTS:
+            if role != "assistant":
+                raise Rejected(Reason.BAD_TYPE, f"{where} is a {kind} part in a {role} turn; only assistant "
+                                                "turns carry reasoning")
+            reasoning.append(_part_text(part, where, ("text", "value", kind)))
+        elif kind in _CALL_PARTS:
+            if role != "assistant":
+                raise Rejected(Reason.BAD_TYPE, f"{where} is a {kind} part in a {role} turn; only assistant "
+                                                "turns call tools")
+            calls.extend(_tool_calls(part.get("value", part), where))
+        elif kind in _MEDIA_PARTS:
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; packstream packs text only: drop "
+                                                    "records with media, or their media parts")
+        else:
+            raise Rejected(Reason.BAD_TYPE, f"{where} has type {kind!r}; content parts of type text, reasoning, "
+                                            "thinking and tool_call are read")
+    return _Content("".join(texts), "\n\n".join(reasoning) if reasoning else None, calls or None)
+
+
+def _tool_calls(value: Any, at: str) -> list:
+    """OpenAI ``tool_calls``, a Glaive/LLaMA-Factory ``{"name", "arguments"}`` (object or JSON text), or a list."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            raise Rejected(Reason.BAD_TYPE, f"{at} is a string but not a JSON tool call "
+                                            f"({_short(value)}); expected {{\"name\", \"arguments\"}}") from None
+    items = value if isinstance(value, list) else [value]
+    return [_tool_call(v, f"{at}[{i}]" if isinstance(value, list) else at) for i, v in enumerate(items)]
+
+
+def _tool_call(call: Any, at: str) -> dict:
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except (json.JSONDecodeError, RecursionError):
+            raise Rejected(Reason.BAD_TYPE, f"{at} is a string but not a JSON tool call ({_short(call)})") from None
+    if not isinstance(call, dict):
+        raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(call)}, expected a tool call object {{name, arguments}}")
+    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise Rejected(Reason.BAD_TYPE, f"{at} has no function name (a string under 'name' or 'function.name')")
+    args = next((fn[k] for k in ("arguments", "parameters", "input") if k in fn), {})
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+            if isinstance(parsed, dict):
+                args = parsed  # chat templates expect an object (they render it with tojson)
+        except (json.JSONDecodeError, RecursionError):
+            pass  # kept as the model wrote it
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+_THINK_RE = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
+
+
+# ------------------------------------------------------------------------------------------------
+# Turn lists: OpenAI messages, ShareGPT, dialogue corpora (speaker/text), --messages-field.
+
+
+def _speaker_role(raw: Any, at: str, key: str, ctx: _Ctx) -> str:
+    name = str(raw) if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
+    if name is None:
+        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {_kind(raw)} {_short(raw)}, expected a speaker name")
+    low = name.lower()
+    role = ctx.roles.get(low) or ROLE_ALIASES.get(low)
+    if role is None:
+        how = f"add it to --roles: {name}=ROLE" if ctx.o.roles else f"map it with --roles {name}=ROLE"
+        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {name!r}, not a known role; {how} "
+                                            "(ROLE: user, assistant, system or tool)")
+    ctx.speakers.setdefault(name, "assistant tool call" if role == _CALL else role)
+    return role
+
+
+def _train_flag(m: dict, at: str) -> Optional[bool]:
+    flag = None
+    for key in TRAIN_KEYS:
+        if key not in m or m[key] is None:
+            continue
+        v = m[key]
+        if isinstance(v, bool):
+            b = v
+        elif isinstance(v, (int, float)) and v in (0, 1):
+            b = bool(v)
+        else:
+            raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}; a turn's {key} must be 0 or 1 (true/false): "
+                                            "packstream's loss mask is 0/1 per token")
+        if flag is not None and flag != b:
+            raise Rejected(Reason.BAD_TYPE, f"{at} has training flags that disagree ({', '.join(TRAIN_KEYS)})")
+        flag = b
+    return flag
+
+
+def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Turn:
+    """One turn object -> a :class:`_Turn`."""
+    if isinstance(m, str) and default_role is not None:  # a dialogue given as a list of strings
+        return _Turn(default_role, m, at)
+    if not isinstance(m, dict):
+        raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(m)}, expected a turn object {{role, content}}")
+    o = ctx.o
+    if o.role_key is not None:
+        key = o.role_key
+        if key not in m:
+            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--role-key {key}); its keys: [{_keys(m)}]")
+    else:
+        key = next((k for k in ROLE_KEYS if k in m), None)
+        if key is None:
+            raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'role' (looked for {', '.join(ROLE_KEYS)}); its keys: "
+                                                 f"[{_keys(m)}]; name the speaker key with --role-key KEY")
+    role = _speaker_role(m[key], at, key, ctx)
+    speaker = str(m[key])
+    calls: list = []
+    if role == _CALL:  # ShareGPT function_call: the value is the call
+        ckey = _content_key(m, at, ctx)
+        raw = m[ckey]
+        if isinstance(raw, (str, dict, list)):
+            try:
+                calls = _tool_calls(raw, f"{at}.{ckey}")
+                return _Turn("assistant", "", at, speaker, tool_calls=calls, train=_train_flag(m, at))
+            except Rejected:
+                if not isinstance(raw, str):
+                    raise
+        # Not a JSON call: the assistant said it in words; keep it as text.
+        return _Turn("assistant", _content(raw, f"{at}.{ckey}", ctx, "assistant").text, at, speaker,
+                     train=_train_flag(m, at))
+    for k in ("tool_calls", "function_call"):
+        if role == "assistant" and m.get(k):
+            calls += _tool_calls(m[k], f"{at}.{k}")
+    has_reasoning = role == "assistant" and any(isinstance(m.get(k), str) and m[k] for k in REASONING_KEYS)
+    ckey = _content_key(m, at, ctx, optional=bool(calls) or has_reasoning)
+    c = _content(m.get(ckey) if ckey else None, f"{at}.{ckey or 'content'}", ctx, role,
+                 allow_null=bool(calls) or has_reasoning)
+    reasoning = c.reasoning
+    if role == "assistant":
+        for k in REASONING_KEYS:
+            v = m.get(k)
+            if v is None or v == "":
+                continue
+            if not isinstance(v, str):
+                raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is {_kind(v)}, expected a string")
+            reasoning = v if reasoning is None else reasoning + "\n\n" + v
+            break
+        text = c.text
+        if reasoning is None:  # reasoning written inline, as R1-style data does: <think>...</think> answer
+            found = _THINK_RE.match(text)
+            if found and found.group(1).strip():
+                reasoning, text = found.group(1).strip("\n"), text[found.end():]
+        c = _Content(text, reasoning, c.calls)
+    t = _Turn(role, c.text, at, speaker, reasoning=c.reasoning or None, tool_calls=(calls + (c.calls or [])) or None,
+              train=_train_flag(m, at))
+    if role == "tool":
+        for k, attr in (("name", "name"), ("tool_call_id", "tool_call_id")):
+            if isinstance(m.get(k), str):
+                setattr(t, attr, m[k])
+    return t
+
+
+def _content_key(m: dict, at: str, ctx: _Ctx, optional: bool = False) -> Optional[str]:
+    key = ctx.o.content_key
+    if key is not None and key in m:
+        return key
+    found = next((k for k in CONTENT_KEYS if k in m), None)
+    if found is None and not optional:
+        if key is not None:
+            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--content-key {key}); its keys: [{_keys(m)}]")
+        raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'content' (looked for {', '.join(CONTENT_KEYS)}); its keys: "
+                                             f"[{_keys(m)}]; name the text key with --content-key KEY")
+    return found
+
+
+def _turn_list(items: Any, where: str, ctx: _Ctx, strings_alternate: bool = False) -> list[_Turn]:
+    if not isinstance(items, list):
+        raise Rejected(Reason.BAD_TYPE, f"{where} is {_kind(items)}, expected a list of turns")
+    turns = []
+    for i, m in enumerate(items):
+        default = ("user", "assistant")[i % 2] if strings_alternate else None
+        turns.append(_turn(m, f"{where}[{i}]", ctx, default))
+    if strings_alternate and any(isinstance(m, str) for m in items):
+        ctx.mapping.append(f"{where}: plain strings alternate user, assistant")
+    return turns
+
+
+def _speaker_words(ctx: _Ctx) -> str:
+    return ", ".join(f"{name}->{role}" for name, role in list(ctx.speakers.items())[:8])
+
+
+# ------------------------------------------------------------------------------------------------
+# Transcripts: one string of "Human: ... Assistant: ..." turns.
+
+
+def _marker_re(ctx: _Ctx) -> tuple[re.Pattern, dict[str, str]]:
+    markers = dict(_BUILTIN_MARKERS)
+    markers.update({m.strip(): r for m, r in ctx.o.transcript_markers})
+    alts = "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True))
+    return re.compile(rf"(?:\A|\n)[ \t]*({alts})"), markers
+
+
+def _transcript(value: Any, at: str, ctx: _Ctx) -> list[_Turn]:
+    text = _content(value, at, ctx, "user").text
+    pattern, markers = _marker_re(ctx)
+    found = list(pattern.finditer(text))
+    if not found:
+        given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
+        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'"
+        raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers at a line start (looked for Human:, "
+                                        f"Assistant:, User:, System:, ### Human, ### Assistant{given}){hint}")
+    turns = []
+    lead = text[: found[0].start()].strip()
+    if lead:
+        turns.append(_Turn("system", lead, f"{at} (text before the first marker)"))
+    for k, m in enumerate(found):
+        end = found[k + 1].start() if k + 1 < len(found) else len(text)
+        marker = m.group(1)
+        role = markers[marker]
+        turns.append(_Turn(role, text[m.end():end].strip(), f"{at} turn {k + 1}", marker))
+    return turns
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes.
+
+
+def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
+    for key in MEDIA_KEYS:
+        if key in skip or key not in record:
+            continue
+        v = record[key]
+        if v in (None, "", [], {}):
+            continue
+        n = len(v) if isinstance(v, list) else 1
+        raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {key} ({n} in {key!r}, referred to by <{key.rstrip('s')}> "
+                                                "placeholders); packstream packs text only: drop these records")
+
+
+def _tools(record: dict, ctx: _Ctx) -> Optional[list]:
     tools = record.get("tools")
     if tools in (None, "", []):
         return None
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise Rejected(Reason.BAD_TYPE, f"tools is a string but not JSON ({e.msg})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
+            raise Rejected(Reason.BAD_TYPE, f"tools is a string but not JSON ({msg})") from None
     if isinstance(tools, dict):
         tools = [tools]
     if not isinstance(tools, list):
-        raise Rejected(Reason.BAD_TYPE, f"tools is {type(tools).__name__}, expected a list")
+        raise Rejected(Reason.BAD_TYPE, f"tools is {_kind(tools)}, expected a list of tool definitions")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise Rejected(Reason.BAD_TYPE, f"tools[{i}] is {_kind(t)}, expected a tool definition object")
+    ctx.mapping.append(f"tools: {len(tools)} definitions")
     return tools
 
 
-def _messages(items: Any, where: str, role_key: str, content_key: str, roles: Mapping[str, str]) -> list[dict]:
-    if not isinstance(items, list):
-        kind = "null" if items is None else type(items).__name__
-        raise Rejected(Reason.BAD_TYPE, f"{where} is {kind}, expected a list of turns")
-    out = []
-    for i, m in enumerate(items):
-        at = f"{where}[{i}]"
-        if not isinstance(m, dict):
-            raise Rejected(Reason.BAD_TYPE, f"{at} is {type(m).__name__}, expected an object")
-        if role_key not in m:
-            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {role_key!r}")
-        raw_role = m[role_key]
-        if not isinstance(raw_role, str) or raw_role.lower() not in roles:
-            raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{role_key} is {raw_role!r}; known: {', '.join(sorted(roles))}")
-        role = roles[raw_role.lower()]
-        msg: dict[str, Any] = {"role": role}
-        tool_calls = m.get("tool_calls")
-        if role == "assistant" and tool_calls:
-            if not isinstance(tool_calls, list):
-                raise Rejected(Reason.BAD_TYPE, f"{at}.tool_calls is {type(tool_calls).__name__}, expected a list")
-            msg["tool_calls"] = tool_calls
-            content = m.get(content_key)
-            msg["content"] = "" if content is None else _text(content, f"{at}.{content_key}")
+def _system_column(record: dict, turns: list[_Turn], ctx: _Ctx) -> None:
+    """A ``system`` column, unless the turns open with their own system turn (as LLaMA-Factory does)."""
+    sys_ = record.get("system")
+    if sys_ in (None, ""):
+        return
+    text = _content(sys_, "system", ctx, "system").text
+    if turns and turns[0].role == "system":
+        ctx.note("ignored_field:system")
+        return
+    turns.insert(0, _Turn("system", text, "system"))
+    ctx.mapping.append("system -> system")
+
+
+def _read_messages(record: dict, ctx: _Ctx, key: str = "messages") -> list[_Turn]:
+    turns = _turn_list(record[key], key, ctx)
+    ctx.mapping.insert(0, f"{key}[]: " + (_speaker_words(ctx) or "no turns"))
+    _system_column(record, turns, ctx)
+    return turns
+
+
+def _read_messages_field(record: dict, ctx: _Ctx) -> list[_Turn]:
+    path = ctx.o.messages_field
+    turns = _turn_list(resolve(record, path), path, ctx, strings_alternate=True)
+    ctx.mapping.insert(0, f"{path}[]: " + (_speaker_words(ctx) or "turns"))
+    _system_column(record, turns, ctx)
+    return turns
+
+
+def _read_prompt_completion(record: dict, ctx: _Ctx) -> list[_Turn]:
+    turns: list[_Turn] = []
+    for key, role in (("prompt", "user"), ("completion", "assistant")):
+        v = record[key]
+        if isinstance(v, list) and v and all(isinstance(m, dict) and any(k in m for k in ROLE_KEYS) for m in v):
+            turns += _turn_list(v, key, ctx)
+            ctx.mapping.append(f"{key}[]: " + _speaker_words(ctx))
         else:
-            if content_key not in m:
-                raise Rejected(Reason.MISSING_FIELD, f"{at} has no {content_key!r}")
-            msg["content"] = _text(m[content_key], f"{at}.{content_key}")
-        if role == "tool" and isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
+            turns.append(_Turn(role, _content(v, key, ctx, role).text, key))
+            ctx.mapping.append(f"{key} -> {role}")
+    _system_column(record, turns, ctx)
+    return turns
+
+
+def _read_alpaca(record: dict, ctx: _Ctx) -> list[_Turn]:
+    turns: list[_Turn] = []
+    instruction = _content(record["instruction"], "instruction", ctx, "user").text
+    in_key = "input" if "input" in record else "context" if "context" in record else None
+    inp = _content(record[in_key], in_key, ctx, "user", allow_null=True).text if in_key else ""
+    out_key = next((k for k in ("output", "response") if k in record), None)
+    history = record.get("history")
+    if history not in (None, "", []):
+        if not isinstance(history, list):
+            raise Rejected(Reason.BAD_TYPE, f"history is {_kind(history)}, expected a list of [user, assistant] pairs")
+        for i, pair in enumerate(history):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise Rejected(Reason.BAD_TYPE, f"history[{i}] is {_kind(pair)} {_short(pair)}, expected a "
+                                                "[user, assistant] pair")
+            turns.append(_Turn("user", _content(pair[0], f"history[{i}][0]", ctx, "user").text, f"history[{i}][0]"))
+            turns.append(_Turn("assistant", _content(pair[1], f"history[{i}][1]", ctx, "assistant").text,
+                               f"history[{i}][1]"))
+        ctx.mapping.append(f"history -> {len(history)} earlier exchanges")
+    if out_key is None:  # self-instruct seed tasks: each instance is one more exchange
+        instances = record["instances"]
+        if not isinstance(instances, list) or not instances:
+            raise Rejected(Reason.BAD_TYPE, f"instances is {_kind(instances)}, expected a non-empty list of "
+                                            "{input, output}")
+        for i, inst in enumerate(instances):
+            where = f"instances[{i}]"
+            if not isinstance(inst, dict):
+                raise Rejected(Reason.BAD_TYPE, f"{where} is {_kind(inst)}, expected an object {{input, output}}")
+            if "output" not in inst:
+                raise Rejected(Reason.MISSING_FIELD, f"{where} has no 'output'; its keys: [{_keys(inst)}]")
+            x = _content(inst.get("input"), f"{where}.input", ctx, "user", allow_null=True).text
+            prompt = (instruction + ("\n\n" + x if x else "")) if i == 0 else (x or instruction)
+            turns.append(_Turn("user", prompt, f"{where}.input"))
+            turns.append(_Turn("assistant", _content(inst["output"], f"{where}.output", ctx, "assistant").text,
+                               f"{where}.output"))
+        ctx.mapping.insert(0, f"instruction+instances[].input -> user, instances[].output -> assistant "
+                              f"({len(instances)} exchanges)")
+    else:
+        user = "\n\n".join(s for s in (instruction, inp) if s) if inp.strip() else instruction
+        turns.append(_Turn("user", user, "instruction"))
+        turns.append(_Turn("assistant", _content(record[out_key], out_key, ctx, "assistant").text, out_key))
+        ctx.mapping.insert(0, f"instruction{'+' + in_key if in_key else ''} -> user, {out_key} -> assistant")
+    _system_column(record, turns, ctx)
+    return turns
+
+
+def _read_fields(record: dict, ctx: _Ctx) -> "list[_Turn] | str":
+    """``--field PATH=ROLE`` mappings; lists of equal length interleave, strings keep their place."""
+    fields = ctx.o.fields
+    if fields[0][1] == "text":
+        path = fields[0][0]
+        ctx.mapping.append(f"{path} -> text (every token trained)")
+        return _content(resolve(record, path), path, ctx, "text").text
+    before: list[_Turn] = []
+    after: list[_Turn] = []
+    columns: list[tuple[str, str, list]] = []
+    for path, role in fields:
+        value = resolve(record, path)
+        if role == "transcript":
+            (after if columns else before).extend(_transcript(value, path, ctx))
+            ctx.mapping.append(f"{path} -> transcript turns")
+        elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
+            if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
+                raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
+                                                f"read it with --messages-field {path} instead of --field")
+            columns.append((path, role, value))
+            ctx.mapping.append(f"{path}[] -> {role}")
+        else:
+            (after if columns else before).append(_Turn(role, _content(value, path, ctx, role).text, path))
+            ctx.mapping.append(f"{path} -> {role}")
+    turns = before
+    if columns:
+        lengths = {p: len(v) for p, _, v in columns}
+        if len(set(lengths.values())) > 1:
+            raise Rejected(Reason.BAD_TYPE, "mapped lists must have equal lengths to interleave into turns: "
+                                            + ", ".join(f"{p} has {n}" for p, n in lengths.items()))
+        for k in range(len(columns[0][2])):
+            for path, role, value in columns:
+                turns.append(_Turn(role, _content(value[k], f"{path}[{k}]", ctx, role).text, f"{path}[{k}]"))
+    return turns + after
+
+
+def _read_segments(record: dict, ctx: _Ctx) -> list[tuple[str, bool]]:
+    segs = record["segments"]
+    if not isinstance(segs, list):
+        raise Rejected(Reason.BAD_TYPE, f"segments is {_kind(segs)}, expected a list of {{text, label}}")
+    if not segs:
+        raise Rejected(Reason.EMPTY_CONVERSATION, "segments is an empty list")
+    out = []
+    for i, s in enumerate(segs):
+        at = f"segments[{i}]"
+        if not isinstance(s, dict):
+            raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(s)}, expected an object {{text, label}}")
+        if "text" not in s:
+            raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'text'; its keys: [{_keys(s)}]")
+        text = _content(s["text"], f"{at}.text", ctx, "text").text
+        key = next((k for k in ("label", "train", "training") if k in s), None)
+        if key is None:
+            raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'label' (true: trained, false: context)")
+        v = s[key]
+        if not (isinstance(v, bool) or (isinstance(v, (int, float)) and v in (0, 1))):
+            raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}, expected true or false")
+        out.append((text, bool(v)))
+    ctx.mapping.append(f"segments[]: text, label ({sum(t for _, t in out)} of {len(out)} trained)")
     return out
 
 
-def _alpaca(record: Mapping[str, Any]) -> list[dict]:
-    instruction = _text(_field(record, "instruction"), "instruction")
-    messages = []
-    if record.get("system"):
-        messages.append({"role": "system", "content": _text(record["system"], "system")})
-    if "instances" in record and not any(k in record for k in ("output", "response")):
-        # self-instruct seed tasks: every instance becomes one more user/assistant exchange.
-        instances = record["instances"]
-        if not isinstance(instances, list) or not instances:
-            raise Rejected(Reason.BAD_TYPE, "instances must be a non-empty list of {input, output}")
-        for i, inst in enumerate(instances):
-            if not isinstance(inst, dict):
-                raise Rejected(Reason.BAD_TYPE, f"instances[{i}] is {type(inst).__name__}, expected an object")
-            inp = _text(inst.get("input", ""), f"instances[{i}].input")
-            prompt = (instruction + ("\n\n" + inp if inp else "")) if i == 0 else (inp or instruction)
-            messages.append({"role": "user", "content": prompt})
-            messages.append({"role": "assistant", "content": _text(_field(inst, "output"), f"instances[{i}].output")})
-        return messages
-    inp = record.get("input") or ""
-    inp = _text(inp, "input")
-    output_key = "output" if "output" in record else "response"
-    messages.append({"role": "user", "content": instruction + ("\n\n" + inp if inp else "")})
-    messages.append({"role": "assistant", "content": _text(_field(record, output_key), output_key)})
-    return messages
+_INT32_MAX = 2**31 - 1
 
 
-def normalize(record: Any, options: "FormatOptions") -> Conversation:
-    """Turn one raw record into a validated :class:`Conversation`, or raise :class:`Rejected`."""
-    return _renderable(_normalize(record, options.format, options.fields))
+def _int_list(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list):
+        raise Rejected(Reason.BAD_TYPE, f"{key} is {_kind(value)}, expected a list of integers")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, float) and v.is_integer():
+                continue
+            raise Rejected(Reason.BAD_TYPE, f"{key}[{i}] is {_kind(v)} {_short(v)}, expected an integer")
+    return [int(v) for v in value]
+
+
+def _read_tokens(record: dict, ctx: _Ctx):
+    import numpy as np
+
+    ids = _int_list(record["input_ids"], "input_ids")
+    if not ids:
+        raise Rejected(Reason.EMPTY_CONVERSATION, "input_ids is an empty list")
+    bad = next((v for v in ids if not 0 <= v <= _INT32_MAX), None)
+    if bad is not None:
+        raise Rejected(Reason.BAD_TOKEN_ID, f"input_ids holds {bad}, not a token id (0..{_INT32_MAX})")
+    n = len(ids)
+    keep = None
+    if record.get("attention_mask") is not None:
+        am = _int_list(record["attention_mask"], "attention_mask")
+        if len(am) != n:
+            raise Rejected(Reason.BAD_TYPE, f"attention_mask has {len(am)} values for {n} input_ids")
+        if any(v not in (0, 1) for v in am):
+            raise Rejected(Reason.BAD_TYPE, "attention_mask holds values other than 0 and 1")
+        if not all(am):
+            keep = am  # padding: packed rows store no padding
+            ctx.note("padding_tokens_removed", n - sum(am))
+    mask = [1] * n
+    if record.get("labels") is not None:
+        labels = _int_list(record["labels"], "labels")
+        if len(labels) != n:
+            raise Rejected(Reason.BAD_TYPE, f"labels has {len(labels)} values for {n} input_ids; they must align")
+        for i, (t, y) in enumerate(zip(ids, labels)):
+            if y != -100 and y != t:
+                raise Rejected(Reason.BAD_TYPE, f"labels[{i}] is {y} but input_ids[{i}] is {t}: labels must be a copy "
+                                                "of input_ids with -100 where not trained (not shifted)")
+        mask = [int(y != -100) for y in labels]
+        ctx.mapping.append("labels -> loss mask (-100: not trained)")
+    if record.get("loss_mask") is not None:
+        lm = _int_list(record["loss_mask"], "loss_mask")
+        if len(lm) != n or any(v not in (0, 1) for v in lm):
+            raise Rejected(Reason.BAD_TYPE, f"loss_mask must hold {n} values of 0 or 1 (one per input id)")
+        if record.get("labels") is not None and lm != mask:
+            raise Rejected(Reason.BAD_TYPE, "labels and loss_mask disagree on which tokens are trained")
+        mask = lm
+        ctx.mapping.append("loss_mask -> loss mask")
+    if record.get("labels") is None and record.get("loss_mask") is None:
+        ctx.mapping.append("no labels: every token trained")
+    arr = np.array([ids, mask], dtype=np.int32)
+    if keep is not None:
+        arr = arr[:, np.asarray(keep, dtype=bool)]
+    ctx.mapping.insert(0, f"input_ids ({arr.shape[1]} tokens)")
+    return arr
+
+
+_SHAPE_KEYS: dict[str, tuple[str, ...]] = {
+    "tokens": ("input_ids", "labels", "loss_mask", "attention_mask"),
+    "segments": ("segments",),
+    "messages": ("messages", "tools", "system"),
+    "sharegpt": ("conversations", "tools", "system"),
+    "prompt-completion": ("prompt", "completion", "system", "tools"),
+    "alpaca": ("instruction", "input", "context", "output", "response", "instances", "system", "history"),
+    "text": ("text",),
+}
+"""Top-level keys each shape reads; any other key of a record is counted as ``ignored_field:<key>``."""
+
+
+def _auto_shape(record: dict) -> Optional[str]:
+    if "input_ids" in record:
+        return "tokens"
+    if isinstance(record.get("segments"), list):
+        return "segments"
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "prompt" in record and "completion" in record:
+        return "prompt-completion"
+    if "instruction" in record and any(k in record for k in ("output", "response", "instances")):
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    return None
+
+
+_EXPLICIT = {Format.TOKENS: "tokens", Format.SEGMENTS: "segments", Format.MESSAGES: "messages",
+             Format.SHAREGPT: "sharegpt", Format.PROMPT_COMPLETION: "prompt-completion", Format.ALPACA: "alpaca",
+             Format.TEXT: "text"}
+_REQUIRED = {"tokens": ("input_ids",), "segments": ("segments",), "messages": ("messages",),
+             "sharegpt": ("conversations",), "prompt-completion": ("prompt", "completion"),
+             "alpaca": ("instruction",), "text": ("text",)}
+
+_USER_WORDS = ("instruction", "question", "query", "prompt", "input", "problem", "human", "request", "source",
+               "user", "context", "inputs")
+_ASSISTANT_WORDS = ("output", "answer", "response", "completion", "solution", "target", "chosen", "reply",
+                    "assistant", "outputs", "label", "targets")
+
+
+def suggest(record: dict) -> str:
+    """Options that would read a record of unknown shape, guessed from its keys and values."""
+    # A list of turn objects under any key (or one level down).
+    for path, v in [(k, v) for k, v in record.items()] + [
+            (f"{k}.{k2}", v2) for k, v in record.items() if isinstance(v, dict) for k2, v2 in v.items()]:
+        if isinstance(v, list) and v and all(isinstance(m, dict) for m in v):
+            rk = next((k for k in ROLE_KEYS if k in v[0]), None)
+            ck = next((k for k in CONTENT_KEYS if k in v[0]), None)
+            if rk is None and ck is None:
+                continue
+            opts = f"--messages-field {path}"
+            if rk is None:
+                guess = [k for k, x in v[0].items() if isinstance(x, (str, int)) and k != ck]
+                opts += f" --role-key {guess[0] if guess else 'KEY'}"
+            if ck is None:
+                guess = [k for k, x in v[0].items() if isinstance(x, str) and k != rk]
+                opts += f" --content-key {guess[0] if guess else 'KEY'}"
+            return opts
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(m, str) for m in v) and "." not in path:
+            if any(w in path.lower() for w in ("dialog", "conversation", "turns", "utterances", "chat")):
+                return f"--messages-field {path} (its strings alternate user, assistant)"
+    for k, v in record.items():
+        if isinstance(v, str) and _BUILTIN_RE.search(v) and len(_BUILTIN_RE.findall(v)) >= 2:
+            return f"--field {k}=transcript"
+    keys = [k for k in record if isinstance(record[k], (str, list, int, float)) and not isinstance(record[k], bool)]
+    user = next((k for w in _USER_WORDS for k in keys if k.lower() == w), None)
+    assistant = next((k for w in _ASSISTANT_WORDS for k in keys if k.lower() == w and k != user), None)
+    if user and assistant:
+        sys_ = " ".join(f"--field {k}=system" for k in keys if k.lower() in ("system", "system_prompt"))
+        return (sys_ + " " if sys_ else "") + f"--field {user}=user --field {assistant}=assistant"
+    strings = [k for k in keys if isinstance(record[k], str) and k not in _ID_KEYS]
+    if len(strings) == 1:
+        return f"--field {strings[0]}=text (plain text, every token trained), or --field NAME=ROLE per turn"
+    return "--field NAME=ROLE for each turn's field (--field question=user --field answer=assistant), or " \
+           "--messages-field PATH for a list of turns"
+
+
+_BUILTIN_RE = re.compile(r"(?:\A|\n)[ \t]*(?:Human|Assistant|User|USER|ASSISTANT):")
+
+
+def detect(record: Any, options: FormatOptions = FormatOptions()) -> str:
+    """The shape ``record`` is read as under ``options`` (see the module docstring), or :class:`Rejected`."""
+    if not isinstance(record, dict):
+        kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is a JSON {kinds.get(type(record), type(record).__name__)}, "
+                                             "expected an object")
+    o = options
+    if o.fields:
+        missing = [p for p, _ in o.fields if resolve(record, p) is _MISSING]
+        if not missing:
+            return "fields"
+    elif o.messages_field:
+        missing = [o.messages_field] if resolve(record, o.messages_field) is _MISSING else []
+        if not missing:
+            return "messages_field"
+    else:
+        missing = []
+    if o.format is not Format.AUTO:
+        shape = _EXPLICIT[o.format]
+        absent = [k for k in _REQUIRED[shape] if k not in record]
+        if shape == "alpaca" and not absent and not any(k in record for k in ("output", "response", "instances")):
+            absent = ["output"]
+        if absent:
+            raise Rejected(Reason.MISSING_FIELD, f"field {absent[0]!r} (format {o.format.value}) is missing; the record "
+                                                 f"has keys [{_keys(record)}]")
+        return shape
+    shape = _auto_shape(record)
+    if shape is not None:
+        return shape
+    if missing:  # a mapping was given for this data: name what it lacks, never "pass --field"
+        given = " ".join(f"--field {p}={r}" for p, r in o.fields if p in missing) or f"--messages-field {missing[0]}"
+        what = ", ".join(repr(p) for p in missing)
+        raise Rejected(Reason.MISSING_FIELD, f"field {what} ({given}) is missing from this record; it has keys "
+                                             f"[{_keys(record)}]")
+    raise Rejected(Reason.UNKNOWN_FORMAT, f"keys [{_keys(record)}] match no format (messages, conversations, "
+                                          "prompt/completion, instruction/output, text, segments, input_ids); "
+                                          f"it looks like {suggest(record)}")
+
+
+def normalize(record: Any, options: FormatOptions) -> Conversation:
+    """Turn one raw record into a :class:`Conversation`, or raise :class:`Rejected` (see the module docstring)."""
+    shape = detect(record, options)
+    ctx = _Ctx(options)
+    used: set[str] = set(_ID_KEYS)
+    if shape == "fields":
+        used |= {str(parse_path(p)[0]) if p not in record else p for p, _ in options.fields} | {"tools"}
+    elif shape == "messages_field":
+        p = options.messages_field
+        used |= {p if p in record else str(parse_path(p)[0]), "system", "tools"}
+    else:
+        used |= set(_SHAPE_KEYS[shape])
+    _media_check(record, skip=tuple(used))
+    conv = Conversation(shape=shape)
+    if shape == "tokens":
+        conv.tokens = _read_tokens(record, ctx)
+    elif shape == "segments":
+        conv.segments = _read_segments(record, ctx)
+    elif shape == "text":
+        conv.text = _content(record["text"], "text", ctx, "text").text
+        ctx.mapping.append("text (every token trained)")
+    else:
+        if shape == "fields":
+            turns = _read_fields(record, ctx)
+        elif shape == "messages_field":
+            turns = _read_messages_field(record, ctx)
+        elif shape == "messages":
+            turns = _read_messages(record, ctx, "messages")
+        elif shape == "sharegpt":
+            turns = _read_messages(record, ctx, "conversations")
+        elif shape == "prompt-completion":
+            turns = _read_prompt_completion(record, ctx)
+        else:
+            turns = _read_alpaca(record, ctx)
+        if isinstance(turns, str):
+            conv.text = turns
+        else:
+            turns = _hygiene(turns, ctx)
+            conv.messages = [t.message() for t in turns]
+            flags = [t.train for t in turns]
+            conv.train = flags if any(f is not None for f in flags) else None
+            conv.tools = _tools(record, ctx) if "tools" in used else None
+    for key in record:
+        if key not in used:
+            ctx.note(f"ignored_field:{key}")
+    conv.notes = ctx.notes
+    conv.mapping = tuple(ctx.mapping)
+    return _renderable(conv)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hygiene: the same rules for every conversational shape.
+
+
+def _merge(a: _Turn, b: _Turn) -> _Turn:
+    join = lambda x, y: x + "\n\n" + y if x and y else x or y  # noqa: E731
+    reasoning = join(a.reasoning or "", b.reasoning or "") or None
+    calls = (a.tool_calls or []) + (b.tool_calls or []) or None
+    flags = {a.train, b.train} - {None}
+    return _Turn(a.role, join(a.content, b.content), a.at, a.speaker, reasoning, calls, a.name, a.tool_call_id,
+                 True if True in flags else (False if flags else None))
+
+
+def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
+    o = ctx.o
+    if not turns:
+        raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns")
+    kept = [t for t in turns if not t.empty()]
+    ctx.note("empty_turns_dropped", len(turns) - len(kept))
+    if not kept:
+        raise Rejected(Reason.EMPTY_CONVERSATION, f"all {len(turns)} turns are empty")
+    merged: list[_Turn] = []
+    for t in kept:
+        prev = merged[-1] if merged else None
+        if prev is not None and prev.role == t.role and t.role != "tool":
+            if o.same_role is SameRole.REJECT:
+                raise Rejected(Reason.CONSECUTIVE_SAME_ROLE, f"{prev.at} and {t.at} are both {t.role} turns "
+                                                             "(--same-role reject)")
+            merged[-1] = _merge(prev, t)
+            ctx.note("turns_merged")
+        else:
+            merged.append(t)
+    turns = merged
+    if o.system_prompt is not None and turns[0].role != "system":
+        turns.insert(0, _Turn("system", o.system_prompt, "--system-prompt"))
+        ctx.mapping.append("--system-prompt -> system")
+    first = next((i for i, t in enumerate(turns) if t.role != "system"), None)
+    if first is not None and turns[first].role == "assistant":
+        t = turns[first]
+        if o.leading_assistant is LeadingAssistant.REJECT:
+            raise Rejected(Reason.STARTS_WITH_ASSISTANT, f"{t.at} is an assistant turn that answers nothing "
+                                                         "(--leading-assistant reject)")
+        if o.leading_assistant is LeadingAssistant.DROP:
+            del turns[first]
+            ctx.note("leading_assistant_dropped")
+        else:
+            t.train = False
+    n = len(turns)
+    while turns and (turns[-1].role != "assistant" or turns[-1].train is False):
+        ctx.flagged_off += turns.pop().train is False
+    ctx.note("trailing_turns_trimmed", n - len(turns))
+    if not any(t.role == "assistant" for t in turns):
+        raise Rejected(Reason.NO_ASSISTANT_TURN, _no_assistant_detail(ctx))
+    return turns
+
+
+def _no_assistant_detail(ctx: _Ctx) -> str:
+    said = []
+    if ctx.notes.get("leading_assistant_dropped"):
+        said.append("its only assistant turn opens the conversation and answers nothing, so it was dropped")
+    if ctx.flagged_off:
+        said.append("its assistant turns are flagged not to train (loss_weight/train 0)")
+    if ctx.speakers:
+        said.append(f"speakers: {_speaker_words(ctx)}")
+    detail = "the conversation has no assistant turn to train on" + (" (" + "; ".join(said) + ")" if said else "")
+    # A dialogue corpus whose answering side has a name that is not an assistant alias (MultiWOZ's SYSTEM).
+    others = [s for s, r in ctx.speakers.items() if r in ("user", "system")]
+    if len(others) >= 2 and not any(r.startswith("assistant") for r in ctx.speakers.values()):
+        answering = next((s for s in others if ctx.speakers[s] == "system"), others[-1])
+        how = "add it to --roles" if ctx.o.roles else "map it with --roles"
+        detail += f"; if {answering!r} is the answering side, {how} {answering}=assistant"
+    return detail
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def _renderable(conv: Conversation) -> Conversation:
@@ -225,19 +1061,19 @@ def _renderable(conv: Conversation) -> Conversation:
     """
     parts: list[tuple[str, Any]] = [("text", conv.text)] if conv.text is not None else []
     for i, m in enumerate(conv.messages):
-        parts.append((f"messages[{i}].content", m["content"]))
-        if "tool_calls" in m:
-            parts.append((f"messages[{i}].tool_calls", m["tool_calls"]))
-        if "name" in m:
-            parts.append((f"messages[{i}].name", m["name"]))
+        for key in ("content", "reasoning", "tool_calls", "name", "tool_call_id"):
+            if key in m:
+                parts.append((f"messages[{i}].{key}", m[key]))
+    for i, (t, _) in enumerate(conv.segments or ()):
+        parts.append((f"segments[{i}].text", t))
     if conv.tools:
         parts.append(("tools", conv.tools))
     for where, value in parts:
         if not isinstance(value, str):
             try:
                 value = json.dumps(value, ensure_ascii=False)
-            except (TypeError, ValueError) as e:
-                raise Rejected(Reason.BAD_TYPE, f"{where} cannot be rendered as JSON ({e})") from None
+            except (TypeError, ValueError, RecursionError) as e:
+                raise Rejected(Reason.BAD_TYPE, f"{where} cannot be rendered as JSON ({type(e).__name__})") from None
         if not value.isascii():
             try:
                 value.encode("utf-8")
@@ -250,74 +1086,9 @@ def _renderable(conv: Conversation) -> Conversation:
     return conv
 
 
-def _normalize(record: Any, fmt: Format, fields: Sequence[tuple[str, str]]) -> Conversation:
-    if not isinstance(record, dict):
-        kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
-        kind = kinds.get(type(record), type(record).__name__)
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is a JSON {kind}, expected an object")
-    # A field mapping applies to records that have every mapped field; in auto mode the others are
-    # still detected, so one run can mix a mapped source (e.g. gsm8k) with standard shapes.
-    if fields and (fmt is not Format.AUTO or all(k in record for k, _ in fields)):
-        if len(fields) == 1 and fields[0][1] == "text":
-            return Conversation([], text=_text(_field(record, fields[0][0]), fields[0][0]))
-        messages = [{"role": role, "content": _text(_field(record, key), key)} for key, role in fields]
-        return _validated(Conversation(messages, _tools(record)))
-    if fmt is Format.AUTO:
-        fmt = detect(record)
-    if fmt is Format.TEXT:
-        return Conversation([], text=_text(_field(record, "text"), "text"))
-    if fmt is Format.MESSAGES:
-        roles = {r: r for r in ROLES} | {"function": "tool", "ipython": "tool", "developer": "system"}
-        messages = _messages(_field(record, "messages"), "messages", "role", "content", roles)
-    elif fmt is Format.SHAREGPT:
-        conv = _field(record, "conversations")
-        if isinstance(conv, list) and conv and isinstance(conv[0], dict) and "role" in conv[0]:
-            roles = {r: r for r in ROLES}
-            messages = _messages(conv, "conversations", "role", "content", roles)
-        else:
-            messages = _messages(conv, "conversations", "from", "value", _SHAREGPT_ROLES)
-        # A system turn inside the conversation wins over the "system" column (as in LLaMA-Factory).
-        if isinstance(record.get("system"), str) and record["system"] and not (messages and messages[0]["role"] == "system"):
-            messages.insert(0, {"role": "system", "content": record["system"]})
-    elif fmt is Format.PROMPT_COMPLETION:
-        prompt, completion = _field(record, "prompt"), _field(record, "completion")
-        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
-            roles = {r: r for r in ROLES}
-            messages = _messages(prompt, "prompt", "role", "content", roles)
-            messages += _messages(completion, "completion", "role", "content", roles)
-        else:
-            messages = [
-                {"role": "user", "content": _text(prompt, "prompt")},
-                {"role": "assistant", "content": _text(completion, "completion")},
-            ]
-    elif fmt is Format.ALPACA:
-        messages = _alpaca(record)
-    else:  # pragma: no cover - Format is exhaustive above
-        raise AssertionError(fmt)
-    return _validated(Conversation(messages, _tools(record)))
-
-
-def _validated(conv: Conversation) -> Conversation:
-    """Structural checks shared by every conversational shape."""
-    msgs = conv.messages
-    if not msgs:
-        raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns")
-    first = 1 if msgs[0]["role"] == "system" else 0
-    if first == len(msgs):
-        raise Rejected(Reason.NO_ASSISTANT_TURN, "the conversation has only a system turn")
-    if msgs[first]["role"] == "assistant":
-        raise Rejected(
-            Reason.STARTS_WITH_ASSISTANT,
-            f"messages[{first}] is an assistant turn; a conversation must open with system or user",
-        )
-    for i in range(1, len(msgs)):
-        role, prev = msgs[i]["role"], msgs[i - 1]["role"]
-        if role == "system":
-            raise Rejected(Reason.MISPLACED_SYSTEM, f"messages[{i}] is a system turn; only the first turn may be")
-        if role == prev and role != "tool":
-            raise Rejected(
-                Reason.CONSECUTIVE_SAME_ROLE, f"messages[{i - 1}] and messages[{i}] are both {role} turns"
-            )
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise Rejected(Reason.NO_ASSISTANT_TURN, "the conversation has no assistant turn to train on")
-    return conv
+def target_flags(conv: Conversation, train_on: TrainOn) -> list[bool]:
+    """Per message: is it a training target? A turn's own flag wins; else assistant turns (or all, with
+    ``--train-on all``)."""
+    flags = conv.train or [None] * len(conv.messages)
+    return [f if f is not None else (train_on is TrainOn.ALL or m["role"] == "assistant")
+            for m, f in zip(conv.messages, flags)]

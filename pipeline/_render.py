@@ -1,44 +1,68 @@
-"""Rendering and tokenization: a :class:`Conversation` -> ``input_ids`` and ``loss_mask``.
+"""Rendering: a :class:`Conversation` -> segments of text, each all training target or all context.
 
-A conversation is rendered into *segments*, runs of text that are either all training targets
-or all context, and each segment is tokenized on its own (``add_special_tokens=False``), then
-the ids are concatenated. Tokenizing at the boundaries keeps the mask exact, and the boundary
-before an assistant turn is exactly where inference starts generating, so the prompt tokens are
-the ones the model sees at inference time. With the built-in ChatML template::
+A conversation is rendered into *segments*; the encoder (``pipeline._encode``) tokenizes each on
+its own (``add_special_tokens=False``) and concatenates the ids, so the mask is exact at every
+boundary, and the boundary before an assistant turn is exactly where inference starts
+generating. With the built-in ChatML template::
 
     segment  "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"   context  -> mask 0
-    segment  "Hello!<|im_end|>"   (the newline after it is trailing space)  target   -> mask 1
-    eos      "<｜end▁of▁sentence｜>" (the tokenizer's EOS, appended)         target   -> mask 1
+    segment  "Hello!<|im_end|>"   (trailing whitespace after the last turn dropped)   target -> mask 1
+    eos      "<｜end▁of▁sentence｜>" (the tokenizer's EOS, appended by the encoder)   target -> mask 1
 
-Trailing whitespace after the last turn is dropped, and the tokenizer's EOS is appended unless
-the text already ends with it, so every example ends with its end-of-turn/EOS token.
+Which turns are targets: a turn's own flag (``loss_weight``/``train``/``training``) when the
+record has one, else assistant turns (every turn with ``--train-on all``). A target assistant
+turn trains its reasoning block, its answer, its tool calls and its end-of-turn token; with
+``--mask-reasoning`` the reasoning block is context. The generation prompt before it
+(``<|im_start|>assistant\\n``) is context.
 
 Templates: the tokenizer's own chat template when it has one, else the built-in ChatML
 (``templates/chatml.jinja``, rendered here without Jinja for speed; a test keeps both equal),
-or a user's template file. Jinja templates are rendered only through transformers'
-``apply_chat_template``, i.e. its sandboxed Jinja environment, and assistant spans are found by
-rendering prefixes: ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of
-``render(messages[:i+1])``; templates that rewrite earlier turns are rejected with a clear reason.
+or ``--chat-template FILE``. Reasoning renders through the template's own thinking block
+(``reasoning_content``/``thinking``); the built-in ChatML writes ``<think>\\n...\\n</think>\\n\\n``
+before the answer. Tool calls render through the template with ``tools``; the built-in ChatML
+writes the tool definitions as JSON in the system turn and each call as
+``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``. A template that does not render
+reasoning, tool calls or tool definitions (found once, by probing it) gets them written into the
+turn's text the built-in way, so nothing a record holds is silently left out.
+
+Jinja templates run only in transformers' sandboxed environment (``ImmutableSandboxedEnvironment``,
+no attribute escapes, no file access), compiled with ``*`` and ``**`` guarded, and each record's
+rendering is bounded: output size (:data:`TEMPLATE_MAX_CHARS` plus 8 characters per input
+character) and time (:data:`TEMPLATE_SECONDS`, enforced by one watchdog thread per process that
+interrupts a template looping in Python). A record that hits a bound is dead-lettered as
+``template_limit``. Assistant spans are found by rendering prefixes:
+``render(messages[:i], add_generation_prompt=True)`` must be a prefix of the full rendering;
+templates that rewrite earlier turns are refused with a clear reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import os
+import re
+import threading
+import time
 from importlib import resources
-from typing import Any, Optional, Sequence
-
-import numpy as np
+from typing import Any, Optional
 
 from packers import PackstreamError
-from pipeline._formats import Conversation, Reason, Rejected
+from pipeline._formats import Conversation, Reason, Rejected, target_flags
 from pipeline._options import DEFAULT_TOKENIZER, FormatOptions, PackOptions, TrainOn
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
 
 BUILTIN_CHATML = resources.files("pipeline").joinpath("templates/chatml.jinja").read_text(encoding="utf-8")
+
+TEMPLATE_SECONDS = 10.0
+"""Wall-clock bound on rendering one record through a Jinja template (all its prefixes)."""
+TEMPLATE_MAX_CHARS = 1 << 20
+"""Bound on one rendering's size: this many characters plus 8 per character of the record's text."""
 
 
 def default_tokenizer_path() -> str:
@@ -98,111 +122,386 @@ def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, 
     }
 
 
-def _chatml_turn_text(m: dict) -> str:
-    text = m["content"]
-    for call in m.get("tool_calls") or ():
-        text += "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
-    return text
+# ------------------------------------------------------------------------------------------------
+# The built-in ChatML, without Jinja.
 
 
-def chatml_segments(conv: Conversation) -> Segments:
+def think_block(reasoning: str) -> str:
+    """The built-in ChatML's thinking block, written before the answer (Qwen3/DeepSeek-R1 style)."""
+    return "<think>\n" + reasoning + "\n</think>\n\n"
+
+
+def tool_calls_text(content: str, calls: Optional[list]) -> str:
+    """Tool calls the built-in way (Hermes/Qwen2.5): one ``<tool_call>`` block of JSON each, after the text."""
+    out = ""
+    for k, call in enumerate(calls or ()):
+        fn = call["function"]
+        body = json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
+        out += ("\n" if k or content else "") + "<tool_call>\n" + body + "\n</tool_call>"
+    return out
+
+
+def tools_text(tools: list) -> str:
+    return "# Tools\n" + json.dumps(tools, ensure_ascii=False)
+
+
+def chatml_segments(conv: Conversation, targets: list[bool], mask_reasoning: bool = False) -> Segments:
     """The built-in ChatML template, as segments. Same text as ``templates/chatml.jinja``."""
     msgs = conv.messages
     segs: Segments = []
-    ctx = ""
     start = 0
     if conv.tools or (msgs and msgs[0]["role"] == "system"):
-        ctx = "<|im_start|>system\n"
+        text = "<|im_start|>system\n"
         if msgs and msgs[0]["role"] == "system":
-            ctx += msgs[0]["content"]
+            text += msgs[0]["content"] + ("\n\n" if conv.tools else "")
             start = 1
-            if conv.tools:
-                ctx += "\n\n"
         if conv.tools:
-            ctx += "# Tools\n" + json.dumps(conv.tools, ensure_ascii=False)
-        ctx += "<|im_end|>\n"
-    for m in msgs[start:]:
-        ctx += f"<|im_start|>{m['role']}\n"
-        if m["role"] == "assistant":
-            segs.append((ctx, False))
-            segs.append((_chatml_turn_text(m) + "<|im_end|>\n", True))
-            ctx = ""
-        else:
-            ctx += _chatml_turn_text(m) + "<|im_end|>\n"
-    segs.append((ctx, False))
+            text += tools_text(conv.tools)
+        segs.append((text + "<|im_end|>\n", bool(start and targets[0])))
+    for m, target in zip(msgs[start:], targets[start:]):
+        header = f"<|im_start|>{m['role']}\n"
+        body = m["content"] + tool_calls_text(m["content"], m.get("tool_calls")) + "<|im_end|>\n"
+        if m["role"] != "assistant" or not target:
+            segs.append((header + (think_block(m["reasoning"]) if m.get("reasoning") else "") + body, target))
+            continue
+        segs.append((header, False))
+        if m.get("reasoning"):
+            segs.append((think_block(m["reasoning"]), not mask_reasoning))
+        segs.append((body, True))
     return segs
 
 
-def template_segments(tok, template: str, conv: Conversation) -> Segments:
-    """Segments of any Jinja chat template, found by rendering prefixes (sandboxed Jinja)."""
+# ------------------------------------------------------------------------------------------------
+# Bounds on Jinja templates: output size, `*`/`**` sizes, and time (one watchdog thread per process).
 
-    def render(msgs: list, gen: bool) -> str:
+
+class TemplateTimeout(BaseException):
+    """Raised inside a rendering thread by the watchdog. A BaseException, so no ``except Exception``
+    inside a template library can swallow it."""
+
+
+def _async_raise(thread_id: int, exc: Optional[type]) -> None:
+    """Raise ``exc`` in another thread at its next bytecode boundary (``None`` cancels a pending one)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+@dataclasses.dataclass
+class _Deadline:
+    thread_id: int
+    at: float
+    state: int = 0  # 0 running, 1 fired, 2 finished
+
+
+class Watchdog:
+    """Interrupts code that runs past its deadline, for any number of threads, with one thread.
+
+    ``with watchdog.limit(seconds): ...`` raises :class:`TemplateTimeout` in the body when it
+    overruns; pure-Python loops (a Jinja template) are interrupted at their next bytecode. The cost
+    per use is a lock and a notify; the thread starts on first use in each process (after a fork too).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._deadlines: dict[int, _Deadline] = {}
+        self._ids = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = 0
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                wait = None
+                for d in self._deadlines.values():
+                    if d.state:
+                        continue
+                    if d.at <= now:
+                        d.state = 1
+                        _async_raise(d.thread_id, TemplateTimeout)
+                    else:
+                        wait = d.at - now if wait is None else min(wait, d.at - now)
+                self._cond.wait(wait)
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float):
+        d = _Deadline(threading.get_ident(), time.monotonic() + seconds)
+        key = next(self._ids)
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="packstream-watchdog", daemon=True)
+                self._thread.start()
+            self._deadlines[key] = d
+            self._cond.notify()
         try:
-            return tok.apply_chat_template(
-                msgs, tools=conv.tools, chat_template=template, tokenize=False, add_generation_prompt=gen
-            )
-        except Exception as e:  # jinja2 errors and raise_exception() from inside the template
-            raise Rejected(Reason.TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {e}") from None
+            try:
+                yield
+            finally:
+                with self._cond:
+                    fired, d.state = d.state == 1, 2
+                if fired:  # the watchdog fired but the exception may not have arrived yet: cancel it, raise it here
+                    _async_raise(d.thread_id, None)
+                    raise TemplateTimeout
+        finally:
+            with self._cond:
+                self._deadlines.pop(key, None)
 
-    msgs = conv.messages
+
+WATCHDOG = Watchdog()
+
+
+class _TooBig(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str):
+    """A chat template compiled in transformers' sandboxed Jinja environment, with ``*`` and ``**`` guarded."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template("").environment.overlay()  # the same sandbox, filters and globals
+    env.intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(context, operator, left, right):
+        if operator == "*" and isinstance(right, int) and isinstance(left, (str, list, tuple)) or \
+                operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            n, seq = (right, left) if isinstance(right, int) else (left, right)
+            if n * len(seq) > TEMPLATE_MAX_CHARS * 16:
+                raise _TooBig(f"'*' would build {n * len(seq):,} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 4096:
+            raise _TooBig(f"'**' with exponent {right:,}")
+        return env.binop_table[operator](left, right)
+
+    env.call_binop = call_binop
+    return env.from_string(source)
+
+
+# ------------------------------------------------------------------------------------------------
+# Any Jinja chat template.
+
+
+_PROBE_USER = {"role": "user", "content": "packstream probe question"}
+
+
+class JinjaTemplate:
+    """One chat template: sandboxed, bounded, and probed once for what it renders."""
+
+    def __init__(self, source: str, special_tokens: dict[str, Any]):
+        self.source = source
+        self.kwargs = dict(special_tokens)
+        self.compiled = compile_template(source)
+        self.reasoning = self._renders("zq7reasoning", [_PROBE_USER, {
+            "role": "assistant", "content": "answer", "reasoning_content": "zq7reasoning", "thinking": "zq7reasoning"}])
+        call = {"type": "function", "function": {"name": "zq7call", "arguments": {"x": 1}}}
+        self.tool_calls = self._renders("zq7call", [_PROBE_USER, {"role": "assistant", "content": "", "tool_calls": [call]}])
+        tool = {"type": "function", "function": {"name": "zq7tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        self.tools = self._renders("zq7tool", [_PROBE_USER], tools=[tool])
+
+    def _renders(self, needle: str, messages: list, tools=None) -> bool:
+        """Does the template show ``needle``? If the probe itself fails, assume it does (records will tell)."""
+        try:
+            with WATCHDOG.limit(TEMPLATE_SECONDS):
+                return needle in self.render(messages, tools, False, TEMPLATE_MAX_CHARS)
+        except (Rejected, TemplateTimeout):
+            return True
+
+    def render(self, messages: list, tools: Optional[list], gen: bool, cap: int) -> str:
+        out: list[str] = []
+        size = 0
+        try:
+            for chunk in self.compiled.generate(messages=messages, tools=tools, documents=None,
+                                                add_generation_prompt=gen, **self.kwargs):
+                size += len(chunk)
+                if size > cap:
+                    raise _TooBig(f"it produced more than {cap:,} characters")
+                out.append(chunk)
+        except _TooBig as e:
+            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template is unbounded for this record: {e}; a chat "
+                                                  "template should only lay out the turns") from None
+        except Exception as e:  # jinja2 errors, raise_exception() from inside the template, type errors
+            msg = str(e).splitlines()[0][:300] if str(e) else ""
+            raise Rejected(Reason.TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {msg}") from None
+        return "".join(out)
+
+
+def _inline(conv: Conversation, tpl: JinjaTemplate) -> tuple[list[dict], list[Optional[dict]], Optional[list]]:
+    """The conversation as the template sees it, and each message without its reasoning (None: it has none).
+
+    What the template cannot render (found by :class:`JinjaTemplate`'s probes) is written into the
+    text the built-in way: reasoning as a ``<think>`` block, tool calls as ``<tool_call>`` JSON, tool
+    definitions as JSON in the system turn.
+    """
+    msgs, plain = [], []
+    for m in conv.messages:
+        out = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            if tpl.tool_calls:
+                out["tool_calls"] = m["tool_calls"]
+            else:
+                out["content"] += tool_calls_text(out["content"], m["tool_calls"])
+        for k in ("name", "tool_call_id"):
+            if k in m:
+                out[k] = m[k]
+        plain.append(dict(out) if m.get("reasoning") else None)
+        if m.get("reasoning"):
+            if tpl.reasoning:
+                out["reasoning_content"] = out["thinking"] = m["reasoning"]
+            else:
+                out["content"] = think_block(m["reasoning"]) + out["content"]
+        msgs.append(out)
+    tools = conv.tools
+    if tools and not tpl.tools:
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + tools_text(tools)}
+        else:
+            msgs.insert(0, {"role": "system", "content": tools_text(tools)})
+            plain.insert(0, None)
+        tools = None
+    return msgs, plain, tools
+
+
+_CLOSING_TAG = re.compile(r"\s*</[A-Za-z_][\w-]*>\s*")
+
+
+def _common_suffix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def template_segments(tpl: JinjaTemplate, conv: Conversation, targets: list[bool], mask_reasoning: bool) -> Segments:
+    """Segments of any Jinja chat template, found by rendering prefixes."""
+    msgs, plain, tools = _inline(conv, tpl)
+    everything = all(targets)
+    if len(msgs) != len(conv.messages):  # tool definitions became a system turn of their own
+        targets = [False] + targets
+    size = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in msgs)  # the record's text
+    size += len(json.dumps([m.get("tool_calls") for m in msgs], ensure_ascii=False)) if conv.tools or any(
+        m.get("tool_calls") for m in msgs) else 0
+    size += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+    cap = TEMPLATE_MAX_CHARS + 8 * size
+
+    def render(upto: int, gen: bool, last: Optional[dict] = None) -> str:
+        part = msgs[:upto] if last is None else msgs[:upto] + [last]
+        return tpl.render(part, tools, gen, cap) if part else ""
+
+    final = render(len(msgs), False)
+    if everything:
+        return [(final, True)]
+
+    def inconsistent(i: int) -> Rejected:
+        return Rejected(Reason.TEMPLATE_ERROR, f"the chat template is not prefix-consistent at messages[{i}] (it "
+                        "rewrites earlier turns, e.g. drops their reasoning), so the target spans cannot be located; "
+                        "use --chat-template with a template that appends turns")
+
     segs: Segments = []
-    done = 0  # characters of the final text already assigned to segments
+    done = 0
     for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
+        if not targets[i]:
             continue
-        prompt = render(msgs[:i], gen=True)
-        full = render(msgs[: i + 1], gen=False)
-        if not full.startswith(prompt) or len(prompt) < done:
-            raise Rejected(
-                Reason.TEMPLATE_ERROR,
-                f"the chat template is not prefix-consistent at messages[{i}] (it rewrites earlier turns), so "
-                "assistant spans cannot be located; use --chat-template with a template that appends turns",
-            )
-        segs.append((prompt[done:], False))
-        segs.append((full[len(prompt):], True))
-        done = len(full)
-    final = render(msgs, gen=False)
-    if not final.startswith("".join(s for s, _ in segs)):
-        raise Rejected(Reason.TEMPLATE_ERROR, "the chat template renders a conversation differently from its prefixes")
+        head = render(i, gen=m["role"] == "assistant")
+        upto = render(i + 1, False)
+        if not (final.startswith(head) and final.startswith(upto)) or len(head) < done:
+            raise inconsistent(i)
+        cut = len(head)
+        if mask_reasoning and m["role"] == "assistant" and plain[i] is not None:
+            alt = render(i, False, plain[i])
+            if not alt.startswith(head):
+                raise inconsistent(i)
+            span = final[len(head):len(upto)]
+            end = len(span) - _common_suffix(span, alt[len(head):])
+            close = _CLOSING_TAG.match(span, end)
+            cut += close.end() if close else end
+        segs.append((final[done:len(head)], False))
+        if cut > len(head):
+            segs.append((final[len(head):cut], False))
+        segs.append((final[cut:len(upto)], True))
+        done = len(upto)
     segs.append((final[done:], False))
     return segs
 
 
+# ------------------------------------------------------------------------------------------------
+
+
+def merge_runs(segs: Segments) -> Segments:
+    """Join neighbouring segments with the same flag (and drop empty ones): text is cut only where the mask changes.
+
+    >>> merge_runs([("a", False), ("b", False), ("", True), ("c", True)])
+    [('ab', False), ('c', True)]
+    """
+    out: Segments = []
+    for text, target in segs:
+        if not text:
+            continue
+        if out and out[-1][1] == target:
+            out[-1] = (out[-1][0] + text, target)
+        else:
+            out.append((text, target))
+    return out
+
+
 class Renderer:
-    """Render and tokenize batches of conversations with one tokenizer (loaded once per process)."""
+    """Renders conversations with one tokenizer and template (loaded once per process)."""
 
     def __init__(self, options: PackOptions):
         self.tok = load_tokenizer(options.tokenizer, options.trust_remote_code)
-        self.template = options.chat_template or self.tok.chat_template
-        if isinstance(self.template, dict):  # tokenizers with named templates
-            self.template = self.template.get("default") or next(iter(self.template.values()))
+        source = options.chat_template or self.tok.chat_template
+        if isinstance(source, dict):  # tokenizers with named templates
+            source = source.get("default") or next(iter(source.values()))
+        self.template: Optional[str] = source
+        self.jinja: Optional[JinjaTemplate] = None
+        if source is not None:
+            try:
+                self.jinja = JinjaTemplate(source, self.tok.special_tokens_map)
+            except Exception as e:  # a template that does not even compile: every record would fail alike
+                raise PackstreamError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
         self.eos_text = self.tok.eos_token
         self.eos_id = self.tok.eos_token_id
-        self._backend = self.tok.backend_tokenizer
 
     def segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
-        """The conversation as ``[(text, is_target), ...]``; every target flag follows ``fmt``."""
+        """The conversation as ``[(text, is_target), ...]``; every target flag follows ``fmt``.
+
+        Labelled segments come back exactly as labelled (all targets with ``--train-on all``).
+        """
         if conv.segments is not None:
-            return [(t, y) for t, y in conv.segments if t]
-        if conv.text is not None:
+            segs = list(conv.segments)
+        elif conv.text is not None:
             segs = [(conv.text, True)]
-        elif self.template is None:
-            segs = chatml_segments(conv)
         else:
-            segs = template_segments(self.tok, self.template, conv)
-        # Drop trailing whitespace after the last turn; it carries nothing to learn.
-        while segs and not segs[-1][0].strip():
-            segs.pop()
-        if segs:
-            text, target = segs[-1]
-            segs[-1] = (text.rstrip(), target)
+            targets = target_flags(conv, fmt.train_on)
+            if self.jinja is None:
+                segs = chatml_segments(conv, targets, fmt.mask_reasoning)
+            else:
+                try:
+                    with WATCHDOG.limit(TEMPLATE_SECONDS):
+                        segs = template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
+                except TemplateTimeout:
+                    raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on "
+                                                          "this record; a chat template should only lay out the turns "
+                                                          "(use --chat-template FILE with one that does)") from None
+            # Drop trailing whitespace after the last turn; it carries nothing to learn.
+            while segs and not segs[-1][0].strip():
+                segs.pop()
+            if segs:
+                text, target = segs[-1]
+                segs[-1] = (text.rstrip(), target)
         if fmt.train_on is TrainOn.ALL:
             segs = [(t, True) for t, _ in segs]
-        return [(t, y) for t, y in segs if t]
+        return merge_runs(segs)
+
+    def appends_eos(self, conv: Conversation) -> bool:
+        """Every example ends with the tokenizer's EOS, except labelled segments (trained exactly as labelled)
+        and pre-tokenized records (packed as they are)."""
+        return conv.segments is None and conv.tokens is None and self.eos_text is not None
 
     def render_text(self, conv: Conversation, fmt: FormatOptions) -> str:
         """The full example as text, EOS included: what decoding the stored tokens gives back."""
         text = "".join(t for t, _ in self.segments(conv, fmt))
-        if self.eos_text and not text.endswith(self.eos_text):
+        if self.appends_eos(conv) and text and not text.endswith(self.eos_text):
             text += self.eos_text
         return text
