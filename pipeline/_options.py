@@ -118,8 +118,9 @@ class FormatOptions:
     """How the records of one data set become conversations, and which tokens are targets."""
 
     format: Format = dataclasses.field(default=Format.AUTO, metadata=cli(
-        "--format", "Record shape; auto detects it per record (messages, conversations, prompt/completion, "
-        "instruction/output, text, segments, input_ids)."))
+        "--format", "Record shape; auto detects it per record by its keys: input_ids (tokens), segments, messages, "
+        "conversations (sharegpt), prompt+completion, instruction+output/response (alpaca, with input, system, "
+        "history), text. Other shapes: --field or --messages-field (see docs/formats.md)."))
     fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
         "--field question=user --field answer=assistant. ROLE: system, user, assistant, tool; text (the "
@@ -127,14 +128,16 @@ class FormatOptions:
         "turns). Mapped lists of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
     messages_field: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
-        "(e.g. utterances, data.dialog).", metavar="PATH"))
+        "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant.", metavar="PATH"))
     role_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--role-key", "Key of the speaker in each turn object [default: role, from or speaker].", metavar="KEY"))
     content_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--content-key", "Key of the text in each turn object, or in a content object [default: content, value "
         "or text].", metavar="KEY"))
     roles: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
-        "--roles", "Speaker names -> roles, beyond the built-in aliases: --roles bot=assistant,customer=user.",
+        "--roles", "Speaker names -> roles, beyond the built-in aliases (human/user/prompter -> user; gpt/assistant/"
+        "bot/model/chatgpt -> assistant; system/developer; tool/function/observation -> tool; function_call -> an "
+        "assistant tool call): --roles customer=user,agent=assistant.",
         metavar="FROM=ROLE,...", kind="pairs"))
     transcript_markers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--transcript-marker", "Speaker markers of transcript strings, beyond Human:/Assistant:/User:/System: and "
@@ -146,7 +149,8 @@ class FormatOptions:
         "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
     mask_reasoning: bool = dataclasses.field(default=False, metadata=cli(
-        "--mask-reasoning", "Train on the answers but not on the reasoning (thinking) blocks of assistant turns.",
+        "--mask-reasoning", "Train on the answers but not on the reasoning (thinking) blocks of assistant turns "
+        "(reasoning_content/thinking fields, reasoning parts, or a leading <think>...</think>).",
         kind="switch"))
     leading_assistant: LeadingAssistant = dataclasses.field(default=LeadingAssistant.DROP, metadata=cli(
         "--leading-assistant", "A first assistant turn that answers nothing: drop it, keep it as context, or "
@@ -175,6 +179,24 @@ class FormatOptions:
                 "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
                 f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
             )
+        from pipeline._formats import parse_path  # the one path grammar (a.b, choices[0].turns)
+
+        for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field")]:
+            if path is not None:
+                try:
+                    parse_path(path)
+                except ValueError as e:
+                    raise PackstreamError(f"{flag}: {e}") from None
+        if self.fields and self.format is not Format.AUTO:
+            raise PackstreamError(f"--field maps the record's fields itself; drop --format {self.format.value} "
+                                  "(or drop --field to read that format)")
+        if self.messages_field is not None:
+            if self.fields:
+                raise PackstreamError("give --messages-field (a list of turn objects) or --field (one field per turn), "
+                                      "not both")
+            if self.format not in (Format.AUTO, Format.MESSAGES, Format.SHAREGPT):
+                raise PackstreamError(f"--messages-field reads a list of turns; it does not combine with --format "
+                                      f"{self.format.value}")
         for src, role in self.roles:
             if role not in ROLES:
                 raise PackstreamError(f"--roles {src}={role}: unknown role {role!r}; use one of {', '.join(ROLES)}")
