@@ -42,6 +42,22 @@ class Encoded:
     """Per-chunk counters: ``not_sampled``, ``repeated_copies``, normalization notes, ``ignored_field:<name>``."""
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """A chunk after normalize and render, before tokenization."""
+
+    texts: list[str] = dataclasses.field(default_factory=list)
+    flags: list[bool] = dataclasses.field(default_factory=list)
+    owner: list[int] = dataclasses.field(default_factory=list)
+    """Index in ``meta`` of each segment."""
+    meta: list[tuple[str, str, int, int]] = dataclasses.field(default_factory=list)
+    """(example id, source, position, dataset) of each kept record."""
+    direct: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    """Index in ``meta`` -> a pre-tokenized (2, n) example."""
+    rejected: list[dict] = dataclasses.field(default_factory=list)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     for k, v in more.items():
         into[k] = into.get(k, 0) + v
@@ -86,13 +102,12 @@ class Encoder:
     # -- per chunk ----------------------------------------------------------------------------
     def encode(self, chunk: Sequence[Item]) -> Encoded:
         """Encode one chunk (see the module docstring). Never raises for a bad record."""
-        rejected: list[dict] = []
-        counts: dict[str, int] = {}
-        kept_meta: list[tuple[str, str, int, int]] = []  # (example id, source, position, dataset)
-        direct: dict[int, np.ndarray] = {}  # index in kept_meta -> pre-tokenized (2, n)
-        texts: list[str] = []
-        flags: list[bool] = []
-        owner: list[int] = []  # index in kept_meta of each segment
+        prepared = self.prepare(chunk)
+        return self.finish(prepared, self.tokenize(prepared))
+
+    def prepare(self, chunk: Sequence[Item]) -> "_Prepared":
+        """The Python half: normalize and render every record of the chunk into segments."""
+        p = _Prepared()
         for dataset, source, position, record in chunk:
             eid = None
             try:
@@ -100,30 +115,37 @@ class Encoder:
                     raise record
                 eid = _rows.example_id(source, position, record)
                 if not self._sampled(dataset, eid):
-                    counts["not_sampled"] = counts.get("not_sampled", 0) + 1
+                    p.counts["not_sampled"] = p.counts.get("not_sampled", 0) + 1
                     continue
                 fmt = self.datasets[dataset].format
                 conv = normalize(record, fmt)
                 if conv.tokens is not None:
-                    direct[len(kept_meta)] = self._pretokenized(conv, dataset)
+                    p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                 else:
                     segs = self.renderer.segments(conv, fmt)
-                    k = len(kept_meta)
-                    texts.extend(t for t, _ in segs)
-                    flags.extend(y for _, y in segs)
-                    owner.extend(itertools.repeat(k, len(segs)))
-                add_counts(counts, conv.notes)
+                    k = len(p.meta)
+                    p.texts.extend(t for t, _ in segs)
+                    p.flags.extend(y for _, y in segs)
+                    p.owner.extend(itertools.repeat(k, len(segs)))
+                add_counts(p.counts, conv.notes)
             except Rejected as r:
-                rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
+                p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
                 continue
-            kept_meta.append((eid, source, position, dataset))
+            p.meta.append((eid, source, position, dataset))
+        return p
 
+    def tokenize(self, p: "_Prepared") -> list:
+        """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
+        return self._backend.encode_batch_fast(p.texts, add_special_tokens=False) if p.texts else []
+
+    def finish(self, p: "_Prepared", encs: list) -> Encoded:
+        """Masks from segment lengths (numpy), the EOS, target checks, repeats."""
+        rejected, counts, kept_meta, direct = p.rejected, p.counts, p.meta, p.direct
         n = len(kept_meta)
-        encs = self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
         seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
         ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
-        mask = np.repeat(np.asarray(flags, dtype=np.uint8), seg_lens)
-        rec_lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
+        mask = np.repeat(np.asarray(p.flags, dtype=np.uint8), seg_lens)
+        rec_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
         if direct:  # splice pre-tokenized examples in at their place
             ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
         ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, direct)

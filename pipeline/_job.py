@@ -2,295 +2,478 @@
 
 ::
 
-    ListInputs -> ReadRecords (chunks) -> EncodeChunks ----------------> rejected
-                                   (normalize, render, tokenize)          ^
-                                   |                                      |
-                                   v                                      |
-       grouped: KeyByIdHash -> GroupByKey -> PackGroups ----------------->|  (duplicates, too long)
-       global:  CollectLengths -> PlanGlobally -> JoinTokens -> Assemble->|
-                                   |                                      |
-                                   v                                      v
-                 KeyByShard -> WriteShards                      WriteRejected
-                                   \\______________ WriteManifest ________/
+    Create(inputs) -> PlanReads -> Spread -> EncodeTasks ------------------------------+
+                      (split big     (one     read a task, normalize, render,           |
+                       files)        task per  tokenize (pipeline._encode), spill the    |
+                                     worker)   examples per packing group to disk        |
+                                                   |                                     |
+                                 Slices: (split, shard) -> Slice(group, spill file, batch)
+                                                   v                                     |
+                      (every shard) -> GroupByKey -> PackShards: per group of the shard: |
+                                                     read it back, de-duplicate, split/  |
+                                                     truncate, bin-pack, assemble rows,  |
+                                                     stream them into the shard file     |
+                                                   |                                     |
+                                                   v                                     v
+                                   Collect (one key) -> Finalize: merge the dead letters,
+                                   sum the counts, check they reconcile, write README.md,
+                                   then manifest.json LAST (complete, or failed + why)
 
-Counts are data, not metrics: the manifest sums what the steps emitted and refuses to finish
-if records read != examples packed + rejected + dropped for length. Beam metrics (namespace
-``packstream``) mirror them for runner UIs.
+Only small values cross a shuffle (tasks, slices, shard descriptions, counts, file names), so
+memory does not grow with the input on any runner; tokens move through spill files
+(:mod:`pipeline._spill`). Every step has one output (a tagged tuple): runners such as Dask
+support nothing more. Nothing a worker finds wrong with the user's data or folder raises: a
+corrupt input is a dead letter naming the file, a failed write a ``failure`` value that the
+manifest records, and the launcher turns a failed manifest into one ``error:`` line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import time
-from typing import Any, Optional, Sequence
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 import packers
 from packers import InternalError, PackstreamError
-from pipeline import _progress, _read, _rows, _write
+from packers._manifest import MANIFEST, Status, parse_manifest
+from pipeline import _output, _progress, _read, _rows, _spill, _write
 from pipeline._formats import Reason
 from pipeline._options import PackMode, PackOptions
-from pipeline._render import tokenizer_identity
+from pipeline._tokenizer import tokenizer_identity
 
 NS = "packstream"
-SHARD_TOKENS = 64 * 2**20  # automatic sharding: one shard per 64M budget tokens (~300 MB)
+SHARD_TOKENS = 64 * 2**20
+"""Automatic sharding: about one shard per 64M tokens (~300 MB of Arrow)."""
+EXIT_USER_ERROR = 2
+EXIT_REJECTED = 3
 
 
 class TooManyRejected(PackstreamError):
-    """More records were rejected than ``--max-reject-fraction`` allows (the CLI exits with 3)."""
+    """The run packed nothing, or rejected more than ``--max-reject-fraction`` (the CLI exits with 3)."""
+
+    def __init__(self, message: str, manifest: Optional[dict] = None):
+        super().__init__(message)
+        self.manifest = manifest
 
 
-class ReadRecords(beam.DoFn):
-    """One input file -> chunks of ``(source, position, record)``; unparseable lines become Rejected.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the launcher decides before the job starts; every worker gets the same copy."""
 
-    Records travel in chunks of ``--batch-size`` so that Beam's per-element cost is paid per
-    chunk, not per record; the tokenizer then encodes a whole chunk in one batch call.
+    run_id: str
+    spill: str
+    groups: dict[str, int]
+    """Packing groups per split ("train", "validation")."""
+    shards: dict[str, int]
+    """Output shards per split."""
+    schema_metadata: dict
+    eos_id: Optional[int]
+
+    def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
+        """(split, group, shard) of an example: stable hashes of its id."""
+        split = "train"
+        if fraction and _rows.stable_hash(_rows.base_id(example_id), salt="validation") < fraction * 2**64:
+            split = "validation"
+        group = _rows.stable_hash(example_id, salt="group") % self.groups[split]
+        return split, group, group % self.shards[split]
+
+
+def _tagged(kind: str, value: Any) -> tuple[str, Any]:
+    return (kind, value)
+
+
+def _only(kind: str):
+    return lambda item: [item[1]] if item[0] == kind else []
+
+
+# ---------------------------------------------------------------------------------------
+# Reading and encoding
+
+
+class EncodeTasks(beam.DoFn):
+    """A read task -> its examples spilled per packing group, plus dead letters and counts.
+
+    Yields tagged tuples: ``("slice", ((split, shard), Slice))``, ``("rejects", path)``,
+    ``("stats", counts)``, ``("failure", message)``. While the tokenizer (Rust, its own threads)
+    encodes one chunk, this thread reads, parses and renders the next.
     """
 
-    def __init__(self, max_bytes: int, chunk_size: int):
-        self.max_bytes, self.chunk_size = max_bytes, chunk_size
-        self.read = _progress.Counter(NS, "records_read")
-
-    def process(self, f: _read.InputFile):
-        chunk = []
-        for position, record in _read.read_file(f, self.max_bytes):
-            chunk.append((f.dataset, f.source, position, record))
-            if len(chunk) == self.chunk_size:
-                self.read.inc(len(chunk))
-                yield chunk
-                chunk = []
-        if chunk:
-            self.read.inc(len(chunk))
-            yield chunk
-
-
-class _Rejects:
-    """One Beam counter per rejection reason, created on first use."""
-
-    def __init__(self):
-        self.counters: dict[str, Any] = {}
-
-    def __call__(self, rec: dict):
-        reason = rec["reason"]
-        if reason not in self.counters:
-            self.counters[reason] = Metrics.counter(NS, f"rejected_{reason}")
-        self.counters[reason].inc()
-        return beam.pvalue.TaggedOutput("rejected", rec)
-
-
-class EncodeChunk(beam.DoFn):
-    """A chunk of raw records -> an :class:`~pipeline._rows.ExampleBatch` (see :mod:`pipeline._encode`).
-
-    The tokenizer loads once per worker process (``setup`` + a per-process cache).
-    """
-
-    def __init__(self, options: PackOptions):
-        self.options = options
+    def __init__(self, options: PackOptions, plan: Plan):
+        self.options, self.plan = options, plan
         self.encoder = None
-        self.reject = _Rejects()
+        self.read = _progress.Counter(NS, "records_read")
         self.examples = _progress.Counter(NS, "examples_tokenized")
         self.tokens = _progress.Counter(NS, "tokens")
 
     def setup(self):
         from pipeline._encode import Encoder
 
+        _quiet_worker()
         self.encoder = Encoder(self.options)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="packstream-tokenize")
 
-    def process(self, chunk):
-        enc = self.encoder.encode(chunk)
-        for r in enc.rejected:
-            yield self.reject(r)
-        if enc.counts:
-            yield beam.pvalue.TaggedOutput("stats", enc.counts)
-        if len(enc.batch):
-            self.examples.inc(len(enc.batch))
-            self.tokens.inc(enc.batch.num_tokens)
-            yield enc.batch
+    def teardown(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def process(self, task: _read.ReadTask):
+        from pipeline._encode import add_counts
+
+        o, plan = self.options, self.plan
+        stats: dict[str, int] = {"records_read": 0}
+        rejected: list[dict] = []
+        held: list = []  # encoded batches not yet spilled
+        held_tokens = 0
+        parts = 0
+        out: list = []
+
+        def spill() -> None:
+            nonlocal held, held_tokens, parts
+            batch = _rows.ExampleBatch.concat(held)
+            held, held_tokens = [], 0
+            if not len(batch):
+                return
+            keys = [plan.key(eid, o.validation_fraction) for eid in batch.ids]
+            for split in ("train", "validation"):
+                which = [i for i, k in enumerate(keys) if k[0] == split]
+                if not which:
+                    continue
+                import numpy as np
+
+                sub = batch.take(which)
+                groups = np.array([keys[i][1] for i in which], dtype=np.int64)
+                for sl in _spill.write_part(plan.spill, f"{task.name}-{parts}", sub, groups):
+                    out.append(_tagged("slice", ((split, sl.group % plan.shards[split]), sl)))
+                stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
+            parts += 1
+
+        def finish(pending) -> None:
+            nonlocal held_tokens
+            prepared, future = pending
+            enc = self.encoder.finish(prepared, future.result())
+            rejected.extend(enc.rejected)
+            add_counts(stats, enc.counts)
+            if len(enc.batch):
+                held.append(enc.batch)
+                held_tokens += enc.batch.num_tokens
+                self.examples.inc(len(enc.batch))
+                self.tokens.inc(enc.batch.num_tokens)
+            if held_tokens >= _spill.SPILL_TOKENS:
+                spill()
+
+        pending = None
+        try:
+            for chunk in self._chunks(task, stats, rejected):
+                prepared = self.encoder.prepare(chunk)
+                future = self.pool.submit(self.encoder.tokenize, prepared)
+                if pending is not None:
+                    finish(pending)
+                pending = (prepared, future)
+                yield from out
+                out.clear()
+            if pending is not None:
+                finish(pending)
+            spill()
+            path = _write.write_reject_part(plan.spill, task.name, rejected)
+        except OSError as e:  # the spill folder (under --output) cannot be written: a typed failure
+            yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+            return
+        yield from out
+        if path:
+            yield _tagged("rejects", path)
+        yield _tagged("stats", stats)
+
+    def _chunks(self, task: _read.ReadTask, stats: dict, rejected: list) -> Iterable[list]:
+        f, size = task.file, self.options.batch_size
+        chunk: list = []
+        position = None
+        try:
+            for position, record in _read.read_task(task, self.options.max_record_bytes):
+                chunk.append((f.dataset, f.source, position, record))
+                if len(chunk) == size:
+                    stats["records_read"] += size
+                    self.read.inc(size)
+                    yield chunk
+                    chunk = []
+        except _read.CorruptInput as e:
+            # Errors as data: the unreadable rest of the file is one dead letter, counted as a record.
+            where = 0 if e.position is None else e.position + 1
+            rejected.append(_rows.reject_record(f.source, where, Reason.CORRUPT_INPUT, str(e)))
+            stats["records_read"] += 1
+        if chunk:
+            stats["records_read"] += len(chunk)
+            self.read.inc(len(chunk))
+            yield chunk
 
 
-def _by_group(batch: _rows.ExampleBatch, n: int, group_size: int):
-    """Split a batch of examples by group: a stable hash of the example id modulo the group count."""
-    groups = max(1, math.ceil(n / group_size))
-    parts: dict[int, list] = {}
-    for e in batch.examples():
-        parts.setdefault(_rows.stable_hash(e.example_id) % groups, []).append(e)
-    return [(g, _rows.ExampleBatch.of(part)) for g, part in sorted(parts.items())]
+def _quiet_worker() -> None:
+    """``-q`` reaches worker processes through the environment: silence their logs too."""
+    if os.environ.get("PACKSTREAM_QUIET"):
+        import logging
+
+        logging.getLogger().setLevel(logging.ERROR)
 
 
-class PackGroups(beam.DoFn):
-    """Grouped mode: bin-pack one group of examples (all duplicates of an id land in one group)."""
+# ---------------------------------------------------------------------------------------
+# Packing and writing
 
-    def __init__(self, options: PackOptions):
-        self.options = options
-        self.fill = Metrics.distribution(NS, "row_tokens")
+
+class PackShards(beam.DoFn):
+    """One shard: read each of its groups back from the spill, pack it, stream its rows into the file."""
+
+    def __init__(self, options: PackOptions, plan: Plan):
+        self.options, self.plan = options, plan
         self.rows = _progress.Counter(NS, "rows")
 
-        self.reject = _Rejects()
+    def setup(self):
+        _quiet_worker()
 
     def process(self, keyed):
-        _, parts = keyed
-        rows, rejected, stats = _rows.pack_group((e for part in parts for e in part.examples()), self.options)
-        for r in rejected:
-            yield self.reject(r)
-        self.rows.inc(len(rows))
-        for row in rows:
-            self.fill.update(row["num_tokens"])
-            yield row
-        yield beam.pvalue.TaggedOutput("stats", stats)
+        import pyarrow as pa
+
+        (split, shard), values = keyed
+        o, plan = self.options, self.plan
+        slices = sorted(v for v in values if v is not None)
+        schema = pa.schema(packers.SCHEMA, metadata=plan.schema_metadata)
+        ext = "parquet" if o.output_format.value == "parquet" else "arrow"
+        count = plan.shards[split]
+        names = [_write.shard_name(split, shard, count, ext)] if o.mode is PackMode.GROUPED else \
+            [_write.shard_name(split, s, count, ext) for s in range(count)]
+        stats: dict[str, int] = {}
+        rejected: list[dict] = []
+        flags = {"eos_at_boundaries": True, "all_targets": True}
+        writers = []
+        try:
+            writers = [_write.ShardWriter(o.output, n, schema, o.output_format.value) for n in names]
+            by_group: dict[int, list] = {}
+            for sl in slices:
+                by_group.setdefault(sl.group, []).append(sl)
+            row_no = 0
+            for g in sorted(by_group):
+                group = _rows.pack_group(_spill.read_slices(by_group[g]), o, plan.eos_id)
+                rejected += group.rejected
+                for k, v in group.stats.items():
+                    stats[k] = stats.get(k, 0) + v
+                flags["eos_at_boundaries"] &= group.eos_at_boundaries
+                flags["all_targets"] &= group.all_targets
+                batch = group.batch
+                if len(writers) == 1:
+                    writers[0].write(batch)
+                else:  # global mode: one group, dealt out round-robin over the split's shards
+                    for s, w in enumerate(writers):
+                        idx = [i for i in range(batch.num_rows) if (row_no + i) % len(writers) == s]
+                        w.write(batch.take(pa.array(idx, pa.int64())))
+                row_no += batch.num_rows
+                self.rows.inc(batch.num_rows)
+            descs = [w.close(split) for w in writers]
+            path = _write.write_reject_part(plan.spill, f"shard-{split}-{shard}", rejected)
+        except OSError as e:
+            for w in writers:
+                w.abort()
+            yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+            return
+        for d in descs:
+            yield _tagged("shard", d)
+        if path:
+            yield _tagged("rejects", path)
+        yield _tagged("stats", stats)
+        yield _tagged("flags", flags)
 
 
-def _plan_globally(items: list, options: PackOptions):
-    kept, rejected = _rows.dedupe(items)
-    plan = _rows.plan(kept, options)
-    plan.stats["duplicates"] = len(rejected)
-    for r in rejected + plan.rejected:
-        yield beam.pvalue.TaggedOutput("rejected", r)
-    yield beam.pvalue.TaggedOutput("stats", plan.stats)
-    for row_no, pieces in enumerate(plan.rows):
-        for slot, piece in enumerate(pieces):
-            yield piece.example_id, (row_no, slot, piece)
+# ---------------------------------------------------------------------------------------
+# The commit
 
 
-def _join_tokens(keyed):
-    _, grouped = keyed
-    placements, examples = grouped["placements"], grouped["examples"]
-    if not placements:
-        return  # a duplicate or dropped example: already dead-lettered by the plan
-    tokens = min(examples, key=lambda e: (e.source, e.position)).tokens
-    for row_no, slot, piece in placements:
-        yield row_no, (slot, piece, tokens)
+class Finalize(beam.DoFn):
+    """Everything the steps reported -> rejected.jsonl, README.md and, last, manifest.json."""
+
+    def __init__(self, options: PackOptions, plan: Plan, identity: dict, files: Sequence[_read.InputFile], notes):
+        self.options, self.plan, self.identity, self.files, self.notes = options, plan, identity, files, notes
+
+    def process(self, keyed):
+        _, items = keyed
+        manifest = finalize(self.options, self.plan, self.identity, self.files, self.notes, list(items))
+        yield manifest.get("status")
 
 
-def _assemble_global(keyed, seed: int):
-    _, parts = keyed
-    parts = sorted(parts, key=lambda t: t[0])
-    tokens = {p.example_id: tok for _, p, tok in parts}
-    return _rows.assemble([p for _, p, _ in parts], tokens, seed)
+def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, items: list) -> dict:
+    o = options
+    stats: dict[str, int] = {}
+    shards, parts, failures = [], [], []
+    flags = {"eos_at_boundaries": True, "all_targets": True}
+    for kind, value in items:
+        if kind == "stats":
+            for k, v in value.items():
+                stats[k] = stats.get(k, 0) + v
+        elif kind == "shard":
+            shards.append(value)
+        elif kind == "rejects":
+            parts.append(value)
+        elif kind == "failure":
+            failures.append(value)
+        elif kind == "flags":
+            for k in flags:
+                flags[k] &= value[k]
+    shards.sort(key=lambda s: s["name"])
+    try:
+        rejected, first = _write.merge_rejected(o.output, parts) if not failures else ({}, {})
+    except OSError as e:
+        failures.append(f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+        rejected, first = {}, {}
+    counts = _counts(o, stats, shards, rejected, first)
+    status, error, code = Status.COMPLETE.value, None, 0
+    if failures:
+        status, error, code = Status.FAILED.value, failures[0], EXIT_USER_ERROR
+    elif counts["records_read"] == 0:
+        shown = ", ".join(f.path for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        status, error, code = Status.FAILED.value, f"the inputs hold no records ({shown}); check that they are the " \
+                                                   "files you meant", EXIT_USER_ERROR
+    else:
+        _reconcile(counts)
+        dropped = counts["rejected"] + counts["dropped_too_long"]
+        frac = dropped / counts["records_read"]
+        if counts["examples_packed"] == 0:
+            status, error, code = Status.FAILED.value, (
+                f"no example was packed: all {counts['records_read']:,} records were rejected or dropped "
+                f"({_top_reasons(counts)}); see {o.output}/rejected.jsonl, or try `packstream preview` on the inputs"
+            ), EXIT_REJECTED
+        elif frac > o.max_reject_fraction:
+            status, error, code = Status.FAILED.value, (
+                f"{frac:.1%} of {counts['records_read']:,} records were rejected or dropped ({_top_reasons(counts)}), "
+                f"more than --max-reject-fraction {o.max_reject_fraction:.1%}; see {o.output}/rejected.jsonl"
+            ), EXIT_REJECTED
+    written = [s["name"] for s in shards] + (["rejected.jsonl"] if not failures else []) + ["README.md"]
+    manifest = {
+        "status": status,
+        "packstream_version": _version(),
+        "contract_version": packers.CONTRACT_VERSION,
+        "config": o.to_dict(),
+        "tokenizer": identity,
+        "inputs": [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset}
+                   for f in files],
+        "inputs_read_once": list(notes),
+        "counts": counts,
+        "shards": shards,
+        "files": written,
+        "row_checks": {
+            "budget": o.max_tokens,
+            "eos_token_id": plan.eos_id,
+            "eos_at_boundaries": bool(flags["eos_at_boundaries"] and plan.eos_id is not None),
+            "targets_in_every_sequence": True,
+            "all_targets": bool(flags["all_targets"] and counts["tokens"] > 0),
+        },
+        "rejected_file": "rejected.jsonl",
+    }
+    if status != Status.COMPLETE.value:
+        manifest.update(error=error, exit_code=code)
+    try:
+        _write.write_atomic(_write.join(o.output, "README.md"), _write.dataset_card(manifest).encode())
+        body = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        _write.write_atomic(_write.join(o.output, MANIFEST), body.encode())  # the commit: last
+    except OSError as e:
+        manifest.update(status=Status.FAILED.value, exit_code=EXIT_USER_ERROR,
+                        error=f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+        _record_outcome(manifest)
+    _remove_spill(plan.spill)
+    return manifest
 
 
-class PackRows(beam.PTransform):
-    """Chunks of examples -> packed rows, plus ``rejected`` and per-group ``stats`` side outputs."""
-
-    def __init__(self, options: PackOptions):
-        super().__init__()
-        self.options = options
-
-    def expand(self, chunks):
-        o = self.options
-        if o.mode is PackMode.GLOBAL:
-            examples = chunks | "Examples" >> beam.FlatMap(lambda batch: batch.examples())
-            planned = (
-                examples
-                | "Lengths" >> beam.Map(lambda e: (e.example_id, e.source, e.position, e.length))
-                | "CollectLengths" >> beam.combiners.ToList()
-                | "PlanGlobally" >> beam.FlatMap(_plan_globally, o).with_outputs("rejected", "stats", main="placements")
-            )
-            rows = (
-                {"placements": planned.placements, "examples": examples | "KeyById" >> beam.Map(lambda e: (e.example_id, e))}
-                | "JoinTokens" >> beam.CoGroupByKey()
-                | "ToRows" >> beam.FlatMap(_join_tokens)
-                | "GroupRows" >> beam.GroupByKey()
-                | "Assemble" >> beam.Map(_assemble_global, o.seed)
-            )
-            return rows, planned.rejected, planned.stats
-        n = chunks | "ChunkSizes" >> beam.Map(len) | "CountExamples" >> beam.CombineGlobally(sum)
-        groups = (
-            chunks
-            | "KeyByIdHash" >> beam.FlatMap(_by_group, n=beam.pvalue.AsSingleton(n), group_size=o.group_size)
-            | "GroupByKey" >> beam.GroupByKey()
-            | "PackGroups" >> beam.ParDo(PackGroups(o)).with_outputs("rejected", "stats", main="rows")
-        )
-        return groups.rows, groups.rejected, groups.stats
+def _record_outcome(manifest: dict) -> None:
+    """Where the manifest cannot be written (a full disk), a local launcher still learns why."""
+    path = os.environ.get("PACKSTREAM_OUTCOME")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({k: manifest[k] for k in ("status", "error", "exit_code")}, f)
+        except OSError:
+            pass
 
 
-def num_shards(options: PackOptions, rows: int) -> int:
-    if options.num_shards:
-        return options.num_shards
-    return max(1, math.ceil(rows * options.max_tokens / SHARD_TOKENS))
+def _remove_spill(folder: str) -> None:
+    try:
+        if "://" in folder:
+            from apache_beam.io.filesystems import FileSystems
+
+            found = [m.path for m in FileSystems.match([folder.rstrip("/") + "/**"])[0].metadata_list]
+            if found:
+                FileSystems.delete(found)
+        else:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+    except Exception:  # noqa: BLE001 - best effort: --overwrite removes .tmp-* leftovers
+        pass
 
 
-class WriteShards(beam.PTransform):
-    """Rows -> shard files ``train-XXXXX-of-NNNNN``; every shard index exists, even an empty one."""
-
-    def __init__(self, options: PackOptions, schema):
-        super().__init__()
-        self.options, self.schema = options, schema
-
-    def expand(self, rows):
-        o = self.options
-        count = rows | "CountRows" >> beam.combiners.Count.Globally()
-        keyed = rows | "KeyByShard" >> beam.Map(
-            lambda r, c: (r["key"] % num_shards(o, c), r), c=beam.pvalue.AsSingleton(count)
-        )
-        every = count | "EveryShard" >> beam.FlatMap(lambda c: [(i, None) for i in range(num_shards(o, c))])
-        return (
-            {"rows": keyed, "exists": every}
-            | "GroupShards" >> beam.CoGroupByKey()
-            | "WriteShard" >> beam.Map(
-                lambda kv, c: _write.write_shard(
-                    o.output, kv[0], num_shards(o, c), list(kv[1]["rows"]), self.schema, o.output_format.value
-                ),
-                c=beam.pvalue.AsSingleton(count),
-            )
-        )
+def _top_reasons(counts: dict, k: int = 3) -> str:
+    reasons = dict(counts["rejected_by_reason"])
+    if counts["dropped_too_long"]:
+        reasons["too_long"] = counts["dropped_too_long"]
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:k]
+    return ", ".join(f"{r} {n:,}" for r, n in top) or "no reason recorded"
 
 
-def _manifest(_, *, options, identity, files, shards, rejected, stats, records_read) -> dict:
-    """Sum what the steps emitted into manifest.json and README.md; check that counts reconcile."""
-    totals: dict[str, int] = {}
-    for s in stats:
-        for k, v in s.items():
-            totals[k] = totals.get(k, 0) + v
+def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict) -> dict:
+    budget = o.max_tokens
+    too_long = rejected.get(Reason.TOO_LONG.value, 0)
     rows = sum(s["rows"] for s in shards)
     tokens = sum(s["tokens"] for s in shards)
-    budget = options.max_tokens
-    too_long = rejected.get(Reason.TOO_LONG.value, 0)
-    rejected_other = sum(v for k, v in rejected.items() if k != Reason.TOO_LONG.value)
-    examples = totals.get("examples_packed", 0)
+    notes = {k: v for k, v in stats.items() if k in _NOTE_KEYS or k.startswith("ignored_field:")}
     counts = {
-        "records_read": records_read,
-        "examples_packed": examples,
-        "rejected": rejected_other,
+        "records_read": stats.get("records_read", 0),
+        "not_sampled": stats.get("not_sampled", 0),
+        "repeated_copies": stats.get("repeated_copies", 0),
+        "examples_packed": stats.get("examples_packed", 0),
+        "rejected": sum(v for k, v in rejected.items() if k != Reason.TOO_LONG.value),
         "rejected_by_reason": {k: v for k, v in rejected.items() if k != Reason.TOO_LONG.value},
+        "first_rejected": {k: {"source": v["source"], "position": v["position"], "detail": v["detail"]}
+                           for k, v in first.items()},
         "dropped_too_long": too_long,
-        "dropped_too_long_tokens": totals.get("dropped_too_long_tokens", 0),
-        "truncated_examples": totals.get("truncated_examples", 0),
-        "truncated_tokens": totals.get("truncated_tokens", 0),
-        "split_examples": totals.get("split_examples", 0),
-        "pieces": totals.get("pieces", 0),
+        "dropped_too_long_tokens": stats.get("dropped_too_long_tokens", 0),
+        "truncated_examples": stats.get("truncated_examples", 0),
+        "truncated_tokens": stats.get("truncated_tokens", 0),
+        "split_examples": stats.get("split_examples", 0),
+        "no_target_pieces": stats.get("no_target_pieces", 0),
+        "no_target_piece_tokens": stats.get("no_target_piece_tokens", 0),
+        "pieces": sum(s["examples"] for s in shards),
         "rows": rows,
         "tokens": tokens,
         "target_tokens": sum(s["target_tokens"] for s in shards),
         "lower_bound": math.ceil(tokens / budget) if tokens else 0,
         "fill": tokens / (rows * budget) if rows else 0.0,
-        "examples_per_row": totals.get("pieces", 0) / rows if rows else 0.0,
+        "examples_per_row": sum(s["examples"] for s in shards) / rows if rows else 0.0,
+        "splits": {sp: {"rows": sum(s["rows"] for s in shards if s["split"] == sp),
+                        "tokens": sum(s["tokens"] for s in shards if s["split"] == sp)}
+                   for sp in sorted({s["split"] for s in shards})},
+        "normalization": dict(sorted(notes.items())),
     }
-    if records_read != examples + rejected_other + too_long:
+    if stats.get("pieces", counts["pieces"]) != counts["pieces"] or stats.get("rows", rows) != rows:
+        raise InternalError(f"shards hold {rows} rows / {counts['pieces']} pieces, packing made "
+                            f"{stats.get('rows')} / {stats.get('pieces')}")
+    return counts
+
+
+_NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns_dropped", "turns_merged")
+
+
+def _reconcile(c: dict) -> None:
+    """Every record is packed, rejected, dropped for length, or not sampled (copies count as records too)."""
+    given = c["records_read"] + c["repeated_copies"]
+    accounted = c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
+    if given != accounted:
         raise InternalError(
-            f"counts do not reconcile: read {records_read} != packed {examples} + rejected {rejected_other} "
-            f"+ dropped for length {too_long}"
+            f"counts do not reconcile: read {c['records_read']} + copies {c['repeated_copies']} != packed "
+            f"{c['examples_packed']} + rejected {c['rejected']} + dropped for length {c['dropped_too_long']} "
+            f"+ not sampled {c['not_sampled']}"
         )
-    if totals.get("rows", rows) != rows or sum(s["examples"] for s in shards) != counts["pieces"]:
-        raise InternalError(f"shards hold {rows} rows / {sum(s['examples'] for s in shards)} pieces, packing made "
-                            f"{totals.get('rows')} / {counts['pieces']}")
-    manifest = {
-        "packstream_version": _version(),
-        "contract_version": packers.CONTRACT_VERSION,
-        "config": options.to_dict(),
-        "tokenizer": identity,
-        "inputs": [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split} for f in files],
-        "counts": counts,
-        "shards": sorted(shards, key=lambda s: s["name"]),
-        "rejected_file": "rejected.jsonl",
-    }
-    body = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    _write.write_atomic(_write.join(options.output, "manifest.json"), body.encode())
-    _write.write_atomic(_write.join(options.output, "README.md"), _write.dataset_card(manifest).encode())
-    return manifest
 
 
 def _version() -> str:
@@ -302,38 +485,59 @@ def _version() -> str:
         return "0+unknown"
 
 
-def prepare_output(options: PackOptions) -> None:
-    """Refuse a non-empty output folder unless --overwrite; then remove only packstream's own files."""
+# ---------------------------------------------------------------------------------------
+# The launcher
+
+
+def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict, run_id: str) -> Plan:
+    """Groups and shards per split, from a cheap count of the inputs (exact for local JSONL, Parquet
+    and datasets folders; from sizes elsewhere). Deterministic for the same inputs: the output is too."""
+    weights = [d.weight for d in options.datasets()]
+    records = 0.0
+    size = 0
+    for f in files:
+        n = _expected_records(f)
+        records += n * weights[f.dataset]
+        size += _size(f)
+    fractions = {"train": 1.0 - options.validation_fraction, "validation": options.validation_fraction}
+    groups, shards = {}, {}
+    for split, frac in fractions.items():
+        n = records * frac
+        groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(n / options.group_size))
+        auto = max(1, math.ceil(size * frac / 4 / SHARD_TOKENS))  # ~4 bytes of input text per token
+        shards[split] = options.num_shards or auto
+        if options.mode is PackMode.GROUPED:
+            shards[split] = min(shards[split], groups[split])
+    meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
+                                   vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
+                                   eos_token_id=identity["eos_token_id"])
+    return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"])
+
+
+def _expected_records(f: _read.InputFile) -> int:
+    if "://" not in f.path or f.kind in ("parquet", "hf_disk"):
+        try:
+            return _read.count_records(f)
+        except Exception:  # noqa: BLE001 - the count only sizes groups; a corrupt file is reported by the reader
+            pass
+    return max(1, _size(f) // 1024)
+
+
+def _size(f: _read.InputFile) -> int:
+    if f.kind == "hf_disk":
+        return 0
     from apache_beam.io.filesystems import FileSystems
 
-    out = options.output.rstrip("/")
-    if "://" not in out:
-        import os
-
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise PackstreamError(f"--output {out} is a file; give a folder")
-        os.makedirs(out, exist_ok=True)
-        existing = sorted(os.listdir(out))
-    else:
-        existing = [posixpath_basename(m.path) for m in FileSystems.match([out + "/*"])[0].metadata_list]
-    if not existing:
-        return
-    if not options.overwrite:
-        raise PackstreamError(
-            f"--output {out} is not empty ({len(existing)} entries, e.g. {existing[0]}); "
-            "pass --overwrite to replace packstream's files there, or choose an empty folder"
-        )
-    own = [n for n in existing if n.startswith(_write.OWN_FILES)]
-    if own:
-        FileSystems.delete([_write.join(out, n) for n in own])
+    try:
+        return int(FileSystems.match([f.path])[0].metadata_list[0].size_in_bytes)
+    except Exception:  # noqa: BLE001
+        return 0
 
 
-def posixpath_basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def pipeline_options(beam_args: Sequence[str], workers: int) -> tuple[PipelineOptions, Any]:
+def pipeline_options(beam_args: Sequence[str], workers: int):
     """Beam options plus the runner: FnApiRunner locally (never Prism, which downloads a binary)."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
     args = list(beam_args)
     runner = None
     if not any(a == "--runner" or a.startswith("--runner=") for a in args):
@@ -345,76 +549,127 @@ def pipeline_options(beam_args: Sequence[str], workers: int) -> tuple[PipelineOp
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
+def default_workers() -> int:
+    """What is fastest here: measured by bench/bench_scale.py (see docs/operations.md)."""
+    return 1
+
+
+def build(p, options: PackOptions, plan: Plan, identity: dict, files, notes) -> None:
+    """The job graph (see the module docstring)."""
+    splits = [s for s in ("train", "validation") if s == "train" or options.validation_fraction > 0]
+    encoded = (
+        p
+        | "Inputs" >> beam.Create(files)
+        | "PlanReads" >> beam.FlatMap(_read.plan_tasks)
+        | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
+        | "Spread" >> beam.GroupByKey()
+        | "Tasks" >> beam.FlatMap(lambda kv: kv[1])
+        | "EncodeTasks" >> beam.ParDo(EncodeTasks(options, plan))
+    )
+    every = [((sp, s), None) for sp in splits for s in (range(plan.shards[sp]) if options.mode is PackMode.GROUPED else [0])]
+    packed = (
+        (encoded | "Slices" >> beam.FlatMap(_only("slice")), p | "EveryShard" >> beam.Create(every))
+        | "AllSlices" >> beam.Flatten()
+        | "ByShard" >> beam.GroupByKey()
+        | "PackShards" >> beam.ParDo(PackShards(options, plan))
+    )
+    (
+        (encoded | "Reports" >> beam.Filter(lambda item: item[0] != "slice"), packed)
+        | "Everything" >> beam.Flatten()
+        | "OneKey" >> beam.Map(lambda item: (None, item))
+        | "Collect" >> beam.GroupByKey()
+        | "Finalize" >> beam.ParDo(Finalize(options, plan, identity, files, notes))
+    )
+
+
 def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[_progress.Progress] = None) -> dict:
     """Build and run the whole job; returns the manifest. Raises PackstreamError on user error.
 
     ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
     changes the output. A Flex Template launch (``--template_location``) only writes the job
-    graph: Dataflow runs it later, so there is no manifest yet and this returns the config.
+    graph: Dataflow runs it later (and writes the manifest), so this returns the config.
     """
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+
     started = time.time()
-    files, duplicate_notes = _read.expand_datasets(options.datasets())
+    output = _output.normalize_output(options.output)
+    options = dataclasses.replace(options, output=output)
+    files, notes = _read.expand_datasets(options.datasets())
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-    prepare_output(options)
-    schema = packers.shard_schema(
-        budget=options.max_tokens,
-        tokenizer=identity["name"],
-        vocab_sha256=identity["vocab_sha256"],
-        pad_token_id=identity["pad_token_id"],
-        eos_token_id=identity["eos_token_id"],
-    )
-    pipe_opts, runner = pipeline_options(beam_args, options.workers or 1)
-    with _progress.watching(progress, files, local=runner is not None), beam.Pipeline(runner=runner, options=pipe_opts) as p:
-        records = (
-            p
-            | "ListInputs" >> beam.Create(files)
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadRecords" >> beam.ParDo(ReadRecords(options.max_record_bytes, options.batch_size))
-        )
-        tokenized = (
-            records
-            # Big files are read by one worker; spreading their chunks lets every worker tokenize.
-            | "SpreadChunks" >> beam.Reshuffle()
-            | "EncodeChunks" >> beam.ParDo(EncodeChunk(options)).with_outputs("rejected", "stats", main="ok")
-        )
-        rows, pack_rejected, stats = tokenized.ok | "PackRows" >> PackRows(options)
-        shards = rows | "WriteShards" >> WriteShards(options, schema)
-        reject_counts = (
-            (tokenized.rejected, pack_rejected)
-            | "AllRejected" >> beam.Flatten()
-            | "OneFile" >> beam.combiners.ToList()
-            | "WriteRejected" >> beam.Map(lambda recs: _write.write_rejected(options.output, recs))
-        )
-        (
-            p
-            | "Finish" >> beam.Create([None])
-            | "WriteManifest" >> beam.Map(
-                _manifest,
-                options=options,
-                identity=identity,
-                files=files,
-                shards=beam.pvalue.AsList(shards),
-                rejected=beam.pvalue.AsSingleton(reject_counts),
-                stats=beam.pvalue.AsList((stats, tokenized.stats) | "AllStats" >> beam.Flatten()),
-                records_read=beam.pvalue.AsSingleton(
-                    records | "RecordChunkSizes" >> beam.Map(len) | "CountRecords" >> beam.CombineGlobally(sum)
-                ),
+    for d in options.datasets():
+        if d.format.tokenized_with is not None and d.format.tokenized_with != options.tokenizer:
+            raise PackstreamError(
+                f"data set {d.name!r}: --tokenized-with {d.format.tokenized_with!r} differs from --tokenizer "
+                f"{options.tokenizer!r}; pre-tokenized ids must come from the tokenizer the job packs for"
             )
-        )
+    workers = options.workers or default_workers()
+    pipe_opts, runner = pipeline_options(beam_args, workers)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
-    if template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
-        return {"config": options.to_dict(), "template_location": template}
-    manifest = json.loads(_write.read_bytes(_write.join(options.output, "manifest.json")))
+    run_id = uuid.uuid4().hex[:12]
+    plan = _plan(options, files, identity, run_id)
+    inputs = [f.path for f in files]
+    claim = None if template else _output.claim(output, inputs, options.overwrite, run_id)
+    outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
+    env = {"PACKSTREAM_OUTCOME": outcome_path}
+    if workers > 1:  # each worker process takes its share of the cores for the tokenizer's threads
+        env["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with _progress.watching(progress, files, local=runner is not None):
+            try:
+                with beam.Pipeline(runner=runner, options=pipe_opts) as p:
+                    build(p, options, plan, identity, files, notes)
+            except PackstreamError:
+                raise
+            except Exception as e:  # a runner error: our typed outcome (if any) says more than its text
+                outcome = _read_outcome(outcome_path)
+                if outcome:
+                    raise PackstreamError(outcome["error"]) from None
+                raise
+        if template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
+            return {"config": options.to_dict(), "template_location": template}
+        manifest = _read_manifest(output, outcome_path)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        try:
+            os.remove(outcome_path)
+        except OSError:
+            pass
+        _remove_spill(plan.spill)
+        if claim is not None:
+            claim.release()
     manifest["elapsed_s"] = round(time.time() - started, 3)
-    c = manifest["counts"]
-    if c["records_read"] == 0:
-        shown = ", ".join(f.path for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        raise PackstreamError(f"the inputs hold no records ({shown}); check that they are the files you meant")
-    rejected_frac = (c["rejected"] + c["dropped_too_long"]) / max(1, c["records_read"])
-    if rejected_frac > options.max_reject_fraction:
-        raise TooManyRejected(
-            f"{rejected_frac:.1%} of {c['records_read']} records were rejected or dropped, more than "
-            f"--max-reject-fraction {options.max_reject_fraction:.1%}; see {options.output}/rejected.jsonl"
-        )
+    if manifest["status"] != Status.COMPLETE.value:
+        if manifest.get("exit_code") == EXIT_REJECTED:
+            raise TooManyRejected(manifest["error"], manifest)
+        raise PackstreamError(manifest.get("error") or "the run failed")
     return manifest
 
+
+def _tempdir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def _read_outcome(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_manifest(output: str, outcome_path: str) -> dict:
+    try:
+        return parse_manifest(_write.read_bytes(_write.join(output, MANIFEST)), output)
+    except (OSError, PackstreamError) as e:
+        outcome = _read_outcome(outcome_path)
+        if outcome:
+            return outcome
+        raise PackstreamError(f"the run ended without writing {output}/{MANIFEST} ({e}); see the messages above") from None

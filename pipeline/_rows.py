@@ -1,129 +1,71 @@
 """Pure functions between tokenized examples and packed rows (no Beam here).
 
-An :class:`Example` is one tokenized record. :func:`pack_group` bin-packs a group of them with
-:func:`packers.pack` and assembles rows that follow :data:`packers.SCHEMA`; it is what every
-grouped-mode worker runs. The global two-pass mode runs :func:`plan` on all lengths at once and
-:func:`assemble` on each row after joining the tokens back.
+An :class:`ExampleBatch` holds many tokenized examples in flat numpy arrays. :func:`pack_group`
+turns one group of them into packed rows (an Arrow record batch following
+:data:`packers.SCHEMA`), with every example that leaves the main path as a dead letter; it is
+what every grouped-mode worker runs. Ids::
+
+    gsm8k/train.jsonl@7          record at line 7 (JSONL) or row 7 (other formats), no id of its own
+    oasst.jsonl:a1b2             the record's own string id
+    oasst.jsonl:42               the record's own integer id 42 ...
+    oasst.jsonl:"42"             ... which never collides with the string id "42"
+    mix.jsonl:q17~2              the 2nd copy of a record of a data set with weight 2
+    t0.jsonl@9#1                 the 2nd piece of an example split by --long split
+
+Sources and string ids are escaped (``%``, ``:``, ``@``, ``#``, ``~`` as ``%25`` ...), so every
+id reads back to exactly one (source, record, copy, piece).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Iterable, Sequence
+import math
+from typing import Any, Iterable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 import packers
+from packers import LongPolicy
 from pipeline._formats import Reason
-from pipeline._options import PackOptions
+from pipeline._options import PackOptions, TruncateSide
 
 
 def stable_hash(text: str, salt: str = "") -> int:
     """A 64-bit hash that is the same on every machine and run (never Python's ``hash()``)."""
-    return int.from_bytes(hashlib.blake2b((salt + "\0" + text).encode(), digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b((salt + "\0" + text).encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
-@dataclasses.dataclass(frozen=True)
-class Example:
-    example_id: str
-    source: str
-    position: int
-    tokens: np.ndarray
-    """``(2, n)`` int32: row 0 the token ids, row 1 the loss mask."""
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.shape[1])
+_SOURCE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "@": "%40", "#": "%23", "~": "%7E"})
+_ID_ESCAPES = str.maketrans({"%": "%25", "#": "%23", "~": "%7E"})
 
 
-@dataclasses.dataclass(frozen=True)
-class ExampleBatch:
-    """Many examples in four arrays, so Beam pickles one object per batch instead of per example.
-
-    ``tokens[:, offsets[i]:offsets[i + 1]]`` is example ``i`` (row 0 ids, row 1 loss mask).
-    """
-
-    ids: list[str]
-    sources: list[str]
-    positions: list[int]
-    offsets: np.ndarray
-    tokens: np.ndarray
-
-    @classmethod
-    def of(cls, examples: Sequence[Example]) -> "ExampleBatch":
-        lens = [e.length for e in examples]
-        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        tokens = np.concatenate([e.tokens for e in examples], axis=1) if examples else np.zeros((2, 0), np.int32)
-        return cls([e.example_id for e in examples], [e.source for e in examples],
-                   [e.position for e in examples], offsets, tokens)
-
-    @classmethod
-    def from_arrays(cls, ids: list[str], sources: list[str], positions: list[int], lengths: np.ndarray,
-                    input_ids: np.ndarray, loss_mask: np.ndarray) -> "ExampleBatch":
-        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.empty((2, len(input_ids)), dtype=np.int32)
-        tokens[0], tokens[1] = input_ids, loss_mask
-        return cls(list(ids), list(sources), list(positions), offsets, tokens)
-
-    def take(self, which: Sequence[int], suffix: str = "") -> "ExampleBatch":
-        """The examples at ``which``, with ``suffix`` added to their ids."""
-        o = self.offsets
-        parts = [self.tokens[:, o[i]:o[i + 1]] for i in which]
-        lengths = np.array([o[i + 1] - o[i] for i in which], dtype=np.int64)
-        offsets = np.zeros(len(which) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), np.int32)
-        return ExampleBatch([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
-                            [self.positions[i] for i in which], offsets, tokens)
-
-    @classmethod
-    def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
-        tokens = np.concatenate([b.tokens for b in batches], axis=1)
-        lengths = np.concatenate([np.diff(b.offsets) for b in batches])
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return cls([i for b in batches for i in b.ids], [s for b in batches for s in b.sources],
-                    [p for b in batches for p in b.positions], offsets, tokens)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def examples(self) -> Iterable[Example]:
-        o = self.offsets
-        for i, eid in enumerate(self.ids):
-            yield Example(eid, self.sources[i], self.positions[i], self.tokens[:, o[i]:o[i + 1]])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+def example_id(source: str, position: int, record: Any) -> str:
+    """The example's id (see the module docstring): its own ``id`` when it has one, else its position."""
+    src = source.translate(_SOURCE_ESCAPES)
+    own = record.get("id") if isinstance(record, dict) else None
+    if isinstance(own, str) and own:
+        text = own.translate(_ID_ESCAPES)
+        return f'{src}:"{text}"' if _looks_numeric(own) else f"{src}:{text}"
+    if isinstance(own, int) and not isinstance(own, bool):
+        return f"{src}:{own}"
+    if isinstance(own, float) and math.isfinite(own):
+        return f"{src}:{own!r}"
+    return f"{src}@{position}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One placed piece: ``tokens[:, start:stop]`` of ``example_id``, ``part`` >= 0 when split."""
-
-    example_id: str
-    start: int
-    stop: int
-    part: int  # -1 when the example is whole
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return s.startswith('"')
+    return True
 
 
-@dataclasses.dataclass
-class Plan:
-    rows: list[list[Piece]]
-    rejected: list[dict]
-    stats: dict
-
-
-def example_id(source: str, position: int, record: dict) -> str:
-    """``source:<record's own id>`` when it has one, else ``source:position``."""
-    own = record.get("id")
-    if isinstance(own, (str, int)) and not isinstance(own, bool) and str(own) != "":
-        return f"{source}:{own}"
-    return f"{source}:{position}"
+def base_id(example_id: str) -> str:
+    """The id without a repeat copy's ``~k``: every copy of a record lands in the same split."""
+    return example_id.split("~", 1)[0]
 
 
 def reject_record(source: str, position: int, reason: Reason, detail: str, example_id: str | None = None) -> dict:
@@ -134,95 +76,237 @@ def reject_record(source: str, position: int, reason: Reason, detail: str, examp
     return rec
 
 
-def dedupe(items: Iterable[tuple[str, str, int, int]]) -> tuple[list[tuple[str, str, int, int]], list[dict]]:
-    """Sort ``(id, source, position, length)`` by id and keep the first of each duplicate id."""
-    ordered = sorted(items, key=lambda t: (t[0], t[1], t[2]))
-    kept, rejected = [], []
-    for item in ordered:
-        if kept and kept[-1][0] == item[0]:
-            first = kept[-1]
-            rejected.append(
-                reject_record(item[1], item[2], Reason.DUPLICATE_ID,
-                              f"id {item[0]!r} already used by {first[1]}:{first[2]}", item[0])
-            )
-        else:
-            kept.append(item)
-    return kept, rejected
+def reject_sort_key(r: dict) -> tuple:
+    """The order of rejected.jsonl: by input, then position, reason and id."""
+    return (r["source"], r["position"], r["reason"], r.get("example_id") or "")
 
 
-def plan(items: Sequence[tuple[str, str, int, int]], options: PackOptions) -> Plan:
-    """Bin-pack ``(id, source, position, length)`` items (already de-duplicated, sorted by id)."""
+@dataclasses.dataclass(frozen=True)
+class ExampleBatch:
+    """Many examples in flat arrays, so steps move one object per batch instead of per example.
+
+    ``input_ids[offsets[i]:offsets[i + 1]]`` (and ``loss_mask`` likewise) is example ``i``.
+    """
+
+    ids: list[str]
+    sources: list[str]
+    positions: list[int]
+    offsets: np.ndarray
+    """int64 (n + 1,)."""
+    input_ids: np.ndarray
+    """int32 (tokens,)."""
+    loss_mask: np.ndarray
+    """uint8 (tokens,)."""
+
+    @classmethod
+    def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
+                    input_ids: np.ndarray, loss_mask: np.ndarray) -> "ExampleBatch":
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
+                   loss_mask.astype(np.uint8, copy=False))
+
+    @classmethod
+    def empty(cls) -> "ExampleBatch":
+        return cls([], [], [], np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.uint8))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Example ``i`` as a ``(2, n)`` int32 array: token ids, loss mask."""
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return np.stack([self.input_ids[a:b], self.loss_mask[a:b].astype(np.int32)])
+
+    def take(self, which: Sequence[int], suffix: str = "") -> "ExampleBatch":
+        """The examples at ``which`` (in that order), with ``suffix`` added to their ids."""
+        which = np.asarray(which, dtype=np.int64)
+        starts, stops = self.offsets[which], self.offsets[which + 1]
+        idx = _ranges(starts, stops)
+        return ExampleBatch.from_arrays([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
+                                        [self.positions[i] for i in which], stops - starts,
+                                        self.input_ids[idx], self.loss_mask[idx])
+
+    @classmethod
+    def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
+        batches = [b for b in batches if len(b)]
+        if not batches:
+            return cls.empty()
+        return cls.from_arrays([i for b in batches for i in b.ids], [s for b in batches for s in b.sources],
+                               [p for b in batches for p in b.positions], np.concatenate([b.lengths for b in batches]),
+                               np.concatenate([b.input_ids for b in batches]),
+                               np.concatenate([b.loss_mask for b in batches]))
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, b) for a, b in zip(starts, stops)])``, vectorized."""
+    lens = (stops - starts).astype(np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    first = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+    return first + np.arange(total, dtype=np.int64)
+
+
+@dataclasses.dataclass
+class Group:
+    """What :func:`pack_group` made of one group."""
+
+    batch: pa.RecordBatch
+    """The rows, in their seeded shuffle order, following :data:`packers.SCHEMA`."""
+    rejected: list[dict]
+    stats: dict[str, int]
+    eos_at_boundaries: bool
+    """Every sequence shorter than the budget ends with the EOS (for the manifest's row_checks)."""
+    all_targets: bool
+
+
+def _pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
+    """Each example's spans under the --long policy: (example index, start, stop, part); part -1 = whole.
+
+    Never a piece without a target token: a truncated example whose kept window has none is
+    rejected (``no_target_tokens``); such pieces of a split example are dropped and counted.
+    """
     budget = options.max_tokens
-    lengths = np.fromiter((t[3] for t in items), dtype=np.int64, count=len(items))
-    result = packers.pack(lengths, budget, "bfd", long=options.long, max_per_row=options.max_per_row,
+    lengths = batch.lengths
+    long = np.flatnonzero(lengths > budget)
+    ex = np.arange(len(batch), dtype=np.int64)
+    starts = np.zeros(len(batch), np.int64)
+    stops = lengths.astype(np.int64).copy()
+    parts = np.full(len(batch), -1, np.int64)
+    if not len(long):
+        return ex, starts, stops, parts
+    keep = np.ones(len(batch), dtype=bool)
+    extra: list[tuple[int, int, int, int]] = []
+    for i in long.tolist():
+        n = int(lengths[i])
+        o = int(batch.offsets[i])
+        mask = batch.loss_mask[o:o + n]
+        eid, source, position = batch.ids[i], batch.sources[i], batch.positions[i]
+        if options.long is LongPolicy.DROP:
+            rejected.append(reject_record(source, position, Reason.TOO_LONG,
+                                          f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, "
+                                          "or a larger --max-tokens", eid))
+            stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
+            stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
+            keep[i] = False
+        elif options.long is LongPolicy.TRUNCATE:
+            a, b = (0, budget) if options.truncate_side is TruncateSide.RIGHT else (n - budget, n)
+            if not mask[a:b].any():
+                other = "left" if options.truncate_side is TruncateSide.RIGHT else "right"
+                rejected.append(reject_record(
+                    source, position, Reason.NO_TARGET_TOKENS,
+                    f"{n} tokens > budget {budget}, and the {budget} tokens --long truncate keeps "
+                    f"(--truncate-side {options.truncate_side.value}) hold no target token; use --truncate-side "
+                    f"{other}, --long split, or a larger --max-tokens", eid))
+                keep[i] = False
+                continue
+            starts[i], stops[i] = a, b
+            stats["truncated_examples"] = stats.get("truncated_examples", 0) + 1
+            stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + n - budget
+        else:
+            keep[i] = False
+            stats["split_examples"] = stats.get("split_examples", 0) + 1
+            for k, a in enumerate(range(0, n, budget)):
+                b = min(a + budget, n)
+                if mask[a:b].any():
+                    extra.append((i, a, b, k))
+                else:
+                    stats["no_target_pieces"] = stats.get("no_target_pieces", 0) + 1
+                    stats["no_target_piece_tokens"] = stats.get("no_target_piece_tokens", 0) + b - a
+    sel = np.flatnonzero(keep)
+    ex, starts, stops, parts = ex[sel], starts[sel], stops[sel], parts[sel]
+    if extra:
+        e = np.array(extra, dtype=np.int64)
+        ex, starts, stops, parts = (np.concatenate([ex, e[:, 0]]), np.concatenate([starts, e[:, 1]]),
+                                    np.concatenate([stops, e[:, 2]]), np.concatenate([parts, e[:, 3]]))
+        order = np.lexsort((parts, ex))  # pieces of one example stay together, in order
+        ex, starts, stops, parts = ex[order], starts[order], stops[order], parts[order]
+    return ex, starts, stops, parts
+
+
+def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
+    """Sort by id and keep the first of each duplicate id (by source, then position)."""
+    order = sorted(range(len(batch)), key=lambda i: (batch.ids[i], batch.sources[i], batch.positions[i]))
+    keep, rejected = [], []
+    for i in order:
+        if keep and batch.ids[keep[-1]] == batch.ids[i]:
+            first = keep[-1]
+            rejected.append(reject_record(
+                batch.sources[i], batch.positions[i], Reason.DUPLICATE_ID,
+                f"id {batch.ids[i]!r} already used by {batch.sources[first]} at {batch.positions[first]}", batch.ids[i]))
+        else:
+            keep.append(i)
+    return batch.take(keep), rejected
+
+
+def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) -> Group:
+    """Grouped mode: de-duplicate, split/truncate, plan and assemble one group of examples."""
+    stats: dict[str, int] = {}
+    batch, rejected = dedupe(batch)
+    stats["duplicates"] = len(rejected)
+    ex, starts, stops, parts = _pieces(batch, options, rejected, stats)
+    result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
-    split = set(result.split.tolist())
-    order, starts, stops = result.order.tolist(), result.starts.tolist(), result.stops.tolist()
-    bounds = result.row_offsets.tolist()
-    rows = [
-        [Piece(items[e][0], a, b, a // budget if e in split else -1)
-         for e, a, b in zip(order[lo:hi], starts[lo:hi], stops[lo:hi])]
-        for lo, hi in zip(bounds[:-1], bounds[1:])
+    if len(result.dropped) or len(result.empty):  # pieces fit the budget and are never empty
+        raise packers.InternalError(f"pack() dropped {len(result.dropped)} / emptied {len(result.empty)} pieces")
+    stats["examples_packed"] = len(np.unique(ex))
+    stats["pieces"] = int(len(result.order))
+    group = assemble(batch, ex[result.order], starts[result.order], stops[result.order], parts[result.order],
+                     result.row_offsets, options.seed, eos_id, options.max_tokens)
+    stats["rows"] = group.batch.num_rows
+    group.rejected = rejected
+    group.stats = stats
+    return group
+
+
+def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, parts: np.ndarray,
+             row_offsets: np.ndarray, seed: int, eos_id: int | None, budget: int) -> Group:
+    """Rows from placed pieces (row ``r`` is pieces ``row_offsets[r]:row_offsets[r+1]``), shuffled by a seeded key."""
+    piece_ids = [batch.ids[e] if p < 0 else f"{batch.ids[e]}#{p}" for e, p in zip(ex.tolist(), parts.tolist())]
+    rows = len(row_offsets) - 1
+    first = row_offsets[:-1].tolist()
+    keys = np.array([stable_hash(piece_ids[f], salt=str(seed)) for f in first], dtype=np.uint64)
+    row_order = np.argsort(keys, kind="stable")
+    # Pieces in the shuffled row order.
+    piece_order = _ranges(row_offsets[:-1][row_order], row_offsets[1:][row_order])
+    abs_starts = batch.offsets[ex[piece_order]] + starts[piece_order]
+    abs_stops = batch.offsets[ex[piece_order]] + stops[piece_order]
+    tok = _ranges(abs_starts, abs_stops)
+    input_ids = batch.input_ids[tok]
+    loss_mask = batch.loss_mask[tok]
+    piece_lens = (abs_stops - abs_starts).astype(np.int64)
+    row_pieces = np.diff(row_offsets)[row_order]
+    row_tokens = np.add.reduceat(piece_lens, np.concatenate([[0], np.cumsum(row_pieces)[:-1]])) if rows else piece_lens[:0]
+    # seq_offsets: per row [0, cumsum of its pieces]: flat values with one more entry per row.
+    csum = np.cumsum(piece_lens)
+    row_start_piece = np.concatenate([[0], np.cumsum(row_pieces)])
+    base = np.repeat(np.concatenate([[0], csum])[row_start_piece[:-1]], row_pieces)
+    ends = csum - base
+    seq_vals = np.insert(ends, row_start_piece[:-1], 0) if rows else np.zeros(0, np.int64)
+    seq_row_off = np.concatenate([[0], np.cumsum(row_pieces + 1)])
+    tok_row_off = np.concatenate([[0], np.cumsum(row_tokens)])
+    ordered_ids = [piece_ids[i] for i in piece_order.tolist()]
+    arrays = [
+        pa.ListArray.from_arrays(pa.array(tok_row_off, pa.int32()), pa.array(input_ids, pa.int32())),
+        pa.ListArray.from_arrays(pa.array(tok_row_off, pa.int32()), pa.array(loss_mask, pa.uint8())),
+        pa.ListArray.from_arrays(pa.array(seq_row_off, pa.int32()), pa.array(seq_vals, pa.int32())),
+        pa.ListArray.from_arrays(pa.array(row_start_piece, pa.int32()), pa.array(ordered_ids, pa.string())),
+        pa.array(row_tokens, pa.int32()),
     ]
-    rejected = []
-    for e in result.dropped.tolist():
-        eid, source, position, n = items[e]
-        rejected.append(reject_record(
-            source, position, Reason.TOO_LONG,
-            f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, or a larger --max-tokens",
-            eid,
-        ))
-    for e in result.empty.tolist():  # unreachable after tokenization (EOS is always added), kept for safety
-        eid, source, position, _ = items[e]
-        rejected.append(reject_record(source, position, Reason.EMPTY_AFTER_RENDER, "0 tokens", eid))
-    stats = {
-        "examples_packed": len(items) - len(result.dropped) - len(result.empty),
-        "pieces": int(len(result.order)),
-        "rows": result.num_rows,
-        "tokens": int(result.row_lengths.sum()) if result.num_rows else 0,
-        "dropped_too_long": int(len(result.dropped)),
-        "dropped_too_long_tokens": int(result.dropped_tokens),
-        "truncated_examples": int(len(result.truncated)),
-        "truncated_tokens": int(result.truncated_tokens),
-        "split_examples": int(len(result.split)),
-    }
-    return Plan(rows, rejected, stats)
-
-
-def piece_id(p: Piece) -> str:
-    return p.example_id if p.part < 0 else f"{p.example_id}#{p.part}"
-
-
-def assemble(pieces: Sequence[Piece], tokens: dict[str, np.ndarray], seed: int) -> dict:
-    """One packed row (a dict of numpy arrays following packers.SCHEMA) plus its shuffle key."""
-    parts = [tokens[p.example_id][:, p.start:p.stop] for p in pieces]
-    joined = np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), np.int32)
-    lens = np.fromiter((p.stop - p.start for p in pieces), dtype=np.int32, count=len(pieces))
-    offsets = np.concatenate([[0], np.cumsum(lens, dtype=np.int32)]).astype(np.int32)
-    ids = [piece_id(p) for p in pieces]
-    return {
-        "key": stable_hash(ids[0], salt=str(seed)),
-        "input_ids": joined[0].astype(np.int32),
-        "loss_mask": joined[1].astype(np.uint8),
-        "seq_offsets": offsets,
-        "example_ids": ids,
-        "num_tokens": int(joined.shape[1]),
-        "target_tokens": int(joined[1].sum()),
-    }
-
-
-def pack_group(examples: Iterable[Example], options: PackOptions) -> tuple[list[dict], list[dict], dict]:
-    """Grouped mode: de-duplicate, plan and assemble one group. Returns (rows, rejected, stats)."""
-    by_id: dict[str, Example] = {}
-    items = []
-    for ex in examples:
-        items.append((ex.example_id, ex.source, ex.position, ex.length))
-        prev = by_id.get(ex.example_id)
-        if prev is None or (ex.source, ex.position) < (prev.source, prev.position):
-            by_id[ex.example_id] = ex
-    kept, rejected = dedupe(items)
-    p = plan(kept, options)
-    tokens = {k: v.tokens for k, v in by_id.items()}
-    rows = [assemble(r, tokens, options.seed) for r in p.rows]
-    p.stats["duplicates"] = len(rejected)
-    return rows, rejected + p.rejected, p.stats
+    record_batch = pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA)
+    # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
+    if eos_id is None or not len(piece_lens):
+        eos_ok = eos_id is not None
+    else:
+        last_tok = input_ids[np.cumsum(piece_lens) - 1]
+        eos_ok = bool(np.all((last_tok == eos_id) | (piece_lens == budget)))
+    return Group(record_batch, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)

@@ -8,22 +8,17 @@ their seeded shuffle key, one fixed schema (:data:`packers.SCHEMA`) with fixed m
 
 from __future__ import annotations
 
-import io
 import hashlib
 import json
 import posixpath
 import uuid
-from typing import Any, Iterable, Sequence
+from typing import Any, Optional, Sequence
 
 import pyarrow as pa
 
 import packers
-
-OWN_FILES = ("train-", "rejected", "manifest.json", "README.md", ".tmp-")
-
-
-def shard_name(index: int, count: int, ext: str) -> str:
-    return f"train-{index:05d}-of-{count:05d}.{ext}"
+from packers._manifest import shard_name  # noqa: F401 - the writers' name for shards
+from pipeline._rows import reject_sort_key
 
 
 def join(folder: str, name: str) -> str:
@@ -59,7 +54,7 @@ def write_atomic(path: str, data: bytes) -> None:
             FileSystems.rename([tmp], [path])
     except BaseException:
         # A failed attempt leaves no temp file behind (the retry writes its own); only a hard kill
-        # can, and prepare_output removes those on the next --overwrite run.
+        # can, and the next --overwrite run removes those (they carry packstream's .tmp- prefix).
         try:
             if FileSystems.exists(tmp):
                 FileSystems.delete([tmp])
@@ -68,69 +63,152 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
-def rows_table(rows: Sequence[dict], schema: pa.Schema) -> pa.Table:
-    """Rows (dicts of numpy arrays) -> a table with exactly ``schema``; never inferred."""
-    import numpy as np
+class _HashingFile:
+    """A binary sink that hashes and counts what passes through it."""
 
-    def lists(key: str, typ: pa.DataType) -> pa.Array:
-        values = [r[key] for r in rows]
-        offsets = np.zeros(len(values) + 1, dtype=np.int32)
-        if values:
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-        flat = np.concatenate(values) if values else np.zeros(0)
-        return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, typ))
+    def __init__(self, raw):
+        self.raw, self.sha, self.size, self.closed = raw, hashlib.sha256(), 0, False
 
-    ex_ids = pa.array([r["example_ids"] for r in rows], pa.list_(pa.string()))
-    cols = [
-        lists("input_ids", pa.int32()),
-        lists("loss_mask", pa.uint8()),
-        lists("seq_offsets", pa.int32()),
-        ex_ids,
-        pa.array([r["num_tokens"] for r in rows], pa.int32()),
-    ]
-    return pa.Table.from_arrays(cols, schema=schema)
+    def write(self, data) -> int:
+        mv = memoryview(data)
+        self.sha.update(mv)
+        self.size += mv.nbytes
+        return self.raw.write(mv)
 
+    def flush(self) -> None:
+        self.raw.flush()
 
-def encode_shard(table: pa.Table, output_format: str) -> bytes:
-    sink = io.BytesIO()
-    if output_format == "parquet":
-        import pyarrow.parquet as pq
+    def close(self) -> None:
+        self.closed = True
 
-        pq.write_table(table, sink, compression="zstd")
-    else:
-        # Uncompressed IPC *stream*: what datasets memory-maps zero-copy (Dataset.from_file).
-        with pa.ipc.new_stream(sink, table.schema) as w:
-            for batch in table.to_batches(max_chunksize=1000):
-                w.write_batch(batch)
-    return sink.getvalue()
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
 
 
-def write_shard(folder: str, index: int, count: int, rows: list[dict], schema: pa.Schema, output_format: str) -> dict:
-    """Sort one shard's rows by shuffle key, write it atomically, and describe it."""
-    rows = sorted(rows, key=lambda r: r["key"])
-    data = encode_shard(rows_table(rows, schema), output_format)
-    name = shard_name(index, count, "parquet" if output_format == "parquet" else "arrow")
-    write_atomic(join(folder, name), data)
-    return {
-        "name": name,
-        "rows": len(rows),
-        "examples": sum(len(r["example_ids"]) for r in rows),
-        "tokens": sum(r["num_tokens"] for r in rows),
-        "target_tokens": sum(r["target_tokens"] for r in rows),
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
+class ShardWriter:
+    """Write one shard as its record batches come (never the whole shard in memory), atomically.
+
+    The bytes go to a ``.tmp-`` sibling through a sha256; :meth:`close` renames the file into
+    place and returns what manifest.json says about it. Arrow: an uncompressed IPC *stream*,
+    what ``datasets.Dataset.from_file`` memory-maps zero-copy; an empty shard still holds one
+    empty record batch, so every reader sees the full schema. Parquet: zstd, a row group per batch.
+    """
+
+    def __init__(self, folder: str, name: str, schema: pa.Schema, output_format: str):
+        from apache_beam.io.filesystems import FileSystems
+
+        self.path, self.name, self.schema = join(folder, name), name, schema
+        self.tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
+        self._raw = FileSystems.create(self.tmp, mime_type="application/octet-stream",
+                                       compression_type="uncompressed")
+        self._sink = _HashingFile(self._raw)
+        if output_format == "parquet":
+            import pyarrow.parquet as pq
+
+            self._writer = pq.ParquetWriter(pa.PythonFile(self._sink, mode="w"), schema, compression="zstd")
+        else:
+            self._writer = pa.ipc.new_stream(pa.PythonFile(self._sink, mode="w"), schema)
+        self.rows = self.examples = self.tokens = self.target_tokens = 0
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        self._write(batch)
+
+    def _write(self, batch: pa.RecordBatch) -> None:
+        import pyarrow.compute as pc
+
+        if isinstance(self._writer, pa.ipc.RecordBatchStreamWriter):
+            self._writer.write_batch(batch.replace_schema_metadata(self.schema.metadata))
+        else:
+            self._writer.write_table(pa.Table.from_batches([batch]).replace_schema_metadata(self.schema.metadata))
+        self.rows += batch.num_rows
+        self.examples += len(batch.column("example_ids").values)
+        self.tokens += int(pc.sum(batch.column("num_tokens")).as_py() or 0)
+        self.target_tokens += int(pc.sum(batch.column("loss_mask").values).as_py() or 0)
+
+    def close(self, split: str) -> dict:
+        from apache_beam.io.filesystems import FileSystems
+
+        if self.rows == 0 and isinstance(self._writer, pa.ipc.RecordBatchStreamWriter):
+            self._writer.write_batch(pa.RecordBatch.from_pylist([], schema=self.schema))  # readable when empty
+        self._writer.close()
+        self._raw.close()
+        if "://" not in self.path:
+            import os
+
+            os.replace(self.tmp, self.path)
+        else:
+            if FileSystems.exists(self.path):
+                FileSystems.delete([self.path])
+            FileSystems.rename([self.tmp], [self.path])
+        return {"name": self.name, "split": split, "rows": self.rows, "examples": self.examples,
+                "tokens": self.tokens, "target_tokens": self.target_tokens, "bytes": self._sink.size,
+                "sha256": self._sink.sha.hexdigest()}
+
+    def abort(self) -> None:
+        from apache_beam.io.filesystems import FileSystems
+
+        try:
+            self._raw.close()
+        except Exception:  # noqa: BLE001 - best effort: the original error matters more
+            pass
+        try:
+            FileSystems.delete([self.tmp])
+        except Exception:  # noqa: BLE001
+            pass
 
 
-def write_rejected(folder: str, records: Iterable[dict]) -> dict[str, int]:
-    """All dead letters, sorted by (source, position), one JSON object per line."""
-    recs = sorted(records, key=lambda r: (r["source"], r["position"], r["reason"], r.get("example_id", "")))
-    body = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in recs)
-    write_atomic(join(folder, "rejected.jsonl"), body.encode())
+def write_reject_part(folder: str, name: str, records: list[dict]) -> Optional[str]:
+    """Dead letters of one task or shard, sorted, as a JSON-lines part; None when there are none."""
+    if not records:
+        return None
+    records = sorted(records, key=reject_sort_key)
+    path = join(folder, f"rejects-{name}-{uuid.uuid4().hex[:12]}.jsonl")
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode())
+    return path
+
+
+def merge_rejected(folder: str, parts: Sequence[str]) -> tuple[dict[str, int], dict[str, dict]]:
+    """Merge sorted dead-letter parts into ``rejected.jsonl`` (streaming); counts and first record by reason."""
+    import heapq
+
+    from apache_beam.io.filesystems import FileSystems
+
+    def lines(path: str):
+        with FileSystems.open(path, compression_type="uncompressed") as f:
+            for line in iter(f.readline, b""):
+                rec = json.loads(line)
+                yield reject_sort_key(rec), line
+
     counts: dict[str, int] = {}
-    for r in recs:
-        counts[r["reason"]] = counts.get(r["reason"], 0) + 1
-    return dict(sorted(counts.items()))
+    first: dict[str, dict] = {}
+    path = join(folder, "rejected.jsonl")
+    tmp = join(folder, f".tmp-rejected.jsonl.{uuid.uuid4().hex}")
+    with FileSystems.create(tmp) as out:
+        for _, line in heapq.merge(*(lines(p) for p in sorted(parts)), key=lambda t: t[0]):
+            out.write(line)
+            rec = json.loads(line)
+            counts[rec["reason"]] = counts.get(rec["reason"], 0) + 1
+            first.setdefault(rec["reason"], rec)
+    _rename(tmp, path)
+    return dict(sorted(counts.items())), first
+
+
+def _rename(tmp: str, path: str) -> None:
+    from apache_beam.io.filesystems import FileSystems
+
+    if "://" not in path:
+        import os
+
+        os.replace(tmp, path)
+    else:
+        if FileSystems.exists(path):
+            FileSystems.delete([path])
+        FileSystems.rename([tmp], [path])
 
 
 def _yaml_features(schema: pa.Schema) -> str:
@@ -157,20 +235,24 @@ def dataset_card(manifest: dict[str, Any]) -> str:
     """The output folder's README.md, with the YAML header that datasets and the Hub read."""
     c = manifest["counts"]
     ext = "parquet" if manifest["config"]["output_format"] == "parquet" else "arrow"
+    splits = sorted({s.get("split", "train") for s in manifest["shards"]} or {"train"}, key=lambda x: x != "train")
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
+    files = "\n".join(f'  - split: {sp}\n    path: "{sp}-*.{ext}"' for sp in splits)
+    infos = "\n".join(
+        f"  - name: {sp}\n    num_bytes: {sum(s['bytes'] for s in manifest['shards'] if s.get('split', 'train') == sp)}\n"
+        f"    num_examples: {sum(s['rows'] for s in manifest['shards'] if s.get('split', 'train') == sp)}"
+        for sp in splits
+    )
     header = f"""---
 configs:
 - config_name: default
   data_files:
-  - split: train
-    path: "train-*.{ext}"
+{files}
 dataset_info:
   features:
 {_yaml_features(packers.SCHEMA)}
   splits:
-  - name: train
-    num_bytes: {total_bytes}
-    num_examples: {c['rows']}
+{infos}
   download_size: {total_bytes}
   dataset_size: {total_bytes}
 tags:
@@ -183,9 +265,13 @@ size_categories:
 ---
 """
     t = manifest["tokenizer"]
+    status = ""
+    if manifest.get("status") != "complete":
+        status = (f"\n**This run failed** ({manifest.get('error', 'no reason recorded')}): the files here are not a "
+                  "complete output. Fix the cause and re-run `packstream pack --overwrite`.\n")
     body = f"""
 # Packed SFT data (packstream)
-
+{status}
 Rows of at most **{manifest['config']['max_tokens']}** tokens, each holding several tokenized
 examples back to back (packed-row contract v{manifest['contract_version']}; no padding stored).
 

