@@ -109,6 +109,7 @@ class EncodeTasks(beam.DoFn):
         self.options, self.plan = options, plan
         self.encoder = None
         self.read = _progress.Counter(NS, "records_read")
+        self.encoded = _progress.Counter(NS, "records_encoded")
         self.examples = _progress.Counter(NS, "examples_tokenized")
         self.tokens = _progress.Counter(NS, "tokens")
 
@@ -157,8 +158,9 @@ class EncodeTasks(beam.DoFn):
 
         def finish(pending) -> None:
             nonlocal held_tokens
-            prepared, future = pending
+            prepared, future, size = pending
             enc = self.encoder.finish(prepared, future.result())
+            self.encoded.inc(size)
             rejected.extend(enc.rejected)
             add_counts(stats, enc.counts)
             if len(enc.batch):
@@ -176,7 +178,7 @@ class EncodeTasks(beam.DoFn):
                 future = self.pool.submit(self.encoder.tokenize, prepared)
                 if pending is not None:
                     finish(pending)
-                pending = (prepared, future)
+                pending = (prepared, future, len(chunk))
                 yield from out
                 out.clear()
             if pending is not None:
@@ -616,7 +618,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with _progress.watching(progress, files, local=runner is not None):
+        with _progress.watching(progress, files, local=runner is not None, budget=options.max_tokens):
             try:
                 with beam.Pipeline(runner=runner, options=pipe_opts) as p:
                     build(p, options, plan, identity, files, notes)

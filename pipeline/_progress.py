@@ -19,10 +19,13 @@ process without the variable (a Dataflow, Flink or Spark worker) records nothing
 never touches the output folder, so it cannot change the output's bytes; a progress file that
 cannot be written or read is skipped, never an error.
 
-The total for the ETA is the number of input records, counted in a background thread
-(:func:`pipeline._estimate.count_records`); until it is known the line shows counts and
-rates only. The ETA covers reading and tokenizing, which dominate a run; packing and writing
-follow and are shown as such.
+The percentage and the ETA follow the stage that limits the run. First *tokenizing*: records
+encoded (read, normalized, rendered and tokenized) out of the input's records, counted in a
+background thread (:func:`pipeline._read.count_records`); reading runs ahead of it and is shown
+but never drives the ETA. Then *packing and writing*: rows written out of the rows the
+tokenized tokens need (their lower bound). Then *finishing* (dead letters, the manifest). Rates
+are moving averages over the last :data:`RATE_WINDOW_S` seconds, so a pause shows as a falling
+rate, not as zero.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import math
 import os
 import shutil
 import sys
@@ -40,7 +44,8 @@ from typing import IO, Any, Iterator, Optional, Sequence
 
 ENV = "PACKSTREAM_PROGRESS_DIR"
 FLUSH_S = 0.25
-COUNTERS = ("records_read", "examples_tokenized", "tokens", "rows")
+COUNTERS = ("records_read", "records_encoded", "examples_tokenized", "tokens", "rows")
+RATE_WINDOW_S = 20.0
 
 
 class LogFormat(str, enum.Enum):
@@ -148,7 +153,7 @@ class Progress:
     :meth:`error` write the final event in JSON mode.
     """
 
-    def __init__(self, fmt: LogFormat, stream: IO[str], interval: float):
+    def __init__(self, fmt: LogFormat, stream: IO[str], interval: float, budget: int = 0):
         if interval <= 0:
             from packers import PackstreamError
 
@@ -156,8 +161,9 @@ class Progress:
         self.fmt, self.stream, self.interval = LogFormat(fmt), stream, interval
         self.started = time.monotonic()
         self.total: Optional[int] = None
+        self.budget = budget
         self.events: list[dict] = []  # what was reported, for tests and callers
-        self._history: list[tuple[float, int]] = []  # (time, records_read) for the recent rate
+        self._history: list[tuple[float, dict[str, int]]] = []  # (time, counts) for the moving rates
         self._width = 0
 
     # -- the job side -----------------------------------------------------------------
@@ -186,7 +192,7 @@ class Progress:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _count_total(self, files: Sequence[Any]) -> None:
-        from pipeline._estimate import count_records
+        from pipeline._read import count_records
 
         try:
             self.total = sum(count_records(f) for f in files)
@@ -202,42 +208,60 @@ class Progress:
 
     # -- rendering --------------------------------------------------------------------
 
+    def _rate(self, now: float, counts: dict[str, int], key: str) -> float:
+        """Units of ``key`` per second over the last RATE_WINDOW_S seconds (since the start before that)."""
+        t0, c0 = self._history[0]
+        if now - t0 <= 1e-6:
+            return 0.0
+        return (counts.get(key, 0) - c0.get(key, 0)) / (now - t0)
+
     def snapshot(self, counts: dict[str, int]) -> dict[str, Any]:
-        """One progress event: counts, recent rate and ETA."""
+        """One progress event: the running stage, counts, its moving rate, percentage and ETA."""
         now = time.monotonic()
         elapsed = now - self.started
-        read = counts.get("records_read", 0)
-        self._history.append((now, read))
-        self._history = [h for h in self._history if now - h[0] <= 30] or self._history[-1:]
-        t0, r0 = self._history[0]
-        rate = (read - r0) / (now - t0) if now - t0 > 1e-6 else (read / elapsed if elapsed > 0 else 0.0)
+        self._history.append((now, dict(counts)))
+        self._history = [h for h in self._history if now - h[0] <= RATE_WINDOW_S] or self._history[-1:]
+        read, encoded = counts.get("records_read", 0), counts.get("records_encoded", 0)
+        rows, tokens = counts.get("rows", 0), counts.get("tokens", 0)
         total = self.total
-        eta = None
-        if total is not None and rate > 0 and read < total:
-            eta = (total - read) / rate
-        elif total is not None and read >= total:
-            eta = 0.0
+        done_encoding = total is not None and encoded >= total
+        stage, pct, eta = "tokenizing", None, None
+        rate = self._rate(now, counts, "records_encoded")
+        if done_encoding or (rows and encoded >= read):
+            need = math.ceil(tokens / self.budget) if self.budget and tokens else 0
+            stage = "packing and writing" if rows < need or not rows or not need else "finishing"
+            rate = self._rate(now, counts, "rows")
+            if need:
+                pct = min(100.0, 100.0 * rows / need)
+                eta = (need - rows) / rate if rate > 0 and rows < need else (0.0 if rows >= need else None)
+        elif total:
+            pct = min(100.0, 100.0 * encoded / total)
+            eta = (total - encoded) / rate if rate > 0 else None
         return {
             "event": "progress",
+            "stage": stage,
             "elapsed_s": round(elapsed, 1),
             "records_read": read,
+            "records_encoded": encoded,
             "records_total": total,
             "examples_tokenized": counts.get("examples_tokenized", 0),
-            "tokens": counts.get("tokens", 0),
-            "rows": counts.get("rows", 0),
-            "records_per_s": round(rate, 1),
+            "tokens": tokens,
+            "rows": rows,
+            "percent": None if pct is None else round(pct, 1),
+            "rate_per_s": round(rate, 1),
+            "rate_unit": "rows" if stage != "tokenizing" else "records",
             "eta_s": None if eta is None else round(eta, 1),
         }
 
     def line(self, e: dict[str, Any]) -> str:
-        read = f"{e['records_read']:,}"
-        if e["records_total"]:
-            pct = min(100.0, 100.0 * e["records_read"] / e["records_total"])
-            read += f"/{e['records_total']:,} ({pct:.0f}%)"
-        phase = "packing and writing" if e["eta_s"] == 0.0 else f"ETA {_clock(e['eta_s'])}"
+        total = f"/{e['records_total']:,}" if e["records_total"] else ""
+        pct = f" {e['percent']:.0f}%" if e["percent"] is not None else ""
+        eta = f"ETA {_clock(e['eta_s'])}" if e["eta_s"] is not None else "ETA --:--"
+        unit = "rec/s" if e["rate_unit"] == "records" else "rows/s"
         return (
-            f"read {read} | tokenized {e['examples_tokenized']:,} | {_short(e['tokens'])} tokens | "
-            f"rows {e['rows']:,} | {e['records_per_s']:,.0f} rec/s | {phase} | {_clock(e['elapsed_s'])}"
+            f"{e['stage']}{pct} | tokenized {e['records_encoded']:,}{total} (read {e['records_read']:,}) | "
+            f"{_short(e['tokens'])} tokens | rows {e['rows']:,} | {e['rate_per_s']:,.0f} {unit} | {eta} | "
+            f"{_clock(e['elapsed_s'])}"
         )
 
     def report(self, counts: dict[str, int]) -> dict[str, Any]:
@@ -286,10 +310,12 @@ class Progress:
         self._json(event)
 
 
-def watching(progress: Optional[Progress], files: Sequence[Any], *, local: bool) -> contextlib.AbstractContextManager:
+def watching(progress: Optional[Progress], files: Sequence[Any], *, local: bool, budget: int = 0
+             ) -> contextlib.AbstractContextManager:
     """``progress.watch(files)`` for a local run; nothing for none, or for a remote runner."""
     if progress is None or not local:
         return contextlib.nullcontext()
+    progress.budget = budget or progress.budget
     return progress.watch(files)
 
 

@@ -169,7 +169,7 @@ class Group:
     all_targets: bool
 
 
-def _pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
+def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
     """Each example's spans under the --long policy: (example index, start, stop, part); part -1 = whole.
 
     Never a piece without a target token: a truncated example whose kept window has none is
@@ -253,7 +253,7 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     stats: dict[str, int] = {}
     batch, rejected = dedupe(batch)
     stats["duplicates"] = len(rejected)
-    ex, starts, stops, parts = _pieces(batch, options, rejected, stats)
+    ex, starts, stops, parts = pieces(batch, options, rejected, stats)
     result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
     if len(result.dropped) or len(result.empty):  # pieces fit the budget and are never empty

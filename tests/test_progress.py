@@ -14,8 +14,8 @@ from pipeline import _progress
 from pipeline._progress import LogFormat, Progress
 from pipeline.cli import main
 
-PROGRESS_KEYS = {"event", "elapsed_s", "records_read", "records_total", "examples_tokenized", "tokens", "rows",
-                 "records_per_s", "eta_s"}
+PROGRESS_KEYS = {"event", "stage", "elapsed_s", "records_read", "records_encoded", "records_total",
+                 "examples_tokenized", "tokens", "rows", "percent", "rate_per_s", "rate_unit", "eta_s"}
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_record_writes_one_file_per_process_and_read_counts_sums_them(progress_d
     (progress_dir / "99999999.json").write_text(json.dumps({"records_read": 10, "rows": 1}))
     (progress_dir / "99999999.json.tmp").write_text("{half a write")  # ignored: not renamed yet
     counts = _progress.read_counts(str(progress_dir))
-    assert counts == {"records_read": 17, "examples_tokenized": 0, "tokens": 100, "rows": 1}
+    assert counts == {"records_read": 17, "records_encoded": 0, "examples_tokenized": 0, "tokens": 100, "rows": 1}
     assert sorted(os.listdir(progress_dir)) == sorted([f"{os.getpid()}.json", "99999999.json", "99999999.json.tmp"])
 
 
@@ -60,27 +60,41 @@ def test_counter_feeds_beam_and_progress(progress_dir):
     assert _progress.read_counts(str(progress_dir))["rows"] == 3
 
 
-def test_snapshot_rate_and_eta():
-    p = Progress(LogFormat.JSON, io.StringIO(), interval=1.0)
+def test_the_percentage_and_eta_follow_the_limiting_stage(monkeypatch):
+    """Reading runs ahead; tokenizing drives the ETA, then rows written against the rows needed."""
+    clock = [100.0]
+    monkeypatch.setattr(_progress.time, "monotonic", lambda: clock[0])
+    p = Progress(LogFormat.JSON, io.StringIO(), interval=1.0, budget=1000)
     p.total = 1000
-    p.started -= 10  # ten seconds into the run
-    e = p.snapshot({"records_read": 250, "examples_tokenized": 240, "tokens": 9000, "rows": 0})
-    assert set(e) == PROGRESS_KEYS and e["event"] == "progress"
-    assert e["records_per_s"] == pytest.approx(25.0, rel=0.01)  # first snapshot: the average since the start
-    assert e["eta_s"] == pytest.approx(30.0, rel=0.01)  # 750 records left at 25/s
-    done = p.snapshot({"records_read": 1000})
-    assert done["eta_s"] == 0.0 and "packing and writing" in p.line(done)
+    p.started = 90.0  # ten seconds in
+    first = p.snapshot({"records_read": 1000, "records_encoded": 200, "tokens": 9000, "rows": 0})
+    assert set(first) == PROGRESS_KEYS and first["stage"] == "tokenizing"
+    assert first["percent"] == 20.0  # all records read, 20% tokenized: the percentage is the tokenizer's
+    clock[0] = 110.0
+    e = p.snapshot({"records_read": 1000, "records_encoded": 400, "tokens": 18000, "rows": 0})
+    assert e["rate_per_s"] == pytest.approx(20.0) and e["rate_unit"] == "records"  # (400 - 200) / 10 s, moving
+    assert e["eta_s"] == pytest.approx(30.0)  # 600 records left at 20/s
+    assert "tokenizing 40%" in p.line(e) and "tokenized 400/1,000 (read 1,000)" in p.line(e)
+    clock[0] = 115.0
+    pack = p.snapshot({"records_read": 1000, "records_encoded": 1000, "tokens": 50_000, "rows": 10})
+    assert pack["stage"] == "packing and writing" and pack["percent"] == 20.0  # 10 of the 50 rows 50k tokens need
+    assert pack["rate_unit"] == "rows" and "rows/s" in p.line(pack)
+    clock[0] = 200.0  # a long pause: the moving window forgets the old rate instead of averaging it in
+    stalled = p.snapshot({"records_read": 1000, "records_encoded": 1000, "tokens": 50_000, "rows": 10})
+    assert stalled["rate_per_s"] == 0.0 and stalled["eta_s"] is None
+    done = p.snapshot({"records_read": 1000, "records_encoded": 1000, "tokens": 50_000, "rows": 51})
+    assert done["stage"] == "finishing" and done["eta_s"] == 0.0
 
 
 def test_text_mode_redraws_one_line_and_clears_it(tmp_path):
     out = io.StringIO()
     p = Progress(LogFormat.TEXT, out, interval=1.0)
     p.total = 10
-    p.report({"records_read": 5, "examples_tokenized": 5, "tokens": 1234, "rows": 0})
-    p.report({"records_read": 10, "examples_tokenized": 10, "tokens": 2500, "rows": 2})
+    p.report({"records_read": 5, "records_encoded": 5, "examples_tokenized": 5, "tokens": 1234, "rows": 0})
+    p.report({"records_read": 10, "records_encoded": 10, "examples_tokenized": 10, "tokens": 2500, "rows": 2})
     text = out.getvalue()
-    assert text.startswith("\rread 5/10 (50%) | tokenized 5 | 1.2k tokens | rows 0")
-    assert "\rread 10/10 (100%)" in text and "\n" not in text
+    assert text.startswith("\rtokenizing 50% | tokenized 5/10 (read 5) | 1.2k tokens | rows 0")
+    assert "\rpacking and writing" in text and "\n" not in text
     p._clear()
     assert out.getvalue().endswith("\r")
 
@@ -123,6 +137,7 @@ def test_json_log_of_a_real_run_and_output_unchanged(tmp_path, monkeypatch):
     progress, done = events[:-1], events[-1]
     assert progress and all(set(e) == PROGRESS_KEYS for e in progress)
     assert max(e["records_read"] for e in progress) > 0
+    assert {e["stage"] for e in progress} <= {"tokenizing", "packing and writing", "finishing"}
     manifest = json.load(open(tmp_path / "a" / "manifest.json"))
     assert done["event"] == "done" and done["counts"] == manifest["counts"]
     assert done["output"] == str(tmp_path / "a") and done["shards"] == len(manifest["shards"])
@@ -143,4 +158,4 @@ def test_json_log_ends_with_an_error_event(tmp_path):
     r = CliRunner().invoke(main, ["pack", "--output", str(tmp_path / "out"), "--log-format", "json"])
     assert r.exit_code == 2
     last = json.loads(r.stdout.splitlines()[-1])
-    assert last["event"] == "error" and last["exit_code"] == 2 and "not empty" in last["message"]
+    assert last["event"] == "error" and last["exit_code"] == 2 and "packstream did not write" in last["message"]
