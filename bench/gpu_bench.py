@@ -16,7 +16,8 @@ lengths when absent) with the same number of examples per step in every mode:
 The padding-free modes use ``flash_attention_2`` when flash-attn is installed, else the torch
 varlen backend (``packstream_varlen``). Reported per mode: useful tokens/s (the examples' own
 tokens, no padding), mean step time and peak GPU memory per step. Skips cleanly without CUDA.
-Budgeted to finish well under 10 minutes on one H100/H200.
+Budgeted to finish well under 10 minutes on one H100/H200. Exit status 2 when a mode was not
+measured (out of memory) or there is no CUDA device: such a run is not a complete benchmark.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("skipped: no CUDA device")
-        return 0
+        print("not measured: no CUDA device")
+        return 2
     from transformers import DataCollatorWithFlattening
 
     warmup, E = 3, args.examples_per_step
@@ -147,6 +148,10 @@ def main(argv=None) -> int:
         print(f"| {name} | {r['useful tok/s']:,.0f} | {ratio} | {r['step s']:.3f} | {r['tokens/step']:,.0f} | {r['peak GiB']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    missing = [name for name, r in results.items() if "error" in r]
+    if missing:  # a mode that did not run was not measured: the run is not a complete benchmark
+        print(f"INCOMPLETE: not measured: {', '.join(missing)}")
+        return 2
     return 0
 
 

@@ -7,24 +7,46 @@ Which backends keep the examples of a flattened ``[1, T]`` batch apart (transfor
 ============================  ==================================  =========================================
 ``flash_attention_2``/``_3``  ``cu_seq_lens_*``/``max_length_*``  an ``attention_mask`` is passed: FA unpads
                               (else ``position_ids`` resets)      by it and ignores position_ids (TRL #4170)
-``sdpa``/``eager``/``flex``   block mask built from               an ``attention_mask`` is passed, or a KV
-                              ``position_ids`` (masking_utils)    cache exists (``use_cache`` on by default)
+``sdpa``/``eager``/``flex``   block mask built from               an ``attention_mask`` is passed, a KV cache
+                              ``position_ids`` (masking_utils)    exists (``use_cache`` on by default), or the
+                                                                  model builds its mask without position_ids
 ``packstream_varlen``         ``cu_seq_lens_*`` (else             never silently: a padding attention_mask
                               ``position_ids`` resets)            or a KV cache raises
 ============================  ==================================  =========================================
 
-:func:`check_packing_safe` raises :class:`~packers.PackstreamError` naming the fix for each
-"leaks when"; :func:`install_packing_guard` runs it before every forward of a model.
-:func:`register_varlen_attention` adds the ``packstream_varlen`` backend: PyTorch's own
-FlashAttention kernel (``torch.nn.attention.varlen.varlen_attn``, PyTorch >= 2.10, CUDA only),
-for FA2-speed packed training where the flash-attn package cannot be installed.
+Two layers of defence, both raising :class:`~packers.PackstreamError` with the fix:
+
+* **Static rules** (every step, cheap): the "leaks when" column, read from the batch and the config.
+* **A behavioural probe** (once per model class, configuration, backend, mode, dtype and batch
+  layout): the model itself runs two short sequences (5 and 7 tokens) packed into one ``[1, 12]``
+  batch, and each alone, under ``no_grad``; the logits must agree within the dtype's noise. No
+  list of models is consulted, so a model whose code forgets the packed layout (GptOss and OPT
+  build their masks without ``position_ids`` in transformers 5.24) is caught by what it computes.
+  Where the only fault is that forgotten argument, :func:`install_packing_guard` supplies it (the
+  probe must then prove the result exact); otherwise the model is refused.
+
+:func:`check_packing_safe` runs both for one batch; :func:`install_packing_guard` runs them before
+every forward of a model. :func:`register_varlen_attention` adds the ``packstream_varlen`` backend:
+PyTorch's own FlashAttention kernel (``torch.nn.attention.varlen.varlen_attn``, PyTorch >= 2.10,
+CUDA only), for FA2-speed packed training where the flash-attn package cannot be installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import importlib
+import importlib.util
 import inspect
+import re
 import sys
-from typing import Any, Callable, Mapping
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -39,6 +61,7 @@ _CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # What torch's varlen_attn (a FlashAttention kernel) accepts; tests widen these to run a CPU reference.
 _VARLEN_DEVICES = ("cuda",)
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_CALLS = [0]  # calls of varlen_attention_forward: the probe's proof that a model dispatches to it
 
 
 def _varlen_kernel() -> Callable[..., torch.Tensor]:
@@ -75,6 +98,7 @@ def varlen_attention_forward(
     Sequence boundaries: ``cu_seq_lens_q/k`` + ``max_length_q/k`` when given (``B`` must be 1), else
     position_ids resets, else one sequence per row. Refuses an attention_mask and a KV cache.
     """
+    _VARLEN_CALLS[0] += 1
     name = getattr(getattr(module, "config", None), "_attn_implementation", VARLEN_NAME)
     if attention_mask is not None:
         raise PackstreamError(
@@ -160,7 +184,9 @@ def register_varlen_attention(name: str = VARLEN_NAME) -> str:
 
     Then ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` (or
     ``model.set_attn_implementation(name)``) and feed it :class:`packers.Collator` batches.
-    Runs on CUDA with PyTorch >= 2.10; elsewhere the forward raises PackstreamError.
+    Runs on CUDA with PyTorch >= 2.10; elsewhere the forward raises PackstreamError. A model that
+    picks its attention from a class table of its own instead of ``AttentionInterface`` (Falcon,
+    GPT-Neo, GIT) raises PackstreamError when built with ``name``, not a ``KeyError``.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
@@ -172,7 +198,55 @@ def register_varlen_attention(name: str = VARLEN_NAME) -> str:
     # transformers drops any attention_mask for an unknown backend, and padding would pass unnoticed.
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
     _VARLEN_NAMES.add(name)
+    _refuse_in_class_tables(name)
     return name
+
+
+# -- models outside AttentionInterface ------------------------------------------------------------
+
+_CLASS_TABLE = re.compile(r"^(\w*ATTENTION_CLASSES)\s*=\s*\{", re.MULTILINE)
+
+
+def _refuse_in_class_tables(name: str) -> None:
+    """Make every transformers class table of attention classes answer ``name`` with a PackstreamError.
+
+    A few models pick their attention class from a dict of their own, e.g. Falcon's
+    ``FALCON_ATTENTION_CLASSES[config._attn_implementation](config, layer_idx)`` (transformers 5.24,
+    models/falcon/modeling_falcon.py), so a backend registered with ``AttentionInterface`` fails there
+    with ``KeyError: 'packstream_varlen'`` while the model is built. The modules are found by their
+    source (~40 ms for ~540 files) and imported; the entry added for ``name`` raises at construction.
+    """
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return
+    for path in sorted((Path(spec.origin).parent / "models").glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "ATTENTION_CLASSES" not in text or not _CLASS_TABLE.search(text):
+            continue
+        try:
+            module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+        except Exception:  # an optional dependency of that model is missing: nobody can build it here either
+            continue
+        for table_name in _CLASS_TABLE.findall(text):
+            table = getattr(module, table_name, None)
+            if isinstance(table, dict) and name not in table:
+                table[name] = _unsupported_backend(name, module.__name__.rsplit(".", 1)[-1], sorted(table))
+
+
+def _unsupported_backend(name: str, where: str, supported: list[str]) -> type:
+    class UnsupportedAttentionBackend(torch.nn.Module):
+        def __init__(self, config: Any = None, *args: Any, **kwargs: Any) -> None:
+            model = getattr(config, "model_type", None) or where
+            raise PackstreamError(
+                f"{model} ({where}) picks its attention class from its own table, which knows only {supported}, "
+                f"not attn_implementation={name!r} (that one works for models that dispatch through transformers' "
+                f"AttentionInterface); build it with one of {supported}, each checked by install_packing_guard"
+            )
+
+    return UnsupportedAttentionBackend
+
+
+# -- static rules ---------------------------------------------------------------------------------
 
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -183,22 +257,6 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, PreTrainedModel):
             return m
     raise PackstreamError(f"{type(model).__name__} contains no transformers PreTrainedModel")
-
-
-_PACKED_MASK_CACHE: dict[type, bool] = {}
-
-
-def _uses_packed_masks(model: torch.nn.Module) -> bool:
-    """Whether the model builds its masks with transformers' masking_utils, which honours packed position_ids."""
-    if type(model) not in _PACKED_MASK_CACHE:
-        from transformers import masking_utils
-
-        names = ("create_causal_mask", "create_sliding_window_causal_mask")
-        modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
-        _PACKED_MASK_CACHE[type(model)] = any(
-            getattr(mod, n, None) is getattr(masking_utils, n) for mod in modules for n in names
-        )
-    return _PACKED_MASK_CACHE[type(model)]
 
 
 def _num_sequences(batch: Mapping[str, Any]) -> int:
@@ -219,16 +277,8 @@ def _num_sequences(batch: Mapping[str, Any]) -> int:
     return int(starts.sum().item()) + 1
 
 
-def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
-    """Raise PackstreamError if ``model(**batch)`` would let packed examples attend to each other.
-
-    Cheap: reads the config, the batch's keys and shapes (one small device sync without
-    ``cu_seq_lens_q``). A batch holding one sequence always passes. For each backend, see the
-    module docstring's table; an attention implementation packstream does not know is refused.
-    """
-    if _num_sequences(batch) <= 1:
-        return
-    hf = _hf_model(model)
+def _check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """The rules of the module docstring's table that the batch and the config decide (a packed batch)."""
     impl = hf.config._attn_implementation
     if batch.get("attention_mask") is not None:
         raise PackstreamError(
@@ -246,8 +296,7 @@ def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None
                 f"{impl!r} with a packed batch needs cu_seq_lens_q/k + max_length_q/k, or position_ids with batch "
                 "size 1; collate with packers.Collator()"
             )
-        return
-    if impl in _MASK_BACKENDS:
+    elif impl in _MASK_BACKENDS:
         if batch.get("position_ids") is None:
             raise PackstreamError(f"{impl!r} builds the packed mask from position_ids; the batch has none")
         use_cache = batch.get("use_cache")
@@ -264,29 +313,471 @@ def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None
                 "then skips the packed mask, so the examples attend to each other (even in train mode). Pass "
                 "use_cache=False in the batch (packers.Collator does by default) or set model.config.use_cache=False"
             )
-        if not _uses_packed_masks(hf):
-            raise PackstreamError(
-                f"{type(hf).__name__} does not build its masks with transformers.masking_utils, so packstream cannot "
-                f"tell whether {impl!r} honours packed position_ids; use attn_implementation='flash_attention_2' or "
-                f"{VARLEN_NAME!r} (packers.register_varlen_attention) on CUDA"
-            )
-        return
-    raise PackstreamError(
-        f"attn_implementation={impl!r} is unknown to packstream, which cannot tell whether it keeps packed examples "
-        f"apart; use one of 'flash_attention_2', 'sdpa', 'eager', or {VARLEN_NAME!r} (packers.register_varlen_attention)"
+    # Any other backend (a custom AttentionInterface function, a hub kernel) is judged by the probe alone.
+
+
+# -- the behavioural probe ------------------------------------------------------------------------
+
+PROBE_LENGTHS = (5, 7)
+"""Lengths of the probe's two sequences: one forward of 12 packed tokens and two of 5 and 7 alone."""
+
+_LAYOUT_KEYS = ("position_ids", *_CU_KEYS, "seq_idx")
+# Max |packed - alone| / max(1, max |alone|) allowed on the probe's logits, by compute dtype. A leak moves
+# the tiny test models' logits by 0.1-0.8 (about their whole scale); packed vs alone without a leak differs
+# by ~1e-7 in fp32 on CPU. Half precision: bench/gpu_check.py measures bf16's own error at ~1e-2.
+_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+_TF32_TOLERANCE = 2e-3  # fp32 matmuls in TF32 (10-bit mantissa), torch.backends.cuda.matmul.allow_tf32
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What the probe found for one model class, configuration, backend, mode, dtype and batch layout."""
+
+    error: str | None
+    """Why packed batches are refused; None when they are exact."""
+    fix: bool
+    """Exact only when the guard passes the packed position_ids to the model's mask functions."""
+    diff: float
+    """Max relative logit diff, packed vs alone, of the probe that decided (nan when it raised)."""
+    seconds: float
+    """Wall time of the probe forwards."""
+
+
+_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # per model: layout -> (key, verdict)
+_LOCAL = threading.local()  # .probing: the guard's own probe forwards skip the guard
+
+
+def _configs(config: Any) -> Iterator[Any]:
+    """A config and its sub-configs (text, vision, ...), depth first, each once."""
+    seen, todo = set(), [config]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        yield c
+        todo.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {})
+
+
+def _layout(batch: Mapping[str, Any]) -> tuple | None:
+    """Which boundary keys the batch carries (and its use_cache): the probe copies them. None: nothing to probe."""
+    keys = tuple(k for k in _LAYOUT_KEYS if batch.get(k) is not None)
+    if "position_ids" not in keys and "cu_seq_lens_q" not in keys:
+        return None
+    return keys, batch.get("use_cache")
+
+
+def _probe_device(hf: torch.nn.Module) -> torch.device:
+    try:
+        return hf.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(hf.parameters()).device
+
+
+def _config_fingerprint(config: Any) -> tuple:
+    """The plain values of a config and its sub-configs (~50 us): a changed window or rope setting shows here."""
+    plain = (int, float, str, bool, type(None))
+    return tuple(
+        tuple(sorted((k, v if isinstance(v, plain) else repr(v)) for k, v in vars(c).items()
+                     if isinstance(v, plain) or (isinstance(v, (list, tuple, dict)) and len(v) < 256)))
+        for c in _configs(config)
     )
 
 
-def install_packing_guard(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
-    """Run :func:`check_packing_safe` before every forward of ``model``; returns the hook's handle.
+def _key(hf: torch.nn.Module, layout: tuple) -> tuple:
+    """What, when it changes, calls for a new probe: the class, the config, the backend (and the functions
+    registered for it), train/eval mode, dtype, device, autocast, float32 matmul precision, batch layout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    Catches what a trainer or a wrapper adds to the batch after the collator (an
-    ``attention_mask``, a cache). ``handle.remove()`` takes the guard off.
+    impls = tuple(getattr(c, "_attn_implementation", None) for c in _configs(hf.config))
+    functions = tuple(
+        (AttentionInterface._global_mapping.get(i), ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(i))
+        for i in impls
+        if isinstance(i, str)
+    )
+    param = next(hf.parameters(), None)
+    dtype = param.dtype if param is not None else None
+    dev = _probe_device(hf).type
+    autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    tf32 = dev == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return (type(hf), _config_fingerprint(hf.config), impls, functions, hf.training, dtype, dev, autocast,
+            torch.get_float32_matmul_precision(), tf32, layout)
+
+
+def _probe_ids(hf: torch.nn.Module) -> list[list[int]]:
+    """Two fixed token sequences inside the vocabulary, avoiding the config's special and media token ids."""
+    try:
+        vocab = int(hf.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        vocab = int(hf.config.get_text_config().vocab_size)
+    special: set[int] = set()
+    for c in _configs(hf.config):
+        for k, v in vars(c).items():
+            if k.endswith(("token_id", "token_ids", "token_index", "_id")) and not isinstance(v, bool):
+                for x in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(x, int):
+                        special.add(x)
+    pool = [t for t in range(3, vocab) if t not in special] or list(range(vocab))
+    # A stride coprime to most vocab sizes spreads the ids; the two sequences share no token.
+    picks = [pool[(17 * i + 5) % len(pool)] for i in range(sum(PROBE_LENGTHS))]
+    a = PROBE_LENGTHS[0]
+    return [picks[:a], picks[a:]]
+
+
+def _probe_batch(ids: list[list[int]], layout: tuple) -> dict[str, Any]:
+    """The probe's packed batch, built by packers.Collator and cut to the keys the real batch has."""
+    from packers._collate import Collator
+
+    offsets = [0, len(ids[0]), len(ids[0]) + len(ids[1])]
+    row = {"input_ids": ids[0] + ids[1], "loss_mask": [1] * offsets[-1], "seq_offsets": offsets}
+    full = Collator()([row])
+    keys, use_cache = layout
+    batch = {"input_ids": full["input_ids"], **{k: full[k] for k in keys}}
+    if use_cache is not None:
+        batch["use_cache"] = use_cache
+    return batch
+
+
+_DROPOUT_NAME = re.compile(r"drop|jitter|noise", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _quiet(hf: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Run the probe deterministically, leaving no trace: no_grad, dropout and router noise at 0, RNG forked,
+    buffers (running stats, dynamic RoPE frequencies) restored. Train mode's other behaviour stays.
+
+    Dropout draws different masks for a packed row than for each sequence alone, so the probe would see a
+    difference that is not a leak; its probabilities live in nn.Dropout modules, in float attributes copied
+    from the config (``self.attention_dropout``) and in the config itself (read at run time).
     """
-    params = list(inspect.signature(_hf_model(model).forward).parameters)
+    saved: list[tuple[Any, str, Any]] = []
+    for m in hf.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            saved.append((m, "p", m.p))
+        for k, v in vars(m).items():
+            if type(v) is float and v > 0 and _DROPOUT_NAME.search(k):
+                saved.append((m, k, v))
+    for c in _configs(hf.config):
+        for k, v in vars(c).items():
+            if type(v) is float and v > 0 and _DROPOUT_NAME.search(k):
+                saved.append((c, k, v))
+    buffers = [(b, b.detach().clone()) for b in hf.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        for obj, k, _ in saved:
+            setattr(obj, k, 0.0)
+        _LOCAL.probing = True
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield
+    finally:
+        _LOCAL.probing = False
+        for obj, k, v in saved:
+            setattr(obj, k, v)
+        with torch.no_grad():
+            for b, copy in buffers:
+                if b.shape == copy.shape and not torch.equal(b, copy):
+                    b.copy_(copy)
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+
+def _logits(out: Any) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits.detach().float()
+
+
+def _compute_dtype(hf: torch.nn.Module, device: torch.device, seen: list[torch.dtype]) -> torch.dtype:
+    """The least precise of: the input embeddings' output, the logits, the autocast dtype (if on)."""
+    dtypes = list(seen)
+    if torch.is_autocast_enabled(device.type):
+        dtypes.append(torch.get_autocast_dtype(device.type))
+    floats = [d for d in dtypes if d.is_floating_point] or [torch.float32]
+    return max(floats, key=lambda d: _TOLERANCE.get(d, 5e-2))
+
+
+def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    tol = _TOLERANCE.get(dtype, 5e-2)
+    if dtype == torch.float32 and (
+        torch.get_float32_matmul_precision() != "highest" or (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    ):
+        tol = _TF32_TOLERANCE
+    return tol
+
+
+def _run_probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool) -> tuple[float, float, str | None]:
+    """Run the probe once: (max relative logit diff, tolerance, error or None). Never raises for the model's faults."""
+    device = _probe_device(hf)
+    ids = _probe_ids(hf)
+    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in _probe_batch(ids, layout).items()}
+    seen: list[torch.dtype] = []
+    handle = None
+    try:
+        emb = hf.get_input_embeddings()
+        handle = emb.register_forward_hook(lambda m, a, out: seen.append(out.dtype) if torch.is_tensor(out) else None)
+    except (AttributeError, NotImplementedError):
+        pass
+    impl = hf.config._attn_implementation
+    calls = _VARLEN_CALLS[0]
+    not_dispatched = (
+        f"attn_implementation={impl!r} is set but was never called: {type(hf).__name__} computes attention with "
+        "classes of its own instead of transformers' AttentionInterface, so it cannot use this backend"
+    )
+    token = _PACKED_POSITIONS.set(batch["position_ids"]) if fix and "position_ids" in batch else None
+    try:
+        with _quiet(hf, device):
+            packed = _logits(target(**batch))[0]
+            if token is not None:
+                _PACKED_POSITIONS.reset(token)
+                token = None
+            alone = [_logits(target(input_ids=torch.tensor([x], device=device)))[0] for x in ids]
+    except Exception as e:  # the model cannot run a packed batch at all: refuse, naming why
+        if impl in _VARLEN_NAMES and _VARLEN_CALLS[0] == calls:
+            return float("nan"), 0.0, not_dispatched
+        if isinstance(e, PackstreamError):
+            return float("nan"), 0.0, str(e)
+        return float("nan"), 0.0, f"the probe's packed forward raised {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        if token is not None:
+            _PACKED_POSITIONS.reset(token)
+        if handle is not None:
+            handle.remove()
+    if impl in _VARLEN_NAMES and _VARLEN_CALLS[0] == calls:
+        return float("nan"), 0.0, not_dispatched
+    seen.append(packed.dtype)
+    tol = _tolerance(_compute_dtype(hf, device, seen), device)
+    ref = torch.cat(alone)
+    if packed.shape != ref.shape:
+        return float("nan"), tol, f"the probe's packed logits have shape {tuple(packed.shape)}, alone {tuple(ref.shape)}"
+    if not (torch.isfinite(packed).all() and torch.isfinite(ref).all()):
+        return float("nan"), tol, "the probe's logits are not finite (nan/inf), packed or alone"
+    diff = ((packed - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+    return diff, tol, None
+
+
+def _agree(ok: bool, device: torch.device) -> bool:
+    """Under torch.distributed, ok only if every rank's probe is ok (all_reduce MIN), so no rank trains alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    backend = str(dist.get_backend())
+    if "gloo" in backend or backend == "mpi":
+        dev = torch.device("cpu")
+    elif device.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = device
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verdict:
+    """Probe as is; if that leaks under a mask backend, probe with position_ids supplied to the mask functions.
+
+    Under torch.distributed every rank runs the same forwards and the verdict is agreed after each probe.
+    """
+    t0 = time.perf_counter()
+    device = _probe_device(hf)
+    diff, tol, error = _run_probe(hf, target, layout, fix=False)
+    if _agree(error is None and diff <= tol, device):
+        return _Verdict(None, False, diff, time.perf_counter() - t0)
+    impl = hf.config._attn_implementation
+    fix_diff = float("nan")
+    # The fix is for models that build their masks without position_ids (GptOss, OPT, Bloom, MPT, ... in
+    # transformers 5.24): masking_utils then cannot see the packed layout. Passing it gives ~2e-7 (issue 11).
+    if error is None and "position_ids" in layout[0] and impl not in _VARLEN_NAMES and "flash" not in impl:
+        if _agree(_wrap_mask_functions(hf), device):
+            fix_diff, _, fix_error = _run_probe(hf, target, layout, fix=True)
+            if _agree(fix_error is None and fix_diff <= tol, device):
+                return _Verdict(None, True, fix_diff, time.perf_counter() - t0)
+    mode = "train" if hf.training else "eval"
+    if error is None and diff <= tol:
+        cause = "another rank's packing probe failed (see that rank's error)"
+    elif error is None:
+        cause = (
+            f"the packing probe (2 sequences of {PROBE_LENGTHS[0]} and {PROBE_LENGTHS[1]} tokens, packed vs alone) "
+            f"differs by {diff:.2g} > {tol:.0e} (max logit diff / max(1, max logit))"
+        )
+        if fix_diff == fix_diff:  # not nan: the fix was tried
+            cause += f", and still by {fix_diff:.2g} with position_ids passed to its mask functions"
+    else:
+        cause = error.rstrip(". ")
+    others = " or ".join(repr(b) for b in ("flash_attention_2", VARLEN_NAME, "sdpa") if b != impl)
+    message = (
+        f"{type(hf).__name__} lets packed examples interact under attn_implementation={impl!r} ({mode} mode): "
+        f"{cause}. Use another attn_implementation (e.g. {others}; each is probed the same way), or do not pack "
+        "for this model: collate padded batches with an attention_mask"
+    )
+    return _Verdict(message, False, diff, time.perf_counter() - t0)
+
+
+def _verdict(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verdict:
+    """This model's verdict as it is now: cached while its key holds; probes (all ranks together) otherwise.
+
+    Cached per model object, not per class and config alone: a hook, an adapter or a patched module on
+    one instance changes what it computes without changing either. A refusal is not cached, so a model
+    that was fixed in place is probed again at its next packed batch (on every rank alike).
+    """
+    key = _key(hf, layout)
+    state = _STATE.setdefault(hf, {})
+    known = state.get(layout)
+    if known is not None and known[0] == key:
+        return known[1]
+    verdict = _probe(hf, target, layout)
+    if verdict.error is None:
+        state[layout] = (key, verdict)
+    else:
+        state.pop(layout, None)
+    return verdict
+
+
+# -- the fix: position_ids for the mask functions that a model calls without them -------------------
+
+_MASK_CREATORS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+_PACKED_POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "packstream_packed_positions", default=None
+)
+
+
+def _with_packed_positions(create: Callable[..., Any]) -> Callable[..., Any]:
+    """``create`` (a masking_utils mask function), given the guarded batch's position_ids when its caller
+    passes none. Outside a guarded forward of a model that needs it, it is ``create`` unchanged.
+
+    Kept out of torch.compile graphs: the positions change every batch and must not be traced as constants.
+    """
+
+    @torch.compiler.disable
+    @functools.wraps(create)
+    def create_with_packed_positions(*args: Any, **kwargs: Any) -> Any:
+        pos = _PACKED_POSITIONS.get()
+        # Signature (transformers 5.24): config, inputs_embeds, attention_mask, cache, position_ids, ...
+        if pos is not None and len(args) < 5 and kwargs.get("position_ids") is None:
+            embeds = kwargs.get("inputs_embeds", args[1] if len(args) > 1 else None)
+            if torch.is_tensor(embeds) and embeds.dim() >= 2 and embeds.shape[1] == pos.shape[-1]:
+                kwargs["position_ids"] = pos.to(embeds.device)
+        return create(*args, **kwargs)
+
+    create_with_packed_positions._packstream_wraps = create  # type: ignore[attr-defined]
+    return create_with_packed_positions
+
+
+def _wrap_mask_functions(hf: torch.nn.Module) -> bool:
+    """Wrap the masking_utils mask functions that ``hf``'s modeling modules call; False if they call none."""
+    from transformers import masking_utils
+
+    originals = {id(getattr(masking_utils, n)): getattr(masking_utils, n) for n in _MASK_CREATORS}
+    found = False
+    for module in {sys.modules.get(type(m).__module__) for m in hf.modules()}:
+        if module is None or module is masking_utils:
+            continue
+        for name, obj in list(vars(module).items()):
+            if id(obj) in originals and obj is originals[id(obj)]:
+                setattr(module, name, _with_packed_positions(obj))
+                found = True
+            elif getattr(obj, "_packstream_wraps", None) is not None:
+                found = True
+    return found
+
+
+# -- public entry points ------------------------------------------------------------------------------
+
+
+def _guarded(hf: torch.nn.Module) -> bool:
+    return any(getattr(h, "_packstream_guard", False) for h in hf._forward_pre_hooks.values())
+
+
+def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any]) -> _Verdict | None:
+    """Static rules, then the verdict; raises PackstreamError for a packed batch that would leak.
+
+    Returns the verdict (None when the batch carries no boundaries to probe). The verdict is computed
+    for every batch with boundaries, packed or not, so that all ranks probe at the same step.
+    """
+    packed = _num_sequences(batch) > 1
+    if packed:
+        _check_static(hf, batch)
+    layout = _layout(batch)
+    if layout is None:
+        return None
+    verdict = _verdict(hf, target, layout)
+    if packed and verdict.error is not None:
+        raise PackstreamError(verdict.error)
+    return verdict
+
+
+def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """Raise PackstreamError if ``model(**batch)`` would let packed examples attend to each other.
+
+    Per step it reads the config and the batch's keys and shapes (one small device sync without
+    ``cu_seq_lens_q``); see the module docstring's table. The first call for a model class,
+    configuration, backend, mode, dtype and batch layout also runs the packing probe: one forward of
+    12 packed tokens and two of 5 and 7 alone, under ``no_grad`` (cached afterwards). Under
+    torch.distributed the probe agrees across ranks: call this on every rank, as you would a forward.
+    A batch holding one sequence always passes.
+    """
+    hf = _hf_model(model)
+    target = model
+    while hasattr(target, "_orig_mod"):  # torch.compile's wrapper: probe the eager module, compile nothing
+        target = target._orig_mod
+    verdict = _check(hf, target, batch)
+    if verdict is not None and verdict.fix and _num_sequences(batch) > 1 and not _guarded(hf):
+        raise PackstreamError(
+            f"{type(hf).__name__} builds its {hf.config._attn_implementation!r} masks without position_ids, so a "
+            "plain model(**batch) lets packed examples attend to each other; install_packing_guard(model) passes "
+            "them (the probe found that exact), or use another attn_implementation"
+        )
+
+
+class GuardHandle:
+    """What :func:`install_packing_guard` returns: ``remove()`` takes the guard off (also as a context manager)."""
+
+    def __init__(self, *handles: torch.utils.hooks.RemovableHandle) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def __enter__(self) -> "GuardHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
+    """Check every forward of ``model``: the static rules per batch, the packing probe when the model changes.
+
+    Before the first packed forward, and whenever the attention implementation, train/eval mode,
+    dtype, device, autocast or batch layout changes, the model runs the packing probe (cost: one
+    forward of 12 tokens and two of 5 and 7, under ``no_grad``, once per model class and
+    configuration; every rank together under DDP/FSDP). A model found to build its masks without
+    ``position_ids`` gets them from the guard when that makes the probe exact; any other mismatch
+    raises PackstreamError naming the model, the backend and the fix. Catches what a trainer or a
+    wrapper adds to the batch after the collator (an ``attention_mask``, a cache): the hook sits on
+    the transformers model inside DDP/FSDP/PEFT/torch.compile wrappers. ``handle.remove()`` takes it off.
+    """
+    hf = _hf_model(model)
+    params = list(inspect.signature(hf.forward).parameters)
+    stack: list[contextvars.Token | None] = []
+
+    @torch.compiler.disable  # data-dependent checks and the probe's forwards stay out of compiled graphs
+    def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        stack.append(None)  # popped by post_hook, which runs even if this raises
+        if getattr(_LOCAL, "probing", False):
+            return
         batch = dict(zip(params, args)) | kwargs
-        check_packing_safe(module, batch)
+        verdict = _check(hf, hf, batch)
+        if verdict is not None and verdict.fix and _num_sequences(batch) > 1:
+            stack[-1] = _PACKED_POSITIONS.set(batch["position_ids"])
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    @torch.compiler.disable
+    def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        token = stack.pop() if stack else None
+        if token is not None:
+            _PACKED_POSITIONS.reset(token)
+
+    pre_hook._packstream_guard = True  # type: ignore[attr-defined]
+    return GuardHandle(
+        hf.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        hf.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+    )

@@ -1,0 +1,413 @@
+"""The packing guard judges models by what they compute (tiny random models, fp32, CPU).
+
+* A model made to leak on purpose (its decoder never sees the batch's position_ids, or creates a KV
+  cache inside) is refused, although its modeling code is Llama's, which builds packed masks.
+* GptOss and OPT (whose transformers 5.24 code builds masks without position_ids, and leaked) are
+  exact in train and eval under every backend they build with on CPU: the guard passes the
+  positions to their mask functions, after the probe proves that exact.
+* A fixed sample of 20 architectures (bench/compat_matrix.py) has no silent leak; the whole zoo
+  runs as a slow test.
+* The probe leaves no trace (RNG, dropout settings, buffers, gradients), runs once per model state,
+  agrees across DDP ranks, and a backend a model cannot dispatch to is a PackstreamError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
+from packers import _attention
+from tests._shards import make_row, random_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 97
+TOL = 1e-5
+EXAMPLES = random_examples(4, seed=3, vocab=VOCAB, min_len=5, max_len=14)
+ROWS = [make_row(EXAMPLES[:2]), make_row(EXAMPLES[2:])]
+
+
+def load_matrix():
+    path = ROOT / "bench" / "compat_matrix.py"
+    spec = importlib.util.spec_from_file_location("compat_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def llama(attn: str = "sdpa", **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, **overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def gpt_oss(attn: str = "eager"):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                       max_position_embeddings=128)
+    torch.manual_seed(0)
+    return GptOssForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def max_diff(model, batch) -> float:
+    """Max abs logit diff between the packed batch and each example alone (no_grad)."""
+    with torch.no_grad():
+        logits = model(**batch).logits[0]
+        cu = batch["cu_seq_lens_q"].tolist()
+        return max((model(input_ids=batch["input_ids"][:, a:b]).logits[0] - logits[a:b]).abs().max().item()
+                   for a, b in zip(cu, cu[1:]))
+
+
+# -- models made to leak ------------------------------------------------------------------------------
+
+
+def drop_position_ids(model):
+    """A leak by construction: the decoder stack never sees position_ids (so no packed mask, positions 0..T-1)."""
+    def hook(module, args, kwargs):
+        kwargs.pop("position_ids", None)
+        return args, kwargs
+
+    return model.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def cache_inside(model):
+    """Another: the decoder stack is told to build a KV cache, so masking_utils skips the packed mask."""
+    def hook(module, args, kwargs):
+        kwargs["use_cache"] = True
+        return args, kwargs
+
+    return model.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("leak", [drop_position_ids, cache_inside], ids=["drop_position_ids", "cache_inside"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_model_made_to_leak_is_refused(leak, attn, mode):
+    model = getattr(llama(attn), mode)()
+    leak(model)
+    batch = Collator()(ROWS)
+    assert max_diff(model, batch) > 1e-2  # it really leaks, and nothing in the batch or the config shows it
+    install_packing_guard(model)
+    with pytest.raises(PackstreamError, match=rf"LlamaForCausalLM lets packed examples interact under "
+                                              rf"attn_implementation='{attn}' \({mode} mode\).*packing probe"):
+        model(**batch)
+    with pytest.raises(PackstreamError, match="packing probe"):
+        check_packing_safe(model, batch)
+
+
+def test_the_same_model_without_the_leak_passes():
+    model = llama("sdpa").train()
+    handle = install_packing_guard(model)
+    batch = Collator()(ROWS)
+    model(**batch).loss.backward()
+    hook = drop_position_ids(model)
+    model.eval()  # a new mode: probed again, and the leak is found
+    with pytest.raises(PackstreamError, match="packing probe"):
+        model(**batch)
+    hook.remove()
+    model(**batch)
+    handle.remove()
+
+
+# -- GptOss and OPT -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "opt"])
+def test_gpt_oss_and_opt_exact_or_refused(arch):
+    """Every backend each builds with on CPU, train (default config) and eval: exact <= 1e-5 or refused."""
+    m = load_matrix()
+    cells = m.run_arch(arch, m.model_classes()[arch])
+    backends = {c["backend"] for c in cells}
+    assert "eager" in backends and (arch == "gpt_oss" or "sdpa" in backends), cells
+    for c in cells:
+        assert c["status"] in ("exact", "refused"), c
+        if c["status"] == "exact":
+            assert c["logits"] <= TOL and c["loss"] <= TOL, c
+            assert c["backend"] == "flex_attention" or c["grad"] <= TOL, c
+            # exact because the guard passed position_ids to the mask functions (they leak without it)
+            assert c["fix"], c
+        else:
+            assert "PackstreamError" not in c["why"] and "lets packed examples interact" in c["why"], c
+
+
+@pytest.mark.parametrize("attn", ["eager"])
+def test_gpt_oss_leaks_without_the_guard_and_not_with_it(attn):
+    batch = Collator()(ROWS)
+    model = gpt_oss(attn).eval()
+    assert max_diff(model, batch) > 1e-2  # the bug in issue 11: GptOssModel builds masks without position_ids
+    with pytest.raises(PackstreamError, match="install_packing_guard"):
+        check_packing_safe(model, batch)  # a plain model(**batch) would leak: check says so, and names the fix
+    handle = install_packing_guard(model)
+    assert max_diff(model, batch) <= TOL
+    check_packing_safe(model, batch)  # with the guard on, the same batch is safe
+    handle.remove()
+    assert max_diff(model, batch) > 1e-2  # and the fix goes with the guard
+
+
+def test_opt_leaks_without_the_guard_and_not_with_it():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0)
+    for attn in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = OPTForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+        batch = Collator()(ROWS)
+        assert max_diff(model, batch) > 1e-2
+        with install_packing_guard(model):
+            assert max_diff(model, batch) <= TOL
+
+
+# -- the matrix ---------------------------------------------------------------------------------------
+
+SAMPLE = ["gpt_oss", "opt", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "falcon", "gpt_neox",
+          "mixtral", "bloom", "mpt", "biogpt", "xglm", "gpt2", "starcoder2", "olmo2", "bamba"]
+
+
+def test_sample_matrix_has_no_silent_leak(tmp_path):
+    """20 architectures, eager and sdpa, train and eval: exact or refused, never LEAK (a few seconds)."""
+    m = load_matrix()
+    md, out = tmp_path / "compat.md", tmp_path / "cells.json"
+    assert m.main(["--only", ",".join(SAMPLE), "--backends", "eager,sdpa", "--md", str(md), "--json", str(out)]) == 0
+    cells = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {c["arch"] for c in cells} == set(SAMPLE)
+    assert all(c["status"] in ("exact", "refused") for c in cells), [c for c in cells if c["status"] not in ("exact", "refused")]
+    assert sum(c["status"] == "exact" for c in cells) >= 50
+    for c in cells:
+        if c["status"] == "refused":  # refusals here are needed: unguarded, the batch leaks or cannot run
+            u = c.get("unguarded")
+            assert u is None or u["logits"] > TOL, c
+    text = md.read_text()
+    assert "LEAK 0" in text and "| gpt_oss | GptOssForCausalLM | eager | exact, mask fix" in text
+
+
+@pytest.mark.slow
+def test_full_matrix_has_no_silent_leak(tmp_path):
+    """Every causal LM in the installed transformers, every CPU backend (see docs/compatibility.md for the time)."""
+    m = load_matrix()
+    out = tmp_path / "matrix.json"
+    assert m.main(["--json", str(out), "--jobs", str(min(2, os.cpu_count() or 1))]) == 0
+    cells = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [c for c in cells if c["status"] == "LEAK"]
+    assert len({c["arch"] for c in cells if c["status"] in ("exact", "refused")}) >= 100
+
+
+# -- the probe leaves no trace and runs once ------------------------------------------------------------
+
+
+def test_probe_leaves_no_trace():
+    model = llama("sdpa", attention_dropout=0.3).train()
+    batch = Collator()(ROWS)
+    rng = torch.get_rng_state()
+    buffers = [b.clone() for b in model.buffers()]
+    params = [p.detach().clone() for p in model.parameters()]
+    dropouts = [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")]
+    check_packing_safe(model, batch)  # probes: with dropout 0.3 in train mode, and still exact
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and model.config.attention_dropout == 0.3
+    assert [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")] == dropouts
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers))
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(model.parameters(), params))
+    assert not getattr(_attention._LOCAL, "probing", False)
+
+
+def test_probe_restores_running_stats():
+    """A module that updates a buffer in forward (BatchNorm-like running stats) gets it back."""
+    model = llama("eager").train()
+
+    class Stats(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen += x.shape[1]
+            return x
+
+    stats = Stats()
+    model.model.norm.register_forward_hook(lambda mod, a, out: stats(out))
+    model.model.stats = stats
+    check_packing_safe(model, Collator()(ROWS))
+    assert stats.seen.item() == 0
+
+
+def count_forwards(model) -> list[int]:
+    n = [0]
+    model.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+    return n
+
+
+def test_probe_runs_once_per_model_state():
+    model = llama("sdpa").train()
+    n = count_forwards(model)
+    install_packing_guard(model)
+    batch = Collator()(ROWS)
+    model(**batch)
+    assert n[0] == 1 + 3  # the probe (packed, and each of 2 sequences alone), then the batch
+    model(**batch)
+    model(**Collator()(ROWS[:1]))
+    assert n[0] == 4 + 2  # cached
+    model.eval()
+    model(**batch)
+    assert n[0] == 6 + 1 + 3  # a new mode: probed again
+    model.set_attn_implementation("eager")
+    model(**batch)
+    assert n[0] == 10 + 1 + 3  # a new backend: probed again
+    model.config.sliding_window = 4
+    model(**batch)
+    assert n[0] == 14 + 1 + 3  # a changed config: probed again
+    twin = llama("eager").eval()  # another object: probed for itself (a hook on one instance can make it leak)
+    m = count_forwards(twin)
+    install_packing_guard(twin)
+    twin(**batch)
+    assert m[0] == 1 + 3
+
+
+def test_probe_cost_on_a_tiny_model():
+    """The documented cost: one forward of 12 packed tokens and two of 5 and 7 alone, tens of ms here."""
+    model = llama("sdpa").train()
+    verdict = _attention._probe(model, model, _attention._layout(Collator()(ROWS)))
+    assert verdict.error is None and not verdict.fix and verdict.diff < 1e-6
+    assert verdict.seconds < 2.0, verdict  # ~0.01-0.03 s on 2 CPU cores
+
+
+def test_unpacked_batches_pass_even_where_packing_is_refused():
+    model = llama("sdpa").eval()
+    drop_position_ids(model)
+    install_packing_guard(model)
+    model(input_ids=torch.tensor([[5, 6, 7]]))  # no boundaries: nothing to probe
+    one = Collator()([make_row(EXAMPLES[:1])])
+    model(**one)  # one sequence: probed (so ranks stay in step) but not refused
+    with pytest.raises(PackstreamError):
+        model(**Collator()(ROWS))
+
+
+def test_bf16_autocast_uses_a_half_precision_tolerance():
+    model = llama("sdpa").eval()
+    install_packing_guard(model)
+    batch = Collator()(ROWS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch)
+    drop_position_ids(model)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(PackstreamError, match="> 5e-02"):
+        model(**batch)
+
+
+def test_guard_through_torch_compile():
+    """The hook sits on the transformers model and stays out of the graph; the probe runs eagerly."""
+    model = gpt_oss("eager").eval()
+    compiled = torch.compile(model, backend="eager")
+    install_packing_guard(compiled)
+    batch = Collator()(ROWS)
+    with torch.no_grad():
+        logits = compiled(**batch).logits[0]
+        cu = batch["cu_seq_lens_q"].tolist()
+        d = max((model(input_ids=batch["input_ids"][:, a:b]).logits[0] - logits[a:b]).abs().max().item()
+                for a, b in zip(cu, cu[1:]))
+    assert d <= TOL
+
+
+# -- backends a model cannot dispatch to ------------------------------------------------------------------
+
+
+def falcon_config(attn: str):
+    from transformers import FalconConfig
+
+    return FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        attn_implementation=attn)
+
+
+def test_falcon_with_varlen_is_a_packstream_error_not_a_key_error():
+    from transformers import FalconForCausalLM
+
+    name = register_varlen_attention()
+    with pytest.raises(PackstreamError, match=r"falcon .*knows only \['eager', 'flash_attention_2', 'sdpa'\].*"
+                                              r"packstream_varlen"):
+        FalconForCausalLM(falcon_config(name))
+
+
+def test_varlen_set_on_a_model_that_never_calls_it_is_refused(monkeypatch):
+    """Falcon built with sdpa, then told it uses the varlen backend: it never calls it, and the guard says so."""
+    from transformers import FalconForCausalLM
+
+    name = register_varlen_attention()
+    monkeypatch.setattr(_attention, "_VARLEN_DEVICES", ("cuda", "cpu"))  # so that a call would not raise on CPU
+    torch.manual_seed(0)
+    model = FalconForCausalLM(falcon_config("sdpa")).eval()
+    model.config._attn_implementation = name
+    install_packing_guard(model)
+    with pytest.raises(PackstreamError, match="never called: FalconForCausalLM computes attention with classes of its own"):
+        model(**Collator()(ROWS))
+
+
+# -- torch.distributed: every rank probes in step and they agree -------------------------------------------
+
+
+def _ddp_worker(rank: int, world: int, store: str, out: str, leaky_rank: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    result = {}
+    try:
+        model = gpt_oss("eager").train()  # needs the mask fix: two collective probes
+        ddp = DistributedDataParallel(model)
+        install_packing_guard(ddp)
+        batch = Collator()([ROWS[rank % 2]])
+        ddp(**batch).loss.backward()
+        result["gpt_oss"] = "ok"
+        model2 = llama("sdpa").train()
+        if rank == leaky_rank:
+            drop_position_ids(model2)
+        ddp2 = DistributedDataParallel(model2)
+        install_packing_guard(ddp2)
+        try:
+            ddp2(**Collator()([ROWS[rank % 2]])).loss.backward()
+            result["llama"] = "ok"
+        except PackstreamError as e:
+            result["llama"] = str(e)
+    finally:
+        Path(f"{out}.{rank}").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_probe_in_step_and_agree(tmp_path):
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = str(tmp_path / "result")
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), out, 1), nprocs=2, join=True)
+    r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
+    assert r0["gpt_oss"] == r1["gpt_oss"] == "ok"
+    assert "another rank's packing probe failed" in r0["llama"]  # rank 0's model is fine; rank 1's leaks
+    assert "packing probe (2 sequences" in r1["llama"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_guard_on_cuda_bf16():
+    model = llama("sdpa").to("cuda", torch.bfloat16).train()
+    install_packing_guard(model)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in Collator()(ROWS).items()}
+    model(**batch).loss.backward()
+    drop_position_ids(model)
+    model.eval()
+    with pytest.raises(PackstreamError):
+        model(**batch)
