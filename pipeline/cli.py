@@ -45,6 +45,11 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     """Separate input paths from Beam pipeline options; unknown options are a clear error."""
     from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
+    if any("dask" in t.lower() for t in tokens):
+        try:  # registers DaskOptions (--dask_client_address, ...) with Beam's option parser
+            import apache_beam.runners.dask.dask_runner  # noqa: F401
+        except ImportError:
+            pass
     parser = _BeamArgumentParser(allow_abbrev=False)
     seen = {}
     for cls in PipelineOptions.__subclasses__():
@@ -220,6 +225,9 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
 
 
 def _quiet_logs(quiet: bool) -> None:
+    # Dask's scheduler and nannies log every worker start and stop at INFO: noise to a packstream user.
+    for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core", "distributed.worker"):
+        logging.getLogger(name).setLevel(logging.WARNING if not quiet else logging.ERROR)
     if quiet:
         logging.getLogger().setLevel(logging.ERROR)
         os.environ["PACKSTREAM_QUIET"] = "1"  # worker processes inherit it (pipeline._job silences their logs)
