@@ -507,9 +507,13 @@ def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict
         n = records * frac
         groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(n / options.group_size))
         auto = max(1, math.ceil(size * frac / 4 / SHARD_TOKENS))  # ~4 bytes of input text per token
-        shards[split] = options.num_shards or auto
         if options.mode is PackMode.GROUPED:
-            shards[split] = min(shards[split], groups[split])
+            # Shard s packs the groups g with g % shards == s: an explicit --num-shards gets a group each
+            # (smaller groups), an automatic count never exceeds the groups.
+            shards[split] = options.num_shards or min(auto, groups[split])
+            groups[split] = max(groups[split], shards[split])
+        else:
+            shards[split] = options.num_shards or auto
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
                                    eos_token_id=identity["eos_token_id"])

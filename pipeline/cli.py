@@ -303,24 +303,58 @@ def _user_error_in(e: BaseException) -> "str | None":
 
 
 def summary_table(manifest: dict) -> str:
+    """The run's counts for people: every reason a record left the main path, with its first case."""
     c = manifest["counts"]
+    first = c.get("first_rejected", {})
+
+    def reason_lines(reasons: dict) -> list[tuple[str, str]]:
+        out = []
+        for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            f = first.get(k)
+            out.append((f"  {k}", f"{v:,}" + (f"  e.g. {f['source']} at {f['position']}: {_one_line(f['detail'])}" if f else "")))
+        return out
+
     lines = [
-        ("records read", f"{c['records_read']:,}"),
+        ("records read", f"{c['records_read']:,}"
+         + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")),
         ("examples packed", f"{c['examples_packed']:,}"),
-        ("rejected", f"{c['rejected']:,}"),
-        *[(f"  {k}", f"{v:,}") for k, v in c["rejected_by_reason"].items()],
-        (f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"),
-        ("truncated / split examples", f"{c['truncated_examples']:,} / {c['split_examples']:,}"),
+    ]
+    if c.get("not_sampled"):
+        lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
+    lines += [("rejected", f"{c['rejected']:,}"), *reason_lines(c["rejected_by_reason"])]
+    too_long = {"too_long": c["dropped_too_long"]} if c["dropped_too_long"] else {}
+    lines += [(f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"),
+              *[(k, v.split("  ", 1)[1] if "  " in v else "") for k, v in reason_lines(too_long) if "e.g." in v]]
+    lines.append(("truncated / split examples", f"{c['truncated_examples']:,} / {c['split_examples']:,}"
+                  + (f"  ({c['no_target_pieces']:,} pieces without a target dropped)" if c.get("no_target_pieces") else "")))
+    notes = c.get("normalization", {})
+    shaped = {k: v for k, v in notes.items() if not k.startswith("ignored_field:")}
+    ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
+    for k, v in shaped.items():
+        lines.append((f"  {k.replace('_', ' ')}", f"{v:,} records"))
+    if ignored:
+        shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
+        lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
+    lines += [
         ("rows", f"{c['rows']:,}  (lower bound {c['lower_bound']:,}, "
                  f"+{(c['rows'] / c['lower_bound'] - 1) if c['lower_bound'] else 0:.2%})"),
         ("tokens", f"{c['tokens']:,}  ({c['target_tokens']:,} targets)"),
         ("fill", f"{c['fill']:.3%}"),
         ("examples per row", f"{c['examples_per_row']:.2f}"),
-        ("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"),
-        ("time", f"{manifest.get('elapsed_s', 0):.1f} s  ({c['tokens'] / max(manifest.get('elapsed_s', 1), 1e-9):,.0f} tokens/s)"),
     ]
+    splits = c.get("splits", {})
+    if len(splits) > 1:
+        lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
+    lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
+    if "elapsed_s" in manifest:
+        lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @main.command("inspect")

@@ -34,18 +34,22 @@ def src(tmp_path) -> Path:
     return p
 
 
-def test_output_folder_is_refused_unless_overwrite_and_only_own_files_are_replaced(tmp_path, src):
+def test_output_folder_is_owned_and_overwrite_replaces_only_its_files(tmp_path, src):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    refused = cli("pack", str(src), "-o", str(out), "-q")
-    assert refused.exit_code == 2
-    assert "error: --output" in refused.output and "is not empty" in refused.output and "--overwrite" in refused.output
+    refused = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    assert refused.exit_code == 2  # a folder with files but no packstream manifest: never packstream's to clear
+    assert "error: --output" in refused.output and "packstream did not write" in refused.output
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    first = cli("pack", str(src), "-o", str(out), "-q", "--overwrite", "--num-shards", "3")
+    out = tmp_path / "out2"
+    first = cli("pack", str(src), "-o", str(out), "-q", "--num-shards", "3")
     assert first.exit_code == 0, first.output
     assert len(list(out.glob("train-*-of-00003.arrow"))) == 3
-    # A rerun with fewer shards removes the stale ones: a reader never mixes two runs.
+    (out / "notes.txt").write_text("mine")
+    again = cli("pack", str(src), "-o", str(out), "-q")
+    assert again.exit_code == 2 and "holds an earlier packstream output" in again.output and "--overwrite" in again.output
+    # A rerun with fewer shards removes the stale ones (the manifest lists them): a reader never mixes two runs.
     second = cli("pack", str(src), "-o", str(out), "-q", "--overwrite", "--num-shards", "1")
     assert second.exit_code == 0, second.output
     assert sorted(p.name for p in out.iterdir()) == [
@@ -66,13 +70,18 @@ def test_output_that_is_a_file(tmp_path, src):
 BAD_OPTIONS = {
     "unknown_option": (["--max-tokns", "512"], "unknown option --max-tokns; did you mean --max-tokens?"),
     "unknown_flag": (["--overwrit"], "did you mean --overwrite?"),
-    "budget_too_small": (["--max-tokens", "4"], "--max-tokens 4 is too small"),
+    "budget_too_small": (["--max-tokens", "4"], "--max-tokens 4 is out of range; use 8..16,777,216"),
+    "budget_too_large": (["--max-tokens", "99999999999"], "is out of range; use 8..16,777,216"),
+    "record_bytes_negative": (["--max-record-bytes", "-1"], "--max-record-bytes -1 must be within 1.."),
+    "too_many_workers": (["--workers", "100000"], "more than 4 per core"),
+    "validation_fraction": (["--validation-fraction", "1"], "--validation-fraction 1.0 must be within [0, 1)"),
+    "text_mixed_with_turns": (["--field", "a=text", "--field", "b=assistant"], "cannot be mixed with turn roles"),
     "reject_fraction_range": (["--max-reject-fraction", "1.5"], "must be within [0, 1]"),
     "long_policy": (["--long", "bogus"], "'bogus' is not one of 'drop', 'truncate', 'split'"),
     "field_without_role": (["--field", "question"], "must look like NAME=ROLE"),
     "field_unknown_role": (["--field", "q=robot"], "unknown role 'robot'"),
-    "negative_shards": (["--num-shards", "-1"], "must be >= 0"),
-    "zero_workers": (["--workers", "0"], "--workers 0 must be >= 1"),
+    "negative_shards": (["--num-shards", "-1"], "must be within 0..99999"),
+    "negative_workers": (["--workers", "-1"], "--workers -1 must be >= 1, or 0 for automatic"),
     "missing_template": (["--chat-template", "nope.jinja"], "does not exist"),
     "missing_tokenizer": (["--tokenizer", "/nonexistent/tokenizer"], "cannot load tokenizer"),
     "max_tokens_not_int": (["--max-tokens", "many"], "'many' is not a valid integer"),
@@ -87,21 +96,25 @@ def test_bad_options_are_clear_errors(tmp_path, src, name):
     assert words in r.output, r.output
 
 
-def test_worker_side_user_error_in_a_real_process_has_no_traceback(tmp_path):
-    """A truncated file is found by a Beam worker; the real CLI prints one line, no traceback
-    (Beam logs the worker's traceback before re-raising; the CLI filters it for user errors)."""
+def test_a_corrupt_input_found_by_a_worker_is_a_counted_dead_letter(tmp_path):
+    """Errors as data: a truncated gzip is found while a worker reads it; the records before the cut are
+    packed, the rest of the file is one dead letter naming the file, and nothing prints a traceback."""
     import gzip
 
     body = b"".join(json.dumps({"text": f"record {i} " + "xyz" * (i % 40)}).encode() + b"\n" for i in range(3000))
     data = gzip.compress(body)
     bad = tmp_path / "cut.jsonl.gz"
     bad.write_bytes(data[: len(data) // 2])
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(bad), "-o", str(tmp_path / "out"), "-q"],
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(bad), "-o", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "cut.jsonl.gz is corrupt or truncated" in errors[0], proc.stderr
+    dead = [json.loads(line) for line in open(tmp_path / "out" / "rejected.jsonl")]
+    assert [d["reason"] for d in dead] == ["corrupt_input"]
+    assert "cut.jsonl.gz is corrupt or truncated" in dead[0]["detail"]
+    c = json.load(open(tmp_path / "out" / "manifest.json"))["counts"]
+    assert c["records_read"] == c["examples_packed"] + 1 and 0 < c["examples_packed"] < 3000
+    assert "corrupt_input" in proc.stdout  # the summary names the reason
 
 
 # ------------------------------------------------------------------------------------------------
