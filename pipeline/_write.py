@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import posixpath
 import uuid
 from typing import Any, Optional, Sequence
@@ -19,6 +20,34 @@ import pyarrow as pa
 import packers
 from packers._manifest import shard_name  # noqa: F401 - the writers' name for shards
 from pipeline._rows import reject_sort_key
+
+
+SHARD_TOKENS = 64 * 2**20
+"""Budget tokens per output shard when ``--num-shards`` is 0 (automatic)."""
+INPUT_BYTES_PER_TOKEN = 4
+"""About how many bytes of input text make one token: sizes shards before anything is tokenized."""
+
+
+def auto_shards(input_bytes: float, num_shards: int = 0) -> int:
+    """Shards of one split: ``--num-shards`` when given, else one per :data:`SHARD_TOKENS` tokens of input."""
+    return num_shards or max(1, math.ceil(input_bytes / INPUT_BYTES_PER_TOKEN / SHARD_TOKENS))
+
+
+def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str, int], dict[str, int]]:
+    """(packing groups, output shards) per split ("train", "validation") of a run over ``records``
+    records (weighted by their data sets' weights) and ``input_bytes`` bytes of input: what the job
+    plans before it starts, and what ``packstream estimate`` predicts. In grouped mode a shard holds
+    whole groups, so a split never has more shards than groups."""
+    from pipeline._options import PackMode
+
+    fractions = {"train": 1.0 - options.validation_fraction, "validation": options.validation_fraction}
+    groups, shards = {}, {}
+    for split, frac in fractions.items():
+        groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(records * frac / options.group_size))
+        shards[split] = auto_shards(input_bytes * frac, options.num_shards)
+        if options.mode is PackMode.GROUPED:
+            shards[split] = min(shards[split], groups[split])
+    return groups, shards
 
 
 def join(folder: str, name: str) -> str:
@@ -235,7 +264,10 @@ def dataset_card(manifest: dict[str, Any]) -> str:
     """The output folder's README.md, with the YAML header that datasets and the Hub read."""
     c = manifest["counts"]
     ext = "parquet" if manifest["config"]["output_format"] == "parquet" else "arrow"
-    splits = sorted({s.get("split", "train") for s in manifest["shards"]} or {"train"}, key=lambda x: x != "train")
+    # Only splits that hold rows: `datasets` cannot load a DatasetDict with an empty split (datasets#8401),
+    # so an empty validation split must not take the train split down with it.
+    splits = sorted({s.get("split", "train") for s in manifest["shards"] if s["rows"]} or {"train"},
+                    key=lambda x: x != "train")
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
     files = "\n".join(f'  - split: {sp}\n    path: "{sp}-*.{ext}"' for sp in splits)
     infos = "\n".join(
