@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import re
@@ -140,9 +141,9 @@ ROLE_ALIASES: dict[str, str] = {
 """Built-in speaker names (case-insensitive); ``--roles FROM=ROLE`` adds to and overrides them."""
 
 ROLE_KEYS = ("role", "from", "speaker", "author")
-CONTENT_KEYS = ("content", "value", "text", "utterance")
+CONTENT_KEYS = ("content", "value", "text", "utterance", "message")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-TRAIN_KEYS = ("loss_weight", "train", "training")
+TRAIN_KEYS = ("loss_weight", "train", "training", "weight")
 MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
 
 _TEXT_PARTS = {"text", "input_text", "output_text"}
@@ -155,9 +156,10 @@ _BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
     ("### Human:", "user"), ("### Assistant:", "assistant"), ("### System:", "system"), ("### User:", "user"),
     ("### Human", "user"), ("### Assistant", "assistant"),
     ("Human:", "user"), ("Assistant:", "assistant"), ("User:", "user"), ("System:", "system"),
-    ("USER:", "user"), ("ASSISTANT:", "assistant"), ("SYSTEM:", "system"),
+    ("USER:", "user"), ("ASSISTANT:", "assistant"), ("SYSTEM:", "system"), ("FUNCTION RESPONSE:", "tool"),
 )
-"""Transcript speaker markers, matched at the start of a line (``--transcript-marker`` adds more)."""
+"""Transcript speaker markers (``--transcript-marker`` adds more): word markers match at the start of a
+line (or after whitespace, when that finds no assistant turn otherwise), ``###`` markers anywhere."""
 
 _ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape
 
@@ -221,6 +223,8 @@ class _Ctx:
         self.speakers: dict[str, str] = {}  # raw speaker name -> role, as seen
         self.roles = {k.lower(): v for k, v in options.roles}
         self.flagged_off = 0  # trailing assistant turns trimmed because their own flag says not to train
+        self.roles_seen: list[str] = []  # roles of the turns as read, before hygiene
+        self.empty_assistants = 0
 
     def note(self, key: str, n: int = 1) -> None:
         if n:
@@ -358,8 +362,8 @@ def _tool_calls(value: Any, at: str) -> list:
         try:
             value = json.loads(value)
         except (json.JSONDecodeError, RecursionError):
-            raise Rejected(Reason.BAD_TYPE, f"{at} is a string but not a JSON tool call "
-                                            f"({_short(value)}); expected {{\"name\", \"arguments\"}}") from None
+            raise Rejected(Reason.BAD_TYPE, f"{at} is str {_short(value)}, not a JSON tool call; expected a list of "
+                                            "{name, arguments} objects (or their JSON text)") from None
     items = value if isinstance(value, list) else [value]
     return [_tool_call(v, f"{at}[{i}]" if isinstance(value, list) else at) for i, v in enumerate(items)]
 
@@ -398,7 +402,7 @@ _THINK_RE = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
 
 
 def _speaker_role(raw: Any, at: str, key: str, ctx: _Ctx) -> str:
-    name = str(raw) if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
+    name = str(raw).lower() if isinstance(raw, bool) else str(raw) if isinstance(raw, (str, int)) else None
     if name is None:
         raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {_kind(raw)} {_short(raw)}, expected a speaker name")
     low = name.lower()
@@ -447,7 +451,7 @@ def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Tu
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'role' (looked for {', '.join(ROLE_KEYS)}); its keys: "
                                                  f"[{_keys(m)}]; name the speaker key with --role-key KEY")
     role = _speaker_role(m[key], at, key, ctx)
-    speaker = str(m[key])
+    speaker = str(m[key]).lower() if isinstance(m[key], bool) else str(m[key])
     calls: list = []
     if role == _CALL:  # ShareGPT function_call: the value is the call
         ckey = _content_key(m, at, ctx)
@@ -494,6 +498,9 @@ def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Tu
     return t
 
 
+_PAIRED_CONTENT = {"from": "value", "speaker": "text"}  # the text key that goes with a speaker key, by convention
+
+
 def _content_key(m: dict, at: str, ctx: _Ctx, optional: bool = False) -> Optional[str]:
     key = ctx.o.content_key
     if key is not None and key in m:
@@ -502,7 +509,9 @@ def _content_key(m: dict, at: str, ctx: _Ctx, optional: bool = False) -> Optiona
     if found is None and not optional:
         if key is not None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--content-key {key}); its keys: [{_keys(m)}]")
-        raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'content' (looked for {', '.join(CONTENT_KEYS)}); its keys: "
+        usual = next((v for k, v in _PAIRED_CONTENT.items() if k in m), "content")
+        looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
+        raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "
                                              f"[{_keys(m)}]; name the text key with --content-key KEY")
     return found
 
@@ -512,11 +521,22 @@ def _turn_list(items: Any, where: str, ctx: _Ctx, strings_alternate: bool = Fals
         raise Rejected(Reason.BAD_TYPE, f"{where} is {_kind(items)}, expected a list of turns")
     turns = []
     for i, m in enumerate(items):
+        at = f"{where}[{i}]"
+        if isinstance(m, dict) and _is_exchange(m, ctx):  # Capybara-style {input, output}: one exchange
+            turns.append(_Turn("user", _content(m["input"], f"{at}.input", ctx, "user").text, f"{at}.input"))
+            turns.append(_Turn("assistant", _content(m["output"], f"{at}.output", ctx, "assistant").text, f"{at}.output"))
+            continue
         default = ("user", "assistant")[i % 2] if strings_alternate else None
-        turns.append(_turn(m, f"{where}[{i}]", ctx, default))
+        turns.append(_turn(m, at, ctx, default))
+    if any(isinstance(m, dict) and _is_exchange(m, ctx) for m in items):
+        ctx.mapping.append(f"{where}[]: input -> user, output -> assistant")
     if strings_alternate and any(isinstance(m, str) for m in items):
         ctx.mapping.append(f"{where}: plain strings alternate user, assistant")
     return turns
+
+
+def _is_exchange(m: dict, ctx: _Ctx) -> bool:
+    return "input" in m and "output" in m and ctx.o.role_key not in m and not any(k in m for k in ROLE_KEYS)
 
 
 def _speaker_words(ctx: _Ctx) -> str:
@@ -527,29 +547,46 @@ def _speaker_words(ctx: _Ctx) -> str:
 # Transcripts: one string of "Human: ... Assistant: ..." turns.
 
 
-def _marker_re(ctx: _Ctx) -> tuple[re.Pattern, dict[str, str]]:
+def _markers(ctx: _Ctx) -> dict[str, str]:
     markers = dict(_BUILTIN_MARKERS)
     markers.update({m.strip(): r for m, r in ctx.o.transcript_markers})
-    alts = "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True))
-    return re.compile(rf"(?:\A|\n)[ \t]*({alts})"), markers
+    return markers
+
+
+@functools.lru_cache(maxsize=32)
+def _marker_re(markers: tuple[tuple[str, str], ...], loose: bool) -> re.Pattern:
+    """Markers led by a symbol (``### Human:``, ``<|user|>``) match anywhere; word markers (``Human:``)
+    at the start of a line, or (``loose``) after any non-word character, for one-line transcripts."""
+    names = sorted((m for m, _ in markers), key=len, reverse=True)
+    symbol = "|".join(re.escape(m) for m in names if not m[0].isalnum())
+    word = "|".join(re.escape(m) for m in names if m[0].isalnum())
+    start = r"(?<![A-Za-z0-9_])" if loose else r"(?:\A|(?<=\n))[ \t]*"
+    alts = [f"(?:{start})(?P<w>{word})"] if word else []
+    alts += [f"(?P<s>{symbol})"] if symbol else []
+    return re.compile("|".join(alts))
 
 
 def _transcript(value: Any, at: str, ctx: _Ctx) -> list[_Turn]:
     text = _content(value, at, ctx, "user").text
-    pattern, markers = _marker_re(ctx)
-    found = list(pattern.finditer(text))
+    markers = _markers(ctx)
+    key = tuple(sorted(markers.items()))
+    found = list(_marker_re(key, False).finditer(text))
+    if not any(markers[m.group(m.lastgroup)] == "assistant" for m in found):
+        loose = list(_marker_re(key, True).finditer(text))  # "USER: hi ASSISTANT: hello" on one line
+        if any(markers[m.group(m.lastgroup)] == "assistant" for m in loose):
+            found = loose
     if not found:
         given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
         hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'"
-        raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers at a line start (looked for Human:, "
-                                        f"Assistant:, User:, System:, ### Human, ### Assistant{given}){hint}")
+        raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, "
+                                        f"System:, ### Human, ### Assistant{given}){hint}")
     turns = []
     lead = text[: found[0].start()].strip()
     if lead:
         turns.append(_Turn("system", lead, f"{at} (text before the first marker)"))
     for k, m in enumerate(found):
         end = found[k + 1].start() if k + 1 < len(found) else len(text)
-        marker = m.group(1)
+        marker = m.group(m.lastgroup)
         role = markers[marker]
         turns.append(_Turn(role, text[m.end():end].strip(), f"{at} turn {k + 1}", marker))
     return turns
@@ -822,6 +859,11 @@ _SHAPE_KEYS: dict[str, tuple[str, ...]] = {
 """Top-level keys each shape reads; any other key of a record is counted as ``ignored_field:<key>``."""
 
 
+_TURN_KEYS = ("conversation", "dialog", "dialogue", "chat")
+"""Other keys detected as a list of turn objects (lmsys-chat ``conversation``, Capybara); any other key
+takes ``--messages-field``."""
+
+
 def _auto_shape(record: dict) -> Optional[str]:
     if "input_ids" in record:
         return "tokens"
@@ -831,6 +873,11 @@ def _auto_shape(record: dict) -> Optional[str]:
         return "messages"
     if "conversations" in record:
         return "sharegpt"
+    for key in _TURN_KEYS:
+        v = record.get(key)
+        if isinstance(v, list) and v and all(isinstance(m, dict) and (any(k in m for k in ROLE_KEYS) or
+                                                                     ("input" in m and "output" in m)) for m in v):
+            return "messages:" + key
     if "prompt" in record and "completion" in record:
         return "prompt-completion"
     if "instruction" in record and any(k in record for k in ("output", "response", "instances")):
@@ -850,7 +897,21 @@ _REQUIRED = {"tokens": ("input_ids",), "segments": ("segments",), "messages": ("
 _USER_WORDS = ("instruction", "question", "query", "prompt", "input", "problem", "human", "request", "source",
                "user", "context", "inputs")
 _ASSISTANT_WORDS = ("output", "answer", "response", "completion", "solution", "target", "chosen", "reply",
-                    "assistant", "outputs", "label", "targets")
+                    "assistant", "outputs", "answers", "responses", "label", "targets", "rationale")
+
+
+def _string_lists(record: dict) -> list[tuple[str, list]]:
+    """Lists of strings at the top level or one step down (``meta.turns``, ``choices[0].turns``)."""
+    out = []
+    for k, v in record.items():
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            out.append((k, v))
+        subs = v.items() if isinstance(v, dict) else (v[0].items() if isinstance(v, list) and v and
+                                                      isinstance(v[0], dict) else ())
+        for k2, v2 in subs:
+            if isinstance(v2, list) and v2 and all(isinstance(x, str) for x in v2):
+                out.append((f"{k}.{k2}" if isinstance(v, dict) else f"{k}[0].{k2}", v2))
+    return out
 
 
 def suggest(record: dict) -> str:
@@ -859,30 +920,57 @@ def suggest(record: dict) -> str:
     for path, v in [(k, v) for k, v in record.items()] + [
             (f"{k}.{k2}", v2) for k, v in record.items() if isinstance(v, dict) for k2, v2 in v.items()]:
         if isinstance(v, list) and v and all(isinstance(m, dict) for m in v):
+            if all("input" in m and "output" in m for m in v):
+                return f"--messages-field {path} (each {{input, output}} is one exchange)"
             rk = next((k for k in ROLE_KEYS if k in v[0]), None)
             ck = next((k for k in CONTENT_KEYS if k in v[0]), None)
-            if rk is None and ck is None:
-                continue
+            if ck is None:  # the text: the key with the longest strings
+                texts = [k for k in v[0] if isinstance(v[0][k], str) and k != rk]
+                ck = max(texts, key=lambda k: sum(len(m.get(k) or "") for m in v if isinstance(m.get(k), str)),
+                         default=None)
+                if ck is None:
+                    continue
+                opts_ck = f" --content-key {ck}"
+            else:
+                opts_ck = ""
             opts = f"--messages-field {path}"
-            if rk is None:
-                guess = [k for k, x in v[0].items() if isinstance(x, (str, int)) and k != ck]
-                opts += f" --role-key {guess[0] if guess else 'KEY'}"
-            if ck is None:
-                guess = [k for k, x in v[0].items() if isinstance(x, str) and k != rk]
-                opts += f" --content-key {guess[0] if guess else 'KEY'}"
+            if rk is None:  # the speaker: a key with few distinct short values
+                cands = [k for k in v[0] if k != ck and all(isinstance(m.get(k), (str, int, bool)) for m in v)]
+                cands = [k for k in cands if len({str(m[k]) for m in v}) <= max(2, len(v) // 2)]
+                if not cands:
+                    continue
+                rk = cands[0]
+                opts += f" --role-key {rk}"
+            opts += opts_ck
+            names = list(dict.fromkeys(str(m[rk]).lower() if isinstance(m.get(rk), bool) else str(m.get(rk))
+                                       for m in v if rk in m))
+            unknown = [n for n in names if n.lower() not in ROLE_ALIASES]
+            if unknown:
+                guess = ("user", "assistant") if len(names) == 2 else ("ROLE", "ROLE")
+                opts += " --roles " + ",".join(f"{n}={guess[min(i, 1)]}" for i, n in enumerate(names)
+                                               if n in unknown) + " (check the roles with preview)"
             return opts
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(m, str) for m in v) and "." not in path:
-            if any(w in path.lower() for w in ("dialog", "conversation", "turns", "utterances", "chat")):
-                return f"--messages-field {path} (its strings alternate user, assistant)"
+    system = next((k for k in record if k.lower() in ("system", "system_prompt") and isinstance(record[k], str)), None)
+    sys_opt = ""
+    if system:  # "SYSTEM: You are ..." (glaive v2) is itself a marked turn
+        sys_opt = f"--field {system}={'transcript' if re.match(r'(?:SYSTEM|System):', record[system]) else 'system'} "
     for k, v in record.items():
-        if isinstance(v, str) and _BUILTIN_RE.search(v) and len(_BUILTIN_RE.findall(v)) >= 2:
-            return f"--field {k}=transcript"
+        if isinstance(v, str) and len(_BUILTIN_RE.findall(v)) >= 2 and k != system:
+            return sys_opt + f"--field {k}=transcript"
     keys = [k for k in record if isinstance(record[k], (str, list, int, float)) and not isinstance(record[k], bool)]
     user = next((k for w in _USER_WORDS for k in keys if k.lower() == w), None)
     assistant = next((k for w in _ASSISTANT_WORDS for k in keys if k.lower() == w and k != user), None)
     if user and assistant:
-        sys_ = " ".join(f"--field {k}=system" for k in keys if k.lower() in ("system", "system_prompt"))
-        return (sys_ + " " if sys_ else "") + f"--field {user}=user --field {assistant}=assistant"
+        return sys_opt + f"--field {user}=user --field {assistant}=assistant"
+    lists = _string_lists(record)
+    for i, (p1, v1) in enumerate(lists):  # questions and answers as parallel lists (MT-bench: turns, choices[0].turns)
+        for p2, v2 in lists[i + 1:]:
+            if len(v1) == len(v2):
+                return sys_opt + f"--field {p1}=user --field '{p2}=assistant'"
+    if lists:
+        path = max(lists, key=lambda pv: sum(map(len, pv[1])))[0]
+        if len(record[path] if path in record else ()) > 1:
+            return f"--messages-field {path} (its strings alternate user, assistant)"
     strings = [k for k in keys if isinstance(record[k], str) and k not in _ID_KEYS]
     if len(strings) == 1:
         return f"--field {strings[0]}=text (plain text, every token trained), or --field NAME=ROLE per turn"
@@ -890,7 +978,7 @@ def suggest(record: dict) -> str:
            "--messages-field PATH for a list of turns"
 
 
-_BUILTIN_RE = re.compile(r"(?:\A|\n)[ \t]*(?:Human|Assistant|User|USER|ASSISTANT):")
+_BUILTIN_RE = re.compile(r"(?:(?:\A|\n)[ \t]*(?:Human|Assistant|User|USER|ASSISTANT):|### (?:Human|Assistant))")
 
 
 def detect(record: Any, options: FormatOptions = FormatOptions()) -> str:
@@ -942,10 +1030,12 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     elif shape == "messages_field":
         p = options.messages_field
         used |= {p if p in record else str(parse_path(p)[0]), "system", "tools"}
+    elif shape.startswith("messages:"):
+        used |= {shape[9:], "system", "tools"}
     else:
         used |= set(_SHAPE_KEYS[shape])
     _media_check(record, skip=tuple(used))
-    conv = Conversation(shape=shape)
+    conv = Conversation(shape="messages" if shape.startswith("messages:") else shape)
     if shape == "tokens":
         conv.tokens = _read_tokens(record, ctx)
     elif shape == "segments":
@@ -962,6 +1052,8 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
             turns = _read_messages(record, ctx, "messages")
         elif shape == "sharegpt":
             turns = _read_messages(record, ctx, "conversations")
+        elif shape.startswith("messages:"):
+            turns = _read_messages(record, ctx, shape[9:])
         elif shape == "prompt-completion":
             turns = _read_prompt_completion(record, ctx)
         else:
@@ -1004,7 +1096,9 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
     o = ctx.o
     if not turns:
         raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns")
+    ctx.roles_seen = [t.role for t in turns]
     kept = [t for t in turns if not t.empty()]
+    ctx.empty_assistants = sum(t.role == "assistant" and t.empty() for t in turns)
     ctx.note("empty_turns_dropped", len(turns) - len(kept))
     if not kept:
         raise Rejected(Reason.EMPTY_CONVERSATION, f"all {len(turns)} turns are empty")
@@ -1045,12 +1139,16 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
 
 def _no_assistant_detail(ctx: _Ctx) -> str:
     said = []
+    if ctx.empty_assistants:
+        said.append(f"{ctx.empty_assistants} empty assistant turn{'s' if ctx.empty_assistants > 1 else ''} dropped")
     if ctx.notes.get("leading_assistant_dropped"):
         said.append("its only assistant turn opens the conversation and answers nothing, so it was dropped")
     if ctx.flagged_off:
         said.append("its assistant turns are flagged not to train (loss_weight/train 0)")
     if ctx.speakers:
         said.append(f"speakers: {_speaker_words(ctx)}")
+    if all(r == "system" for r in ctx.roles_seen):
+        return "the conversation has only a system turn" if ctx.roles_seen else "the conversation has no turns"
     detail = "the conversation has no assistant turn to train on" + (" (" + "; ".join(said) + ")" if said else "")
     # A dialogue corpus whose answering side has a name that is not an assistant alias (MultiWOZ's SYSTEM).
     others = [s for s, r in ctx.speakers.items() if r in ("user", "system")]

@@ -416,21 +416,9 @@ class Renderer:
         """
         if conv.segments is not None:
             segs = list(conv.segments)
-        elif conv.text is not None:
-            segs = [(conv.text, True)]
         else:
-            targets = target_flags(conv, fmt.train_on)
-            if self.jinja is None:
-                segs = chatml_segments(conv, targets, fmt.mask_reasoning)
-            else:
-                try:
-                    with WATCHDOG.limit(TEMPLATE_SECONDS):
-                        segs = template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
-                except TemplateTimeout:
-                    raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on "
-                                                          "this record; a chat template should only lay out the turns "
-                                                          "(use --chat-template FILE with one that does)") from None
-            # Drop trailing whitespace after the last turn; it carries nothing to learn.
+            segs = self._rendered(conv, fmt)
+            # Drop trailing whitespace after the last turn (or the text); it carries nothing to learn.
             while segs and not segs[-1][0].strip():
                 segs.pop()
             if segs:
@@ -439,6 +427,20 @@ class Renderer:
         if fmt.train_on is TrainOn.ALL:
             segs = [(t, True) for t, _ in segs]
         return merge_runs(segs)
+
+    def _rendered(self, conv: Conversation, fmt: FormatOptions) -> Segments:
+        if conv.text is not None:
+            return [(conv.text, True)]
+        targets = target_flags(conv, fmt.train_on)
+        if self.jinja is None:
+            return chatml_segments(conv, targets, fmt.mask_reasoning)
+        try:
+            with WATCHDOG.limit(TEMPLATE_SECONDS):
+                return template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
+        except TemplateTimeout:
+            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
+                                                  "record; a chat template should only lay out the turns (use "
+                                                  "--chat-template FILE with one that does)") from None
 
     def appends_eos(self, conv: Conversation) -> bool:
         """Every example ends with the tokenizer's EOS, except labelled segments (trained exactly as labelled)

@@ -302,7 +302,7 @@ def test_shape_decodes_to_its_rendering_and_targets(shape, mask_reasoning, encod
         full = tok.decode(ids)
         trained = tok.decode([i for i, m in zip(ids, mask) if m])
         if want[0] == "text":
-            assert full == want[1] + eos and all(mask), pos
+            assert full == want[1].rstrip() + eos and all(mask), pos  # trailing whitespace carries nothing to learn
         elif want[0] == "segments":
             # Labelled segments are trained exactly where labelled (see the report: EOS for segments).
             text = "".join(t for t, _ in want[1])
@@ -490,7 +490,7 @@ def _fix(detail: str, given: dict) -> dict:
         if key == "field":
             opts["fields"] = tuple(opts.get("fields", ())) + (tuple(value.split("=", 1)),)
         elif key == "roles":
-            opts["roles"] = tuple(opts.get("roles", ())) + (tuple(value.split("=", 1)),)
+            opts["roles"] = tuple(opts.get("roles", ())) + (value,)  # "a=user,b=assistant": FormatOptions splits it
         else:
             opts[key] = value
     return opts
@@ -500,8 +500,8 @@ REFUSALS = [
     # (record, options given, reason, words of the detail) -- and the fix in the detail must work.
     ({"question": "2+2?", "answer": "4"}, {}, "unknown_format", "read it with --field question=user --field answer=assistant"),
     ({"problem": "2+2?", "solution": "4", "level": 1}, {}, "unknown_format", "--field problem=user --field solution=assistant"),
-    ({"dialog": [{"speaker": "user", "utterance": "hi"}, {"speaker": "bot", "utterance": "hello"}]}, {}, "unknown_format",
-     "read it with --messages-field dialog"),
+    ({"session": [{"speaker": "user", "utterance": "hi"}, {"speaker": "bot", "utterance": "hello"}]}, {}, "unknown_format",
+     "read it with --messages-field session"),
     ({"data": {"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}}, {}, "unknown_format",
      "--messages-field data.turns"),
     ({"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}, {},
@@ -515,6 +515,18 @@ REFUSALS = [
      "name the speaker key with --role-key KEY"),
     ({"messages": [{"role": "user", "content": {"q": "hi", "lang": "en"}}, {"role": "assistant", "content": "yo"}]}, {},
      "bad_type", "pick the key that holds the text: --content-key q"),
+    # Shapes of public sets: MT-bench, UltraChat (raw), PIPPA, glaive-function-calling-v2, OpenOrca, xLAM, MetaMathQA.
+    ({"question_id": 81, "turns": ["q1", "q2"], "choices": [{"index": 0, "turns": ["a1", "a2"]}]}, {}, "unknown_format",
+     "read it with --field turns=user --field 'choices[0].turns=assistant'"),
+    ({"id": "0", "data": ["q1", "a1", "q2", "a2"]}, {}, "unknown_format", "read it with --messages-field data"),
+    ({"bot_name": "Aria", "conversation": [{"message": "hi", "is_human": True}, {"message": "hey", "is_human": False}]}, {},
+     "unknown_format", "read it with --messages-field conversation --role-key is_human --roles true=user,false=assistant"),
+    ({"system": "SYSTEM: You can call functions.", "chat": "USER: Hi\n\n\nASSISTANT: <functioncall> {} <|endoftext|>\n\n\n"
+      "FUNCTION RESPONSE: {}\n\n\nASSISTANT: Done <|endoftext|>\n"}, {}, "unknown_format",
+     "read it with --field system=transcript --field chat=transcript"),
+    ({"id": "x", "system_prompt": "Be good.", "question": "q", "response": "r"}, {}, "unknown_format",
+     "read it with --field system_prompt=system --field question=user --field response=assistant"),
+    ({"id": 1, "query": "q", "answers": "[]", "tools": "[]"}, {}, "unknown_format", "--field query=user --field answers=assistant"),
 ]
 
 
@@ -524,7 +536,7 @@ def test_refusal_names_a_fix_that_works(case):
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions(**given))
     assert e.value.reason.value == reason and words in e.value.detail, str(e.value)
-    fix = _fix(e.value.detail.split("read it with", 1)[-1], given)
+    fix = _fix(e.value.detail.split("read it with", 1)[-1].replace("'", ""), given)
     if "--role-key KEY" in e.value.detail:
         fix["role_key"], fix["content_key"] = "who", "said"  # the user names their keys
         fix["roles"] = (("a", "user"),)
@@ -567,3 +579,44 @@ def test_pretokenized_checks():
 def test_conversation_defaults_for_other_callers():
     conv = Conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     assert conv.notes == {} and conv.train is None and conv.shape == ""
+
+
+PUBLIC = {
+    # name: (record, options, [(role, content), ...]) -- records shaped like well-known public sets.
+    "guanaco": ({"text": "### Human: What is a monopsony?### Assistant: A market with one buyer.### Human: An example?"
+                         "### Assistant: A mill town's only employer."}, {"fields": "text=transcript"},
+                [("user", "What is a monopsony?"), ("assistant", "A market with one buyer."), ("user", "An example?"),
+                 ("assistant", "A mill town's only employer.")]),
+    "vicuna_one_line": ({"conv": "A chat. USER: hi ASSISTANT: hello</s>USER: bye ASSISTANT: bye</s>"}, {"fields": "conv=transcript"},
+                        [("system", "A chat."), ("user", "hi"), ("assistant", "hello</s>"), ("user", "bye"),
+                         ("assistant", "bye</s>")]),
+    "glaive_v2": ({"system": "SYSTEM: You can call functions.", "chat": "USER: Hi\n\n\nASSISTANT: <functioncall> {} <|endoftext|>"
+                   "\n\n\nFUNCTION RESPONSE: {}\n\n\nASSISTANT: Done <|endoftext|>\n"}, {"fields": "system=transcript,chat=transcript"},
+                  [("system", "You can call functions."), ("user", "Hi"), ("assistant", "<functioncall> {} <|endoftext|>"),
+                   ("tool", "{}"), ("assistant", "Done <|endoftext|>")]),
+    "lmsys_chat": ({"conversation_id": "c1", "model": "m", "conversation": [{"role": "user", "content": "hi"},
+                                                                           {"role": "assistant", "content": "yo"}]}, {},
+                   [("user", "hi"), ("assistant", "yo")]),
+    "capybara": ({"source": "s", "conversation": [{"input": "q1", "output": "a1"}, {"input": "q2", "output": "a2"}]}, {},
+                 [("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")]),
+    "ultrachat_raw": ({"id": "0", "data": ["q1", "a1", "q2", "a2"]}, {"messages_field": "data"},
+                      [("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")]),
+    "dolly": ({"instruction": "When?", "context": "It opened in 2000.", "response": "2000", "category": "closed_qa"}, {},
+              [("user", "When?\n\nIt opened in 2000."), ("assistant", "2000")]),
+    "alpaca_with_text": ({"instruction": "Add.", "input": "2, 3", "output": "5", "text": "### Instruction: Add. ..."}, {},
+                         [("user", "Add.\n\n2, 3"), ("assistant", "5")]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_shapes_of_public_sets(name):
+    rec, opts, turns = PUBLIC[name]
+    conv = normalize(rec, FormatOptions(**opts))
+    assert [(m["role"], m["content"]) for m in conv.messages] == turns
+
+
+def test_axolotl_weight_flags():
+    """SlimOrca / OpenHermes turns carry a per-turn ``weight`` (null, 0 or 1), as Axolotl reads it."""
+    rec = {"conversations": [{"from": "system", "value": "s", "weight": None}, {"from": "human", "value": "q", "weight": 0},
+                             {"from": "gpt", "value": "a", "weight": 1}]}
+    assert normalize(rec, FormatOptions()).train == [None, False, True]
