@@ -3,12 +3,15 @@
 Shards for the loader's tests and benchmarks without ``packstream pack`` (the Beam pipeline,
 which costs seconds of start-up per run): a shard is an uncompressed Arrow IPC *stream* file
 named ``train-0000k-of-0000n.arrow`` with :func:`packers.shard_schema`, loadable by
-``datasets.Dataset.from_file``. Packing here is a plain first-fit decreasing; the pipeline's
-own strategies are tested elsewhere, and the examples read the pipeline's output.
+``datasets.Dataset.from_file``, and the folder gets the complete ``manifest.json`` of the
+output-folder contract (:mod:`packers._manifest`), as a finished run writes it. Packing here is a
+plain first-fit decreasing; the pipeline's own strategies are tested elsewhere, and the examples
+read the pipeline's output.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +21,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from packers import shard_schema
+from packers import CONTRACT_VERSION, read_metadata, shard_schema
+from packers._manifest import MANIFEST, SHARD_NAME, Status
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """``../shared/data`` from the repository root (absent in some checkouts: tests skip then)."""
@@ -87,12 +91,14 @@ def write_shards(
     *,
     budget: int,
     num_shards: int = 1,
+    split: str = "train",
     pad_token_id: int | None = 0,
     eos_token_id: int | None = 1,
     tokenizer: str = "test-tokenizer",
     vocab_sha256: str = "0" * 64,
 ) -> list[Path]:
-    """Write ``rows`` as ``num_shards`` stream files (contiguous slices) under ``folder``; returns their paths."""
+    """Write ``rows`` as ``num_shards`` ``split`` stream files (contiguous slices) under ``folder``, then the
+    folder's manifest (:func:`write_manifest`, over every shard there); returns the shard paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     schema = shard_schema(
@@ -103,11 +109,78 @@ def write_shards(
     for k in range(num_shards):
         part = rows[bounds[k] : bounds[k + 1]]
         table = pa.Table.from_pylist([{**r, "num_tokens": len(r["input_ids"])} for r in part], schema=schema)
-        path = folder / f"train-{k:05d}-of-{num_shards:05d}.arrow"
+        path = folder / f"{split}-{k:05d}-of-{num_shards:05d}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             writer.write_table(table)
         paths.append(path)
+    write_manifest(folder)
     return paths
+
+
+def _read_shard(path: Path) -> pa.Table:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
+    with pa.memory_map(str(path)) as src:
+        return pa.ipc.open_stream(src).read_all()
+
+
+def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.value, **extra) -> dict:
+    """The complete ``manifest.json`` a finished run would write for the shards now in ``folder``.
+
+    Shard entries (rows, examples, tokens, target_tokens, bytes, sha256) and ``row_checks`` are measured
+    from the files, so the manifest is honest about what the rows satisfy: ``eos_at_boundaries`` only if
+    every sequence shorter than the budget ends with the eos id, and so on. Tokenizer and budget come from
+    the shards' schema metadata. ``extra`` overrides top-level keys (e.g. ``error=`` for a failed run).
+    """
+    folder = Path(folder)
+    shards, meta, seqs = [], {}, {"eos": True, "targets": True, "all": True}
+    for path in sorted(p for p in folder.iterdir() if SHARD_NAME.match(p.name)):
+        table = _read_shard(path)
+        meta = read_metadata(table.schema) if path.suffix == ".arrow" else meta
+        data = path.read_bytes()
+        rows = table.to_pylist()
+        for r in rows:
+            offs, ids, mask = r["seq_offsets"], r["input_ids"], r["loss_mask"]
+            for a, z in zip(offs, offs[1:]):
+                seqs["eos"] &= z - a >= meta.get("budget", z - a + 1) or ids[z - 1] == meta.get("eos_token_id")
+                seqs["targets"] &= any(mask[a:z])
+            seqs["all"] &= all(mask)
+        shards.append({
+            "name": path.name,
+            "split": SHARD_NAME.match(path.name).group(1),
+            "rows": len(rows),
+            "examples": sum(len(r["example_ids"]) for r in rows),
+            "tokens": sum(len(r["input_ids"]) for r in rows),
+            "target_tokens": sum(sum(r["loss_mask"]) for r in rows),
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        })
+    budget = meta.get("budget", 1)
+    manifest = {
+        "status": status,
+        "contract_version": CONTRACT_VERSION,
+        "shards": shards,
+        "files": [s["name"] for s in shards],
+        "row_checks": {
+            "budget": budget,
+            "eos_token_id": meta.get("eos_token_id"),
+            "eos_at_boundaries": seqs["eos"] and meta.get("eos_token_id") is not None,
+            "targets_in_every_sequence": seqs["targets"],
+            "all_targets": seqs["all"],
+        },
+        "tokenizer": {
+            "name": meta.get("tokenizer", "test-tokenizer"),
+            "vocab_sha256": meta.get("tokenizer_vocab_sha256", "0" * 64),
+            "eos_token_id": meta.get("eos_token_id"),
+            "pad_token_id": meta.get("pad_token_id"),
+        },
+        "config": {"max_tokens": budget, "output_format": "arrow"},
+        **extra,
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
 
 
 def load_tokenizer():

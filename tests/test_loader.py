@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from packers import BatchBy, Collator, ContractError, PackedDataset, PackstreamError
 from packers._loader import _Sampling, plan_epoch
-from tests._shards import pack_first_fit, random_examples, write_shards
+from tests._shards import pack_first_fit, random_examples, write_manifest, write_shards
 
 BUDGET = 64
 
@@ -67,49 +67,95 @@ def test_fsspec_path(shards, tmp_path):
 
     folder, rows = shards
     fs = fsspec.filesystem("memory")
-    for p in folder.glob("*.arrow"):
+    for p in folder.iterdir():  # the whole output folder, manifest.json included
         fs.pipe(f"/remote-run/{p.name}", p.read_bytes())
     ds = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), shuffle=False)
     assert ds.rows["example_ids"] == [r["example_ids"] for r in rows]
     assert all(f["filename"].startswith(str(tmp_path)) for f in ds.rows.cache_files)  # copied once, then mapped
+    again = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), verify=True)  # the cached copies
+    assert [f["filename"] for f in again.rows.cache_files] == [f["filename"] for f in ds.rows.cache_files]
+
+    # Remote folders follow the same contract: the manifest is read there first, only listed shards copied.
+    fs.pipe("/remote-run/backup-00000-of-00003.arrow", b"x")
+    with pytest.raises(ContractError, match="backup-00000-of-00003.arrow: not listed in manifest.json"):
+        PackedDataset("memory://remote-run", cache_dir=str(tmp_path))
+    fs.rm("/remote-run/backup-00000-of-00003.arrow")
+    name = "train-00001-of-00003.arrow"
+    data = bytearray(fs.cat_file(f"/remote-run/{name}"))
+    data[-200] ^= 1  # same size: caught by the sha256 of the copy, which is always checked
+    fs.pipe(f"/remote-run/{name}", bytes(data))
+    with pytest.raises(ContractError, match=rf"remote-run/{name}: sha256 of the copy"):
+        PackedDataset("memory://remote-run", cache_dir=str(tmp_path / "fresh"))
+    # The copy cached earlier has the manifest's sha256 (recorded beside it when it was checked): read that.
+    assert PackedDataset("memory://remote-run", cache_dir=str(tmp_path), shuffle=False).rows[:] == ds.rows[:]
+    fs.rm("/remote-run/manifest.json")
+    with pytest.raises(ContractError, match="memory:///remote-run: shard files but no manifest.json"):
+        PackedDataset("memory://remote-run", cache_dir=str(tmp_path))
+    fs.rm("/remote-run", recursive=True)
 
 
-def test_bad_folders_are_refused(shards, tmp_path):
+def test_bad_paths_are_refused(shards, tmp_path):
     folder, rows = shards
-    partial = tmp_path / "partial"
-    write_shards(partial, rows, budget=BUDGET, num_shards=3)
-    (partial / "train-00001-of-00003.arrow").unlink()
-    with pytest.raises(ContractError, match=r"shard\(s\) \[1\] of 3 missing"):
-        PackedDataset(partial)
+    other = tmp_path / "other"
+    write_shards(other, rows[:10], budget=BUDGET)
+    with pytest.raises(PackstreamError, match="span 2 folders"):  # two runs (or a run and its copy)
+        PackedDataset([folder / "train-00000-of-00003.arrow", other / "train-00000-of-00001.arrow"])
+    with pytest.raises(PackstreamError, match="passed 2 times"):
+        PackedDataset([folder / "train-00000-of-00003.arrow"] * 2)
+    with pytest.raises(PackstreamError, match="pass the folder alone"):
+        PackedDataset([folder, folder / "train-00000-of-00003.arrow"])
+    with pytest.raises(ContractError, match="README.md: not a shard listed in manifest.json"):
+        (other / "README.md").write_text("card")
+        PackedDataset(other / "README.md")
+    with pytest.raises(PackstreamError, match="empty list"):
+        PackedDataset([])
 
-    mixed = tmp_path / "mixed"
-    write_shards(mixed, rows[:10], budget=BUDGET)
-    write_shards(mixed / "b", rows[10:20], budget=128)
-    with pytest.raises(ContractError, match="metadata differs"):
-        PackedDataset([mixed / "train-00000-of-00001.arrow", mixed / "b"])
-
-    plain = tmp_path / "plain.arrow"  # no packstream metadata
+    plain = tmp_path / "plain" / "plain.arrow"  # not packstream's: no manifest beside it
+    plain.parent.mkdir()
     with pa.OSFile(str(plain), "wb") as f, pa.ipc.new_stream(f, pa.schema([("x", pa.int32())])) as w:
         w.write_table(pa.table({"x": pa.array([1], pa.int32())}))
-    with pytest.raises(ContractError, match="columns"):
+    with pytest.raises(ContractError, match="plain: shard files but no manifest.json"):
         PackedDataset(plain)
 
     parquet = tmp_path / "parquet"
     parquet.mkdir()
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(rows[:3]), parquet / "train-00000-of-00001.parquet")
+    schema = pa.ipc.open_stream(pa.memory_map(str(folder / "train-00000-of-00003.arrow"))).schema
+    pq.write_table(pa.Table.from_pylist(rows[:3], schema=schema), parquet / "train-00000-of-00001.parquet")
+    write_manifest(parquet)
     with pytest.raises(PackstreamError, match="--output-format arrow"):
         PackedDataset(parquet)
 
     with pytest.raises(PackstreamError, match="does not exist"):
         PackedDataset(tmp_path / "nope")
+    with pytest.raises(PackstreamError, match="split='test'"):
+        PackedDataset(folder, split="test")
+    with pytest.raises(ContractError, match="lists no 'validation' shards; it lists \\['train'\\] shards"):
+        PackedDataset(folder, split="validation")
     with pytest.raises(PackstreamError, match="batch_by"):
         PackedDataset(folder, batch_by="bytes")
     with pytest.raises(PackstreamError, match="rank=2"):
         PackedDataset(folder, rank=2, world_size=2)
     with pytest.raises(PackstreamError, match="tokens < row budget"):
         PackedDataset(folder, batch_by="tokens", batch_size=10)
+
+
+def test_shard_files_and_splits(shards, tmp_path):
+    folder, rows = shards
+    ds = PackedDataset([folder / "train-00002-of-00003.arrow", folder / "train-00000-of-00003.arrow"], shuffle=False)
+    assert ds.shards == ("train-00000-of-00003.arrow", "train-00002-of-00003.arrow")  # the run's order
+    n0 = len(PackedDataset(folder / "train-00000-of-00003.arrow").rows)
+    assert ds.rows["example_ids"][n0:] == [r["example_ids"] for r in rows[-(len(ds.rows) - n0):]]
+
+    both = tmp_path / "both"
+    write_shards(both, rows[:30], budget=BUDGET, num_shards=2)
+    write_shards(both, rows[30:40], budget=BUDGET, split="validation")  # the manifest lists both splits
+    train, val = PackedDataset(both, shuffle=False), PackedDataset(both, split="validation", shuffle=False)
+    assert (len(train.rows), len(val.rows)) == (30, 10) and val.shards == ("validation-00000-of-00001.arrow",)
+    assert val.rows["example_ids"] == [r["example_ids"] for r in rows[30:40]]
+    with pytest.raises(PackstreamError, match="a 'validation' shard.*pass split='validation'"):
+        PackedDataset(both / "validation-00000-of-00001.arrow")
 
 
 def test_epochs_are_seeded_permutations(shards):
