@@ -168,15 +168,16 @@ _PATH_TOKEN = re.compile(r"\[(-?\d+)\]|([^.\[\]]+)")
 _MISSING = object()
 
 
-def parse_path(path: str) -> list:
-    """``"choices[0].turns"`` -> ``["choices", 0, "turns"]``; ValueError if it is not a path.
+@functools.lru_cache(maxsize=256)
+def parse_path(path: str) -> tuple:
+    """``"choices[0].turns"`` -> ``("choices", 0, "turns")``; ValueError if it is not a path.
 
     >>> parse_path("a.b"), parse_path("choices[0].turns"), parse_path("x[-1]")
-    (['a', 'b'], ['choices', 0, 'turns'], ['x', -1])
+    (('a', 'b'), ('choices', 0, 'turns'), ('x', -1))
     """
     if not isinstance(path, str) or not _PATH_RE.fullmatch(path):
         raise ValueError(f"{path!r} is not a field path (e.g. answer, meta.answer, choices[0].turns)")
-    return [int(i) if i else key for i, key in _PATH_TOKEN.findall(path)]
+    return tuple(int(i) if i else key for i, key in _PATH_TOKEN.findall(path))
 
 
 def resolve(record: Any, path: str) -> Any:
@@ -223,8 +224,7 @@ class _Ctx:
         self.speakers: dict[str, str] = {}  # raw speaker name -> role, as seen
         self.roles = {k.lower(): v for k, v in options.roles}
         self.flagged_off = 0  # trailing assistant turns trimmed because their own flag says not to train
-        self.roles_seen: list[str] = []  # roles of the turns as read, before hygiene
-        self.empty_assistants = 0
+        self.turns_read: list = []  # the turns as read, before hygiene (for the details of a refusal)
 
     def note(self, key: str, n: int = 1) -> None:
         if n:
@@ -857,6 +857,7 @@ _SHAPE_KEYS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
 }
 """Top-level keys each shape reads; any other key of a record is counted as ``ignored_field:<key>``."""
+_USED = {shape: frozenset(keys + _ID_KEYS) for shape, keys in _SHAPE_KEYS.items()}
 
 
 _TURN_KEYS = ("conversation", "dialog", "dialogue", "chat")
@@ -1024,17 +1025,17 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     """Turn one raw record into a :class:`Conversation`, or raise :class:`Rejected` (see the module docstring)."""
     shape = detect(record, options)
     ctx = _Ctx(options)
-    used: set[str] = set(_ID_KEYS)
     if shape == "fields":
-        used |= {str(parse_path(p)[0]) if p not in record else p for p, _ in options.fields} | {"tools"}
+        used = {p if p in record else str(parse_path(p)[0]) for p, _ in options.fields} | {"tools", *_ID_KEYS}
     elif shape == "messages_field":
         p = options.messages_field
-        used |= {p if p in record else str(parse_path(p)[0]), "system", "tools"}
+        used = {p if p in record else str(parse_path(p)[0]), "system", "tools", *_ID_KEYS}
     elif shape.startswith("messages:"):
-        used |= {shape[9:], "system", "tools"}
+        used = {shape[9:], "system", "tools", *_ID_KEYS}
     else:
-        used |= set(_SHAPE_KEYS[shape])
-    _media_check(record, skip=tuple(used))
+        used = _USED[shape]
+    if not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
+        _media_check(record, skip=tuple(used))
     conv = Conversation(shape="messages" if shape.startswith("messages:") else shape)
     if shape == "tokens":
         conv.tokens = _read_tokens(record, ctx)
@@ -1062,14 +1063,15 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
             conv.text = turns
         else:
             turns = _hygiene(turns, ctx)
-            for what, n in (("reasoning", sum(bool(t.reasoning) for t in turns)),
-                            ("tool calls", sum(len(t.tool_calls or ()) for t in turns)),
-                            ("per-turn train flags", sum(t.train is not None for t in turns))):
-                if n:
-                    ctx.mapping.append(f"{what}: {n}")
             conv.messages = [t.message() for t in turns]
             flags = [t.train for t in turns]
-            conv.train = flags if any(f is not None for f in flags) else None
+            if any(t.reasoning or t.tool_calls or t.train is not None for t in turns):
+                for what, n in (("reasoning", sum(bool(t.reasoning) for t in turns)),
+                                ("tool calls", sum(len(t.tool_calls or ()) for t in turns)),
+                                ("per-turn train flags", sum(f is not None for f in flags))):
+                    if n:
+                        ctx.mapping.append(f"{what}: {n}")
+                conv.train = flags if any(f is not None for f in flags) else None
             conv.tools = _tools(record, ctx) if "tools" in used else None
     for key in record:
         if key not in used:
@@ -1096,14 +1098,13 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
     o = ctx.o
     if not turns:
         raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns")
-    ctx.roles_seen = [t.role for t in turns]
-    kept = [t for t in turns if not t.empty()]
-    ctx.empty_assistants = sum(t.role == "assistant" and t.empty() for t in turns)
-    ctx.note("empty_turns_dropped", len(turns) - len(kept))
-    if not kept:
-        raise Rejected(Reason.EMPTY_CONVERSATION, f"all {len(turns)} turns are empty")
+    ctx.turns_read = turns
     merged: list[_Turn] = []
-    for t in kept:
+    empty = 0
+    for t in turns:
+        if t.empty():
+            empty += 1
+            continue
         prev = merged[-1] if merged else None
         if prev is not None and prev.role == t.role and t.role != "tool":
             if o.same_role is SameRole.REJECT:
@@ -1113,6 +1114,9 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
             ctx.note("turns_merged")
         else:
             merged.append(t)
+    ctx.note("empty_turns_dropped", empty)
+    if not merged:
+        raise Rejected(Reason.EMPTY_CONVERSATION, f"all {len(turns)} turns are empty")
     turns = merged
     if o.system_prompt is not None and turns[0].role != "system":
         turns.insert(0, _Turn("system", o.system_prompt, "--system-prompt"))
@@ -1139,16 +1143,17 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
 
 def _no_assistant_detail(ctx: _Ctx) -> str:
     said = []
-    if ctx.empty_assistants:
-        said.append(f"{ctx.empty_assistants} empty assistant turn{'s' if ctx.empty_assistants > 1 else ''} dropped")
+    empty = sum(t.role == "assistant" and t.empty() for t in ctx.turns_read)
+    if empty:
+        said.append(f"{empty} empty assistant turn{'s' if empty > 1 else ''} dropped")
     if ctx.notes.get("leading_assistant_dropped"):
         said.append("its only assistant turn opens the conversation and answers nothing, so it was dropped")
     if ctx.flagged_off:
         said.append("its assistant turns are flagged not to train (loss_weight/train 0)")
     if ctx.speakers:
         said.append(f"speakers: {_speaker_words(ctx)}")
-    if all(r == "system" for r in ctx.roles_seen):
-        return "the conversation has only a system turn" if ctx.roles_seen else "the conversation has no turns"
+    if all(t.role == "system" for t in ctx.turns_read):
+        return "the conversation has only a system turn"
     detail = "the conversation has no assistant turn to train on" + (" (" + "; ".join(said) + ")" if said else "")
     # A dialogue corpus whose answering side has a name that is not an assistant alias (MultiWOZ's SYSTEM).
     others = [s for s, r in ctx.speakers.items() if r in ("user", "system")]

@@ -337,7 +337,7 @@ def test_detection_order_and_explicit_formats():
 
 
 def test_paths():
-    assert parse_path("choices[0].turns") == ["choices", 0, "turns"]
+    assert parse_path("choices[0].turns") == ("choices", 0, "turns")
     rec = {"a.b": 1, "a": {"b": 2}, "x": [{"y": 3}]}
     assert resolve(rec, "a.b") == 1 and resolve(rec, "x[0].y") == 3 and resolve(rec, "x[-1].y") == 3
     for bad in ("a..b", "a[x]", "", "a.[0]"):
