@@ -218,6 +218,7 @@ def format_preview(items: list[dict], color: bool) -> str:
         if "reason" in it:
             out.append(f"-- {where}: {shape}  " + c(_RED, f"REFUSED {it['reason']}"))
             out.append(f"   {it['detail']}")
+            out.append("")
             continue
         out.append(f"-- {where}: {shape}  {it['tokens']} tokens, {it['targets']} trained")
         for line in it.get("mapping", []):
