@@ -119,7 +119,7 @@ class FormatOptions:
 
     format: Format = dataclasses.field(default=Format.AUTO, metadata=cli(
         "--format", "Record shape; auto detects it per record by its keys: input_ids (tokens), segments, messages, "
-        "conversations (sharegpt), prompt+completion, instruction+output/response (alpaca, with input, system, "
+        "conversations (sharegpt), conversation/dialog/dialogue/chat turn lists, prompt+completion, instruction+output/response (alpaca, with input, system, "
         "history), text. Other shapes: --field or --messages-field (see docs/formats.md)."))
     fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
@@ -130,18 +130,19 @@ class FormatOptions:
         "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
         "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant.", metavar="PATH"))
     role_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
-        "--role-key", "Key of the speaker in each turn object [default: role, from or speaker].", metavar="KEY"))
+        "--role-key", "Key of the speaker in each turn object [default: role, from, speaker or author].",
+        metavar="KEY"))
     content_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
-        "--content-key", "Key of the text in each turn object, or in a content object [default: content, value "
-        "or text].", metavar="KEY"))
+        "--content-key", "Key of the text in each turn object, or in a content object [default: content, value, "
+        "text, utterance or message].", metavar="KEY"))
     roles: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--roles", "Speaker names -> roles, beyond the built-in aliases (human/user/prompter -> user; gpt/assistant/"
         "bot/model/chatgpt -> assistant; system/developer; tool/function/observation -> tool; function_call -> an "
         "assistant tool call): --roles customer=user,agent=assistant.",
         metavar="FROM=ROLE,...", kind="pairs"))
     transcript_markers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
-        "--transcript-marker", "Speaker markers of transcript strings, beyond Human:/Assistant:/User:/System: and "
-        "### Human/### Assistant: --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'.",
+        "--transcript-marker", "Speaker markers of transcript strings, beyond Human:/Assistant:/User:/System: "
+        "(also USER:/ASSISTANT:/SYSTEM:) and ### Human/### Assistant: --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'.",
         metavar="MARKER=ROLE", kind="pairs"))
     system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
