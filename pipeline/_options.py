@@ -142,7 +142,8 @@ class FormatOptions:
         metavar="FROM=ROLE,...", kind="pairs"))
     transcript_markers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--transcript-marker", "Speaker markers of transcript strings, beyond Human:/Assistant:/User:/System: "
-        "(also USER:/ASSISTANT:/SYSTEM:) and ### Human/### Assistant: --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'.",
+        "(also USER:/ASSISTANT:/SYSTEM:) and ### Human/### Assistant: --transcript-marker 'Q:=user' "
+        "--transcript-marker 'A:=assistant'.",
         metavar="MARKER=ROLE", kind="pairs"))
     system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
