@@ -59,7 +59,7 @@ import math
 import re
 from typing import Any, Optional, Sequence
 
-from pipeline._options import ROLES, Format, FormatOptions, LeadingAssistant, SameRole, TrainOn
+from pipeline._options import Format, FormatOptions, LeadingAssistant, SameRole, TrainOn
 
 
 class Reason(str, enum.Enum):

@@ -41,7 +41,6 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import itertools
 import json
 import os
@@ -53,7 +52,7 @@ from typing import Any, Optional
 
 from packers import PackstreamError
 from pipeline._formats import Conversation, Reason, Rejected, target_flags
-from pipeline._options import DEFAULT_TOKENIZER, FormatOptions, PackOptions, TrainOn
+from pipeline._options import FormatOptions, PackOptions, TrainOn
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
 
