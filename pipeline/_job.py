@@ -277,9 +277,11 @@ class PackShards(beam.DoFn):
                 self.rows.inc(batch.num_rows)
             descs = [w.close(split) for w in writers]
             path = _write.write_reject_part(plan.spill, f"shard-{split}-{shard}", rejected)
-        except OSError as e:
-            for w in writers:
+        except BaseException as e:
+            for w in writers:  # a failed attempt leaves no temp file (a retry writes its own)
                 w.abort()
+            if not isinstance(e, OSError):
+                raise
             yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
             return
         for d in descs:

@@ -15,8 +15,7 @@ after the manifest were written. Each run must give shards, dead letters and man
 byte-identical to a clean run on the default ``FnApiRunner``. (The local ``FnApiRunner`` does
 not retry bundles; a failure there fails the job, which the kill-and-rerun test covers.)
 
-The kill test SIGKILLs a real ``packstream pack`` process mid-run on the shared data, checks
-that no partial shard is visible under a final name, and reruns it with ``--overwrite``.
+Hard kills (SIGKILL at seeded points of every phase, then a rerun) are tests/test_crash.py.
 """
 
 from __future__ import annotations
@@ -24,22 +23,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from pipeline import PackOptions, run
-from pipeline import _read, _rows, _write
-from pipeline._render import Renderer
+from pipeline import _read, _rows, _spill, _write
+from pipeline._encode import Encoder
 from pipeline._verify import verify
-from pipeline.cli import bundled_sample, main
-from tests.conftest import GSM8K_FIELDS, shared_data
+from pipeline.cli import bundled_sample
 
 
 def digest(folder) -> dict[str, str]:
@@ -84,52 +76,64 @@ class FirstAttempt:
 
 
 def _fail_mid_file(monkeypatch, fault: FirstAttempt) -> None:
-    real = _read.read_file
+    real = _read.read_task
 
-    def read_file(f, max_bytes):
-        for n, item in enumerate(real(f, max_bytes)):
-            if n == 6:  # two chunks of 4 records already went downstream
-                fault.fire(f"reading {f.source} after 6 records")
+    def read_task(task, max_bytes):
+        for n, item in enumerate(real(task, max_bytes)):
+            if n == 6:  # chunks of 4 records already went downstream
+                fault.fire(f"reading {task.file.source} after 6 records")
             fault.calls += 1
             yield item
 
-    monkeypatch.setattr(_read, "read_file", read_file)
+    monkeypatch.setattr(_read, "read_task", read_task)
 
 
 def _fail_mid_chunk(monkeypatch, fault: FirstAttempt) -> None:
-    real = Renderer.encode
+    real = Encoder.finish
 
-    def encode(self, convs):
+    def finish(self, prepared, encodings):
         fault.calls += 1
-        if fault.calls == 3:  # earlier chunks of the bundle already emitted their examples
+        if fault.calls == 3:  # earlier chunks of the task are already encoded
             fault.fire("tokenizing the third chunk")
-        return real(self, convs)
+        return real(self, prepared, encodings)
 
-    monkeypatch.setattr(Renderer, "encode", encode)
+    monkeypatch.setattr(Encoder, "finish", finish)
+
+
+def _fail_after_spill(monkeypatch, fault: FirstAttempt) -> None:
+    real = _spill.write_part
+
+    def write_part(*args, **kwargs):
+        fault.calls += 1
+        slices = real(*args, **kwargs)  # a spill file is on disk; its slices were not emitted yet
+        fault.fire("after writing a spill file")
+        return slices
+
+    monkeypatch.setattr(_spill, "write_part", write_part)
 
 
 def _fail_mid_group(monkeypatch, fault: FirstAttempt) -> None:
     real = _rows.pack_group
 
-    def pack_group(examples, options):
+    def pack_group(batch, options, eos_id):
         fault.calls += 1
-        if fault.calls == 2:  # the first group's rows were already emitted
+        if fault.calls == 2:  # the first group's rows are already in the shard's temp file
             fault.fire("packing the second group")
-        return real(examples, options)
+        return real(batch, options, eos_id)
 
     monkeypatch.setattr(_rows, "pack_group", pack_group)
 
 
 def _fail_after_shard_written(monkeypatch, fault: FirstAttempt) -> None:
-    real = _write.write_shard
+    real = _write.ShardWriter.close
 
-    def write_shard(*args, **kwargs):
+    def close(self, split):
         fault.calls += 1
-        result = real(*args, **kwargs)  # the shard is on disk under its final name
+        result = real(self, split)  # the shard is on disk under its final name
         fault.fire(f"after writing shard {result['name']}")
         return result
 
-    monkeypatch.setattr(_write, "write_shard", write_shard)
+    monkeypatch.setattr(_write.ShardWriter, "close", close)
 
 
 def _fail_before_rename(monkeypatch, fault: FirstAttempt) -> None:
@@ -145,31 +149,33 @@ def _fail_before_rename(monkeypatch, fault: FirstAttempt) -> None:
 
 
 def _fail_after_dead_letters(monkeypatch, fault: FirstAttempt) -> None:
-    real = _write.write_rejected
+    real = _write.merge_rejected
 
-    def write_rejected(folder, records):
+    def merge_rejected(folder, parts):
         fault.calls += 1
-        counts = real(folder, list(records))
+        counts = real(folder, parts)
         fault.fire("after writing rejected.jsonl")
         return counts
 
-    monkeypatch.setattr(_write, "write_rejected", write_rejected)
+    monkeypatch.setattr(_write, "merge_rejected", merge_rejected)
 
 
 def _fail_after_manifest(monkeypatch, fault: FirstAttempt) -> None:
-    real = _write.dataset_card
+    real = _write.write_atomic
 
-    def dataset_card(manifest):  # called after manifest.json is written, before README.md
-        fault.calls += 1
-        fault.fire("after writing manifest.json")
-        return real(manifest)
+    def write_atomic(path, data):
+        real(path, data)
+        if os.path.basename(path) == "manifest.json":  # committed, the spill not yet removed
+            fault.calls += 1
+            fault.fire("after writing manifest.json")
 
-    monkeypatch.setattr(_write, "dataset_card", dataset_card)
+    monkeypatch.setattr(_write, "write_atomic", write_atomic)
 
 
 FAULTS = {
     "mid_file": _fail_mid_file,
     "mid_chunk": _fail_mid_chunk,
+    "after_spill": _fail_after_spill,
     "mid_group": _fail_mid_group,
     "after_shard_written": _fail_after_shard_written,
     "before_rename": _fail_before_rename,
@@ -201,23 +207,8 @@ def clean_run(small_inputs, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture
-def retrying_runner(monkeypatch):
-    """``BundleBasedDirectRunner``, with one bug of Beam 2.77 patched for this test.
-
-    Its ``EvaluationContext._update_side_inputs_container`` feeds side inputs only from the
-    first output PCollection of a step (``uncommitted_output_bundles[0]``), so a tagged output
-    read as a side input (PackGroups' ``stats`` -> the manifest) arrives empty or mixed with
-    the main output. The fix below routes each committed bundle to the views of its own
-    PCollection; the retry logic (``TransformExecutor.call``) is untouched.
-    """
-    from apache_beam.runners.direct import evaluation_context
-
-    def update(self, committed_bundles, result):
-        for bundle in committed_bundles:
-            for view in self._pcollection_to_views.get(bundle.pcollection, ()):
-                self._side_inputs_container.add_values(view, bundle.get_elements_iterable(make_copy=True))
-
-    monkeypatch.setattr(evaluation_context.EvaluationContext, "_update_side_inputs_container", update)
+def retrying_runner():
+    """``BundleBasedDirectRunner``: Beam's runner that really retries a failed bundle (up to 4 attempts)."""
     return ["--runner=BundleBasedDirectRunner"]
 
 
@@ -241,6 +232,7 @@ def test_bundle_retried_after_a_fault_gives_identical_output(
     assert leftovers(out) == []  # a failed write removes its temp file
     c = manifest["counts"]
     assert c["records_read"] == c["examples_packed"] + c["rejected"] + c["dropped_too_long"]
+    assert not [n for n in os.listdir(out) if n.startswith(".")]  # the spill and the lock are gone
     report = verify(str(out), (str(small_inputs),))
     assert report.ok, "\n".join(map(str, report.problems))
 
@@ -263,71 +255,3 @@ def test_write_atomic_is_idempotent_and_leaves_nothing_on_failure(tmp_path, monk
         _write.write_atomic(str(target), b"new bytes")
     assert target.read_bytes() == b"same bytes"  # the old file is intact, never half-replaced
     assert leftovers(tmp_path) == []
-
-
-# ------------------------------------------------------------------------------------------------
-# SIGKILL mid-run, then a rerun
-
-
-@pytest.fixture(scope="module")
-def shared_clean(tmp_path_factory):
-    data = shared_data()
-    out = tmp_path_factory.mktemp("shared_clean") / "out"
-    options = PackOptions(inputs=(str(data),), output=str(out), fields=GSM8K_FIELDS, num_shards=8)
-    run(options)
-    return data, out, digest(out)
-
-
-def _pack_cmd(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "pack", str(data), "-o", str(out), "--field", "question=user",
-            "--field", "answer=assistant", "--num-shards", "8", "-q", *extra]
-
-
-def _kill_midway(cmd: list[str], out: Path, when: str) -> int:
-    """Start ``packstream pack``, SIGKILL it at the chosen moment; returns its exit status."""
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    started = time.time()
-    try:
-        while proc.poll() is None and time.time() - started < 120:
-            if when == "while_tokenizing" and time.time() - started > 5:
-                break
-            names = os.listdir(out) if out.is_dir() else []
-            if when == "while_writing_shards" and any(n.startswith(("train-", ".tmp-train-")) for n in names):
-                break
-            time.sleep(0.001)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
-        proc.wait()
-    return proc.returncode
-
-
-@pytest.mark.parametrize("when", ["while_tokenizing", "while_writing_shards"])
-def test_sigkill_then_rerun_gives_identical_output(shared_clean, tmp_path, when):
-    data, clean_out, clean = shared_clean
-    out = tmp_path / "out"
-    for _ in range(3):  # on a loaded machine the run may finish inside the polling gap: try again
-        shutil.rmtree(out, ignore_errors=True)
-        if _kill_midway(_pack_cmd(data, out), out, when) == -signal.SIGKILL:
-            break
-    else:
-        pytest.fail("packstream pack finished every time before it could be killed")
-    # Nothing partial is visible under a final name: a shard there is complete and final.
-    names = sorted(os.listdir(out)) if out.is_dir() else []
-    for n in names:
-        assert n.startswith((".tmp-", "train-", "rejected.jsonl", "manifest.json", "README.md")), n
-    if "manifest.json" in names:  # written last, atomically: complete if visible at all
-        json.loads((out / "manifest.json").read_text())
-        if n.startswith("train-"):
-            assert hashlib.sha256((out / n).read_bytes()).hexdigest() == clean[n], f"{n} is partial"
-    # A rerun into the leftovers is refused without --overwrite, then replaces them.
-    if names:
-        refused = CliRunner().invoke(main, _pack_cmd(data, out)[3:])
-        assert refused.exit_code == 2 and "error: --output" in refused.output and "--overwrite" in refused.output
-    rerun = subprocess.run(_pack_cmd(data, out, "--overwrite"), capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert digest(out) == clean
-    assert leftovers(out) == []
-    if when == "while_writing_shards":
-        report = verify(str(out), ())  # the manifest's own inputs: every record reconciled
-        assert report.ok and report.records == json.loads((out / "manifest.json").read_text())["counts"]["records_read"]

@@ -18,9 +18,8 @@ import pytest
 
 import packers
 from pipeline import PackOptions
-from pipeline._formats import Rejected, normalize
+from pipeline._encode import Encoder
 from pipeline._read import expand_inputs, read_file
-from pipeline._render import Renderer
 from tests.conftest import GSM8K_FIELDS, shared_data
 
 BUDGETS = (2048, 4096, 8192)
@@ -30,17 +29,11 @@ BUDGETS = (2048, 4096, 8192)
 def lengths_by_set() -> dict[str, np.ndarray]:
     data = shared_data()
     options = PackOptions(inputs=(str(data),), output="unused", fields=GSM8K_FIELDS)
-    renderer = Renderer(options)
+    encoder = Encoder(options)
     out: dict[str, np.ndarray] = {}
     for f in expand_inputs(options.inputs):
-        convs = []
-        for _, rec in read_file(f, options.max_record_bytes):
-            try:
-                convs.append(normalize(rec, options.format, options.fields))
-            except Rejected:
-                pass
-        toks = [t for t in renderer.encode(convs) if not isinstance(t, Rejected)]
-        out[f.source] = np.array([t.shape[1] for t in toks], dtype=np.int64)
+        batch = encoder.encode([(0, f.source, pos, rec) for pos, rec in read_file(f, options.max_record_bytes)]).batch
+        out[f.source] = batch.lengths.astype(np.int64)
     out["mix"] = np.concatenate(list(out.values()))
     return out
 
