@@ -13,7 +13,8 @@ each example alone, on the same bf16 weights:
 
 Tolerance: 4x the error that bf16 itself makes here (sdpa bf16 alone vs fp32 eager alone), at
 least 2e-2 on logits/loss and 5e-2 on gradients. A cross-example leak is ~0.2-0.8 on the logits,
-and the script shows it catches one (sdpa with use_cache on in the batch).
+and the script shows it catches one (sdpa with use_cache on in the batch), and that the packing guard's
+probe refuses, at bf16 on this device, a model made to leak where the batch does not show it.
 
 A backend that cannot run here is reported as not checked, with why ("not checked: flash-attn not
 installed", "not checked: torch 2.9 has no torch.nn.attention.varlen"), and is not a pass. Exit
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from packers import Collator, check_packing_safe, register_varlen_attention  # noqa: E402
+from packers import Collator, PackstreamError, check_packing_safe, register_varlen_attention  # noqa: E402
 
 DEVICE = "cuda"  # a module constant so the script's logic can be dry-run on CPU with a reference kernel
 VOCAB = 1000
@@ -163,6 +164,19 @@ def check_model(kind: str, backends: dict[str, str | None]) -> list[dict]:
     results.append({"model": kind, "backend": "sdpa, use_cache=True (must leak)", "layout": "packed", "logits": d[0],
                     "loss": d[1], "grad_rel": d[2], "tol_logits": tol_logits,
                     "status": "ok (leak seen)" if d[0] > tol_logits else "FAIL: leak not detected"})
+    # The guard's probe must refuse a model that leaks where nothing in the batch shows it, at bf16 on this
+    # device: a pre-hook drops position_ids before the decoder stack (no packed mask, positions 0..T-1).
+    model = make_model(kind, "sdpa", torch.bfloat16)
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: (args, {k: v for k, v in kwargs.items() if k != "position_ids"}), with_kwargs=True)
+    row = {"model": kind, "backend": "sdpa, position_ids dropped inside (guard must refuse)", "layout": "packed"}
+    try:
+        check_packing_safe(model, to_device(Collator()(rows)))
+        row["status"] = "FAIL: the guard's probe let a leaking model through"
+    except PackstreamError as e:
+        row["status"] = "ok (refused)"
+        print(f"  {kind}: refused as it should: {str(e)[:160]}")
+    results.append(row)
     return results
 
 

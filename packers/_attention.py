@@ -205,6 +205,7 @@ def register_varlen_attention(name: str = VARLEN_NAME) -> str:
 # -- models outside AttentionInterface ------------------------------------------------------------
 
 _CLASS_TABLE = re.compile(r"^(\w*ATTENTION_CLASSES)\s*=\s*\{", re.MULTILINE)
+_TABLES_DONE: set[str] = set()
 
 
 def _refuse_in_class_tables(name: str) -> None:
@@ -217,8 +218,9 @@ def _refuse_in_class_tables(name: str) -> None:
     source (~40 ms for ~540 files) and imported; the entry added for ``name`` raises at construction.
     """
     spec = importlib.util.find_spec("transformers")
-    if spec is None or spec.origin is None:
+    if name in _TABLES_DONE or spec is None or spec.origin is None:
         return
+    _TABLES_DONE.add(name)
     for path in sorted((Path(spec.origin).parent / "models").glob("*/modeling_*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
         if "ATTENTION_CLASSES" not in text or not _CLASS_TABLE.search(text):

@@ -8,7 +8,7 @@
 * A fixed sample of 20 architectures (bench/compat_matrix.py) has no silent leak; the whole zoo
   runs as a slow test.
 * The probe leaves no trace (RNG, dropout settings, buffers, gradients), runs once per model state,
-  agrees across DDP ranks, and a backend a model cannot dispatch to is a PackstreamError.
+  agrees across DDP/FSDP2 ranks, and a backend a model cannot dispatch to is a PackstreamError.
 """
 
 from __future__ import annotations
@@ -356,48 +356,59 @@ def test_varlen_set_on_a_model_that_never_calls_it_is_refused(monkeypatch):
 # -- torch.distributed: every rank probes in step and they agree -------------------------------------------
 
 
-def _ddp_worker(rank: int, world: int, store: str, out: str, leaky_rank: int) -> None:
+def _distributed_worker(rank: int, world: int, store: str, out: str, leaky_rank: int) -> None:
+    """DDP, then FSDP2 (fully_shard per layer and at the root), on gloo: each a model needing the mask fix
+    (GptOss: two collective probes) and a Llama that leaks on ``leaky_rank`` only."""
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fsdp2(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
     result = {}
     try:
-        model = gpt_oss("eager").train()  # needs the mask fix: two collective probes
-        ddp = DistributedDataParallel(model)
-        install_packing_guard(ddp)
-        batch = Collator()([ROWS[rank % 2]])
-        ddp(**batch).loss.backward()
-        result["gpt_oss"] = "ok"
-        model2 = llama("sdpa").train()
-        if rank == leaky_rank:
-            drop_position_ids(model2)
-        ddp2 = DistributedDataParallel(model2)
-        install_packing_guard(ddp2)
-        try:
-            ddp2(**Collator()([ROWS[rank % 2]])).loss.backward()
-            result["llama"] = "ok"
-        except PackstreamError as e:
-            result["llama"] = str(e)
+        for name, wrap in (("ddp", DistributedDataParallel), ("fsdp2", fsdp2)):
+            model = wrap(gpt_oss("eager").train())
+            install_packing_guard(model)
+            model(**Collator()([ROWS[rank % 2]])).loss.backward()  # each rank its own batch
+            result[f"{name} gpt_oss"] = "ok"
+            leaky = llama("sdpa").train()
+            if rank == leaky_rank:
+                drop_position_ids(leaky)
+            leaky = wrap(leaky)
+            install_packing_guard(leaky)
+            try:
+                leaky(**Collator()([ROWS[rank % 2]])).loss.backward()
+                result[f"{name} llama"] = "ok"
+            except PackstreamError as e:
+                result[f"{name} llama"] = str(e)
     finally:
         Path(f"{out}.{rank}").write_text(json.dumps(result))
         dist.destroy_process_group()
 
 
-def test_ddp_ranks_probe_in_step_and_agree(tmp_path):
+def test_ddp_and_fsdp2_ranks_probe_in_step_and_agree(tmp_path):
     import torch.multiprocessing as mp
 
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     out = str(tmp_path / "result")
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), out, 1), nprocs=2, join=True)
+    mp.spawn(_distributed_worker, args=(2, str(tmp_path / "store"), out, 1), nprocs=2, join=True)
     r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
-    assert r0["gpt_oss"] == r1["gpt_oss"] == "ok"
-    assert "another rank's packing probe failed" in r0["llama"]  # rank 0's model is fine; rank 1's leaks
-    assert "packing probe (2 sequences" in r1["llama"]
+    for name in ("ddp", "fsdp2"):
+        assert r0[f"{name} gpt_oss"] == r1[f"{name} gpt_oss"] == "ok"
+        assert "another rank's packing probe failed" in r0[f"{name} llama"]  # rank 0's model is fine, rank 1's leaks
+        assert "packing probe (2 sequences" in r1[f"{name} llama"]
 
 
 @pytest.mark.gpu
