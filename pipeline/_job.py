@@ -568,9 +568,17 @@ def pipeline_options(beam_args: Sequence[str], workers: int):
     if not any(a == "--runner" or a.startswith("--runner=") for a in args):
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-        runner = FnApiRunner()
         if workers > 1:
-            args += [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
+            # Beam's multi_processing mode, with packstream's worker entry point (quiet under -q).
+            import sys
+
+            from apache_beam.transforms.environments import SubprocessSDKEnvironment
+
+            env = SubprocessSDKEnvironment.from_command_string(f"{sys.executable} -m pipeline._worker")
+            runner = FnApiRunner(default_environment=env)
+            args += [f"--direct_num_workers={workers}"]
+        else:
+            runner = FnApiRunner()
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
@@ -632,7 +640,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     run_id = uuid.uuid4().hex[:12]
     plan = _plan(options, files, identity, run_id)
-    inputs = [f.path for f in files]
+    inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
     claim = None if template else _output.claim(output, inputs, options.overwrite, run_id)
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
     env = {"PACKSTREAM_OUTCOME": outcome_path}
@@ -681,6 +689,15 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             raise TooManyRejected(manifest["error"], manifest)
         raise PackstreamError(manifest.get("error") or "the run failed")
     return manifest
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob starts from (the pattern itself when it has no wildcard): an input the output must avoid."""
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?[") and not os.path.exists(pattern):
+            return "/".join(parts[:i]) or "."
+    return pattern
 
 
 def _tempdir() -> str:

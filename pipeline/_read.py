@@ -98,6 +98,30 @@ def _sniff(path: str, kind: str) -> None:
                 f"input {path} holds a JSON array spread over lines, not JSON Lines (one object per line); "
                 "rename it to .json"
             )
+        if kind == "jsonl" and stripped[:1] == b"[" and _one_line(path):
+            raise PackstreamError(
+                f"input {path} holds one JSON array on a single line, not JSON Lines (one object per line): its "
+                "records would be one rejected line; rename it to .json"
+            )
+
+
+def _one_line(path: str) -> bool:
+    """Whether the file holds a single non-blank line (LF, CRLF or CR line ends)."""
+    with _open_bytes(path) as f:
+        seen_end = False
+        for block in iter(lambda: f.read(2**20), b""):
+            if seen_end:
+                if block.strip():
+                    return False
+                continue
+            for sep in (b"\n", b"\r"):
+                i = block.find(sep)
+                if i >= 0:
+                    seen_end = True
+                    if block[i:].strip():
+                        return False
+                    break
+    return True
 
 
 def _gunzip_head(path: str) -> bytes:

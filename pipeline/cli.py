@@ -22,11 +22,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 class _DropImportNoise(logging.Filter):
+    NOISE = ("apitools not found", "direct_num_workers is not equal to 1")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "apitools not found" not in record.getMessage()
+        return not any(n in record.getMessage() for n in self.NOISE)
 
 
 logging.getLogger().addFilter(_DropImportNoise())
+# packstream starts local worker processes itself (pipeline._worker) with Beam's in-memory mode's
+# option name; Beam warns about that combination, and relays each worker's own start-up warnings.
+logging.getLogger("apache_beam.runners.portability.fn_api_runner.fn_runner").addFilter(_DropImportNoise())
+logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
 
 from packers import PackstreamError
 from pipeline._progress import LogFormat
@@ -145,8 +151,10 @@ def build_options(paths: Sequence[str], params: dict[str, Any], *, output_requir
 
     known = {f.name for f in dataclasses.fields(PackOptions)}
     kw = {k: v for k, v in params.items() if k in known and v is not None}
-    if output_required and not kw.get("output"):
+    if output_required and params.get("output") is None:
         raise click.UsageError("Missing option '--output' / '-o'.")
+    if output_required and not params["output"].strip():
+        raise PackstreamError("--output is empty; give a folder for the packed data, e.g. -o packed/")
     if kw.get("chat_template"):
         kw["chat_template"] = read_text_file(kw["chat_template"], "--chat-template")
     config = kw.pop("config", None)
@@ -359,13 +367,15 @@ def _one_line(text: str, limit: int = 160) -> str:
 
 @main.command("inspect")
 @click.argument("folder", metavar="DIR")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object (schema_version 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object (schema_version 2).")
 @click.option("--plots-dir", default=None, help="Folder for the PNGs [default: DIR-inspect beside a local DIR].")
 @click.option("--no-plots", is_flag=True, help="Write no PNGs.")
 def inspect_command(folder, as_json, plots_dir, no_plots):
-    """Summarize a packed output folder DIR: rows, fill, lengths, rejects, and three PNG plots.
+    """Summarize a finished output folder DIR: rows, fill, lengths, rejects, and three PNG plots.
 
-    Reads the shards' num_tokens and seq_offsets columns and manifest.json (local, gs://, s3://).
+    Opens the shards its complete manifest.json lists (train and validation: totals, then each
+    split), reading only their num_tokens, seq_offsets, loss_mask and example_ids columns; counts
+    what left the main path as pack's summary does (local, gs://, s3://).
     """
     import json
 
@@ -388,13 +398,18 @@ EXIT_VERIFY_FAILED = 1
 @click.option("--inputs", "with_inputs", is_flag=True,
               help="Also reconcile every input record: INPUT paths follow DIR (or the flag); with none, "
                    "the inputs recorded in manifest.json.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="With --inputs: allow the tokenizer named in manifest.json to run its own code. Off by "
+                   "default, whatever the manifest says.")
 @click.option("--max-problems", type=int, default=50, show_default=True, help="Problems printed (all are counted).")
-def verify_command(folder, input_paths, with_inputs, max_problems):
-    """Re-check a packed output folder DIR: schema, rows, offsets, ids, counts, dead letters.
+def verify_command(folder, input_paths, with_inputs, trust_remote_code, max_problems):
+    """Re-check a packed output folder DIR: manifest, files, schema, rows, offsets, ids, counts, dead letters.
 
-    With --inputs, every input record must be packed with the same tokens (re-tokenized) or be in
-    rejected.jsonl. Exit status: 0 when everything matches, 1 on any mismatch (each one printed
-    with its shard, row, field, expected and actual value), 2 on a user error.
+    Only a complete manifest.json is trusted, and only the shards it lists are opened; any other
+    shard-like file is reported by name. With --inputs, every input record must be packed with the
+    same tokens (re-encoded with the run's options) or be in rejected.jsonl; the tokenizer to load is
+    printed first. Exit status: 0 when everything matches, 1 on any mismatch (each one printed with
+    its shard, row, check, expected and actual value), 2 on a user error.
 
     Example: packstream verify out/ --inputs data/*.jsonl
     """
@@ -403,16 +418,17 @@ def verify_command(folder, input_paths, with_inputs, max_problems):
     if input_paths and not with_inputs:
         raise click.UsageError(f"unexpected argument {input_paths[0]!r}; put --inputs before input paths")
     try:
-        report = verify(folder, tuple(input_paths) if with_inputs else None)
+        report = verify(folder, tuple(input_paths) if with_inputs else None, trust_remote_code=trust_remote_code,
+                        announce=lambda line: click.echo(line, err=True))
     except PackstreamError as e:
         _fail(e)
     for p in report.problems[:max_problems]:
         click.echo(str(p))
-    if len(report.problems) > max_problems:
-        click.echo(f"... and {len(report.problems) - max_problems} more")
+    if report.count > max_problems:
+        click.echo(f"... and {report.count - max_problems} more")
     click.echo(report.summary())
     if not report.ok:
-        click.secho(f"FAILED: {len(report.problems)} problem(s)", fg="red", err=True)
+        click.secho(f"FAILED: {report.count} problem(s)", fg="red", err=True)
         sys.exit(EXIT_VERIFY_FAILED)
     click.secho("OK", fg="green")
 

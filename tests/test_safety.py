@@ -1,0 +1,304 @@
+"""Safe by construction (issue 10): every case a careless or hostile user hit, on the ``pack`` side.
+
+The output folder is packstream's alone; one run holds it at a time; a run that fails leaves no
+complete manifest; user mistakes end in one ``error:`` line (exit 2), never a traceback or a hang;
+a file is read once and a record has one identity; options are checked before any work. (What
+the loader and ``verify`` refuse is in tests/test_loader_trust.py and tests/test_verify.py.)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import packers
+from pipeline.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+
+
+def cli(*args: str):
+    r = CliRunner().invoke(main, list(args))
+    assert isinstance(r.exception, (SystemExit, type(None))), repr(r.exception)
+    assert "Traceback" not in r.output
+    return r
+
+
+def user_error(r, *words: str) -> None:
+    """Exit 2 with exactly one ``error:`` line holding ``words``, no traceback."""
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+def write_jsonl(path: Path, records, n: int = 1) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) * n)
+    return path
+
+
+# -- 1. --overwrite never touches what is not packstream's; the output is never an input ----------
+
+
+def test_output_holding_the_input_is_refused_and_nothing_is_deleted(tmp_path):
+    proj = tmp_path / "proj"
+    src = write_jsonl(proj / "train-data.jsonl", [GOOD])
+    (proj / "README.md").write_text("my project")
+    (proj / "rejected_ideas.txt").write_text("ideas")
+    before = {p.name: p.read_bytes() for p in proj.iterdir()}
+    user_error(cli("pack", str(src), "-o", str(proj), "--overwrite", "-q"), "holds input", "somewhere else")
+    assert {p.name: p.read_bytes() for p in proj.iterdir()} == before
+
+
+@pytest.mark.parametrize("where", ["inside", "same"])
+def test_output_inside_or_equal_to_an_input_folder_is_refused(tmp_path, where):
+    data = tmp_path / "data"
+    write_jsonl(data / "a.jsonl", [GOOD])
+    out = data / "packed" if where == "inside" else data
+    user_error(cli("pack", str(data), "-o", str(out), "-q"), "--output", "input")
+    assert sorted(p.name for p in data.iterdir()) == ["a.jsonl"]
+
+
+def test_output_through_a_symlink_to_the_input_folder_is_refused(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "a.jsonl", [GOOD])
+    link = tmp_path / "link"
+    link.symlink_to(data)
+    user_error(cli("pack", str(data / "a.jsonl"), "-o", str(link), "-q", "--overwrite"), "input")
+
+
+def test_overwrite_removes_only_what_the_manifest_lists(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=5)
+    out = tmp_path / "out"
+    assert cli("pack", str(src), "-o", str(out), "-q").exit_code == 0
+    (out / "train-mine.txt").write_text("mine")  # looks like ours, is not listed: kept
+    (out / "rejected_ideas.txt").write_text("mine")
+    assert cli("pack", str(src), "-o", str(out), "-q", "--overwrite").exit_code == 0
+    assert (out / "train-mine.txt").read_text() == "mine" and (out / "rejected_ideas.txt").read_text() == "mine"
+
+
+# -- 2. one run per folder; a failed run leaves no complete manifest -------------------------------
+
+
+def _pack_proc(src: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "pack", str(src), "-o", str(out), "-q", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def test_two_runs_started_together_on_one_folder_exactly_one_wins(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=3000)
+    out = tmp_path / "out"
+    procs = [_pack_proc(src, out), _pack_proc(src, out)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    codes = sorted(r[2] for r in results)
+    assert codes == [0, 2], results
+    loser = next(r for r in results if r[2] == 2)
+    errors = [line for line in loser[1].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and ".packstream.lock" in errors[0] and "Traceback" not in loser[1], loser[1]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and {s["name"] for s in manifest["shards"]} == {
+        n for n in os.listdir(out) if n.endswith(".arrow")}
+    assert not (out / ".packstream.lock").exists()
+
+
+def test_a_stale_lock_is_reported_and_overwrite_breaks_it(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    (out / ".packstream.lock").write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(),
+                                                     "started": "2026-01-01T00:00:00Z"}))
+    user_error(cli("pack", str(src), "-o", str(out), "-q"), ".packstream.lock", "killed run", "--overwrite")
+    with pytest.raises(packers.PackstreamError, match="lock"):
+        packers.PackedDataset(str(out))
+    assert cli("pack", str(src), "-o", str(out), "-q", "--overwrite").exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_a_live_lock_is_never_broken(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    out.mkdir()
+    import socket
+
+    (out / ".packstream.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    user_error(cli("pack", str(src), "-o", str(out), "-q", "--overwrite"), "still going")
+
+
+def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"bogus": 1}, {"bogus": 2}])
+    out = tmp_path / "out"
+    r = cli("pack", str(src), "-o", str(out), "--max-reject-fraction", "0.5")
+    assert r.exit_code == 3 and "--max-reject-fraction" in r.output and "unknown_format 2" in r.output, r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["exit_code"] == 3
+    with pytest.raises(packers.PackstreamError, match="failed"):
+        packers.PackedDataset(str(out))
+    assert not (out / ".packstream.lock").exists()
+
+
+def test_an_all_rejected_run_exits_3_and_its_output_loads_as_an_empty_dataset(tmp_path):
+    import datasets
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"bogus": 1}, {"answer": 2}, {"messages": []}])
+    out = tmp_path / "out"
+    r = cli("pack", str(src), "-o", str(out))
+    assert r.exit_code == 3 and "no example was packed" in r.output, r.output
+    assert "unknown_format" in r.output and "empty_conversation" in r.output  # the summary's reasons
+    shard = next(out.glob("train-*.arrow"))
+    empty = datasets.Dataset.from_file(str(shard))
+    assert empty.num_rows == 0 and empty.features == datasets.Features.from_arrow_schema(packers.SCHEMA)
+    streamed = datasets.load_dataset(str(out), streaming=True)
+    assert list(streamed["train"]) == [] and streamed["train"].features == empty.features
+
+
+# -- 6. one error line, never a traceback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("output,words", [
+    ("/", ["filesystem root"]), ("", ["--output is empty"]), ("/proc/packstream-x", ["cannot be created"]),
+    ("~", ["home folder"]),
+])
+def test_outputs_that_are_no_folder_of_their_own(tmp_path, output, words):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    user_error(cli("pack", str(src), "-o", output, "-q"), *words)
+
+
+def test_absolute_and_relative_inputs_mixed(tmp_path, monkeypatch):
+    a = write_jsonl(tmp_path / "d1" / "a.jsonl", [GOOD])
+    write_jsonl(tmp_path / "d2" / "b.jsonl", [GOOD])
+    monkeypatch.chdir(tmp_path)
+    r = cli("pack", str(a), "d2/b.jsonl", "-o", str(tmp_path / "out"), "-q")
+    assert r.exit_code == 0, r.output
+    sources = {i["source"] for i in json.loads((tmp_path / "out" / "manifest.json").read_text())["inputs"]}
+    assert sources == {"d1/a.jsonl", "d2/b.jsonl"}
+
+
+def test_a_chat_template_that_is_not_utf8(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    tpl = tmp_path / "t.jinja"
+    tpl.write_bytes(b"{% for m in messages %}\xff\xfe{{ m['content'] }}{% endfor %}")
+    user_error(cli("pack", str(src), "-o", str(tmp_path / "out"), "--chat-template", str(tpl)), "not UTF-8")
+
+
+def test_disk_full_while_writing_is_one_error_line_and_a_failed_manifest(tmp_path, monkeypatch):
+    from pipeline import _write
+
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=50)
+    real = _write.ShardWriter.write
+
+    def write(self, batch):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_write.ShardWriter, "write", write)
+    r = cli("pack", str(src), "-o", str(tmp_path / "out"))
+    user_error(r, "cannot write to --output", "No space left on device")
+    monkeypatch.setattr(_write.ShardWriter, "write", real)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "No space left" in manifest["error"]
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith((".tmp", ".packstream"))]
+
+
+def test_a_file_size_limit_while_writing_is_one_error_line(tmp_path):
+    """A real EFBIG: the process runs under RLIMIT_FSIZE, so writes past 64 KiB fail in the worker."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"record {i} " + "lorem ipsum " * 40} for i in range(400)])
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(src), "-o", str(tmp_path / "out")],
+                          preexec_fn=limit, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "too large" in errors[0].lower(), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+# -- 7. no hangs ------------------------------------------------------------------------------------
+
+
+def test_a_fifo_input_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    started = time.time()
+    user_error(cli("pack", str(fifo), "-o", str(tmp_path / "out"), "-q"), "FIFO", "regular file")
+    assert time.time() - started < 60
+
+
+# -- 8. one identity per file and per record --------------------------------------------------------
+
+
+def test_the_same_file_twice_is_read_once(tmp_path):
+    d = tmp_path / "d"
+    write_jsonl(d / "x.jsonl", [GOOD], n=3)
+    (d / "link.jsonl").symlink_to(d / "x.jsonl")
+    out = tmp_path / "out"
+    r = cli("pack", str(d / "x.jsonl"), str(d / "." / "x.jsonl"), str(d), "-o", str(out))
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["counts"]["records_read"] == 3 and [i["source"] for i in m["inputs"]] == ["x.jsonl"]
+    assert any("same file" in n for n in m["inputs_read_once"])
+
+
+def test_explicit_ids_and_positions_never_collide_and_id_types_are_kept(tmp_path):
+    recs = [GOOD, {"id": "1", **GOOD}, {"id": 1, **GOOD}, {"id": "a:b@c#1~2", **GOOD}, {"id": 2.5, **GOOD}]
+    src = write_jsonl(tmp_path / "in.jsonl", recs)
+    out = tmp_path / "out"
+    assert cli("pack", str(src), "-o", str(out), "-q").exit_code == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["counts"]["examples_packed"] == 5 and m["counts"]["rejected"] == 0
+    import datasets
+
+    ids = sorted(i for r in datasets.Dataset.from_file(str(next(out.glob("train-*.arrow")))) for i in r["example_ids"])
+    assert ids == sorted(['in.jsonl@1', 'in.jsonl:"1"', 'in.jsonl:1', 'in.jsonl:a:b@c%231%7E2', 'in.jsonl:2.5'])
+
+
+# -- 9. options and odd files --------------------------------------------------------------------
+
+
+def test_a_file_named_like_a_glob_is_taken_literally(tmp_path):
+    src = write_jsonl(tmp_path / "a[1].jsonl", [GOOD])
+    write_jsonl(tmp_path / "a1.jsonl", [GOOD, GOOD])  # what the glob would match instead
+    out = tmp_path / "out"
+    assert cli("pack", str(src), "-o", str(out), "-q").exit_code == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert [i["source"] for i in m["inputs"]] == ["a[1].jsonl"] and m["counts"]["records_read"] == 1
+
+
+@pytest.mark.parametrize("newline", [b"\r", b"\r\n", b"\n"])
+def test_every_line_ending_splits_records(tmp_path, newline):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(newline.join(json.dumps({**GOOD, "id": f"r{i}"}).encode() for i in range(5)) + newline)
+    out = tmp_path / "out"
+    assert cli("pack", str(src), "-o", str(out), "-q").exit_code == 0
+    c = json.loads((out / "manifest.json").read_text())["counts"]
+    assert c["records_read"] == 5 and c["examples_packed"] == 5
+
+
+def test_a_one_line_json_array_in_a_jsonl_is_a_clear_error(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps([GOOD] * 10))
+    user_error(cli("pack", str(src), "-o", str(tmp_path / "out")), "one JSON array on a single line", ".json")
+
+
+def test_quiet_silences_worker_processes(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=200)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(src), "-o", str(tmp_path / "out"), "-q",
+                           "--workers", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr == "", proc.stderr[-3000:]
