@@ -54,6 +54,8 @@ class _Prepared:
     """(example id, source, position, dataset) of each kept record."""
     direct: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     """Index in ``meta`` -> a pre-tokenized (2, n) example."""
+    no_eos: set[int] = dataclasses.field(default_factory=set)
+    """Indices in ``meta`` that get no EOS appended (pre-tokenized examples and labelled segments)."""
     rejected: list[dict] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -122,6 +124,8 @@ class Encoder:
                 if conv.tokens is not None:
                     p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                 else:
+                    if not self.renderer.appends_eos(conv):  # labelled segments: trained exactly as labelled
+                        p.no_eos.add(len(p.meta))
                     segs = self.renderer.segments(conv, fmt)
                     k = len(p.meta)
                     p.texts.extend(t for t, _ in segs)
@@ -148,7 +152,7 @@ class Encoder:
         rec_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
         if direct:  # splice pre-tokenized examples in at their place
             ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
-        ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, direct)
+        ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, set(direct) | p.no_eos)
 
         starts = np.concatenate([[0], np.cumsum(rec_lens)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
         targets = np.add.reduceat(mask.astype(np.int64), starts) if n and len(mask) else np.zeros(n, np.int64)
@@ -178,16 +182,17 @@ class Encoder:
             counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies
         return Encoded(batch, rejected, counts)
 
-    def _append_eos(self, ids, mask, rec_lens, direct):
+    def _append_eos(self, ids, mask, rec_lens, skip: set[int]):
         """Every rendered example ends with the tokenizer's EOS: append it where the text did not end with it.
-        The EOS is a target when the example's last token is one. Pre-tokenized examples stay as they are."""
+        The EOS is a target when the example's last token is one. ``skip``: examples that stay as they are
+        (pre-tokenized records, labelled segments)."""
         if self.eos_id is None or not len(rec_lens):
             return ids, mask, rec_lens
         ends = np.cumsum(rec_lens)
         need = rec_lens > 0
         need[rec_lens > 0] &= ids[ends[rec_lens > 0] - 1] != self.eos_id
-        if direct:
-            need[list(direct)] = False
+        if skip:
+            need[list(skip)] = False
         if not need.any():
             return ids, mask, rec_lens
         at = ends[need]

@@ -629,12 +629,6 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     options = dataclasses.replace(options, output=output)
     files, notes = _read.expand_datasets(options.datasets())
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-    for d in options.datasets():
-        if d.format.tokenized_with is not None and d.format.tokenized_with != options.tokenizer:
-            raise PackstreamError(
-                f"data set {d.name!r}: --tokenized-with {d.format.tokenized_with!r} differs from --tokenizer "
-                f"{options.tokenizer!r}; pre-tokenized ids must come from the tokenizer the job packs for"
-            )
     workers = options.workers or default_workers()
     pipe_opts, runner = pipeline_options(beam_args, workers)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location

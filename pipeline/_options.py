@@ -344,6 +344,12 @@ class PackOptions(FormatOptions):
         for spec in self.config:
             if not isinstance(spec, DatasetSpec):
                 raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
+        for spec in self.datasets():
+            if spec.format.tokenized_with not in (None, self.tokenizer):
+                raise PackstreamError(
+                    f"--tokenized-with {spec.format.tokenized_with!r} (data set {spec.name!r}) differs from --tokenizer "
+                    f"{self.tokenizer!r}; pre-tokenized input_ids must come from the tokenizer that packs them"
+                )
 
     def datasets(self) -> tuple[DatasetSpec, ...]:
         """The data sets of this run: the config's, or one made of INPUT and the format flags."""

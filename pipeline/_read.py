@@ -44,6 +44,16 @@ class InputFile:
     """Index of the data set (``PackOptions.datasets()``) whose format options apply."""
 
 
+def open_raw(path: str):
+    """A file's bytes as a binary stream: the local file system directly (no Beam import), else Beam's
+    FileSystems (gs://, s3://, ...), uncompressed."""
+    if "://" not in path:
+        return open(path, "rb")
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(path, compression_type="uncompressed")
+
+
 def _kind(path: str) -> str | None:
     low = path.lower()
     for exts, kind in ((_JSONL, "jsonl"), (_JSON, "json"), (_PARQUET, "parquet"), (_ARROW, "arrow")):
@@ -53,10 +63,10 @@ def _kind(path: str) -> str | None:
 
 
 def _is_hf_disk(path: str) -> bool:
-    from apache_beam.io.filesystems import FileSystems
-
     if "://" not in path:
         return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json"))
+    from apache_beam.io.filesystems import FileSystems
+
     return any(
         FileSystems.exists(FileSystems.join(path, name)) for name in ("state.json", "dataset_dict.json")
     )
@@ -64,10 +74,8 @@ def _is_hf_disk(path: str) -> bool:
 
 def _sniff(path: str, kind: str) -> None:
     """Refuse a file whose bytes do not match its extension, or that is empty."""
-    from apache_beam.io.filesystems import FileSystems
-
     try:
-        with FileSystems.open(path, compression_type="uncompressed") as f:
+        with open_raw(path) as f:
             head = f.read(4096)
     except (OSError, IOError) as e:  # permissions, a folder named like a file, a vanished file
         raise PackstreamError(f"cannot read input {path}: {type(e).__name__}: {e}; check the path and its permissions") from None
@@ -125,9 +133,7 @@ def _one_line(path: str) -> bool:
 
 
 def _gunzip_head(path: str) -> bytes:
-    from apache_beam.io.filesystems import FileSystems
-
-    with FileSystems.open(path, compression_type="gzip") as f:
+    with open_raw(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
         return f.read(4096)
 
 
@@ -296,9 +302,7 @@ def _open_bytes(path: str) -> Iterator[Any]:
     and at a truncated gzip member it stops silently, so the rest of the file would vanish
     without a trace; ``gzip.GzipFile`` raises EOFError (see :func:`read_file`).
     """
-    from apache_beam.io.filesystems import FileSystems
-
-    with FileSystems.open(path, compression_type="uncompressed") as raw:
+    with open_raw(path) as raw:
         if path.lower().endswith(".gz"):
             with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
                 yield gz
@@ -420,7 +424,6 @@ def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> 
     """Rows ``start:stop`` of a table input, in lists of up to 1024."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from apache_beam.io.filesystems import FileSystems
 
     if f.kind == "hf_disk":
         import datasets
@@ -433,7 +436,7 @@ def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> 
         for i in range(start, stop, 1024):
             yield ds[i:min(i + 1024, stop)].to_pylist()
         return
-    with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+    with open_raw(f.path) as fh:
         if f.kind == "parquet":
             pf = pq.ParquetFile(fh)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
@@ -482,11 +485,10 @@ TASK_ROWS = 65_536
 
 def plan_tasks(f: InputFile, task_bytes: int = TASK_BYTES) -> list[ReadTask]:
     """The read tasks of one input. Splitting a JSONL file counts its lines once (fast: a byte scan)."""
-    from apache_beam.io.filesystems import FileSystems
 
     if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
         tasks, start, line = [], 0, 1
-        with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+        with open_raw(f.path) as fh:
             pos, pending = 0, 0
             while True:
                 block = fh.read(8 * 2**20)
@@ -516,9 +518,8 @@ def _row_ranges(f: InputFile) -> list[tuple[int, Optional[int]]]:
         n = count_records(f)
         return [(a, min(a + TASK_ROWS, n)) for a in range(0, max(n, 1), TASK_ROWS)]
     import pyarrow.parquet as pq
-    from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+    with open_raw(f.path) as fh:
         meta = pq.ParquetFile(fh).metadata
     out, start, first = [], 0, 0
     for g in range(meta.num_row_groups):
@@ -532,7 +533,6 @@ def _row_ranges(f: InputFile) -> list[tuple[int, Optional[int]]]:
 
 def count_records(f: InputFile) -> int:
     """Records in one input, as cheaply as the format allows (the progress total and the group count)."""
-    from apache_beam.io.filesystems import FileSystems
 
     if f.kind == "jsonl":
         n, last = 0, b"\n"
@@ -545,7 +545,7 @@ def count_records(f: InputFile) -> int:
     if f.kind == "parquet":
         import pyarrow.parquet as pq
 
-        with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+        with open_raw(f.path) as fh:
             return pq.ParquetFile(fh).metadata.num_rows
     if f.kind == "hf_disk":
         import datasets

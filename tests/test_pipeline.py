@@ -91,7 +91,8 @@ def _expected_chatml(rec: dict, options: PackOptions):
         turns = [("user", rec["instruction"] + ("\n\n" + inp if inp.strip() else "")),
                  ("assistant", rec.get("output", rec.get("response")))]
     elif isinstance(rec.get("messages"), list) and all(isinstance(m.get("content"), str) and m.get("role") in
-                                                       ("system", "user", "assistant") for m in rec["messages"]):
+                                                       ("system", "user", "assistant") and set(m) <= {"role", "content"}
+                                                       for m in rec["messages"]):
         turns = [(m["role"], m["content"]) for m in rec["messages"]]
     elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
         turns = [("user", rec["prompt"]), ("assistant", rec["completion"])]
