@@ -30,19 +30,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rendered_texts(data: str, options) -> list[str]:
-    from pipeline._formats import Rejected, normalize
-    from pipeline._read import expand_inputs, read_file
-    from pipeline._render import Renderer
+def rendered_texts(options) -> list[str]:
+    """Every packable record's full text, as the job renders it (the encode stage's own prepare step),
+    EOS included: what the raw tokenizer and the TRL path tokenize."""
+    from pipeline._encode import Encoder
+    from pipeline._read import expand_datasets, read_file
 
-    renderer = Renderer(options)
+    encoder = Encoder(options)
+    eos = encoder.renderer.tok.eos_token
     texts = []
-    for f in expand_inputs(options.inputs):
-        for _, rec in read_file(f, options.max_record_bytes):
-            try:
-                texts.append(renderer.render_text(normalize(rec, options.format, options.fields)))
-            except Rejected:
-                pass
+    for f in expand_datasets(options.datasets())[0]:
+        chunk = [(f.dataset, f.source, pos, rec) for pos, rec in read_file(f, options.max_record_bytes)]
+        p = encoder.prepare(chunk)
+        joined = [""] * len(p.meta)
+        for owner, text in zip(p.owner, p.texts):
+            joined[owner] += text
+        texts += [t.rstrip() + eos for t in joined if t]
     return texts
 
 
@@ -52,10 +55,11 @@ def bench_packstream(options, workers: int) -> tuple[float, dict]:
     from pipeline import run
 
     out = tempfile.mkdtemp(prefix="bench-ps-")
+    shutil.rmtree(out)
     try:
-        opts = dataclasses.replace(options, output=out, overwrite=True)
+        opts = dataclasses.replace(options, output=out, workers=workers)
         t = time.perf_counter()
-        manifest = run(opts, workers=workers)
+        manifest = run(opts)
         return time.perf_counter() - t, manifest["counts"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -100,12 +104,12 @@ def main(argv=None) -> None:
     if not Path(args.data).exists():
         sys.exit(f"no data at {args.data}; pass --data")
     from pipeline import PackOptions
-    from pipeline._render import load_tokenizer
+    from pipeline._tokenizer import load_tokenizer
 
     options = PackOptions(inputs=(args.data,), output="unused", max_tokens=args.max_tokens,
                           fields=(("question", "user"), ("answer", "assistant")))
     tok = load_tokenizer(options.tokenizer)
-    texts = rendered_texts(args.data, options)
+    texts = rendered_texts(options)
     bench_packstream(options, args.workers)  # warm-up: imports, tokenizer load, page cache
 
     ps = min((bench_packstream(options, args.workers) for _ in range(args.repeats)), key=lambda r: r[0])
