@@ -374,3 +374,66 @@ def test_refine_is_valid_deterministic_and_never_worse(lengths, budget, long):
     assert key(refined) == key(base)
     again = pack(lengths, budget, long=long, refine=True)
     assert np.array_equal(again.order, refined.order) and np.array_equal(again.row_offsets, refined.row_offsets)
+
+
+# ---------------------------------------------------------------------------------------
+# An independent reference for the loop-based strategies: written out here from their textbook
+# definitions, sharing no code with packers._pack (whose per-item loop they also run on).
+
+
+def _reference_rows(lengths, budget: int, strategy: str, long: LongPolicy, max_per_row):
+    """Rows as lists of (example, start, stop): next-fit and padded (a row per piece) in input
+    order; first-fit in decreasing order (longest first, ties by example, then piece); a row
+    holding ``max_per_row`` pieces takes no more."""
+    pieces = []
+    for i, n in enumerate(int(x) for x in lengths):
+        if n == 0 or (n > budget and long is LongPolicy.DROP):
+            continue
+        if n <= budget:
+            pieces.append((i, 0, n))
+        elif long is LongPolicy.TRUNCATE:
+            pieces.append((i, 0, budget))
+        else:
+            pieces += [(i, a, min(a + budget, n)) for a in range(0, n, budget)]
+    if strategy == "ffd":
+        pieces.sort(key=lambda p: (-(p[2] - p[1]), p[0], p[1]))
+    rows: list[list[tuple[int, int, int]]] = []
+    used: list[int] = []
+
+    def fits(r: int, size: int) -> bool:
+        return used[r] + size <= budget and (max_per_row is None or len(rows[r]) < max_per_row)
+
+    for p in pieces:
+        size = p[2] - p[1]
+        if strategy == "next_fit":
+            target = len(rows) - 1 if rows and fits(len(rows) - 1, size) else None
+        elif strategy == "ffd":
+            target = next((r for r in range(len(rows)) if fits(r, size)), None)
+        else:  # padded
+            target = None
+        if target is None:
+            rows.append([])
+            used.append(0)
+            target = len(rows) - 1
+        rows[target].append(p)
+        used[target] += size
+    return rows
+
+
+@pytest.mark.parametrize("strategy", ["ffd", "next_fit", "padded"])
+@settings(max_examples=300, deadline=None)
+@given(inp=packing_inputs())
+def test_loop_strategies_match_an_independent_reference(strategy, inp):
+    lengths, budget, long, max_per_row = inp
+    r = pack(lengths, budget, strategy, long=long, max_per_row=max_per_row)
+    got = [list(zip(*spans)) for spans in _row_spans(r)]
+    assert got == _reference_rows(lengths, budget, strategy, long, max_per_row)
+
+
+def test_the_reference_on_a_worked_example():
+    # budget 10: next-fit in order 6|3 -> row 0 holds 9; 5 opens row 1; 4 does not fit 1 left... -> row 2.
+    assert _reference_rows([6, 3, 5, 4, 1], 10, "next_fit", LongPolicy.DROP, None) == [
+        [(0, 0, 6), (1, 0, 3)], [(2, 0, 5), (3, 0, 4), (4, 0, 1)]]
+    # first-fit decreasing: 6, 5, 4, 3, 1 -> 6+4, 5+3+1
+    assert _reference_rows([6, 3, 5, 4, 1], 10, "ffd", LongPolicy.DROP, None) == [
+        [(0, 0, 6), (3, 0, 4)], [(2, 0, 5), (1, 0, 3), (4, 0, 1)]]
