@@ -59,7 +59,7 @@ import math
 import re
 from typing import Any, Optional, Sequence
 
-from pipeline._options import Format, FormatOptions, LeadingAssistant, SameRole, TrainOn
+from pipeline._options import Format, FormatOptions, LeadingAssistant, SameRole, TrainOn, parse_path  # noqa: F401 - parse_path re-exported
 
 
 class Reason(str, enum.Enum):
@@ -163,21 +163,7 @@ line (or after whitespace, when that finds no assistant turn otherwise), ``###``
 
 _ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape
 
-_PATH_RE = re.compile(r"(?:[^.\[\]]+|\[-?\d+\])(?:\.[^.\[\]]+|\[-?\d+\])*")
-_PATH_TOKEN = re.compile(r"\[(-?\d+)\]|([^.\[\]]+)")
 _MISSING = object()
-
-
-@functools.lru_cache(maxsize=256)
-def parse_path(path: str) -> tuple:
-    """``"choices[0].turns"`` -> ``("choices", 0, "turns")``; ValueError if it is not a path.
-
-    >>> parse_path("a.b"), parse_path("choices[0].turns"), parse_path("x[-1]")
-    (('a', 'b'), ('choices', 0, 'turns'), ('x', -1))
-    """
-    if not isinstance(path, str) or not _PATH_RE.fullmatch(path):
-        raise ValueError(f"{path!r} is not a field path (e.g. answer, meta.answer, choices[0].turns)")
-    return tuple(int(i) if i else key for i, key in _PATH_TOKEN.findall(path))
 
 
 def resolve(record: Any, path: str) -> Any:

@@ -656,7 +656,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
                         client.close()
             except PackstreamError:
                 raise
-            except Exception as e:  # a runner error: our typed outcome (if any) says more than its text
+            except Exception:  # a runner error: our typed outcome (if any) says more than its text
                 outcome = _read_outcome(outcome_path)
                 if outcome:
                     raise PackstreamError(outcome["error"]) from None

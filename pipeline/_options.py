@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
+import re
 from typing import Any, Optional
 
 from packers import LongPolicy, PackstreamError
@@ -77,6 +79,21 @@ class PackMode(str, enum.Enum):
 
 
 ROLES = ("system", "user", "assistant", "tool")
+
+_PATH_RE = re.compile(r"(?:[^.\[\]]+|\[-?\d+\])(?:\.[^.\[\]]+|\[-?\d+\])*")
+_PATH_TOKEN = re.compile(r"\[(-?\d+)\]|([^.\[\]]+)")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_path(path: str) -> tuple:
+    """The one field-path grammar: ``"choices[0].turns"`` -> ``("choices", 0, "turns")``; ValueError if it is not a path.
+
+    >>> parse_path("a.b"), parse_path("choices[0].turns"), parse_path("x[-1]")
+    (('a', 'b'), ('choices', 0, 'turns'), ('x', -1))
+    """
+    if not isinstance(path, str) or not _PATH_RE.fullmatch(path):
+        raise ValueError(f"{path!r} is not a field path (e.g. answer, meta.answer, choices[0].turns)")
+    return tuple(int(i) if i else key for i, key in _PATH_TOKEN.findall(path))
 
 
 def cli(flag: str, help: str, *, short: Optional[str] = None, metavar: Optional[str] = None,
@@ -181,8 +198,6 @@ class FormatOptions:
                 "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
                 f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
             )
-        from pipeline._formats import parse_path  # the one path grammar (a.b, choices[0].turns)
-
         for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field")]:
             if path is not None:
                 try:

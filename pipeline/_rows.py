@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa

@@ -1,0 +1,118 @@
+"""The layering of ../shared/STYLE.md, checked on the source: no import circles, each layer imports
+only the layers below it, packing needs no torch, training needs no pipeline.
+
+    Face     pipeline/cli.py, pipeline/__init__.py
+    Job      the Beam composites and progress       Tools   verify, inspect, estimate, preview
+    Encode   one stage: records -> encoded examples + typed rejections
+    Stages   read, formats, render, rows, write, options, spill, tokenizer, output
+    Core     packers: pack, stats, schema, errors, manifest     Loader   packers: collate, dataset, attention
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = {
+    "face": {"pipeline.cli", "pipeline"},
+    "job": {"pipeline._job", "pipeline._progress", "pipeline._worker"},
+    "tools": {"pipeline._verify", "pipeline._inspect", "pipeline._estimate", "pipeline._preview"},
+    "encode": {"pipeline._encode"},
+    "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
+               "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output"},
+    "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers"},
+    "loader": {"packers._collate", "packers._loader", "packers._attention"},
+}
+ALLOWED = {  # what each layer may import, besides itself
+    "face": {"job", "tools", "encode", "stages", "core", "loader"},
+    "job": {"encode", "stages", "core"},
+    "tools": {"encode", "stages", "core"},
+    "encode": {"stages", "core"},
+    "stages": {"core"},
+    "core": set(),
+    "loader": {"core"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in ("pipeline", "packers"):
+        for path in sorted((ROOT / pkg).glob("*.py")):
+            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+            out[name] = path
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports (``from pipeline import _read`` counts as pipeline._read)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            # `from pipeline import _rows` imports pipeline._rows; the package counts only for its own names.
+            names = [s for s in subs if s in known] or [node.module]
+        else:
+            continue
+        found |= {n for n in names if n in known}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def _layer(module: str) -> str:
+    return next(name for name, members in LAYERS.items() if module in members)
+
+
+def test_every_module_has_a_layer():
+    for m in _modules():
+        _layer(m)
+
+
+def test_no_import_circles():
+    graph = _graph()
+    # `import pipeline` / `import packers` name the package facades; only the private modules form the graph.
+    graph = {m: {d for d in deps if d not in ("pipeline", "packers")} for m, deps in graph.items()
+             if m not in ("pipeline", "packers")}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            assert state.get(d) != 1, "import circle: " + " -> ".join(path + [m, d])
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_each_layer_imports_only_the_layers_below():
+    for m, deps in _graph().items():
+        for d in deps:
+            a, b = _layer(m), _layer(d)
+            if a == b or d == "packers":  # the packers facade re-exports core names (loader names lazily)
+                continue
+            assert b in ALLOWED[a], f"{m} ({a}) imports {d} ({b})"
+
+
+def test_packing_needs_no_torch_and_training_no_pipeline():
+    for m, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        if _layer(m) in ("core", "stages", "encode", "job", "tools") and m != "packers":
+            assert not any(x == "torch" or x.startswith("torch.") for x in names), f"{m} imports torch at module level"
+        if m.startswith("packers"):
+            assert not any(x.startswith("pipeline") for x in names), f"{m} imports the pipeline"
