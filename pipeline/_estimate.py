@@ -1,21 +1,29 @@
-"""Predict a packing job from a sample of its inputs: ``packstream pack --estimate``.
+"""Predict a packing job from a sample of its inputs: ``packstream estimate`` (``pack --estimate``).
 
 For each input, :func:`sample_input` takes about ``k`` records spread over the whole file
 (evenly spaced seeks for JSONL, evenly spaced rows elsewhere, a seeded reservoir for gzip) and
 counts the records (exactly where that is cheap; otherwise file bytes / sampled bytes per
-record). :func:`estimate` then runs the job's own code on the sample (``_read`` parsing,
-``_formats.normalize``, ``_render.Renderer``) and extrapolates::
+record). :func:`estimate` then runs the job's own stages on the sample: the encode stage
+(:meth:`pipeline._encode.Encoder.encode`: normalize, render, tokenize, sample or repeat per data
+set) and the long-example policy (:func:`pipeline._rows.pieces`), and extrapolates::
 
-    per input f:   N_f records (counted or projected) | sample of k_f: rejected by reason,
-                   token lengths L_f, targets, seconds per record
-    examples       sum_f N_f * (kept_f / k_f)
-    tokens         sum_f examples_f * mean(L_f after --long)           (truncate: min(L, budget))
-    rows, fill     packers.pack on lengths resampled from L_f to the projected count (capped),
-                   in groups of the size the grouped job would use, scaled back up
-    output bytes   tokens * (bytes per token of a real shard encoded from the packed sample)
-    local time     startup + tokenizer load + records * measured seconds per record
-                   + Beam's per-record and per-token overhead (calibrated, see _BEAM_*)
+    per input f     N_f records (counted or projected), k_f sampled; scale_f = N_f / k_f
+    counts          rejected by reason, not sampled, repeated copies, dropped for length,
+                    truncated / split: what the sample gives, times scale_f
+    splits          each sampled example goes to validation with probability
+                    --validation-fraction (its copies and pieces with it)
+    tokens, pieces  per split: sum_f scale_f * (the sample's pieces, after --long)
+    rows, fill      per split: packers.pack_stream on piece lengths resampled to the projected
+                    count (capped at _SIM_CAP), in as many groups as the job plans
+                    (pipeline._write.shard_layout), scaled back up
+    shards          pipeline._write.shard_layout: --num-shards, else one per SHARD_TOKENS
+                    tokens of input bytes, never more than the groups
+    output bytes    shards * (an empty shard's bytes) + tokens * (bytes per token of a real shard
+                    written from the packed sample, pipeline._write.ShardWriter)
+    local time      startup + tokenizer load + records * measured seconds per record
+                    + Beam's per-record and per-token overhead (calibrated, see _BEAM_*)
 
+Sizes are computed in bytes and shown in binary units (KiB, MiB, GiB: powers of 1024).
 Duplicate ids are not detected from a sample; the prediction assumes none.
 """
 
@@ -30,9 +38,11 @@ from typing import Any, Sequence
 import numpy as np
 
 import packers
-from packers import LongPolicy, PackstreamError
-from pipeline import _read
-from pipeline._formats import Rejected, normalize
+from packers import PackstreamError
+import pipeline._read as _read
+import pipeline._rows as _rows
+import pipeline._write as _write
+from pipeline._formats import Reason
 from pipeline._options import PackMode, PackOptions
 
 _SMALL = 32 * 2**20
@@ -45,7 +55,7 @@ _SIM_CAP = 1_000_000
 _BEAM_STARTUP_S = 2.0
 _BEAM_PER_RECORD_S = 30e-6
 _BEAM_PER_TOKEN_S = 0.2e-6
-ESTIMATE_SCHEMA_VERSION = 1
+ESTIMATE_SCHEMA_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,215 +195,254 @@ def sample_input(f: _read.InputFile, k: int = 1000, max_bytes: int = 16 * 2**20,
     return InputSample(f, n, exact, sample, time.perf_counter() - started, len(sample))
 
 
-def count_records(f: _read.InputFile) -> int:
-    """Records in one input, as cheaply as the format allows (used for the progress ETA)."""
-    if f.kind == "jsonl" and not f.path.lower().endswith(".gz") and "://" not in f.path:
-        return _count_lines(f.path)
-    if f.kind == "parquet":
-        import pyarrow.parquet as pq
-        from apache_beam.io.filesystems import FileSystems
-
-        with FileSystems.open(f.path, compression_type="uncompressed") as fh:
-            return pq.ParquetFile(fh).metadata.num_rows
-    if f.kind == "arrow":
-        import pyarrow as pa
-        from apache_beam.io.filesystems import FileSystems
-
-        with FileSystems.open(f.path, compression_type="uncompressed") as fh:
-            data = fh.read()
-        try:
-            return sum(b.num_rows for b in pa.ipc.open_stream(data))
-        except pa.ArrowInvalid:
-            return pa.ipc.open_file(data).read_all().num_rows
-    return sample_input(f, k=1).records
-
-
 # ---------------------------------------------------------------------------------------
+# The sample through the job's stages
 
 
 @dataclasses.dataclass
-class _Tokenized:
+class _Encoded:
+    """One input's sample after the encode stage and the --long policy."""
+
     sample: InputSample
+    rejected: dict[str, int]
+    """Dead letters by reason (too_long excluded: ``counts["dropped_too_long"]``)."""
+    counts: dict[str, int]
+    """not_sampled, repeated_copies, dropped_too_long, truncated_examples, split_examples,
+    no_target_pieces, examples_packed."""
     lengths: np.ndarray
+    """Tokens of every piece that would be packed."""
     targets: np.ndarray
-    """Target tokens per example within the first ``budget`` tokens (what --long truncate keeps)."""
-    full_targets: np.ndarray
-    rejected: dict
+    """Target tokens of every piece."""
+    validation: np.ndarray
+    """bool per piece: it goes to the validation split."""
+    batch: _rows.ExampleBatch
+    """The encoded examples (copies included), for a real shard of the sample."""
     seconds_per_record: float
-    """Reading, parsing, normalizing, rendering and tokenizing one record (measured)."""
-    examples: list
+    """Reading, parsing, encoding and cutting one record (measured)."""
 
 
-def _tokenize(s: InputSample, options: PackOptions, renderer) -> _Tokenized:
-    from pipeline._rows import Example, example_id
+def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random.Generator) -> _Encoded:
+    from pipeline._encode import add_counts
 
     started = time.perf_counter()
+    items = [(s.file.dataset, s.file.source, pos, rec) for pos, rec in s.sample]
+    batches, dead, counts = [], [], {}
+    for i in range(0, len(items), options.batch_size):
+        enc = encoder.encode(items[i:i + options.batch_size])
+        batches.append(enc.batch)
+        dead += enc.rejected
+        add_counts(counts, enc.counts)
+    batch = _rows.ExampleBatch.concat(batches)
+    stats: dict[str, int] = {}
+    ex, starts, stops, _ = _rows.pieces(batch, options, dead, stats)
+    abs_starts, abs_stops = batch.offsets[ex] + starts, batch.offsets[ex] + stops
+    cum = np.concatenate([[0], np.cumsum(batch.loss_mask, dtype=np.int64)])
+    # The split of an example follows its record: copies (~k) and pieces (#k) stay together.
+    base = [_rows.base_id(i) for i in batch.ids]
+    held_out = {b: rng.random() < options.validation_fraction for b in sorted(set(base))}
+    validation = np.array([held_out[base[e]] for e in ex.tolist()], dtype=bool)
     rejected: dict[str, int] = {}
-    convs = []
-    for pos, record in s.sample:
-        try:
-            if isinstance(record, Rejected):
-                raise record
-            convs.append((pos, record, normalize(record, options.format, options.fields)))
-        except Rejected as r:
-            rejected[r.reason.value] = rejected.get(r.reason.value, 0) + 1
-    examples, lengths, targets, full = [], [], [], []
-    for i in range(0, len(convs), options.batch_size):
-        batch = convs[i : i + options.batch_size]
-        for (pos, record, _), res in zip(batch, renderer.encode([c for _, _, c in batch])):
-            if isinstance(res, Rejected):
-                rejected[res.reason.value] = rejected.get(res.reason.value, 0) + 1
-                continue
-            examples.append(Example(example_id(s.file.source, pos, record), s.file.source, pos, res))
-            lengths.append(res.shape[1])
-            targets.append(int(res[1, : options.max_tokens].sum()))
-            full.append(int(res[1].sum()))
-    k = max(1, len(s.sample))
-    per_record = (time.perf_counter() - started) / k + s.seconds / max(1, s.parsed)
-    return _Tokenized(
-        s, np.array(lengths, np.int64), np.array(targets, np.int64), np.array(full, np.int64), rejected,
-        per_record, examples,
-    )
+    for r in dead:
+        if r["reason"] != Reason.TOO_LONG.value:
+            rejected[r["reason"]] = rejected.get(r["reason"], 0) + 1
+    for key in ("dropped_too_long", "truncated_examples", "split_examples", "no_target_pieces"):
+        counts[key] = stats.get(key, 0)
+    counts["examples_packed"] = int(len(np.unique(ex)))
+    per_record = (time.perf_counter() - started) / max(1, len(items)) + s.seconds / max(1, s.parsed)
+    return _Encoded(s, rejected, counts, (stops - starts).astype(np.int64), cum[abs_stops] - cum[abs_starts],
+                    validation, batch, per_record)
 
 
-def _kept_tokens(lengths: np.ndarray, budget: int, long: LongPolicy) -> np.ndarray:
-    """Tokens each example contributes to the rows under the --long policy."""
-    if long is LongPolicy.DROP:
-        return np.where(lengths > budget, 0, lengths)
-    if long is LongPolicy.TRUNCATE:
-        return np.minimum(lengths, budget)
-    return lengths
-
-
-def _simulate_rows(tok: list[_Tokenized], examples: list[float], options: PackOptions, seed: int) -> tuple[float, float]:
-    """(rows, pieces) for the projected examples, by packing resampled lengths."""
-    total = sum(examples)
+def _simulate_rows(parts: Sequence[tuple[np.ndarray, float]], groups: int, options: PackOptions,
+                   rng: np.random.Generator) -> float:
+    """Rows for ``sum(projected)`` pieces whose lengths are like ``lengths``, per ``(lengths, projected)``
+    of each input, packed in ``groups`` groups as the job packs them."""
+    total = sum(n for _, n in parts)
     if total < 1:
-        return 0.0, 0.0
-    m = int(min(total, _SIM_CAP))
-    rng = np.random.default_rng(seed)
-    parts = []
-    for t, e in zip(tok, examples):
-        take = int(round(e * m / total))
-        if take == len(t.lengths):
-            parts.append(t.lengths)  # the whole input was sampled: its own lengths, no resampling noise
-        elif take and len(t.lengths):
-            parts.append(rng.choice(t.lengths, size=take, replace=True))
-    if not parts:
-        return 0.0, 0.0
-    lengths = np.concatenate(parts)
-    rng.shuffle(lengths)  # the grouped job keys examples by a hash of their id: groups mix inputs
-    kw = dict(long=options.long, max_per_row=options.max_per_row,
-              refine=options.refine and options.max_per_row is None)  # as _rows.plan packs
+        return 0.0
+    m = int(min(round(total), _SIM_CAP))
+    drawn = []
+    for lengths, n in parts:
+        take = int(round(n * m / total))
+        if take == len(lengths):
+            drawn.append(lengths)  # the whole input was sampled: its own lengths, no resampling noise
+        elif take and len(lengths):
+            drawn.append(rng.choice(lengths, size=take, replace=True))
+    if not drawn:
+        return 0.0
+    lengths = np.concatenate(drawn)
+    rng.shuffle(lengths)  # the job keys examples into groups by a hash of their id: groups mix inputs
+    refine = options.refine and options.max_per_row is None  # as pipeline._rows.pack_group packs
     if options.mode is PackMode.GLOBAL:
-        result = packers.pack(lengths, options.max_tokens, **kw)
+        result = packers.pack(lengths, options.max_tokens, max_per_row=options.max_per_row, refine=refine)
     else:
-        groups = max(1, math.ceil(total / options.group_size))
         group = max(1, math.ceil(total / groups))  # hash buckets are about equal
-        result = packers.pack_stream(lengths, options.max_tokens, group_size=group, **kw)
-    scale = total / len(lengths)
-    return result.num_rows * scale, len(result.order) * scale
+        result = packers.pack_stream(lengths, options.max_tokens, group_size=group,
+                                     max_per_row=options.max_per_row, refine=refine)
+    return result.num_rows * total / len(lengths)
 
 
-def _bytes_per_token(tok: list[_Tokenized], options: PackOptions) -> float:
-    """Bytes per token of a real shard (this --output-format) built from the packed sample."""
-    from pipeline import _rows, _write
+def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict, eos_id) -> tuple[float, float]:
+    """(bytes of an empty shard, bytes per token of a shard written from the packed sample), by writing both
+    with the job's own writer (this --output-format) into a temporary folder."""
+    import tempfile
 
-    examples = [e for t in tok for e in t.examples]
-    if not examples:
-        return 5.0
-    rows, _, _ = _rows.pack_group(examples, options)
-    if not rows:
-        return 5.0
-    table = _write.rows_table(rows, packers.SCHEMA)
-    data = _write.encode_shard(table, options.output_format.value)
-    return len(data) / sum(r["num_tokens"] for r in rows)
+    import pyarrow as pa
+
+    schema = pa.schema(packers.SCHEMA, metadata=packers.schema_metadata(
+        budget=options.max_tokens, tokenizer=identity["name"], vocab_sha256=identity["vocab_sha256"],
+        pad_token_id=identity["pad_token_id"], eos_token_id=identity["eos_token_id"]))
+    fmt = options.output_format.value
+    ext = "parquet" if fmt == "parquet" else "arrow"
+    with tempfile.TemporaryDirectory(prefix="packstream-estimate-") as tmp:
+        empty = _write.ShardWriter(tmp, _write.shard_name("train", 0, 2, ext), schema, fmt).close("train")["bytes"]
+        if not len(batch):
+            return float(empty), 5.0
+        rows = _rows.pack_group(batch, options, eos_id).batch
+        writer = _write.ShardWriter(tmp, _write.shard_name("train", 1, 2, ext), schema, fmt)
+        writer.write(rows)
+        desc = writer.close("train")
+    if not desc["tokens"]:
+        return float(empty), 5.0
+    return float(empty), (desc["bytes"] - empty) / desc["tokens"]
 
 
-def estimate(options: PackOptions, *, sample: int = 1000, workers: int = 1, seed: int = 0) -> dict[str, Any]:
+def _input_bytes(f: _read.InputFile) -> int:
+    """The input's size as the job sizes shards from it (a datasets folder counts 0, as there)."""
+    if f.kind == "hf_disk":
+        return 0
+    try:
+        return _size(f.path)
+    except Exception:  # noqa: BLE001 - as the job: an unsizable input adds nothing
+        return 0
+
+
+def _read_tasks(f: _read.InputFile, records: int) -> int:
+    """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
+    if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
+        return max(1, math.ceil(_input_bytes(f) / _read.TASK_BYTES))
+    if f.kind in ("parquet", "hf_disk"):
+        return max(1, math.ceil(records / _read.TASK_ROWS))
+    return 1
+
+
+def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
     """Predict rows, fill, tokens, output size and the local run time of ``packstream pack``.
 
-    Returns a JSON-ready dict (keys documented in ``docs/operations.md``; ``schema_version``
-    changes with them).
+    Every data set of ``options`` counts with its weight (a fraction samples, an integer repeats),
+    and ``--validation-fraction`` splits the rows and shards. Returns a JSON-ready dict (keys
+    documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers``
+    (``options.workers``, 0 = 1) sets the parallelism of the predicted local run time.
     """
-    from pipeline._job import num_shards
-    from pipeline._render import Renderer, load_tokenizer
+    from pipeline._encode import Encoder
+    from pipeline._tokenizer import tokenizer_identity
 
-    if workers < 1:
-        raise PackstreamError(f"--workers {workers} must be >= 1")
     started = time.perf_counter()
-    files = _read.expand_inputs(options.inputs)
+    workers = options.workers or 1
+    specs = options.datasets()
+    files, _ = _read.expand_datasets(specs)
     t = time.perf_counter()
-    load_tokenizer(options.tokenizer, options.trust_remote_code)
+    encoder = Encoder(options)  # loads the tokenizer (once per process)
     tokenizer_s = time.perf_counter() - t
-    renderer = Renderer(options)
-    budget = options.max_tokens
-    tok = [_tokenize(sample_input(f, sample, options.max_record_bytes, seed), options, renderer) for f in files]
+    identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+    rng = np.random.default_rng(options.seed)
+    encoded = [_encode_sample(sample_input(f, sample, options.max_record_bytes, options.seed), encoder, options, rng)
+               for f in files]
 
-    records = sum(t.sample.records for t in tok)
-    rejected: dict[str, float] = {}
-    examples, tokens, targets, dropped, per_file_s = [], 0.0, 0.0, 0.0, []
-    for t in tok:
-        k = len(t.sample.sample)
-        scale = t.sample.records / k if k else 0.0
-        for reason, n in t.rejected.items():
-            rejected[reason] = rejected.get(reason, 0.0) + n * scale
-        examples.append(len(t.lengths) * scale)
-        kept = _kept_tokens(t.lengths, budget, options.long)
-        tokens += kept.sum() * scale
-        tgt = np.where(kept == 0, 0, t.targets if options.long is LongPolicy.TRUNCATE else t.full_targets)
-        targets += tgt.sum() * scale
-        if options.long is LongPolicy.DROP:
-            dropped += (t.lengths > budget).sum() * scale
-        per_file_s.append(t.sample.records * (t.seconds_per_record + _BEAM_PER_RECORD_S))
-    rows, pieces = _simulate_rows(tok, examples, options, seed)
-    rows = int(round(rows))
-    tokens_i = int(round(tokens))
-    lower = math.ceil(tokens_i / budget) if tokens_i else 0
-    rows = max(rows, lower)
-    out_bytes = int(round(tokens * _bytes_per_token(tok, options)))
-    parallel = min(workers, len(files))
-    work = max(sum(per_file_s) / max(1, parallel), max(per_file_s, default=0.0))
+    def scaled(get) -> float:
+        return sum(get(e) * (e.sample.records / len(e.sample.sample)) for e in encoded if e.sample.sample)
+
+    records = sum(e.sample.records for e in encoded)
+    counts = {k: int(round(scaled(lambda e, k=k: e.counts.get(k, 0))))
+              for k in ("not_sampled", "repeated_copies", "dropped_too_long", "truncated_examples", "split_examples",
+                        "no_target_pieces", "examples_packed")}
+    reasons = sorted({r for e in encoded for r in e.rejected})
+    rejected = {r: int(round(scaled(lambda e, r=r: e.rejected.get(r, 0)))) for r in reasons}
+    rejected = {r: n for r, n in rejected.items() if n}
+
+    weighted = sum(e.sample.records * specs[e.sample.file.dataset].weight for e in encoded)
+    groups, shards = _write.shard_layout(options, weighted, sum(_input_bytes(f) for f in files))
+    budget = options.max_tokens
+    splits: dict[str, dict[str, Any]] = {}
+    for split in ("train", "validation") if options.validation_fraction > 0 else ("train",):
+        tokens = targets = pieces = 0.0
+        parts = []
+        for e in encoded:
+            if not e.sample.sample:
+                continue
+            scale = e.sample.records / len(e.sample.sample)
+            mine = e.validation == (split == "validation")
+            tokens += float(e.lengths[mine].sum()) * scale
+            targets += float(e.targets[mine].sum()) * scale
+            pieces += float(mine.sum()) * scale
+            parts.append((e.lengths[mine], float(mine.sum()) * scale))
+        rows = int(round(_simulate_rows(parts, groups[split], options, rng)))
+        tokens_i = int(round(tokens))
+        lower = math.ceil(tokens_i / budget) if tokens_i else 0
+        splits[split] = {"rows": max(rows, lower), "tokens": tokens_i, "target_tokens": int(round(targets)),
+                         "pieces": int(round(pieces)), "lower_bound": lower, "shards": shards[split]}
+    rows = sum(s["rows"] for s in splits.values())
+    tokens = sum(s["tokens"] for s in splits.values())
+    pieces = sum(s["pieces"] for s in splits.values())
+    n_shards = sum(s["shards"] for s in splits.values())
+    lower = math.ceil(tokens / budget) if tokens else 0
+
+    empty, per_token = _shard_bytes(_rows.ExampleBatch.concat([e.batch for e in encoded]), options, identity,
+                                    encoder.eos_id)
+    out_bytes = int(round(n_shards * empty + tokens * per_token))
+
+    # Local run time: reading and encoding spread over the workers (at most one per read task).
+    per_file_s = [e.sample.records * (e.seconds_per_record + _BEAM_PER_RECORD_S) for e in encoded]
+    tasks = [_read_tasks(e.sample.file, e.sample.records) for e in encoded]
+    parallel = max(1, min(workers, sum(tasks)))
+    work = max(sum(per_file_s) / parallel, max((s / n for s, n in zip(per_file_s, tasks)), default=0.0))
     run_s = _BEAM_STARTUP_S + tokenizer_s * (1 if workers == 1 else 2) + work + tokens * _BEAM_PER_TOKEN_S
-    sampled = sum(len(t.sample.sample) for t in tok)
-    rejected_total = sum(rejected.values())
+    sampled = sum(len(e.sample.sample) for e in encoded)
+    sample_s = sum(e.seconds_per_record * len(e.sample.sample) for e in encoded)
     return {
         "schema_version": ESTIMATE_SCHEMA_VERSION,
         "inputs": [
-            {"source": t.sample.file.source, "records": t.sample.records, "records_exact": t.sample.exact,
-             "sampled": len(t.sample.sample), "mean_tokens": float(t.lengths.mean()) if len(t.lengths) else 0.0}
-            for t in tok
+            {"source": e.sample.file.source, "dataset": specs[e.sample.file.dataset].name,
+             "records": e.sample.records, "records_exact": e.sample.exact, "sampled": len(e.sample.sample),
+             "mean_tokens": float(e.batch.lengths.mean()) if len(e.batch) else 0.0}
+            for e in encoded
         ],
         "sampled_records": sampled,
         "records": records,
-        "rejected": int(round(rejected_total)),
-        "rejected_by_reason": {k: int(round(v)) for k, v in sorted(rejected.items())},
-        "dropped_too_long": int(round(dropped)),
-        "examples_packed": int(round(sum(examples) - dropped)),
-        "tokens": tokens_i,
-        "target_tokens": int(round(targets)),
+        "not_sampled": counts["not_sampled"],
+        "repeated_copies": counts["repeated_copies"],
+        "rejected": sum(rejected.values()),
+        "rejected_by_reason": rejected,
+        "dropped_too_long": counts["dropped_too_long"],
+        "examples_packed": counts["examples_packed"],
+        "truncated_examples": counts["truncated_examples"],
+        "split_examples": counts["split_examples"],
+        "no_target_pieces": counts["no_target_pieces"],
+        "pieces": pieces,
+        "tokens": tokens,
+        "target_tokens": sum(s["target_tokens"] for s in splits.values()),
         "rows": rows,
         "lower_bound": lower,
-        "fill": tokens_i / (rows * budget) if rows else 0.0,
+        "fill": tokens / (rows * budget) if rows else 0.0,
         "examples_per_row": pieces / rows if rows else 0.0,
+        "splits": splits,
         "output_bytes": out_bytes,
-        "shards": num_shards(options, rows),
+        "shards": n_shards,
         "workers": workers,
         "local_seconds": round(run_s, 1),
-        "sample_tokens_per_s": round(
-            sum(int(t.lengths.sum()) for t in tok) / max(1e-9, sum(t.seconds_per_record * len(t.sample.sample) for t in tok)), 1
-        ),
+        "sample_tokens_per_s": round(sum(e.batch.num_tokens for e in encoded) / max(1e-9, sample_s), 1),
         "estimate_seconds": round(time.perf_counter() - started, 2),
         "max_tokens": budget,
     }
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units, labelled as such: 1 KiB = 1024 B, 1 MiB = 1024 KiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
-    return f"{n} B"  # pragma: no cover
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _duration(s: float) -> str:
@@ -406,20 +455,32 @@ def _duration(s: float) -> str:
 
 
 def format_estimate(e: dict[str, Any]) -> str:
-    """The estimate as a two-column table, like ``pack``'s summary."""
+    """The estimate as a two-column table, counted like ``pack``'s summary."""
     exact = all(i["records_exact"] for i in e["inputs"])
     lines = [
         ("records", f"{e['records']:,}" + ("" if exact else " (projected from file sizes)")),
         ("sampled", f"{e['sampled_records']:,} records from {len(e['inputs'])} inputs"),
+    ]
+    if e["not_sampled"]:
+        lines.append(("not sampled (weight < 1)", f"~{e['not_sampled']:,}"))
+    if e["repeated_copies"]:
+        lines.append(("repeated copies (weight > 1)", f"~{e['repeated_copies']:,}"))
+    lines += [
         ("rejected", f"~{e['rejected']:,}"),
         *[(f"  {k}", f"~{v:,}") for k, v in e["rejected_by_reason"].items()],
         (f"dropped (> {e['max_tokens']} tokens)", f"~{e['dropped_too_long']:,}"),
+        ("truncated / split examples", f"~{e['truncated_examples']:,} / ~{e['split_examples']:,}"),
         ("examples packed", f"~{e['examples_packed']:,}"),
         ("tokens", f"~{e['tokens']:,}  (~{e['target_tokens']:,} targets)"),
         ("rows", f"~{e['rows']:,}  (lower bound {e['lower_bound']:,})"),
         ("fill", f"~{e['fill']:.2%}"),
         ("examples per row", f"~{e['examples_per_row']:.2f}"),
-        ("output", f"~{_human_bytes(e['output_bytes'])} in {e['shards']} shard(s)"),
+    ]
+    if len(e["splits"]) > 1:
+        lines += [(f"  {name}", f"~{s['rows']:,} rows, ~{s['tokens']:,} tokens, {s['shards']} shard(s)")
+                  for name, s in e["splits"].items()]
+    lines += [
+        ("output", f"~{human_bytes(e['output_bytes'])} in {e['shards']} shard(s)"),
         (f"local run time (--workers {e['workers']})", f"~{_duration(e['local_seconds'])}"),
     ]
     width = max(len(k) for k, _ in lines)

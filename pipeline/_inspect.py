@@ -1,8 +1,15 @@
-"""``packstream inspect DIR``: what a packed output holds, from its shards and manifest.
+"""``packstream inspect DIR``: what a finished output holds, computed from its shards.
 
-Reads only two cheap columns of every shard (``num_tokens`` and ``seq_offsets``; the token
-lists are never decoded) plus ``manifest.json`` for what left the main path, and draws three
-PNGs with matplotlib's Agg backend (no display needed)::
+Like every reader of the output-folder contract (:mod:`packers._manifest`), inspect trusts only a
+complete ``manifest.json`` and opens exactly the shards it lists, in both splits; shard-like
+files it does not list are named in ``warnings`` and never read. From each shard it reads four
+columns (``num_tokens``, ``seq_offsets``, ``loss_mask`` and ``example_ids``; never the token ids)
+and computes rows, sequences, examples, tokens, targets, fill and the length percentiles,
+in total (``train`` and ``validation`` together) and per split (``splits``). What the shards
+cannot tell (records read, not sampled, rejected by reason, dropped for length, truncated,
+split) comes from the manifest's counts and is counted exactly as ``pack``'s summary counts it:
+``rejected`` never includes the examples dropped for length. ``consistent`` says whether the
+shards agree with the manifest. Three PNGs, drawn with matplotlib's Agg backend (no display)::
 
     example_lengths.png    tokens per packed sequence (a piece of a split example counts
                            as one), log-scaled counts, the budget as a dashed line
@@ -15,7 +22,6 @@ PNGs with matplotlib's Agg backend (no display needed)::
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import posixpath
@@ -23,12 +29,17 @@ from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import packers
-from packers import PackstreamError
-from pipeline import _write
+from packers import ContractError, PackstreamError
+from packers._manifest import (
+    LOCK, MANIFEST, SPLITS, TMP_PREFIX, is_datasets_cache, listed_shards, missing_manifest, parse_manifest,
+    require_complete, unlisted,
+)
+import pipeline._write as _write
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 PLOTS = ("example_lengths", "row_fill", "examples_per_row")
 
@@ -38,70 +49,100 @@ REPORT_KEYS: dict[str, Any] = {
     "format": str,  # "arrow" or "parquet"
     "budget": int,  # tokens per row (the shards' packstream.budget metadata)
     "tokenizer": str,
+    # From the shards (both splits together; "splits" has each):
     "shards": int,
     "bytes": int,  # shard bytes on disk
     "rows": int,
     "examples": int,  # sequences in the rows (a piece of a split example counts as one)
+    "examples_packed": int,  # distinct examples (the pieces of a split example count once)
     "tokens": int,
-    "target_tokens": (int, type(None)),  # from manifest.json; None without it
+    "target_tokens": int,  # tokens with loss_mask 1
     "fill": float,  # tokens / (rows * budget)
     "lower_bound": int,  # ceil(tokens / budget): no packing of these tokens has fewer rows
     "rows_over_lower_bound": float,  # rows / lower_bound - 1; 0.0 is optimal
     "examples_per_row": dict,  # {"mean": float, "min": int, "max": int}
     "example_length": dict,  # {"mean": float, "p0": int, "p10": .., "p50", "p90", "p99", "p100": int}
     "row_tokens": dict,  # same keys as example_length, over rows
-    "records_read": (int, type(None)),  # from manifest.json
-    "rejected": dict,  # reason -> records, too_long included; from manifest.json ({} without it)
-    "rejected_total": int,
-    "manifest": bool,  # whether manifest.json was found
-    "consistent": (bool, type(None)),  # shards agree with manifest.json's rows and tokens (None without it)
+    "splits": dict,  # split -> {"shards", "bytes", "rows", "examples", "examples_packed", "tokens",
+    #                             "target_tokens": int, "fill": float}; only splits the manifest lists
+    # From manifest.json's counts, as pack's summary counts them:
+    "records_read": int,
+    "not_sampled": int,  # records of data sets with weight < 1 left out by sampling
+    "repeated_copies": int,  # extra copies of records of data sets with weight > 1
+    "rejected": int,  # dead-lettered records, NOT counting those dropped for length
+    "rejected_by_reason": dict,  # reason -> records (too_long never here)
+    "dropped_too_long": int,  # examples longer than the budget dropped by --long drop
+    "truncated_examples": int,
+    "split_examples": int,
+    "consistent": bool,  # the shards agree with manifest.json (rows, tokens, targets, sequences, examples)
+    "warnings": list,  # where they disagree, and shard-like files the manifest does not list
     "plots": dict,  # plot name -> PNG path; {} with --no-plots
 }
+_SPLIT_KEYS = ("shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill")
 
 
-def _fs():
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems
-
-
-def _shards(folder: str) -> list[str]:
+def _list(folder: str) -> list[str]:
     if "://" in folder:
-        found = _fs().match([_write.join(folder, "train-*")])[0].metadata_list
-        paths = [m.path for m in found]
-    else:
-        paths = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("train-")]
-    return sorted(p for p in paths if p.endswith((".arrow", ".parquet")))
+        from apache_beam.io.filesystems import FileSystems
+
+        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
+        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
+    return sorted(os.listdir(folder))
 
 
-def _read_columns(path: str) -> tuple[pa.Schema, np.ndarray, np.ndarray, np.ndarray, int]:
-    """(schema, num_tokens per row, sequences per row, sequence lengths, bytes) of one shard."""
-    if "://" not in path:
-        source: Any = pa.memory_map(path)
-        size = os.path.getsize(path)
-    else:
-        data = _write.read_bytes(path)
-        source, size = pa.BufferReader(data), len(data)
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+def load_manifest(folder: str) -> tuple[dict, list[str]]:
+    """The complete manifest of ``folder`` and the folder's file names; PackstreamError if there is none."""
+    try:
+        names = _list(folder)
+    except (OSError, ValueError) as e:
+        raise PackstreamError(f"{folder} cannot be listed ({e}); pass the --output folder of packstream pack") from None
+    if MANIFEST not in names:
+        raise missing_manifest(folder, names)
+    m = parse_manifest(_write.read_bytes(_write.join(folder, MANIFEST)), folder)
+    return require_complete(m, folder), names
 
-        pf = pq.ParquetFile(source)
-        schema = pf.schema_arrow
-        table = pf.read(columns=["num_tokens", "seq_offsets"])
-    else:
-        reader = pa.ipc.open_stream(source)
-        schema = reader.schema
-        table = reader.read_all().select(["num_tokens", "seq_offsets"])
-    num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
-    offsets = table.column("seq_offsets").combine_chunks()
-    starts = offsets.offsets.to_numpy().astype(np.int64)
-    starts -= starts[0]
-    values = offsets.flatten().to_numpy().astype(np.int64)
-    per_row = np.diff(starts) - 1
-    diffs = np.diff(values)
-    keep = np.ones(len(diffs), dtype=bool)
-    keep[starts[1:-1] - 1] = False  # the step from one row's last offset to the next row's 0
-    return schema, num_tokens, per_row, diffs[keep] if len(values) else diffs, size
+
+class _Shard:
+    """What inspect reads of one shard: per-row tokens and sequences, sequence lengths, targets, examples."""
+
+    def __init__(self, folder: str, entry: dict):
+        name = entry["name"]
+        path = _write.join(folder, name)
+        if "://" not in path:
+            source: Any = pa.memory_map(path)  # zero-copy: only the columns read are touched
+            self.bytes = os.path.getsize(path)
+        else:
+            data = _write.read_bytes(path)
+            source, self.bytes = pa.BufferReader(data), len(data)
+        columns = ["num_tokens", "seq_offsets", "loss_mask", "example_ids"]
+        try:
+            if name.endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                pf = pq.ParquetFile(source)
+                self.schema, table = pf.schema_arrow, pf.read(columns=columns)
+            else:
+                reader = pa.ipc.open_stream(source)
+                self.schema, table = reader.schema, reader.read_all().select(columns)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise PackstreamError(f"{path} cannot be read ({e}); run packstream verify on the folder") from None
+        self.name, self.split = name, entry.get("split", "train")
+        self.num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
+        offsets = table.column("seq_offsets").combine_chunks()
+        starts = offsets.offsets.to_numpy().astype(np.int64)
+        starts -= starts[0]
+        values = offsets.flatten().to_numpy().astype(np.int64)
+        self.per_row = np.diff(starts) - 1
+        diffs = np.diff(values)
+        keep = np.ones(len(diffs), dtype=bool)
+        keep[starts[1:-1] - 1] = False  # the step from one row's last offset to the next row's 0
+        self.lengths = diffs[keep] if len(values) else diffs
+        self.target_tokens = int(pc.sum(table.column("loss_mask").combine_chunks().flatten()).as_py() or 0)
+        ids = table.column("example_ids").combine_chunks().flatten()
+        # '#' in an id is always a piece marker (sources and ids escape it as %23, see pipeline._rows).
+        piece = pc.match_substring(ids, "#")
+        self.whole = int(len(ids) - (pc.sum(piece).as_py() or 0))
+        self.piece_bases = pc.replace_substring_regex(ids.filter(piece), r"#\d+$", "")
 
 
 def _percentiles(x: np.ndarray) -> dict[str, Any]:
@@ -111,58 +152,83 @@ def _percentiles(x: np.ndarray) -> dict[str, Any]:
     return {"mean": float(x.mean()), **{f"p{p}": int(v) for p, v in zip(PERCENTILES, q)}}
 
 
-def _manifest(folder: str) -> Optional[dict]:
-    from apache_beam.io.filesystem import BeamIOError
+def _totals(shards: list[_Shard], budget: int) -> dict[str, Any]:
+    rows = sum(len(s.num_tokens) for s in shards)
+    tokens = sum(int(s.num_tokens.sum()) for s in shards)
+    bases = pa.chunked_array([s.piece_bases for s in shards], pa.string())
+    return {
+        "shards": len(shards),
+        "bytes": sum(s.bytes for s in shards),
+        "rows": rows,
+        "examples": sum(len(s.lengths) for s in shards),
+        "examples_packed": sum(s.whole for s in shards) + (pc.count_distinct(bases).as_py() if len(bases) else 0),
+        "tokens": tokens,
+        "target_tokens": sum(s.target_tokens for s in shards),
+        "fill": tokens / (rows * budget) if rows else 0.0,
+    }
 
-    path = _write.join(folder, "manifest.json")
-    try:
-        return json.loads(_write.read_bytes(path))
-    except (OSError, BeamIOError):
-        return None  # a folder of shards without a manifest: report what the shards hold
+
+def _disagreements(m: dict, shards: list[_Shard], totals: dict, splits: dict) -> list[str]:
+    """Where the shards and manifest.json disagree (packstream verify checks everything; this is the cheap part)."""
+    out = []
+    c = m.get("counts", {})
+    for key, got in (("rows", totals["rows"]), ("tokens", totals["tokens"]), ("target_tokens", totals["target_tokens"]),
+                     ("pieces", totals["examples"]), ("examples_packed", totals["examples_packed"])):
+        if c.get(key) != got:
+            out.append(f"manifest.json counts.{key} is {c.get(key)!r}, the shards hold {got}")
+    for split, want in (c.get("splits") or {}).items():
+        for key in ("rows", "tokens"):
+            got = splits.get(split, {}).get(key, 0)
+            if want.get(key) != got:
+                out.append(f"manifest.json counts.splits.{split}.{key} is {want.get(key)!r}, the shards hold {got}")
+    entries = {e["name"]: e for e in m["shards"]}
+    for s in shards:
+        e = entries[s.name]
+        for key, got in (("rows", len(s.num_tokens)), ("bytes", s.bytes)):
+            if e.get(key) != got:
+                out.append(f"{s.name}: manifest.json says {key} {e.get(key)!r}, the file has {got}")
+    return out
 
 
 def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
-    """The report of one output folder; writes the PNGs into ``plots_dir`` when given."""
+    """The report of one finished output folder; writes the PNGs into ``plots_dir`` when given.
+
+    Raises PackstreamError for a folder that is not a finished packstream output (no manifest,
+    a failed run, a listed shard that cannot be read)."""
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and not os.path.isdir(folder):
         raise PackstreamError(f"{folder} is not a folder; pass the --output folder of packstream pack")
-    paths = _shards(folder)
-    if not paths:
-        raise PackstreamError(
-            f"{folder} holds no train-*.arrow or train-*.parquet shards; pass the --output folder of packstream pack"
-        )
-    parts = [_read_columns(p) for p in paths]
-    meta = packers.read_metadata(parts[0][0])
+    try:
+        m, names = load_manifest(folder)
+        entries = listed_shards(m)
+        if not entries:
+            raise PackstreamError(f"{folder}: manifest.json lists no shards; the run packed nothing")
+        shards = [_Shard(folder, e) for e in entries]
+        meta = packers.read_metadata(shards[0].schema)
+    except ContractError as e:
+        raise PackstreamError(str(e)) from None
     budget = int(meta["budget"])
-    num_tokens = np.concatenate([p[1] for p in parts])
-    per_row = np.concatenate([p[2] for p in parts])
-    lengths = np.concatenate([p[3] for p in parts])
-    rows, tokens = len(num_tokens), int(num_tokens.sum())
+    totals = _totals(shards, budget)
+    splits = {sp: _totals([s for s in shards if s.split == sp], budget) for sp in SPLITS
+              if any(s.split == sp for s in shards)}
+    num_tokens = np.concatenate([s.num_tokens for s in shards])
+    per_row = np.concatenate([s.per_row for s in shards])
+    lengths = np.concatenate([s.lengths for s in shards])
+    rows, tokens = totals["rows"], totals["tokens"]
     lower = math.ceil(tokens / budget) if tokens else 0
-    manifest = _manifest(folder)
-    rejected: dict[str, int] = {}
-    records_read = target_tokens = consistent = None
-    if manifest is not None:
-        c = manifest["counts"]
-        rejected = dict(c.get("rejected_by_reason", {}))
-        if c.get("dropped_too_long"):
-            rejected["too_long"] = int(c["dropped_too_long"])
-        rejected = dict(sorted(rejected.items()))
-        records_read, target_tokens = int(c["records_read"]), int(c["target_tokens"])
-        consistent = bool(c["rows"] == rows and c["tokens"] == tokens and c.get("pieces", len(lengths)) == len(lengths))
+    warnings = _disagreements(m, shards, totals, splits)
+    warnings += [f"{n}: a shard-like file manifest.json does not list (a stray file or another run's shard); not read"
+                 for n in unlisted(names, m) if not is_datasets_cache(n)]
+    warnings += [f"{n}: left by an interrupted run; packstream pack --overwrite removes it"
+                 for n in names if n.startswith(TMP_PREFIX) or n == LOCK]
+    c = m.get("counts", {})
     report = {
         "schema_version": SCHEMA_VERSION,
         "path": folder,
-        "format": "parquet" if paths[0].endswith(".parquet") else "arrow",
+        "format": "parquet" if shards[0].name.endswith(".parquet") else "arrow",
         "budget": budget,
         "tokenizer": str(meta.get("tokenizer", "")),
-        "shards": len(paths),
-        "bytes": int(sum(p[4] for p in parts)),
-        "rows": rows,
-        "examples": int(len(lengths)),
-        "tokens": tokens,
-        "target_tokens": target_tokens,
-        "fill": tokens / (rows * budget) if rows else 0.0,
+        **totals,
         "lower_bound": lower,
         "rows_over_lower_bound": rows / lower - 1 if lower else 0.0,
         "examples_per_row": {
@@ -172,11 +238,17 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         },
         "example_length": _percentiles(lengths),
         "row_tokens": _percentiles(num_tokens),
-        "records_read": records_read,
-        "rejected": rejected,
-        "rejected_total": int(sum(rejected.values())),
-        "manifest": manifest is not None,
-        "consistent": consistent,
+        "splits": splits,
+        "records_read": int(c.get("records_read", 0)),
+        "not_sampled": int(c.get("not_sampled", 0)),
+        "repeated_copies": int(c.get("repeated_copies", 0)),
+        "rejected": int(c.get("rejected", 0)),
+        "rejected_by_reason": {k: int(v) for k, v in sorted((c.get("rejected_by_reason") or {}).items())},
+        "dropped_too_long": int(c.get("dropped_too_long", 0)),
+        "truncated_examples": int(c.get("truncated_examples", 0)),
+        "split_examples": int(c.get("split_examples", 0)),
+        "consistent": not warnings,
+        "warnings": warnings,
         "plots": {},
     }
     if plots_dir is not None:
@@ -241,28 +313,40 @@ def default_plots_dir(folder: str) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    """The report as a two-column table, like ``pack``'s summary."""
+    """The report as a two-column table, counted like ``pack``'s summary."""
+    from pipeline._estimate import human_bytes
+
     el, rt, epr = r["example_length"], r["row_tokens"], r["examples_per_row"]
     pct = lambda d: "  ".join(f"p{p} {d[f'p{p}']:,}" for p in PERCENTILES)  # noqa: E731
     lines = [
-        ("folder", f"{r['path']}  ({r['shards']} {r['format']} shard(s), {r['bytes']:,} bytes)"),
+        ("folder", f"{r['path']}  ({r['shards']} {r['format']} shard(s), {human_bytes(r['bytes'])})"),
         ("budget", f"{r['budget']:,} tokens per row  ({r['tokenizer']})"),
+        ("records read", f"{r['records_read']:,}"),
+    ]
+    if r["not_sampled"]:
+        lines.append(("not sampled (weight < 1)", f"{r['not_sampled']:,}"))
+    if r["repeated_copies"]:
+        lines.append(("repeated copies (weight > 1)", f"{r['repeated_copies']:,}"))
+    lines += [
+        ("examples packed", f"{r['examples_packed']:,}"),
+        ("rejected", f"{r['rejected']:,}"),
+        *[(f"  {k}", f"{v:,}") for k, v in r["rejected_by_reason"].items()],
+        (f"dropped (> {r['budget']} tokens)", f"{r['dropped_too_long']:,}"),
+        ("truncated / split examples", f"{r['truncated_examples']:,} / {r['split_examples']:,}"),
         ("rows", f"{r['rows']:,}  (lower bound {r['lower_bound']:,}, +{r['rows_over_lower_bound']:.2%})"),
-        ("examples", f"{r['examples']:,}"),
-        ("tokens", f"{r['tokens']:,}" + (f"  ({r['target_tokens']:,} targets)" if r["target_tokens"] is not None else "")),
+    ]
+    if len(r["splits"]) > 1:
+        lines += [(f"  {name}", f"{s['rows']:,} rows, {s['examples_packed']:,} examples, {s['tokens']:,} tokens, "
+                                f"fill {s['fill']:.3%}") for name, s in r["splits"].items()]
+    lines += [
+        ("sequences", f"{r['examples']:,}"),
+        ("tokens", f"{r['tokens']:,}  ({r['target_tokens']:,} targets)"),
         ("fill", f"{r['fill']:.3%}"),
         ("examples per row", f"mean {epr['mean']:.2f}  min {epr['min']}  max {epr['max']}"),
         ("example length", f"mean {el['mean']:,.0f}  " + pct(el)),
         ("row tokens", f"mean {rt['mean']:,.0f}  " + pct(rt)),
     ]
-    if r["manifest"]:
-        lines.append(("records read", f"{r['records_read']:,}"))
-        lines.append(("rejected", f"{r['rejected_total']:,}"))
-        lines += [(f"  {k}", f"{v:,}") for k, v in r["rejected"].items()]
-        if not r["consistent"]:
-            lines.append(("WARNING", "shards disagree with manifest.json (rows, tokens or examples)"))
-    else:
-        lines.append(("manifest", "none (manifest.json not found: no rejected counts)"))
+    lines += [("WARNING", w) for w in r["warnings"]]
     lines += [(f"plot {k}", v) for k, v in r["plots"].items()]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)

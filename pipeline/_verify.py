@@ -1,61 +1,82 @@
 """``packstream verify``: re-check a whole output folder from its files alone.
 
-Pure functions that return a list of :class:`Problem` s, each naming where (shard, row,
-sequence, example id, or the manifest key) and what (expected vs got). Nothing is trusted:
+Pure functions that fill a :class:`Report` with :class:`Problem` s, each naming where (shard,
+row, sequence, example id, input record, or the manifest key) and what (the check, expected vs
+got). Nothing in the folder is trusted:
 
-* **Files.** Every shard named in ``manifest.json`` exists, no other ``train-*`` file does,
-  names follow ``train-XXXXX-of-NNNNN.<ext>`` (and are only ever opened inside the folder), no
-  ``.tmp-*`` leftover of a killed run remains, and each shard's bytes match the manifest's
-  size and sha256.
-* **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema
-  equals :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) names the
-  manifest's budget and tokenizer, and no column holds nulls.
+* **The manifest.** Only a complete ``manifest.json`` is read (:mod:`packers._manifest`): a folder
+  without one (a run still writing, a killed run, not packstream's) or with ``"status": "failed"``
+  is a problem that says so, and nothing else is opened.
+* **Files.** Exactly the shards the manifest lists are opened (train and validation), only by
+  the names the contract allows, only inside the folder. Every other ``*.arrow``/``*.parquet``
+  is reported by name (a stray copy, another run's shard), and so are ``.tmp-*`` leftovers and
+  a leftover ``.packstream.lock``. Each shard's size and sha256 must equal the manifest's, and
+  every file the manifest lists must exist.
+* **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema equals
+  :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
+  implies (:func:`packers._manifest.expected_metadata`), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
-  increasing), loss_mask values only 0 or 1, and boundaries consistent with the tokens: every
-  example ends with the tokenizer's EOS (the renderer appends it), unless it is a full-budget
-  piece of a truncated or split example; with ``--long drop`` every example has a target
-  token, with ``--train-on all`` every token is one.
-* **Ids and counts.** Every example id exactly once across all shards; per-shard and total
-  counts equal the manifest's; records read = packed + rejected + dropped; the dead-letter
-  file is well formed, its counts by reason match, and a ``duplicate_id`` names a packed id
-  while a ``too_long`` one is not packed.
-* **Inputs** (optional). Every input record is re-read, normalized and re-tokenized with the
-  manifest's configuration, and is then either packed, with tokens and mask equal to the stored
-  ones (a prefix for ``--long truncate``, ``#k`` pieces for ``--long split``), or in the
-  dead-letter file under the same reason, exactly once.
+  increasing), loss_mask values only 0 or 1, and the manifest's ``row_checks``: every sequence
+  shorter than the budget ends with ``eos_token_id`` (``eos_at_boundaries``), every sequence has a
+  target (``targets_in_every_sequence``), every token is one (``all_targets``).
+* **Ids and counts.** Every example id exactly once across all shards and splits, the copies and
+  pieces of one record in one split; every count of the manifest equals what the shards and
+  ``rejected.jsonl`` hold, and the counts reconcile::
+
+      records_read + repeated_copies == examples_packed + rejected + dropped_too_long + not_sampled
+
+* **Inputs** (``--inputs``). Every input record is re-read and re-encoded with the manifest's
+  configuration (:class:`pipeline._encode.Encoder`, the job's own encode stage; data sets, weights
+  and format options from ``config``), then the job's packing rules are applied
+  (:func:`pipeline._rows.dedupe`, :func:`pipeline._rows.pieces`): each record is then packed with
+  the stored tokens and mask (``~k`` copies, ``#k`` pieces, the kept window of a truncated
+  example), or in ``rejected.jsonl`` under the same reason, or not sampled; never two of these.
+
+**Trust.** The tokenizer named in the manifest is loaded only with ``--trust-remote-code`` from the
+command line allowing its code; the manifest's own ``trust_remote_code`` is ignored. verify says
+which tokenizer it loads before loading it.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
 import math
-import posixpath
+import os
 import re
+import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 import packers
-from packers import ContractError, InternalError, LongPolicy, PackstreamError
-from pipeline import _read, _rows, _write
-from pipeline._formats import Reason, Rejected, normalize
-from pipeline._options import Format, OutputFormat, PackMode, PackOptions, TrainOn
+from packers import ContractError, InternalError, PackstreamError
+from packers._manifest import (
+    LOCK, MANIFEST, TMP_PREFIX, RowChecks, expected_metadata, is_datasets_cache, listed_shards, missing_manifest,
+    parse_manifest, require_complete, row_checks, unlisted,
+)
+import pipeline._read as _read
+import pipeline._rows as _rows
+import pipeline._write as _write
+from pipeline._formats import Reason
+from pipeline._options import DatasetSpec, FormatOptions, PackOptions
 
-SHARD_NAME = re.compile(r"^train-(\d{5})-of-(\d{5})\.(arrow|parquet)$")
 REASONS = {r.value for r in Reason}
+MAX_KEPT_PROBLEMS = 10_000
+"""Problems kept in a report (all are counted): a badly damaged folder can have one per sequence."""
+_MISMATCH_DETAILS = 1_000
+"""Pieces whose re-encoded tokens are kept to explain a mismatch position by position."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     where: str
-    """``manifest.json counts.rows``, ``train-00000-of-00002.arrow row 3 sequence 1 (src:7)``, ..."""
+    """``manifest.json counts.rows``, ``train-00000-of-00002.arrow row 3 sequence 1 (src@7)``, ..."""
     what: str
-    """What is wrong, with the expected and the actual value."""
+    """The check that failed, with the expected and the actual value."""
 
     def __str__(self) -> str:
         return f"{self.where}: {self.what}"
@@ -65,21 +86,25 @@ class Problem:
 class Report:
     folder: str
     problems: list[Problem] = dataclasses.field(default_factory=list)
+    """The first :data:`MAX_KEPT_PROBLEMS` problems; :attr:`count` counts them all."""
+    count: int = 0
     shards: int = 0
     rows: int = 0
     pieces: int = 0
     tokens: int = 0
     dead_letters: int = 0
     records: Optional[int] = None
-    """Input records reconciled (``None`` without inputs)."""
+    """Input records reconciled (``None`` without ``--inputs``)."""
     elapsed_s: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return self.count == 0
 
     def add(self, where: str, what: str) -> None:
-        self.problems.append(Problem(where, what))
+        self.count += 1
+        if len(self.problems) < MAX_KEPT_PROBLEMS:
+            self.problems.append(Problem(where, what))
 
     def summary(self) -> str:
         s = (f"{self.folder}: {self.shards} shards, {self.rows:,} rows, {self.pieces:,} sequences, "
@@ -89,106 +114,190 @@ class Report:
         return s + f" ({self.elapsed_s:.1f} s)"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """Where one packed sequence is stored, and its tokens."""
-
-    where: str
-    input_ids: Optional[np.ndarray]  # kept only when inputs are reconciled
-    loss_mask: Optional[np.ndarray]
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
-# Files
+# The folder
 
 
 def _is_remote(folder: str) -> bool:
     return "://" in folder
 
 
-def _join(folder: str, name: str) -> str:
+def _path(folder: str, name: str) -> str:
     if "/" in name or "\\" in name or name in ("", ".", ".."):  # callers open only checked names
         raise InternalError(f"refusing to open {name!r}: not a plain file name inside {folder}")
-    return posixpath.join(folder, name) if not _is_remote(folder) else folder.rstrip("/") + "/" + name
+    return _write.join(folder, name)
 
 
 def _list(folder: str) -> list[str]:
     if _is_remote(folder):
         from apache_beam.io.filesystems import FileSystems
 
-        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list)
-    import os
-
+        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
+        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
     return sorted(os.listdir(folder))
 
 
-def options_from_config(config: dict, inputs: Sequence[str], output: str) -> PackOptions:
-    """The :class:`PackOptions` of a finished run, from ``manifest.json``'s ``config``."""
-    enums = {"format": Format, "train_on": TrainOn, "long": LongPolicy, "mode": PackMode, "output_format": OutputFormat}
-    names = {f.name for f in dataclasses.fields(PackOptions)}
-    kw = {k: v for k, v in config.items() if k in names}
-    for k, cls in enums.items():
-        if k in kw:
-            kw[k] = cls(kw[k])
-    kw["fields"] = tuple(tuple(x) for x in kw.get("fields", ()))
-    kw["inputs"], kw["output"] = tuple(inputs), output
-    return PackOptions(**kw)
+def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[dict]:
+    """The complete manifest, or None with the problem that says why the folder cannot be trusted."""
+    if MANIFEST not in names:
+        report.add(MANIFEST, f"missing: {missing_manifest(folder, names)}")
+        return None
+    try:
+        m = parse_manifest(_write.read_bytes(_path(folder, MANIFEST)), folder)
+        require_complete(m, folder)
+    except ContractError as e:
+        report.add(MANIFEST, str(e))
+        return None
+    for key in ("config", "counts", "tokenizer", "inputs"):
+        if not isinstance(m.get(key), (dict, list)):
+            report.add(MANIFEST, f"lacks {key!r}; it was not written by a finished packstream run")
+            return None
+    return m
+
+
+def _check_files(folder: str, names: list[str], m: dict, report: Report) -> list[dict]:
+    """Leftovers, unlisted shard-like files, listed files that are missing; returns the listed shards present."""
+    present = set(names)
+    for n in names:
+        if n.startswith(TMP_PREFIX):
+            report.add(n, "temporary file left by an interrupted write; packstream pack --overwrite removes it")
+        elif n == LOCK:
+            report.add(n, "run lock left in a folder whose manifest is complete: a run is writing here now, or was "
+                          "killed; packstream pack --overwrite breaks it")
+    for n in unlisted(names, m):
+        if not is_datasets_cache(n):
+            report.add(n, "shard-like file not listed in manifest.json (a stray copy, or a shard of another run); "
+                          "not opened: remove it")
+    for n in m.get("files", []):
+        if n not in present and n != MANIFEST:
+            report.add(n, "listed in manifest.json files but missing from the folder")
+    entries = listed_shards(m)
+    # One run's shards of a split all say the same -of-NNNNN and number 0..N-1.
+    for split in sorted({e.get("split", "train") for e in entries}):
+        mine = [e["name"] for e in entries if e.get("split", "train") == split]
+        counts = sorted({int(n.split("-of-")[1].split(".")[0]) for n in mine})
+        indices = sorted(int(n.split("-")[1]) for n in mine)
+        if len(counts) > 1:
+            report.add(f"manifest.json shards ({split})", f"shards of different runs mixed: -of- counts {counts}")
+        elif indices != list(range(counts[0])):
+            report.add(f"manifest.json shards ({split})", f"indices {indices}, expected 0..{counts[0] - 1}")
+    out = []
+    for e in entries:
+        if e["name"] in present:
+            out.append(e)
+        elif e["name"] not in m.get("files", []):
+            report.add(e["name"], "listed in manifest.json shards but missing from the folder")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Shards
 
 
-def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, Any, int]:
-    """(absolute offsets, values, null count) of a list column."""
-    arr = table.column(name).combine_chunks()
-    if isinstance(arr, pa.ChunkedArray):  # zero chunks
-        arr = pa.array([], arr.type)
-    values = arr.values
+_SHIFT_SHARD, _SHIFT_ROW = 64, 24  # a sequence's place, packed in one int: shard, row, sequence
+
+
+@dataclasses.dataclass
+class _Stored:
+    """Every packed sequence: example id -> where it is (one int, or several when the id repeats)."""
+
+    names: list[str] = dataclasses.field(default_factory=list)
+    splits: list[str] = dataclasses.field(default_factory=list)
+    loc: dict[str, Any] = dataclasses.field(default_factory=dict)
+    digest: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    """Piece id -> blake2b of its tokens and mask (only with --inputs)."""
+    bases: dict[str, str] = dataclasses.field(default_factory=dict)
+    """A record's id (no ``~k``, no ``#k``) -> the split its sequences are in (only with a validation split)."""
+
+    def add(self, eid: str, shard: int, row: int, k: int) -> None:
+        loc = (shard << _SHIFT_SHARD) | (row << _SHIFT_ROW) | k
+        had = self.loc.get(eid)
+        if had is None:
+            self.loc[eid] = loc
+        elif isinstance(had, list):
+            had.append(loc)
+        else:
+            self.loc[eid] = [had, loc]
+
+    def where(self, loc: int, eid: str) -> str:
+        shard, row, k = loc >> _SHIFT_SHARD, (loc >> _SHIFT_ROW) & ((1 << 40) - 1), loc & ((1 << _SHIFT_ROW) - 1)
+        return f"{self.names[shard]} row {row} sequence {k} ({eid})"
+
+    def first(self, eid: str) -> str:
+        had = self.loc[eid]
+        return self.where(had[0] if isinstance(had, list) else had, eid)
+
+
+def piece_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:
+    """A 16-byte digest of one sequence's tokens and mask: what ``--inputs`` compares."""
+    h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes(), digest_size=16)
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.digest()
+
+
+def _piece_base(eid: str) -> str:
+    """The example of a piece: ``<id>#<k>`` -> ``<id>`` (ids escape '#', so a '#' is always the piece marker)."""
+    return eid.rsplit("#", 1)[0] if "#" in eid else eid
+
+
+def _open_shard(folder: str, name: str) -> tuple[int, str, Callable[[], tuple[pa.Schema, pa.Table]]]:
+    """(bytes, sha256, a function that parses the shard). Local files are hashed in blocks and memory-mapped."""
+    path = _path(folder, name)
+    ext = name.rsplit(".", 1)[-1]
+    if not _is_remote(folder):
+        with open(path, "rb") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        size = os.path.getsize(path)
+        source: Any = path
+    else:
+        data = _write.read_bytes(path)
+        size, sha, source = len(data), hashlib.sha256(data).hexdigest(), pa.py_buffer(data)
+
+    def parse() -> tuple[pa.Schema, pa.Table]:
+        if ext == "parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(source if not isinstance(source, str) else pa.memory_map(source))
+            return pf.schema_arrow, pf.read()
+        reader = pa.ipc.open_stream(pa.memory_map(source) if isinstance(source, str) else source)
+        return reader.schema, reader.read_all()
+
+    return size, sha, parse
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, Any, int]:
+    """(offsets from 0, values, null count) of a list column."""
+    col = table.column(name)
+    arr = col.combine_chunks() if col.num_chunks else pa.array([], col.type)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.flatten()
     nulls = arr.null_count + values.null_count
     values = values.to_pylist() if pa.types.is_string(values.type) else values.to_numpy(zero_copy_only=False)
-    return arr.offsets.to_numpy(), values, nulls
+    return offsets - offsets[0], values, nulls
 
 
-def _read_table(data: bytes, ext: str) -> tuple[pa.Schema, pa.Table]:
-    """Parse one shard with pyarrow only; ``ArrowInvalid``/``OSError`` on a broken file."""
-    buf = pa.py_buffer(data)
-    if ext == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(pa.BufferReader(buf))
-        return pf.schema_arrow, pf.read()
-    reader = pa.ipc.open_stream(buf)
-    return reader.schema, reader.read_all()
-
-
-def check_shard(
-    report: Report,
-    name: str,
-    data: bytes,
-    *,
-    budget: int,
-    eos_id: Optional[int],
-    long: LongPolicy,
-    train_all: bool,
-    expect_meta: dict[str, Any],
-    pieces: dict[str, list[_Piece]],
-    keep_tokens: bool,
-) -> dict[str, Any]:
-    """Check one shard's schema, metadata and rows; record its sequences in ``pieces``.
-
-    Returns what the manifest says about a shard (rows, examples, tokens, target_tokens, bytes,
-    sha256), measured; ``{}`` when the shard cannot be read.
-    """
-    measured: dict[str, Any] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, parse, *, checks: RowChecks,
+                expect_meta: dict[str, Any], stored: _Stored, keep_digests: bool) -> Optional[dict[str, int]]:
+    """Check one listed shard: bytes and sha256, schema and metadata, every row and sequence; record its
+    sequences in ``stored``. Returns what it measured (rows, examples, tokens, target_tokens), or None when
+    the shard cannot be read."""
+    name = entry["name"]
+    for key, got in (("bytes", size), ("sha256", sha)):
+        if entry.get(key) != got:
+            report.add(name, f"check {key} failed: the file has {got!r}, manifest.json says {entry.get(key)!r}")
     try:
-        schema, table = _read_table(data, name.rsplit(".", 1)[-1])
+        schema, table = parse()
     except (pa.ArrowInvalid, OSError, ValueError) as e:
         report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
-        return measured
+        return None
     if not schema.remove_metadata().equals(packers.SCHEMA):
-        report.add(name, f"schema is {schema.remove_metadata()!r}, expected packers.SCHEMA {packers.SCHEMA!r}")
-        return measured
+        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers.SCHEMA "
+                         f"{packers.SCHEMA!r}")
+        return None
     try:
         meta = packers.read_metadata(schema)
     except ContractError as e:
@@ -197,196 +306,146 @@ def check_shard(
     for key, want in expect_meta.items():
         if key in meta and meta[key] != want:
             report.add(f"{name} schema metadata {key}", f"is {meta[key]!r}, manifest.json says {want!r}")
-    nrows = table.num_rows
-    ids_off, ids, n1 = _lists(table, "input_ids")
-    mask_off, mask, n2 = _lists(table, "loss_mask")
-    seq_off, seqs, n3 = _lists(table, "seq_offsets")
-    ex_off, exs, n4 = _lists(table, "example_ids")
-    num = table.column("num_tokens").to_numpy() if nrows else np.zeros(0, np.int32)
+    tok_off, tok, n1 = _list_column(table, "input_ids")
+    mask_off, mask, n2 = _list_column(table, "loss_mask")
+    seq_off, seq, n3 = _list_column(table, "seq_offsets")
+    ex_off, exs, n4 = _list_column(table, "example_ids")
     nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
-        return measured
-    targets = 0
-    for i in range(nrows):
-        where = f"{name} row {i}"
-        row_ids, row_mask = ids[ids_off[i]:ids_off[i + 1]], mask[mask_off[i]:mask_off[i + 1]]
-        offs = seqs[seq_off[i]:seq_off[i + 1]].tolist()
-        ex = exs[ex_off[i]:ex_off[i + 1]]
+        return None
+    nrows = table.num_rows
+    num = table.column("num_tokens").to_numpy().astype(np.int64) if nrows else np.zeros(0, np.int64)
+    budget = checks.budget
+
+    # Rows: the contract's structure, vectorized; validate_row names what is wrong with a bad row.
+    n = np.diff(tok_off)
+    nseq = np.diff(seq_off) - 1
+    bad = (n > budget) | (np.diff(mask_off) != n) | (num != n) | (nseq < 1) | (np.diff(ex_off) != nseq)
+    has = np.diff(seq_off) >= 1
+    padded = seq if len(seq) else np.zeros(1, np.int32)
+    first = padded[np.where(has, seq_off[:-1], 0)]
+    last = padded[np.where(has, seq_off[1:] - 1, 0)]
+    bad |= ~has | (first != 0) | (last != n)
+    if len(seq) > 1:
+        steps = np.diff(seq.astype(np.int64))
+        inner = np.ones(len(steps), dtype=bool)
+        inner[seq_off[1:-1][seq_off[1:-1] > 0] - 1] = False  # the step from one row's last offset to the next row's 0
+        broken = np.flatnonzero(inner & (steps <= 0))
+        bad[np.searchsorted(seq_off, broken, side="right") - 1] = True
+    for i in np.flatnonzero(bad).tolist():
+        row = {"input_ids": tok[tok_off[i]:tok_off[i + 1]].tolist(),
+               "loss_mask": mask[mask_off[i]:mask_off[i + 1]].tolist(),
+               "seq_offsets": seq[seq_off[i]:seq_off[i + 1]].tolist(), "example_ids": exs[ex_off[i]:ex_off[i + 1]],
+               "num_tokens": int(num[i])}
         try:
-            packers.validate_row(
-                {"input_ids": row_ids, "loss_mask": row_mask, "seq_offsets": offs, "example_ids": ex,
-                 "num_tokens": int(num[i])},
-                budget,
-            )
+            packers.validate_row(row, budget)
+            why = "holds no sequence; every row holds at least one example"
         except ContractError as e:
-            report.add(where, str(e))
-            continue
-        targets += int(row_mask.sum())
-        if row_mask.size and row_mask.max() > 1:
-            j = int(np.flatnonzero(row_mask > 1)[0])
-            report.add(where, f"loss_mask[{j}] is {int(row_mask[j])}; only 0 and 1 are allowed")
-        for k, eid in enumerate(ex):
-            lo, hi = offs[k], offs[k + 1]
-            at = f"{where} sequence {k} ({eid})"
-            seq_ids, seq_mask = row_ids[lo:hi], row_mask[lo:hi]
-            if not eid:
-                report.add(at, "example id is empty")
-            full_piece = hi - lo == budget and long is not LongPolicy.DROP
-            if eos_id is not None and int(seq_ids[-1]) != eos_id and not full_piece:
-                report.add(
-                    at,
-                    f"ends at seq_offsets[{k + 1}]={hi} on token {int(seq_ids[-1])}, not on EOS {eos_id}, and is not a "
-                    f"full {budget}-token piece: the offsets do not match the examples' boundaries",
-                )
-            if train_all and not seq_mask.all():
-                report.add(at, "--train-on all, but loss_mask has 0s")
-            elif long is LongPolicy.DROP and not train_all and not seq_mask.any():
-                report.add(at, "no token is a training target (loss_mask all 0)")
-            piece = _Piece(at, seq_ids if keep_tokens else None, seq_mask if keep_tokens else None)
-            pieces.setdefault(eid, []).append(piece)
-    measured.update(
-        rows=nrows,
-        examples=int(ex_off[-1] - ex_off[0]) if nrows else 0,
-        tokens=int(num.sum()),
-        target_tokens=targets,
-    )
+            why = str(e)
+        report.add(f"{name} row {i}", f"check contract failed: {why}")
+    above = np.flatnonzero(mask > 1)
+    if len(above):
+        rows_of = np.searchsorted(mask_off, above, side="right") - 1
+        for i, j in zip(*np.unique(rows_of, return_index=True)):
+            pos = int(above[j] - mask_off[i])
+            report.add(f"{name} row {int(i)}", f"check loss_mask failed: loss_mask[{pos}] is {int(mask[above[j]])}; "
+                                               "only 0 and 1 are allowed")
+
+    # Sequences of the good rows.
+    good = np.flatnonzero(~bad)
+    counts = nseq[good]
+    rows_of = np.repeat(good, counts)
+    k_of = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    end_at = seq_off[rows_of] + 1 + k_of  # index in seq of each sequence's end offset
+    starts = tok_off[rows_of] + seq[end_at - 1].astype(np.int64)
+    stops = tok_off[rows_of] + seq[end_at].astype(np.int64)
+    lengths = stops - starts
+    cum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    targets = cum[stops] - cum[starts]
+    ids_of = [exs[ex_off[r] + k] for r, k in zip(rows_of.tolist(), k_of.tolist())]
+
+    def at(s: int) -> str:
+        return f"{name} row {int(rows_of[s])} sequence {int(k_of[s])} ({ids_of[s]})"
+
+    if checks.eos_at_boundaries and len(stops):
+        last_tok = tok[stops - 1]
+        for s in np.flatnonzero((last_tok != checks.eos_token_id) & (lengths < budget)).tolist():
+            report.add(at(s), f"check eos_at_boundaries failed: ends at seq_offsets[{int(k_of[s]) + 1}]="
+                              f"{int(stops[s] - tok_off[rows_of[s]])} on token {int(last_tok[s])}, not on EOS "
+                              f"{checks.eos_token_id}, and is shorter than the budget {budget}: the offsets do not "
+                              "match the examples' boundaries")
+    if checks.targets_in_every_sequence:
+        for s in np.flatnonzero(targets == 0).tolist():
+            report.add(at(s), "check targets_in_every_sequence failed: no token is a training target (loss_mask all 0)")
+    if checks.all_targets:
+        for s in np.flatnonzero(targets != lengths).tolist():
+            report.add(at(s), f"check all_targets failed: {int(lengths[s] - targets[s])} of {int(lengths[s])} tokens "
+                              "have loss_mask 0, but the run trains on every token")
+    for s, eid in enumerate(ids_of):
+        if not eid:
+            report.add(at(s), "check example_ids failed: the example id is empty")
+        stored.add(eid, index, int(rows_of[s]), int(k_of[s]))
+        if keep_digests:
+            a, b = int(starts[s]), int(stops[s])
+            stored.digest[eid] = piece_digest(tok[a:b], mask[a:b])
+    for i in np.flatnonzero(bad).tolist():  # ids of broken rows still count (and collide), without tokens
+        for k, eid in enumerate(exs[ex_off[i]:ex_off[i + 1]]):
+            stored.add(eid, index, i, k)
+    measured = {"rows": nrows, "examples": int(ex_off[-1]) if nrows else 0, "tokens": int(num.sum()),
+                "target_tokens": int(mask.sum()) if len(mask) else 0}
+    for key, got in measured.items():
+        if entry.get(key) != got:
+            report.add(name, f"check {key} failed: the shard holds {got}, manifest.json says {entry.get(key)!r}")
     report.rows += nrows
     report.pieces += measured["examples"]
     report.tokens += measured["tokens"]
     return measured
 
 
+def _check_ids(stored: _Stored, report: Report) -> None:
+    """Every example id once; the copies and pieces of one record in one split."""
+    for eid, loc in stored.loc.items():
+        if isinstance(loc, list):
+            report.add(f"example id {eid}", f"check unique example ids failed: appears {len(loc)} times: "
+                                            + "; ".join(stored.where(x, eid) for x in loc))
+    if len(set(stored.splits)) < 2:
+        return
+    for eid, loc in stored.loc.items():
+        first = loc[0] if isinstance(loc, list) else loc
+        split = stored.splits[first >> _SHIFT_SHARD]
+        base = _rows.base_id(_piece_base(eid))
+        had = stored.bases.setdefault(base, split)
+        if had != split:
+            report.add(stored.where(first, eid), f"check split failed: in {split}, but other copies or pieces of "
+                                                 f"record {base} are in {had}")
+
+
 # ----------------------------------------------------------------------------------------------
-# The whole folder
+# Dead letters and counts
 
 
-def verify(folder: str, inputs: Optional[Sequence[str]] = None) -> Report:
-    """Re-check ``folder``; with ``inputs`` (``()`` = the manifest's own), reconcile every record.
-
-    Raises :class:`PackstreamError` only when there is nothing to check (no such folder) or the
-    inputs cannot be read; every mismatch is a :class:`Problem` in the report.
-    """
-    started = time.time()
-    folder = folder.rstrip("/") or "/"
-    report = Report(folder)
-    try:
-        names = _list(folder)
-    except (OSError, ValueError) as e:
-        raise PackstreamError(f"cannot list output folder {folder}: {e}") from None
-    manifest = _load_manifest(folder, names, report)
-    config = manifest.get("config", {}) if manifest else {}
-    budget = config.get("max_tokens")
-    long = LongPolicy(config.get("long", "drop"))
-    train_all = config.get("train_on") == TrainOn.ALL.value
-    tokenizer = manifest.get("tokenizer", {}) if manifest else {}
-    eos_id = tokenizer.get("eos_token_id")
-    expect_meta = {"budget": budget, "tokenizer_vocab_sha256": tokenizer.get("vocab_sha256"),
-                   "eos_token_id": eos_id, "pad_token_id": tokenizer.get("pad_token_id")}
-    expect_meta = {k: v for k, v in expect_meta.items() if v is not None}
-
-    # Files: leftovers, names, and the manifest's list.
-    for n in names:
-        if n.startswith(".tmp-"):
-            report.add(n, "temporary file left by an interrupted write; rerun with --overwrite")
-        elif n.startswith("train-") and not SHARD_NAME.match(n):
-            report.add(n, "not a shard name packstream writes (train-XXXXX-of-NNNNN.arrow|parquet)")
-    on_disk = [n for n in names if SHARD_NAME.match(n)]
-    listed: dict[str, dict] = {}
-    for s in (manifest or {}).get("shards", []):
-        n = s.get("name", "") if isinstance(s, dict) else ""
-        if not SHARD_NAME.match(n):
-            report.add("manifest.json shards", f"shard name {n!r} is not train-XXXXX-of-NNNNN.<ext>; not opened")
-            continue
-        listed[n] = s
-    if manifest is not None:
-        for n in sorted(set(listed) - set(on_disk)):
-            report.add(n, "listed in manifest.json but missing from the folder")
-        for n in sorted(set(on_disk) - set(listed)):
-            report.add(n, "shard file not listed in manifest.json")
-    expected_ext = "parquet" if config.get("output_format") == "parquet" else "arrow"
-    counts_of = [SHARD_NAME.match(n).group(2) for n in on_disk]
-    if on_disk and len(set(counts_of)) == 1:
-        total = int(counts_of[0])
-        have = sorted(int(SHARD_NAME.match(n).group(1)) for n in on_disk)
-        if have != list(range(total)):
-            report.add("shards", f"indices {have} on disk, expected 0..{total - 1}")
-    elif len(set(counts_of)) > 1:
-        report.add("shards", f"shards of different runs mixed: counts {sorted(set(counts_of))}")
-
-    # Shards.
-    pieces: dict[str, list[_Piece]] = {}
-    measured: dict[str, dict] = {}
-    if budget is None and on_disk:
-        budget = _budget_from_shard(folder, on_disk[0])
-    for n in on_disk:
-        if manifest is not None and not n.endswith(expected_ext):
-            report.add(n, f"extension differs from the manifest's output_format {config.get('output_format')!r}")
-        data = _write.read_bytes(_join(folder, n))
-        measured[n] = check_shard(
-            report, n, data, budget=budget or 2**31 - 1, eos_id=eos_id, long=long, train_all=train_all,
-            expect_meta=expect_meta, pieces=pieces, keep_tokens=inputs is not None,
-        )
-        report.shards += 1
-    for eid, where in pieces.items():
-        if len(where) > 1:
-            report.add(f"example id {eid}", f"appears {len(where)} times: " + "; ".join(p.where for p in where))
-
-    # Manifest counts, per shard and in total; dead letters.
-    dead = _check_dead_letters(folder, names, manifest, pieces, report)
-    if manifest is not None:
-        _check_counts(manifest, listed, measured, pieces, dead, long, report)
-
-    if inputs is not None and manifest is not None:
-        _check_inputs(folder, manifest, inputs, pieces, dead, report)
-    elif inputs is not None:
-        report.add("inputs", "not reconciled: manifest.json is missing or unreadable")
-    report.elapsed_s = time.time() - started
-    return report
+@dataclasses.dataclass
+class _Dead:
+    by_key: dict[tuple[str, int, Optional[str]], dict]
+    """(source, position, example_id) -> the dead letter."""
+    by_reason: dict[str, int]
+    first: dict[str, dict]
 
 
-def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[dict]:
-    if "manifest.json" not in names:
-        report.add("manifest.json", "missing: the run did not finish, or this is not a packstream output folder")
-        return None
-    try:
-        manifest = json.loads(_write.read_bytes(_join(folder, "manifest.json")))
-    except (ValueError, UnicodeDecodeError) as e:
-        report.add("manifest.json", f"is not valid JSON: {e}")
-        return None
-    if not isinstance(manifest, dict):
-        report.add("manifest.json", "is not a JSON object")
-        return None
-    missing = [k for k in ("config", "counts", "shards", "tokenizer", "inputs") if k not in manifest]
-    if missing:
-        report.add("manifest.json", f"lacks {', '.join(missing)}")
-        return None
-    if manifest.get("contract_version") != packers.CONTRACT_VERSION:
-        report.add("manifest.json contract_version",
-                   f"is {manifest.get('contract_version')!r}, this packstream checks {packers.CONTRACT_VERSION}")
-    return manifest
-
-
-def _budget_from_shard(folder: str, name: str) -> Optional[int]:
-    try:
-        schema, _ = _read_table(_write.read_bytes(_join(folder, name)), name.rsplit(".", 1)[-1])
-        return int(packers.read_metadata(schema)["budget"])
-    except (pa.ArrowInvalid, OSError, ValueError, KeyError):
-        return None
-
-
-def _check_dead_letters(folder, names, manifest, pieces, report) -> dict[tuple[str, int], dict]:
-    """Parse the dead-letter file; returns ``(source, position) -> record``."""
-    fname = (manifest or {}).get("rejected_file", "rejected.jsonl")
+def _check_dead_letters(folder: str, names: list[str], m: dict, stored: _Stored, report: Report) -> _Dead:
+    dead = _Dead({}, {}, {})
+    fname = m.get("rejected_file", "rejected.jsonl")
     if not isinstance(fname, str) or not re.fullmatch(r"[\w.-]+", fname) or fname.startswith("."):
         report.add("manifest.json rejected_file", f"{fname!r} is not a plain file name; not opened")
-        return {}
+        return dead
     if fname not in names:
         report.add(fname, "missing")
-        return {}
-    dead: dict[tuple[str, int], dict] = {}
-    lines = _write.read_bytes(_join(folder, fname)).decode("utf-8", errors="replace").splitlines()
-    for lineno, line in enumerate(lines, start=1):
+        return dead
+    prev = None
+    lines = 0
+    for lineno, line in enumerate(_write.read_bytes(_path(folder, fname)).decode("utf-8", "replace").splitlines(), 1):
+        lines += 1
         at = f"{fname} line {lineno}"
         try:
             rec = json.loads(line)
@@ -398,174 +457,375 @@ def _check_dead_letters(folder, names, manifest, pieces, report) -> dict[tuple[s
             continue
         bad = [k for k, t in (("source", str), ("position", int), ("reason", str), ("detail", str))
                if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
-        if bad:
-            report.add(at, f"field(s) {', '.join(bad)} missing or of the wrong type")
+        if bad or not isinstance(rec.get("example_id", ""), str):
+            report.add(at, f"field(s) {', '.join(bad) or 'example_id'} missing or of the wrong type")
             continue
         if rec["reason"] not in REASONS:
             report.add(at, f"unknown reason {rec['reason']!r}")
-        key = (rec["source"], rec["position"])
-        if key in dead:
-            report.add(at, f"{key[0]}:{key[1]} is dead-lettered twice")
-        dead[key] = rec
-    # A too_long example is not packed; a duplicate_id names the kept one: packed, or dropped as too long.
-    bases = {_base(eid) for eid in pieces}
-    dropped = {r.get("example_id") for r in dead.values() if r["reason"] == Reason.TOO_LONG.value}
-    for (source, position), rec in dead.items():
-        eid = rec.get("example_id")
-        if rec["reason"] == Reason.TOO_LONG.value and eid in bases:
-            report.add(f"{fname} {source}:{position}", f"{eid} is dropped as too_long but also packed")
-        if rec["reason"] == Reason.DUPLICATE_ID.value and eid not in bases and eid not in dropped:
-            report.add(f"{fname} {source}:{position}", f"duplicate of {eid}, but no example {eid} is packed")
-    report.dead_letters = len(lines)
+        key = (rec["source"], rec["position"], rec.get("example_id"))
+        if key in dead.by_key:
+            report.add(at, f"{_record(key)} is dead-lettered twice")
+        dead.by_key[key] = rec
+        dead.by_reason[rec["reason"]] = dead.by_reason.get(rec["reason"], 0) + 1
+        dead.first.setdefault(rec["reason"], rec)
+        order = _rows.reject_sort_key(rec)
+        if prev is not None and order < prev:
+            report.add(at, "out of order: rejected.jsonl is sorted by source, position, reason and id")
+        prev = order
+    report.dead_letters = lines
+    # A too_long example is not packed; a duplicate_id names an example that was kept: packed, or dead-lettered.
+    packed = {_piece_base(e) for e in stored.loc}
+    kept_dead = {k[2] for k, r in dead.by_key.items() if r["reason"] != Reason.DUPLICATE_ID.value}
+    for key, rec in dead.by_key.items():
+        eid = key[2]
+        if rec["reason"] == Reason.TOO_LONG.value and eid in packed:
+            report.add(f"{fname} {_record(key)}", f"{eid} is dropped as too_long but also packed")
+        if rec["reason"] == Reason.DUPLICATE_ID.value and eid not in packed and eid not in kept_dead:
+            report.add(f"{fname} {_record(key)}",
+                       f"duplicate of {eid}, but no example {eid} is packed or dead-lettered")
     return dead
 
 
-def _base(eid: str) -> str:
-    """The example id of a piece ``<id>#<k>`` (ids themselves may hold '#': only a numeric tail counts)."""
-    m = re.fullmatch(r"(.*)#\d+", eid)
-    return m.group(1) if m else eid
+def _record(key: tuple) -> str:
+    source, position, eid = key
+    return f"{source}:{position}" + (f" ({eid})" if eid else "")
 
 
-def _check_counts(manifest, listed, measured, pieces, dead, long, report) -> None:
-    c = manifest["counts"]
-    for n, want in listed.items():
-        got = measured.get(n)
-        if got is None:
-            continue
-        for key in ("bytes", "sha256", "rows", "examples", "tokens", "target_tokens"):
-            if key in got and want.get(key) != got[key]:
-                report.add(f"{n}", f"{key} is {got[key]!r}, manifest.json says {want.get(key)!r}")
+def _check_counts(m: dict, measured: dict[str, dict], stored: _Stored, dead: _Dead, complete: bool,
+                  report: Report) -> None:
+    c = m["counts"]
 
-    def expect(key: str, got: Any) -> None:
+    def expect(key: str, got: Any, holder: str = "the files hold") -> None:
         if c.get(key) != got:
-            report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, the files hold {got!r}")
+            report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, {holder} {got!r}")
 
-    if all("rows" in m for m in measured.values()) and set(measured) == set(listed):
-        expect("rows", sum(m["rows"] for m in measured.values()))
-        expect("tokens", sum(m["tokens"] for m in measured.values()))
-        expect("target_tokens", sum(m["target_tokens"] for m in measured.values()))
-        expect("pieces", sum(len(v) for v in pieces.values()))
-        examples = len({_base(e) for e in pieces}) if long is LongPolicy.SPLIT else sum(len(v) for v in pieces.values())
-        expect("examples_packed", examples)
-        budget = manifest["config"].get("max_tokens", 0)
-        tokens, rows = c.get("tokens", 0), c.get("rows", 0)
-        expect("lower_bound", math.ceil(tokens / budget) if tokens and budget else 0)
-        if rows and budget and not math.isclose(c.get("fill", -1), tokens / (rows * budget), rel_tol=1e-9):
-            report.add("manifest.json counts.fill", f"says {c.get('fill')!r}, tokens/(rows*budget) is {tokens / (rows * budget)!r}")
-    by_reason = collections.Counter(r["reason"] for r in dead.values())
-    too_long = by_reason.pop(Reason.TOO_LONG.value, 0)
-    expect("dropped_too_long", too_long)
-    expect("rejected", sum(by_reason.values()))
+    if complete:  # every listed shard was read
+        rows = sum(x["rows"] for x in measured.values())
+        tokens = sum(x["tokens"] for x in measured.values())
+        expect("rows", rows)
+        expect("tokens", tokens)
+        expect("target_tokens", sum(x["target_tokens"] for x in measured.values()))
+        expect("pieces", sum(x["examples"] for x in measured.values()))
+        expect("examples_packed", len({_piece_base(e) for e in stored.loc}), "the shards hold (distinct examples)")
+        budget = m["row_checks"]["budget"]
+        expect("lower_bound", math.ceil(tokens / budget) if tokens else 0, "ceil(tokens / budget) is")
+        fill = tokens / (rows * budget) if rows else 0.0
+        if not math.isclose(c.get("fill", -1), fill, rel_tol=1e-9, abs_tol=1e-12):
+            report.add("manifest.json counts.fill", f"says {c.get('fill')!r}, tokens / (rows * budget) is {fill!r}")
+        splits = {}
+        for name, x in measured.items():
+            s = splits.setdefault(stored.splits[stored.names.index(name)], {"rows": 0, "tokens": 0})
+            s["rows"] += x["rows"]
+            s["tokens"] += x["tokens"]
+        if (c.get("splits") or {}) != splits:
+            report.add("manifest.json counts.splits", f"says {c.get('splits')!r}, the shards hold {splits!r}")
+    by_reason = dict(dead.by_reason)
+    expect("dropped_too_long", by_reason.pop(Reason.TOO_LONG.value, 0), "rejected.jsonl holds")
+    expect("rejected", sum(by_reason.values()), "rejected.jsonl holds")
     if c.get("rejected_by_reason") != dict(sorted(by_reason.items())):
         report.add("manifest.json counts.rejected_by_reason",
                    f"says {c.get('rejected_by_reason')!r}, rejected.jsonl holds {dict(sorted(by_reason.items()))!r}")
-    total = c.get("examples_packed", 0) + c.get("rejected", 0) + c.get("dropped_too_long", 0)
-    if c.get("records_read") != total:
-        report.add("manifest.json counts.records_read",
-                   f"is {c.get('records_read')!r}, but packed + rejected + dropped = {total}")
+    first = {r: {k: x[k] for k in ("source", "position", "detail")} for r, x in dead.first.items()}
+    if (c.get("first_rejected") or {}) != first:
+        report.add("manifest.json counts.first_rejected", "differs from the first dead letter of each reason in "
+                                                          "rejected.jsonl")
+    keys = ("records_read", "repeated_copies", "examples_packed", "rejected", "dropped_too_long", "not_sampled")
+    if all(isinstance(c.get(k), int) for k in keys):
+        given = c["records_read"] + c["repeated_copies"]
+        accounted = c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
+        if given != accounted:
+            report.add("manifest.json counts", (
+                f"do not reconcile: records_read {c['records_read']} + repeated_copies {c['repeated_copies']} = "
+                f"{given}, but examples_packed {c['examples_packed']} + rejected {c['rejected']} + dropped_too_long "
+                f"{c['dropped_too_long']} + not_sampled {c['not_sampled']} = {accounted}"))
+    else:
+        lacking = [k for k in keys if not isinstance(c.get(k), int)]
+        report.add("manifest.json counts", f"lack integer {', '.join(lacking)}")
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs
 
 
-def _check_inputs(folder, manifest, inputs, pieces, dead, report) -> None:
-    """Every input record: packed with the same tokens, or dead-lettered for the same reason."""
-    from pipeline._render import Renderer, tokenizer_identity
+def options_from_config(config: dict, inputs: Sequence[str], output: str,
+                        trust_remote_code: bool = False) -> PackOptions:
+    """The :class:`PackOptions` of a finished run, from ``manifest.json``'s ``config`` (data sets included).
 
-    config = manifest["config"]
-    options = options_from_config(config, tuple(inputs) or tuple(config.get("inputs", ())), folder)
-    files = _read.expand_inputs(options.inputs)  # PackstreamError: the inputs themselves are unreadable
-    want_sources = sorted({i["source"] for i in manifest["inputs"]})
-    got_sources = sorted({f.source for f in files})
-    if want_sources != got_sources:
-        report.add("inputs", f"resolve to sources {got_sources}, the manifest has {want_sources}; "
-                             "pass the same inputs as the pack run")
-        return
-    identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-    if identity["vocab_sha256"] != manifest["tokenizer"].get("vocab_sha256"):
-        report.add("tokenizer", f"{options.tokenizer!r} here has vocab sha256 {identity['vocab_sha256'][:16]}…, the "
-                                f"run used {str(manifest['tokenizer'].get('vocab_sha256'))[:16]}…; cannot re-tokenize")
-        return
-    renderer = Renderer(options)
-    expected_dead: dict[tuple[str, int], str] = {}
-    encoded: list[tuple[str, str, int, np.ndarray]] = []
-    batch: list[tuple[str, str, int, Any]] = []
-    records = 0
+    ``inputs`` replaces the recorded INPUT paths (not possible for a ``--config`` run: its data sets
+    name their own paths). ``trust_remote_code`` comes from the caller, never from the manifest.
+    """
+    names = {f.name for f in dataclasses.fields(PackOptions)}
+    fmt_names = {f.name for f in dataclasses.fields(FormatOptions)}
+    given = ("config", "inputs", "output", "trust_remote_code")  # set below, never taken from the manifest as is
+    kw = {k: v for k, v in config.items() if k in names and k not in given}
+    try:
+        specs = tuple(
+            DatasetSpec(name=d["name"], paths=tuple(d["paths"]), weight=d.get("weight", 1.0), split=d.get("split"),
+                        format=FormatOptions(**{k: v for k, v in d.items() if k in fmt_names}))
+            for d in config.get("config") or ()
+        )
+        if specs and inputs:
+            raise PackstreamError("this run read --config data sets, each with its own paths; verify --inputs re-reads "
+                                  "the paths recorded in manifest.json: give no INPUT paths")
+        kw.update(config=specs, inputs=() if specs else tuple(inputs) or tuple(config.get("inputs") or ()),
+                  output=output, trust_remote_code=trust_remote_code)
+        return PackOptions(**kw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PackstreamError(f"manifest.json config cannot be read back into options ({type(e).__name__}: {e}); "
+                              "it was written by another packstream version: verify with that version") from None
 
-    def flush() -> None:
-        for (eid, source, pos, _), res in zip(batch, renderer.encode([c for *_, c in batch])):
-            if isinstance(res, Rejected):
-                expected_dead[(source, pos)] = res.reason.value
-            else:
-                encoded.append((eid, source, pos, res))
-        batch.clear()
 
+@dataclasses.dataclass
+class _InputPlan:
+    options: PackOptions
+    files: list
+
+
+def _prepare_inputs(folder: str, m: dict, inputs: Sequence[str], trust_remote_code: bool,
+                    announce: Callable[[str], None], report: Report) -> Optional[_InputPlan]:
+    """Options and inputs of the run, and its tokenizer (loaded here, before the shards are read, so a
+    tokenizer that cannot be loaded fails at once). None, with a problem, when the inputs differ."""
+    from pipeline._tokenizer import tokenizer_identity
+
+    options = options_from_config(m["config"], inputs, folder, trust_remote_code)
+    files, _ = _read.expand_datasets(options.datasets())  # PackstreamError: the inputs cannot be read
+    want = sorted({i.get("source") for i in m["inputs"] if isinstance(i, dict)})
+    got = sorted({f.source for f in files})
+    if want != got:
+        report.add("inputs", f"resolve to sources {got}, the manifest has {want}; pass the same inputs as the pack run")
+        return None
+    name = options.tokenizer
+    announce(f"verify: loading tokenizer {name!r} (named in {folder}/{MANIFEST}); its own code "
+             + ("may run (--trust-remote-code)" if trust_remote_code else
+                "will not run (the manifest cannot allow it; only --trust-remote-code does)"))
+    try:
+        identity = tokenizer_identity(name, trust_remote_code)
+    except PackstreamError as e:
+        hint = "" if trust_remote_code else ("; verify never runs a tokenizer's own code unless you pass "
+                                             "--trust-remote-code (whatever manifest.json says)")
+        raise PackstreamError(f"{e}{hint}") from None
+    if identity["vocab_sha256"] != m["tokenizer"].get("vocab_sha256"):
+        report.add("tokenizer", f"{name!r} here has vocab sha256 {identity['vocab_sha256'][:16]}…, the run used "
+                                f"{str(m['tokenizer'].get('vocab_sha256'))[:16]}…; cannot re-tokenize")
+        return None
+    return _InputPlan(options, files)
+
+
+def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: dict) -> Iterable[list]:
+    """The inputs as the job reads them (per read task, chunks of --batch-size), a corrupt rest as one dead letter."""
     for f in files:
-        for pos, rec in _read.read_file(f, options.max_record_bytes):
-            records += 1
+        for task in _read.plan_tasks(f):
+            chunk: list = []
             try:
-                if isinstance(rec, Rejected):
-                    raise rec
-                conv = normalize(rec, options.format, options.fields)
-            except Rejected as r:
-                expected_dead[(f.source, pos)] = r.reason.value
-                continue
-            batch.append((_rows.example_id(f.source, pos, rec), f.source, pos, conv))
-            if len(batch) >= options.batch_size:
-                flush()
-    flush()
-    report.records = records
-    if manifest["counts"].get("records_read") != records:
-        report.add("manifest.json counts.records_read", f"says {manifest['counts'].get('records_read')!r}, the inputs hold {records}")
+                for position, record in _read.read_task(task, options.max_record_bytes):
+                    chunk.append((f.dataset, f.source, position, record))
+                    if len(chunk) == options.batch_size:
+                        counts["records_read"] += len(chunk)
+                        yield chunk
+                        chunk = []
+            except _read.CorruptInput as e:  # as pipeline._job.EncodeTasks: counted as one record
+                where = 0 if e.position is None else e.position + 1
+                expected_dead[(f.source, where, None)] = Reason.CORRUPT_INPUT.value
+                counts["records_read"] += 1
+            if chunk:
+                counts["records_read"] += len(chunk)
+                yield chunk
 
-    # Duplicates: the first of an id by (source, position) is kept (pipeline._rows.dedupe).
-    encoded.sort(key=lambda t: (t[0], t[1], t[2]))
+
+def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead: _Dead, report: Report) -> None:
+    """Every input record: packed with the same tokens, dead-lettered for the same reason, or not sampled."""
+    from pipeline._encode import Encoder, add_counts
+
+    options = plan.options
     budget = options.max_tokens
-    expected_pieces: dict[str, tuple[tuple[str, int], np.ndarray]] = {}  # piece id -> ((source, pos), tokens)
-    for i, (eid, source, pos, tokens) in enumerate(encoded):
-        record = (source, pos)
-        if i and encoded[i - 1][0] == eid:
-            expected_dead[(source, pos)] = Reason.DUPLICATE_ID.value
-            continue
-        n = tokens.shape[1]
-        if n <= budget:
-            expected_pieces[eid] = (record, tokens)
-        elif options.long is LongPolicy.DROP:
-            expected_dead[(source, pos)] = Reason.TOO_LONG.value
-        elif options.long is LongPolicy.TRUNCATE:
-            expected_pieces[eid] = (record, tokens[:, :budget])
-        else:
-            for k in range(math.ceil(n / budget)):
-                expected_pieces[f"{eid}#{k}"] = (record, tokens[:, k * budget:(k + 1) * budget])
+    encoder = Encoder(options)
+    counts: dict[str, int] = {"records_read": 0}
+    expected_dead: dict[tuple[str, int, Optional[str]], str] = {}
+    # Each example: (source, position, [(piece id, digest)] or a dead-letter reason, its --long stats).
+    candidates: dict[str, list[tuple[str, int, Any, dict]]] = {}
+    details: dict[str, np.ndarray] = {}  # piece id -> re-encoded (2, n) tokens, for a mismatch's message
+    for chunk in _chunks(plan.files, options, counts, expected_dead):
+        enc = encoder.encode(chunk)
+        add_counts(counts, enc.counts)
+        for r in enc.rejected:
+            expected_dead[(r["source"], r["position"], r.get("example_id"))] = r["reason"]
+        batch = enc.batch
+        lengths = batch.lengths
+        for i, eid in enumerate(batch.ids):
+            stats: dict[str, int] = {}
+            if lengths[i] <= budget:
+                spans = [(-1, 0, int(lengths[i]))]
+            else:  # the job's --long rules, on this example alone
+                rejected: list[dict] = []
+                _, a, b, parts = _rows.pieces(batch.take([i]), options, rejected, stats)
+                if rejected:
+                    candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i],
+                                                           rejected[0]["reason"], stats))
+                    continue
+                spans = list(zip(parts.tolist(), a.tolist(), b.tolist()))
+            o = int(batch.offsets[i])
+            out = []
+            for part, a, b in spans:
+                pid = eid if part < 0 else f"{eid}#{part}"
+                ids, mask = batch.input_ids[o + a:o + b], batch.loss_mask[o + a:o + b]
+                d = piece_digest(ids, mask)
+                if pid in stored.digest and stored.digest[pid] != d and len(details) < _MISMATCH_DETAILS:
+                    details[pid] = np.stack([ids.astype(np.int64), mask.astype(np.int64)])
+                out.append((pid, d))
+            candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i], out, stats))
+    report.records = counts["records_read"]
 
-    for pid, (record, tokens) in expected_pieces.items():
-        stored = pieces.get(pid)
-        if not stored:
-            why = f" (rejected.jsonl says {dead[record]['reason']})" if record in dead else ""
-            report.add(f"input {record[0]}:{record[1]}", f"should be packed as {pid!r} but is not in any shard{why}")
+    # Duplicate ids: the job keeps the first by (source, position) (pipeline._rows.dedupe).
+    winners: dict[str, tuple[str, int, Any, dict]] = {}
+    repeated = [e for e, c in candidates.items() if len(c) > 1]
+    for eid, c in candidates.items():
+        if len(c) == 1:
+            winners[eid] = c[0]
+    if repeated:
+        flat = [(eid, s, p) for eid in repeated for s, p, _, _ in candidates[eid]]
+        probe = _rows.ExampleBatch.from_arrays([x[0] for x in flat], [x[1] for x in flat], [x[2] for x in flat],
+                                               np.zeros(len(flat), np.int64), np.zeros(0, np.int32),
+                                               np.zeros(0, np.uint8))
+        kept, dups = _rows.dedupe(probe)
+        for eid, s, p in zip(kept.ids, kept.sources, kept.positions):
+            winners[eid] = next(c for c in candidates[eid] if c[0] == s and c[1] == p)
+        for r in dups:
+            expected_dead[(r["source"], r["position"], r["example_id"])] = r["reason"]
+
+    expected: dict[str, tuple[str, int, bytes]] = {}
+    totals: dict[str, int] = {}
+    for eid, (source, position, outcome, stats) in winners.items():
+        add_counts(totals, stats)
+        if isinstance(outcome, str):
+            expected_dead[(source, position, eid)] = outcome
             continue
-        _compare(stored[0], tokens, report)
-    for pid in sorted(set(pieces) - set(expected_pieces)):
-        report.add(pieces[pid][0].where, "packed example matches no input record")
-    for key, reason in sorted(expected_dead.items()):
-        got = dead.get(key)
+        totals["examples_packed"] = totals.get("examples_packed", 0) + bool(outcome)  # as len(np.unique(ex))
+        for pid, d in outcome:
+            expected[pid] = (source, position, d)
+
+    # Packed pieces against the stored ones.
+    dead_at = {k[:2]: r["reason"] for k, r in dead.by_key.items()}
+    tables: dict[int, pa.Table] = {}  # shards parsed again to explain mismatches, once each
+    for pid, (source, position, d) in expected.items():
+        if pid not in stored.loc:
+            why = dead_at.get((source, position))
+            report.add(f"input {source}:{position}", f"should be packed as {pid!r} but is not in any shard"
+                                                     + (f" (rejected.jsonl says {why})" if why else ""))
+        elif pid in stored.digest and stored.digest[pid] != d:
+            _explain(folder, stored, pid, details.get(pid), tables, report)
+    for pid in sorted(set(stored.loc) - set(expected)):
+        report.add(stored.first(pid), "packed example matches no input record (not in the inputs, not sampled, or "
+                                      "another run's)")
+    # Dead letters against the expected ones.
+    for key, reason in sorted(expected_dead.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "")):
+        got = dead.by_key.get(key)
         if got is None:
-            report.add(f"input {key[0]}:{key[1]}", f"is rejected ({reason}) on re-reading but is not in rejected.jsonl")
+            report.add(f"input {_record(key)}", f"is rejected ({reason}) on re-reading but is not in rejected.jsonl")
         elif got["reason"] != reason:
-            report.add(f"input {key[0]}:{key[1]}", f"rejected.jsonl says {got['reason']}, re-reading gives {reason}")
-    for key in sorted(set(dead) - set(expected_dead)):
-        report.add(f"rejected.jsonl {key[0]}:{key[1]}", f"dead letter ({dead[key]['reason']}) for a record the inputs pack fine or do not have")
+            report.add(f"input {_record(key)}", f"rejected.jsonl says {got['reason']}, re-reading gives {reason}")
+    for key in sorted(set(dead.by_key) - set(expected_dead), key=lambda k: (k[0], k[1], k[2] or "")):
+        report.add(f"rejected.jsonl {_record(key)}",
+                   f"dead letter ({dead.by_key[key]['reason']}) for a record the inputs pack fine or do not have")
+    # Counts re-derived from the inputs.
+    c = m["counts"]
+    for key, got in (("records_read", counts["records_read"]), ("not_sampled", counts.get("not_sampled", 0)),
+                     ("repeated_copies", counts.get("repeated_copies", 0)),
+                     ("examples_packed", totals.get("examples_packed", 0)),
+                     ("truncated_examples", totals.get("truncated_examples", 0)),
+                     ("split_examples", totals.get("split_examples", 0)),
+                     ("no_target_pieces", totals.get("no_target_pieces", 0))):
+        if c.get(key) != got:
+            report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, re-reading the inputs gives {got}")
 
 
-def _compare(piece: _Piece, expected: np.ndarray, report: Report) -> None:
-    ids, mask = expected[0], expected[1]
-    if piece.input_ids.size != ids.size:
-        report.add(piece.where, f"{piece.input_ids.size} tokens stored, re-tokenizing the input gives {ids.size}")
+def _explain(folder: str, stored: _Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],
+             report: Report) -> None:
+    """A stored piece differs from the re-encoded one: say where and at which position."""
+    loc = stored.loc[pid]
+    loc = loc[0] if isinstance(loc, list) else loc
+    where = stored.where(loc, pid)
+    if want is None:
+        report.add(where, "check input_ids/loss_mask failed: the stored tokens differ from re-encoding the input")
         return
-    for name, got, want in (("input_ids", piece.input_ids, ids), ("loss_mask", piece.loss_mask, mask)):
-        diff = np.flatnonzero(got.astype(np.int64) != want.astype(np.int64))
+    shard, row, k = loc >> _SHIFT_SHARD, (loc >> _SHIFT_ROW) & ((1 << 40) - 1), loc & ((1 << _SHIFT_ROW) - 1)
+    if shard not in tables:
+        tables[shard] = _open_shard(folder, stored.names[shard])[2]()[1]
+    r = tables[shard].slice(row, 1).to_pylist()[0]
+    a, b = r["seq_offsets"][k], r["seq_offsets"][k + 1]
+    got = np.array([r["input_ids"][a:b], r["loss_mask"][a:b]], dtype=np.int64)
+    if got.shape[1] != want.shape[1]:
+        report.add(where, f"check input_ids failed: {got.shape[1]} tokens stored, re-tokenizing the input gives "
+                          f"{want.shape[1]}")
+        return
+    for i, column in enumerate(("input_ids", "loss_mask")):
+        diff = np.flatnonzero(got[i] != want[i])
         if diff.size:
             j = int(diff[0])
-            report.add(piece.where, f"{name}[{j}] is {int(got[j])}, re-tokenizing the input gives {int(want[j])}"
-                                    + (f" ({diff.size} positions differ)" if diff.size > 1 else ""))
+            more = f" ({diff.size} positions differ)" if diff.size > 1 else ""
+            report.add(where, f"check {column} failed: {column}[{j}] is {int(got[i][j])}, re-tokenizing the input "
+                              f"gives {int(want[i][j])}{more}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole folder
+
+
+def verify(folder: str, inputs: Optional[Sequence[str]] = None, *, trust_remote_code: bool = False,
+           announce: Optional[Callable[[str], None]] = None) -> Report:
+    """Re-check ``folder``; with ``inputs`` (``()`` = the manifest's own), reconcile every input record.
+
+    ``trust_remote_code`` (the command line's ``--trust-remote-code``) is the only thing that lets the
+    run's tokenizer execute code; ``announce`` receives the line naming the tokenizer before it is
+    loaded (default: stderr). Raises :class:`PackstreamError` only for a user error: no such folder,
+    inputs that cannot be read, a tokenizer that cannot be loaded. Every mismatch is a
+    :class:`Problem` in the report.
+    """
+    started = time.time()
+    folder = folder.rstrip("/") or "/"
+    report = Report(folder)
+    try:
+        names = _list(folder)
+    except (OSError, ValueError) as e:
+        raise PackstreamError(f"cannot list output folder {folder}: {e}") from None
+    m = _load_manifest(folder, names, report)
+    if m is None:
+        if inputs is not None:
+            report.add("inputs", "not reconciled: the folder has no complete manifest.json")
+        report.elapsed_s = time.time() - started
+        return report
+    try:
+        checks = row_checks(m, folder)
+        expect_meta = expected_metadata(m, folder)
+    except ContractError as e:
+        report.add(MANIFEST, str(e))
+        report.elapsed_s = time.time() - started
+        return report
+    plan = None
+    if inputs is not None:
+        plan = _prepare_inputs(folder, m, inputs, trust_remote_code, announce or _stderr, report)
+
+    entries = _check_files(folder, names, m, report)
+    stored = _Stored()
+    measured: dict[str, dict] = {}
+    for e in entries:
+        try:
+            size, sha, parse = _open_shard(folder, e["name"])
+        except OSError as err:
+            report.add(e["name"], f"cannot be read: {err}")
+            continue
+        index = len(stored.names)
+        stored.names.append(e["name"])
+        stored.splits.append(e.get("split", "train"))
+        got = check_shard(report, index, e, size, sha, parse, checks=checks, expect_meta=expect_meta, stored=stored,
+                          keep_digests=plan is not None)
+        report.shards += 1
+        if got is not None:
+            measured[e["name"]] = got
+    _check_ids(stored, report)
+    dead = _check_dead_letters(folder, names, m, stored, report)
+    _check_counts(m, measured, stored, dead, complete=len(measured) == len(listed_shards(m)), report=report)
+    if plan is not None:
+        _check_inputs(folder, m, plan, stored, dead, report)
+    report.elapsed_s = time.time() - started
+    return report
+

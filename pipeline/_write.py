@@ -28,25 +28,32 @@ INPUT_BYTES_PER_TOKEN = 4
 """About how many bytes of input text make one token: sizes shards before anything is tokenized."""
 
 
-def auto_shards(input_bytes: float, num_shards: int = 0) -> int:
-    """Shards of one split: ``--num-shards`` when given, else one per :data:`SHARD_TOKENS` tokens of input."""
-    return num_shards or max(1, math.ceil(input_bytes / INPUT_BYTES_PER_TOKEN / SHARD_TOKENS))
+def auto_shards(input_bytes: float) -> int:
+    """Shards of one split when ``--num-shards`` is 0: one per :data:`SHARD_TOKENS` tokens of input."""
+    return max(1, math.ceil(input_bytes / INPUT_BYTES_PER_TOKEN / SHARD_TOKENS))
 
 
 def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str, int], dict[str, int]]:
     """(packing groups, output shards) per split ("train", "validation") of a run over ``records``
     records (weighted by their data sets' weights) and ``input_bytes`` bytes of input: what the job
-    plans before it starts, and what ``packstream estimate`` predicts. In grouped mode a shard holds
-    whole groups, so a split never has more shards than groups."""
+    plans before it starts, and what ``packstream estimate`` predicts.
+
+    In grouped mode shard ``s`` packs the groups ``g`` with ``g % shards == s``: an explicit
+    ``--num-shards`` gets at least a group per shard (smaller groups), an automatic count never
+    exceeds the groups.
+    """
     from pipeline._options import PackMode
 
     fractions = {"train": 1.0 - options.validation_fraction, "validation": options.validation_fraction}
     groups, shards = {}, {}
     for split, frac in fractions.items():
         groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(records * frac / options.group_size))
-        shards[split] = auto_shards(input_bytes * frac, options.num_shards)
+        auto = auto_shards(input_bytes * frac)
         if options.mode is PackMode.GROUPED:
-            shards[split] = min(shards[split], groups[split])
+            shards[split] = options.num_shards or min(auto, groups[split])
+            groups[split] = max(groups[split], shards[split])
+        else:
+            shards[split] = options.num_shards or auto
     return groups, shards
 
 

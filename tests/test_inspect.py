@@ -1,11 +1,20 @@
-"""``packstream inspect``: the report's numbers, its stable JSON schema, and real PNG plots."""
+"""``packstream inspect``: numbers it computes from the shards, its stable JSON schema, real PNG plots.
+
+Every number inspect computes is held against a truth computed here independently: the shards
+read row by row with pyarrow (``to_pylist``, plain Python sums), or the test's own inputs. The
+manifest is only the source of what the shards cannot tell (records read, rejected), and those
+are held against what the test's inputs are known to contain.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 from PIL import Image
@@ -14,13 +23,65 @@ from pipeline import OutputFormat, PackOptions, run
 from pipeline._inspect import PERCENTILES, PLOTS, REPORT_KEYS, SCHEMA_VERSION, inspect
 from pipeline.cli import bundled_sample, main
 
+BUDGET = 256
+
+
+def _sample_records() -> int:
+    """Records in the bundled sample, counted from its files (every one of them packs at BUDGET)."""
+    n = 0
+    for name in os.listdir(bundled_sample()):
+        path = os.path.join(bundled_sample(), name)
+        if name.endswith(".jsonl"):
+            n += sum(1 for line in open(path) if line.strip())
+        elif name.endswith(".json"):
+            n += len(json.load(open(path)))
+    return n
+
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-    """The bundled sample at a small budget: several rows, varied fill."""
+    """The bundled sample at a small budget, with a validation split: several rows and shards, varied fill."""
     out = tmp_path_factory.mktemp("inspect") / "out"
-    manifest = run(PackOptions(inputs=(bundled_sample(),), output=str(out), max_tokens=256, group_size=7))
-    return str(out), manifest
+    run(PackOptions(inputs=(bundled_sample(),), output=str(out), max_tokens=BUDGET, group_size=7, num_shards=2,
+                    validation_fraction=0.25))
+    return str(out)
+
+
+def truth(folder: str) -> dict:
+    """What the shards hold, row by row in plain Python, per split and in total."""
+    per: dict[str, dict] = {}
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith((".arrow", ".parquet")):
+            continue
+        split = name.split("-")[0]
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(os.path.join(folder, name)).to_pylist()
+        else:
+            rows = pa.ipc.open_stream(open(os.path.join(folder, name), "rb").read()).read_all().to_pylist()
+        t = per.setdefault(split, {"shards": 0, "bytes": 0, "rows": [], "lengths": [], "ids": []})
+        t["shards"] += 1
+        t["bytes"] += os.path.getsize(os.path.join(folder, name))
+        t["rows"] += rows
+        for r in rows:
+            offs = r["seq_offsets"]
+            t["lengths"] += [b - a for a, b in zip(offs, offs[1:])]
+            t["ids"] += r["example_ids"]
+
+    def summary(t: dict) -> dict:
+        tokens = sum(len(r["input_ids"]) for r in t["rows"])
+        return {
+            "shards": t["shards"], "bytes": t["bytes"], "rows": len(t["rows"]), "examples": len(t["lengths"]),
+            "examples_packed": len({i.split("#")[0] for i in t["ids"]}), "tokens": tokens,
+            "target_tokens": sum(sum(r["loss_mask"]) for r in t["rows"]),
+            "fill": tokens / (len(t["rows"]) * BUDGET) if t["rows"] else 0.0,
+        }
+
+    every = {k: sum((t[k] for t in per.values()), start=0 if k in ("shards", "bytes") else []) for k in per["train"]}
+    return {"total": summary(every), "splits": {sp: summary(t) for sp, t in per.items()},
+            "lengths": every["lengths"], "row_tokens": [len(r["input_ids"]) for r in every["rows"]],
+            "per_row": [len(r["example_ids"]) for r in every["rows"]]}
 
 
 def _check_types(report: dict) -> None:
@@ -34,16 +95,18 @@ def _check_types(report: dict) -> None:
         assert isinstance(report[key]["mean"], float)
         assert all(type(report[key][f"p{p}"]) is int for p in PERCENTILES)
     assert set(report["examples_per_row"]) == {"mean", "min", "max"}
-    assert all(type(v) is int for v in report["rejected"].values())
+    assert all(type(v) is int for v in report["rejected_by_reason"].values())
+    for s in report["splits"].values():
+        assert set(s) == {"shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill"}
+        assert all(type(s[k]) is int for k in s if k != "fill") and type(s["fill"]) is float
 
 
 def test_json_schema_is_stable(packed, tmp_path):
-    folder, _ = packed
-    r = CliRunner().invoke(main, ["inspect", folder, "--json", "--plots-dir", str(tmp_path / "plots")])
+    r = CliRunner().invoke(main, ["inspect", packed, "--json", "--plots-dir", str(tmp_path / "plots")])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     _check_types(report)
-    assert report["schema_version"] == SCHEMA_VERSION == 1
+    assert report["schema_version"] == SCHEMA_VERSION == 2
     assert set(report["plots"]) == set(PLOTS)
     # The documented keys (docs/operations.md) are exactly these.
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "operations.md")).read()
@@ -51,29 +114,34 @@ def test_json_schema_is_stable(packed, tmp_path):
         assert f"`{key}`" in doc, key
 
 
-def test_numbers_match_the_manifest_and_the_shards(packed):
-    folder, manifest = packed
-    report = inspect(folder)
-    c = manifest["counts"]
-    assert report["rows"] == c["rows"] > 3
-    assert report["tokens"] == c["tokens"] and report["target_tokens"] == c["target_tokens"]
-    assert report["examples"] == c["pieces"] == c["examples_packed"]
-    assert report["lower_bound"] == c["lower_bound"]
-    assert report["fill"] == pytest.approx(c["fill"])
-    assert report["examples_per_row"]["mean"] == pytest.approx(c["examples_per_row"])
-    assert report["records_read"] == c["records_read"]
-    assert report["rejected_total"] == c["rejected"] + c["dropped_too_long"]
-    assert report["consistent"] is True and report["manifest"] is True
-    assert report["budget"] == 256 and report["format"] == "arrow" and report["plots"] == {}
-    assert report["bytes"] == sum(s["bytes"] for s in manifest["shards"])
+def test_numbers_are_computed_from_the_shards(packed):
+    report = inspect(packed)
+    t = truth(packed)
+    for key, want in t["total"].items():
+        assert report[key] == pytest.approx(want), key
+    assert set(report["splits"]) == {"train", "validation"}
+    for split, want in t["splits"].items():
+        assert report["splits"][split] == pytest.approx(want), split
+    assert report["rows"] > 3 and report["splits"]["validation"]["rows"] >= 1
+    # Every record of the bundled sample packs at this budget, once, in one split or the other.
+    assert report["examples_packed"] == _sample_records() == report["records_read"]
+    tokens = t["total"]["tokens"]
+    assert report["lower_bound"] == math.ceil(tokens / BUDGET)
+    assert report["rows_over_lower_bound"] == pytest.approx(t["total"]["rows"] / math.ceil(tokens / BUDGET) - 1)
+    assert report["examples_per_row"] == {"mean": pytest.approx(np.mean(t["per_row"])), "min": min(t["per_row"]),
+                                          "max": max(t["per_row"])}
+    lengths = sorted(t["lengths"])
     el = report["example_length"]
-    assert 0 < el["p0"] <= el["p10"] <= el["p50"] <= el["p90"] <= el["p99"] <= el["p100"] <= 256
-    assert report["row_tokens"]["p100"] <= 256
+    assert el["mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert el["p0"] == lengths[0] and el["p100"] == lengths[-1] and el["p50"] == lengths[(len(lengths) - 1) // 2]
+    assert report["row_tokens"]["p100"] == max(t["row_tokens"]) <= BUDGET
+    assert report["budget"] == BUDGET and report["format"] == "arrow" and report["plots"] == {}
+    assert report["consistent"] is True and report["warnings"] == []
+    assert report["rejected"] == report["dropped_too_long"] == report["not_sampled"] == 0
 
 
 def test_pngs_are_valid_and_drawn(packed, tmp_path):
-    folder, _ = packed
-    report = inspect(folder, str(tmp_path / "plots"))
+    report = inspect(packed, str(tmp_path / "plots"))
     assert set(report["plots"]) == set(PLOTS)
     colors = {"example_lengths": (0x4C, 0x72, 0xB0), "row_fill": (0x55, 0xA8, 0x68), "examples_per_row": (0x81, 0x72, 0xB2)}
     for name, path in report["plots"].items():
@@ -94,17 +162,18 @@ def test_pngs_are_valid_and_drawn(packed, tmp_path):
     assert np.all(np.abs(px.astype(int) - (0xC4, 0x4E, 0x52)) <= 3, axis=1).sum() > 50
 
 
-def test_table_and_default_plots_dir(packed, tmp_path):
-    folder, _ = packed
-    r = CliRunner().invoke(main, ["inspect", folder])
+def test_table_and_default_plots_dir(packed):
+    r = CliRunner().invoke(main, ["inspect", packed])
     assert r.exit_code == 0, r.output
-    for label in ("rows", "examples", "tokens", "fill", "lower bound", "examples per row", "example length",
-                  "p50", "records read", "rejected", "plot example_lengths"):
+    for label in ("rows", "examples packed", "sequences", "tokens", "fill", "lower bound", "examples per row",
+                  "example length", "p50", "records read", "rejected", "dropped (> 256 tokens)", "  train",
+                  "  validation", "plot example_lengths", "KiB"):
         assert label in r.stdout, label
-    assert sorted(os.listdir(folder + "-inspect")) == sorted(f"{p}.png" for p in PLOTS)
+    assert sorted(os.listdir(packed + "-inspect")) == sorted(f"{p}.png" for p in PLOTS)
 
 
-def test_rejected_by_reason_and_parquet(tmp_path):
+def test_rejected_is_counted_like_packs_summary_and_parquet(tmp_path):
+    """A too-long example is dropped for length, not rejected: inspect counts them apart, as pack does."""
     src = tmp_path / "in.jsonl"
     long_text = " ".join(f"w{i}" for i in range(400))
     src.write_text(
@@ -117,23 +186,48 @@ def test_rejected_by_reason_and_parquet(tmp_path):
     run(PackOptions(inputs=(str(src),), output=str(out), max_tokens=64, output_format=OutputFormat.PARQUET))
     report = inspect(str(out))
     assert report["format"] == "parquet" and report["rows"] == 1 and report["examples"] == 1
-    assert report["rejected"] == {"malformed_json": 1, "starts_with_assistant": 1, "too_long": 1}
-    assert report["rejected_total"] == 3 and report["records_read"] == 4
+    assert report["examples_packed"] == 1 and report["records_read"] == 4
+    assert report["rejected_by_reason"] == {"malformed_json": 1, "no_assistant_turn": 1}
+    assert report["rejected"] == 2 and report["dropped_too_long"] == 1
+    assert report["tokens"] == truth(str(out))["total"]["tokens"]
+    table = CliRunner().invoke(main, ["inspect", str(out), "--no-plots"]).stdout
+    assert "rejected                    2" in table and "dropped (> 64 tokens)       1" in table
 
 
-def test_without_manifest_and_user_errors(packed, tmp_path):
-    folder, manifest = packed
+def test_disagreements_and_unlisted_files_are_warned_about(packed, tmp_path):
+    folder = tmp_path / "out"
+    shutil.copytree(packed, folder)
+    m = json.loads((folder / "manifest.json").read_text())
+    m["counts"]["rows"] += 1
+    (folder / "manifest.json").write_text(json.dumps(m))
+    first = m["shards"][0]["name"]
+    shutil.copy(folder / first, folder / "backup-00000-of-00003.arrow")
+    report = inspect(str(folder))
+    assert report["consistent"] is False
+    assert any("counts.rows" in w for w in report["warnings"])
+    assert any(w.startswith("backup-00000-of-00003.arrow") for w in report["warnings"])
+    assert report["rows"] == truth(packed)["total"]["rows"]  # the stray copy is not read
+
+
+def test_only_a_complete_manifest_is_read(packed, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
-    for s in manifest["shards"]:
-        os.link(os.path.join(folder, s["name"]), bare / s["name"])
-    report = inspect(str(bare))
-    _check_types(report)
-    assert report["manifest"] is False and report["consistent"] is None and report["records_read"] is None
-    assert report["rejected"] == {} and report["rows"] == manifest["counts"]["rows"]
+    for name in os.listdir(packed):
+        if name != "manifest.json":
+            os.link(os.path.join(packed, name), bare / name)
+    r = CliRunner().invoke(main, ["inspect", str(bare)])
+    assert r.exit_code == 2 and "shard files but no manifest.json" in r.output and "Traceback" not in r.output
+    (bare / ".packstream.lock").write_text("{}")
+    r = CliRunner().invoke(main, ["inspect", str(bare)])
+    assert r.exit_code == 2 and ".packstream.lock is present" in r.output
+    m = json.loads(open(os.path.join(packed, "manifest.json")).read())
+    m.update(status="failed", error="disk full")
+    (bare / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["inspect", str(bare)])
+    assert r.exit_code == 2 and "failed (disk full)" in r.output
 
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "missing")])
     assert r.exit_code == 2 and "is not a folder" in r.output
     (tmp_path / "empty").mkdir()
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "empty")])
-    assert r.exit_code == 2 and "no train-*.arrow" in r.output
+    assert r.exit_code == 2 and "no manifest.json" in r.output
