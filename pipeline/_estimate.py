@@ -10,8 +10,8 @@ set) and the long-example policy (:func:`pipeline._rows.pieces`), and extrapolat
     per input f     N_f records (counted or projected), k_f sampled; scale_f = N_f / k_f
     counts          rejected by reason, not sampled, repeated copies, dropped for length,
                     truncated / split: what the sample gives, times scale_f
-    splits          each sampled example goes to validation with probability
-                    --validation-fraction (its copies and pieces with it)
+    splits          each sampled example goes to the split the job would put it in (a stable
+                    hash of its id; its copies and pieces with it)
     tokens, pieces  per split: sum_f scale_f * (the sample's pieces, after --long)
     rows, fill      per split: packers.pack_stream on piece lengths resampled to the projected
                     count (capped at _SIM_CAP), in as many groups as the job plans
@@ -237,10 +237,9 @@ def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random
     ex, starts, stops, _ = _rows.pieces(batch, options, dead, stats)
     abs_starts, abs_stops = batch.offsets[ex] + starts, batch.offsets[ex] + stops
     cum = np.concatenate([[0], np.cumsum(batch.loss_mask, dtype=np.int64)])
-    # The split of an example follows its record: copies (~k) and pieces (#k) stay together.
-    base = [_rows.base_id(i) for i in batch.ids]
-    held_out = {b: rng.random() < options.validation_fraction for b in sorted(set(base))}
-    validation = np.array([held_out[base[e]] for e in ex.tolist()], dtype=bool)
+    # The split of an example is the job's own (a hash of its id): copies (~k) and pieces (#k) stay together.
+    held_out = [_rows.split_of(i, options.validation_fraction) == "validation" for i in batch.ids]
+    validation = np.array([held_out[e] for e in ex.tolist()], dtype=bool)
     rejected: dict[str, int] = {}
     for r in dead:
         if r["reason"] != Reason.TOO_LONG.value:

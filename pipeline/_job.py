@@ -49,8 +49,6 @@ from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
 
 NS = "packstream"
-SHARD_TOKENS = 64 * 2**20
-"""Automatic sharding: about one shard per 64M tokens (~300 MB of Arrow)."""
 EXIT_USER_ERROR = 2
 EXIT_REJECTED = 3
 
@@ -78,10 +76,8 @@ class Plan:
 
     def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
         """(split, group, shard) of an example: stable hashes of its id."""
-        split = "train"
-        if fraction and _rows.stable_hash(_rows.base_id(example_id), salt="validation") < fraction * 2**64:
-            split = "validation"
-        group = _rows.stable_hash(example_id, salt="group") % self.groups[split]
+        split = _rows.split_of(example_id, fraction)
+        group = _rows.group_of(example_id, self.groups[split])
         return split, group, group % self.shards[split]
 
 
@@ -497,25 +493,8 @@ def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict
     """Groups and shards per split, from a cheap count of the inputs (exact for local JSONL, Parquet
     and datasets folders; from sizes elsewhere). Deterministic for the same inputs: the output is too."""
     weights = [d.weight for d in options.datasets()]
-    records = 0.0
-    size = 0
-    for f in files:
-        n = _expected_records(f)
-        records += n * weights[f.dataset]
-        size += _size(f)
-    fractions = {"train": 1.0 - options.validation_fraction, "validation": options.validation_fraction}
-    groups, shards = {}, {}
-    for split, frac in fractions.items():
-        n = records * frac
-        groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(n / options.group_size))
-        auto = max(1, math.ceil(size * frac / 4 / SHARD_TOKENS))  # ~4 bytes of input text per token
-        if options.mode is PackMode.GROUPED:
-            # Shard s packs the groups g with g % shards == s: an explicit --num-shards gets a group each
-            # (smaller groups), an automatic count never exceeds the groups.
-            shards[split] = options.num_shards or min(auto, groups[split])
-            groups[split] = max(groups[split], shards[split])
-        else:
-            shards[split] = options.num_shards or auto
+    records = sum(_expected_records(f) * weights[f.dataset] for f in files)
+    groups, shards = _write.shard_layout(options, records, sum(_size(f) for f in files))
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
                                    eos_token_id=identity["eos_token_id"])

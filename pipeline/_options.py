@@ -293,7 +293,8 @@ class PackOptions(FormatOptions):
         "--validation-fraction", "Hold out this fraction of examples (by a stable hash of the id) into "
         "validation-*.arrow shards, the 'validation' split of load_dataset(DIR).", metavar="F"))
     num_shards: int = dataclasses.field(default=0, metadata=cli(
-        "--num-shards", "Output shards per split (0: one per 64M budget tokens).", metavar="N", commands=("pack",)))
+        "--num-shards", "Output shards per split (0: about one per 64M tokens of input).", metavar="N",
+        commands=("pack", "estimate")))
     output_format: OutputFormat = dataclasses.field(default=OutputFormat.ARROW, metadata=cli(
         "--output-format", "arrow (zero-copy loading) or parquet.", commands=("pack", "estimate")))
     max_record_bytes: int = dataclasses.field(default=16 * 2**20, metadata=cli(

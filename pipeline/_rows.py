@@ -68,6 +68,19 @@ def base_id(example_id: str) -> str:
     return example_id.split("~", 1)[0]
 
 
+def split_of(example_id: str, validation_fraction: float) -> str:
+    """"validation" for a stable ``validation_fraction`` of the records (by a hash of the id without its
+    repeat suffix, so every copy of a record lands in the same split), else "train"."""
+    if validation_fraction and stable_hash(base_id(example_id), salt="validation") < validation_fraction * 2**64:
+        return "validation"
+    return "train"
+
+
+def group_of(example_id: str, groups: int) -> int:
+    """The packing group of an example: a stable hash of its id (all copies of one id land together)."""
+    return stable_hash(example_id, salt="group") % groups
+
+
 def reject_record(source: str, position: int, reason: Reason, detail: str, example_id: str | None = None) -> dict:
     """A dead-letter record. ``position`` is a 1-based line for JSONL, a 0-based index otherwise."""
     rec = {"source": source, "position": position, "reason": reason.value, "detail": detail}
