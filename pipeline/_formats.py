@@ -77,7 +77,6 @@ class Reason(str, enum.Enum):
     STARTS_WITH_ASSISTANT = "starts_with_assistant"
     CONSECUTIVE_SAME_ROLE = "consecutive_same_role"
     UNKNOWN_ROLE = "unknown_role"
-    MISPLACED_SYSTEM = "misplaced_system"
     TEMPLATE_ERROR = "template_error"
     EMPTY_AFTER_RENDER = "empty_after_render"
     NO_TARGET_TOKENS = "no_target_tokens"
@@ -624,13 +623,17 @@ def _tools(record: dict, ctx: _Ctx) -> Optional[list]:
 
 
 def _system_column(record: dict, turns: list[_Turn], ctx: _Ctx) -> None:
-    """A ``system`` column, unless the turns open with their own system turn (as LLaMA-Factory does)."""
+    """A ``system`` column becomes the first system turn. Beside a system turn of the conversation's own,
+    nothing is dropped: the column's text comes first, then a blank line and the turn's (the same text
+    twice is kept once)."""
     sys_ = record.get("system")
     if sys_ in (None, ""):
         return
     text = _content(sys_, "system", ctx, "system").text
     if turns and turns[0].role == "system":
-        ctx.note("ignored_field:system")
+        if text.strip() and text.strip() != turns[0].content.strip():
+            turns[0] = dataclasses.replace(turns[0], content=text + "\n\n" + turns[0].content)
+            ctx.mapping.append("system -> system (before the conversation's own system turn)")
         return
     turns.insert(0, _Turn("system", text, "system"))
     ctx.mapping.append("system -> system")

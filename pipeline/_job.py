@@ -44,7 +44,7 @@ import packers
 from packers import InternalError, PackstreamError
 from packers._manifest import MANIFEST, Status, parse_manifest
 from pipeline import _output, _progress, _read, _rows, _spill, _write
-from pipeline._formats import Reason
+from pipeline._formats import NOTE_KEYS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
 
@@ -426,7 +426,7 @@ def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: di
     too_long = rejected.get(Reason.TOO_LONG.value, 0)
     rows = sum(s["rows"] for s in shards)
     tokens = sum(s["tokens"] for s in shards)
-    notes = {k: v for k, v in stats.items() if k in _NOTE_KEYS or k.startswith("ignored_field:")}
+    notes = {k: v for k, v in stats.items() if k in _NOTES or k.startswith("ignored_field:")}
     counts = {
         "records_read": stats.get("records_read", 0),
         "not_sampled": stats.get("not_sampled", 0),
@@ -461,7 +461,8 @@ def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: di
     return counts
 
 
-_NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns_dropped", "turns_merged")
+_NOTES = (*NOTE_KEYS, "number_as_text", "padding_tokens_removed")
+"""What normalization did to records that were kept (pipeline._formats), summed into counts.normalization."""
 
 
 def _reconcile(c: dict) -> None:

@@ -150,7 +150,7 @@ def _local_matches(pattern: str) -> list[str]:
         path = os.path.abspath(pattern)
         if not os.path.isdir(path) or _is_hf_disk(path):
             return [path]
-        out = []
+        out: list[str] = []
         for dirpath, dirnames, filenames in os.walk(path):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             if _is_hf_disk(dirpath) and dirpath != path:
@@ -158,6 +158,11 @@ def _local_matches(pattern: str) -> list[str]:
                 dirnames[:] = []
                 continue
             out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".") and _kind(f)]
+        if not out:
+            raise PackstreamError(
+                f"input folder {pattern!r} holds no supported file (supported: {', '.join(SUPPORTED)}, or a datasets "
+                "save_to_disk folder; hidden names are skipped)"
+            )
         return out
     return sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True)
                   if not os.path.isdir(p) or _is_hf_disk(p))
@@ -509,7 +514,10 @@ def plan_tasks(f: InputFile, task_bytes: int = TASK_BYTES) -> list[ReadTask]:
             tasks.append(ReadTask(f, start, None, line))
         return tasks
     if f.kind in ("parquet", "hf_disk"):
-        return [ReadTask(f, a, b) for a, b in _row_ranges(f)]
+        try:
+            return [ReadTask(f, a, b) for a, b in _row_ranges(f)]
+        except (OSError, ValueError):  # a damaged file: one task, whose reader turns it into a dead letter
+            return [ReadTask(f)]
     return [ReadTask(f)]
 
 

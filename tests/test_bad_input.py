@@ -202,10 +202,9 @@ CASES = [
     # --- controls that must be packed, not rejected; the notes are what normalization did to them
     Case("text_parts_content", jsonl(turns(("user", [{"type": "text", "text": "Hi"}]), ("assistant", "Yo"))), {}),
     Case("content_one_string_object", jsonl(turns(("user", {"text": "hi"}), ("assistant", "ok"))), {}),
-    # Written as text ("3.5", "7", "5", "4"); number_as_text is a record note (preview shows it), and the
-    # manifest's normalization counts hold only the turn hygiene steps and ignored fields.
+    # Written as text ("3.5", "7", "5", "4"), each counted once in the manifest's normalization notes.
     Case("numbers_as_text", jsonl(turns(("user", 3.5), ("assistant", 7)), {"instruction": 5, "output": "x"},
-                                  {"prompt": "2+2?", "completion": 4}), {}),
+                                  {"prompt": "2+2?", "completion": 4}), {}, notes={"number_as_text": 4}),
     Case("bot_is_an_alias", jsonl(turns(("user", "a"), ("bot", "b"))), {}),
     # A first assistant turn answers nothing: dropped and counted (--leading-assistant keep/reject otherwise).
     Case("starts_with_assistant", jsonl(turns(("assistant", "hi"), ("user", "x"), ("assistant", "y"))), {},
@@ -225,8 +224,8 @@ CASES = [
     Case("ends_with_user", jsonl(turns(("user", "a"), ("assistant", "b"), ("user", "c"))), {},
          notes={"trailing_turns_trimmed": 1}),
     # The turns hold their own system turn, so the `system` column is not used: counted as ignored.
-    Case("sharegpt_system_twice", jsonl(sharegpt(("system", "s"), ("human", "a"), ("gpt", "b"), system="t")), {},
-         notes={"ignored_field:system": 1}),
+    # both system texts are kept (the column's first): a field the format defines is never dropped
+    Case("sharegpt_system_twice", jsonl(sharegpt(("system", "s"), ("human", "a"), ("gpt", "b"), system="t")), {}),
     Case("path_like_id", jsonl({"id": "../../escape/x", **GOOD}, {"id": "/etc/passwd", **GOOD}), {}),
     Case("crlf_lines", jsonl(GOOD).replace(b"\n", b"\r\n") * 2, {}),
 ]
@@ -253,8 +252,6 @@ def test_corpus_is_big_and_covers_every_reason():
         # refused only under non-default options (--leading-assistant reject, --same-role reject);
         # tests/test_formats.py. By default they are packed: the controls starts_with_assistant, consecutive_*.
         "starts_with_assistant", "consecutive_same_role",
-        # raised nowhere since issue 9: a later system turn is kept as context (the control misplaced_system)
-        "misplaced_system",
         "template_limit",  # a template over its time or output bound: tests/test_render.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
@@ -392,22 +389,14 @@ WHOLE_INPUT = {
     "truncated_gzip_small": ({"a.jsonl.gz": gzip.compress(b'{"text": "a"}\n' * 50)[:-12]}, "a.jsonl.gz", "truncated gzip"),
     "broken_datasets_folder": ({"ds/state.json": b"{}", "ds/x.arrow": b"x"}, "ds", "cannot open datasets folder"),
     "missing_path": ({}, "nope.jsonl", "matches no file"),
-    # A folder that exists but holds nothing packstream reads: "supported: ..." names what would be read
-    # (as `packstream preview` says); see the xfail in the test below.
-    "empty_folder": ({"d/.keep": b""}, "d", "matches no supported file"),
-    "unsupported_files": ({"d/readme.txt": b"hi"}, "d", "matches no supported file"),
+    # A folder that exists but holds nothing packstream reads: "supported: ..." names what would be read.
+    "empty_folder": ({"d/.keep": b""}, "d", "holds no supported file"),
+    "unsupported_files": ({"d/readme.txt": b"hi"}, "d", "holds no supported file"),
     "glob_matching_nothing": ({"a.jsonl": jsonl(GOOD)}, "*.parquet", "matches no file"),
 }
 
 
-_FOLDER_MESSAGE = pytest.mark.xfail(strict=True, reason=(
-    "pack walks a folder keeping supported files only (pipeline._read._local_matches), so a folder with none "
-    "gets \"matches no file; check the path or the glob\" although it exists; preview says \"matches no "
-    "supported file; supported: ...\""))
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_FOLDER_MESSAGE) if c in ("empty_folder", "unsupported_files")
-                                  else c for c in sorted(WHOLE_INPUT)])
+@pytest.mark.parametrize("case", sorted(WHOLE_INPUT))
 def test_whole_input_problem_is_a_clear_cli_error(tmp_path, monkeypatch, caplog, case):
     files, arg, words = WHOLE_INPUT[case]
     for rel, data in files.items():
@@ -493,10 +482,7 @@ BREAKS_OFF = [
     pytest.param("cut.arrow", _arrow_truncated(), "cut.arrow is corrupt or truncated (OSError after position",
                  id="truncated_arrow"),
     pytest.param("bad.parquet", _parquet_bad_page(), "Deserializing page header failed", id="parquet_bad_page"),
-    pytest.param("cut.parquet", _parquet_truncated(), "cut.parquet is corrupt or truncated", id="truncated_parquet",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "a Parquet file without its footer fails while the reads are planned (pyarrow's ArrowInvalid "
-                     "escapes PlanReads: exit 1), not as a corrupt_input dead letter at position 0"))),
+    pytest.param("cut.parquet", _parquet_truncated(), "cut.parquet is corrupt or truncated", id="truncated_parquet"),
 ]
 
 
@@ -507,10 +493,16 @@ def test_input_that_breaks_off_is_a_corrupt_input_dead_letter(tmp_path, caplog, 
     out = tmp_path / "out"
     with caplog.at_level(logging.ERROR):  # --max-reject-fraction 1: a file with nothing readable still reconciles
         result = pack(str(src), "-o", str(out), "--max-reject-fraction", "1")
-    assert result.exit_code == 0, result.output
+    # A Parquet file cut before its footer has not one readable record: the run packs nothing, so it
+    # fails (exit 3, a failed manifest) with the file's dead letter as its reason.
+    nothing = name == "cut.parquet"
+    assert result.exit_code == (3 if nothing else 0), result.output
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
     (dead,) = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert dead["source"] == name and dead["reason"] == "corrupt_input" and words in dead["detail"], dead
+    if nothing:
+        assert dead["position"] == 0 and json.loads((out / "manifest.json").read_text())["status"] == "failed"
+        return
     # Packed: every record before the break, once (JSONL lines count from 1, rows of tables from 0).
     first = 1 if name.endswith(".jsonl.gz") else 0
     positions = sorted(int(_source_and_position(eid)[1]) for r in read_rows(out) for eid in r["example_ids"])

@@ -31,11 +31,10 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 FLEX = ROOT / "docker" / "flex-template"
 # pack options a Flex Template does not offer, and why.
 NOT_TEMPLATE_PARAMETERS = {
-    "--chat-template",  # a local file path; the launcher VM has none
-    "--workers",  # local worker processes; Dataflow sizes workers with --max_num_workers
+    "--chat-template", "--config",  # local file paths; the launcher VM has none
+    "--workers", "--force-workers",  # local worker processes; Dataflow sizes workers with --max_num_workers
     "--quiet", "--progress", "--no-progress", "--log-format", "--log-interval",  # output of local runs
     "--estimate", "--sample",  # a local dry run
-    "--max-reject-fraction",  # checked after the job; a template launch returns at submission
 }
 
 
@@ -277,6 +276,6 @@ def test_run_locally_walkthrough_works_as_written(clone):
         assert r.returncode == 0, f"{block}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
     assert (work / "out" / "sample" / "manifest.json").exists()
     assert json.loads((work / "out" / "pack-log.jsonl").read_text().splitlines()[-1])["event"] == "done"
-    assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 1
+    assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 2
     assert sorted(os.listdir(work / "out" / "packed-inspect")) == [
         "example_lengths.png", "examples_per_row.png", "row_fill.png"]
