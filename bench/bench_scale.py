@@ -120,9 +120,49 @@ def run_path(name: str, mix: Path, work: Path, budget: int) -> dict:
     if name == "trl":
         r = run_measured([PY, str(ROOT / "bench" / "peers" / "trl_user.py"), str(mix), str(out), "--max-tokens", str(budget)])
         return r
-    extra = {"ps": [], "ps1": ["--workers", "1"], "ps2": ["--workers", "2"],
-             "dask": ["--runner=DaskRunner", "--dask_local_workers=2"]}[name]
+    if name == "dask":
+        return _run_dask(mix, out, budget)
+    extra = {"ps": [], "ps1": ["--workers", "1"], "ps2": ["--workers", "2"]}[name]
     r = run_measured(packstream_cmd(mix, out, budget, extra))
+    return _measured_output(r, out)
+
+
+def _run_dask(mix: Path, out: Path, budget: int) -> dict:
+    """packstream on a distributed.LocalCluster of 2 worker processes (1 thread and 1 tokenizer thread each),
+    started here; the peak RSS is the launcher's plus the cluster's processes."""
+    import distributed
+
+    os.environ["RAYON_NUM_THREADS"] = "1"  # the workers inherit it: one tokenizer thread per process
+    try:
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                      dashboard_address=None) as cluster:
+            t = time.perf_counter()
+            proc = subprocess.Popen(packstream_cmd(mix, out, budget, [
+                "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            peak = [0]
+            done = threading.Event()
+            workers = [w.pid for w in cluster.workers.values() if getattr(w, "pid", None)]
+
+            def poll() -> None:
+                while not done.is_set():
+                    peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(w) for w in workers))
+                    done.wait(0.05)
+
+            th = threading.Thread(target=poll, daemon=True)
+            th.start()
+            _, err = proc.communicate()
+            wall = time.perf_counter() - t
+            done.set()
+            th.join()
+            if proc.returncode != 0:
+                raise RuntimeError(f"packstream on Dask exited {proc.returncode}:\n{err[-3000:]}")
+    finally:
+        os.environ.pop("RAYON_NUM_THREADS", None)
+    return _measured_output({"seconds": wall, "peak_rss": peak[0]}, out)
+
+
+def _measured_output(r: dict, out: Path) -> dict:
     manifest = json.loads((out / "manifest.json").read_text())
     c = manifest["counts"]
     return {"seconds": r["seconds"], "peak_rss": r["peak_rss"], "tokens": c["tokens"], "rows": c["rows"],
