@@ -30,8 +30,8 @@ import pyarrow as pa
 
 from pipeline._rows import ExampleBatch
 
-SPILL_TOKENS = 8 * 2**20
-"""A read task writes a spill file once it holds this many tokens (~40 MB) and starts the next."""
+SPILL_TOKENS = 2**20
+"""A read task writes a spill file once it holds this many tokens (~5 MB; a few copies while writing) and starts the next."""
 
 SPILL_SCHEMA = pa.schema([
     pa.field("example_id", pa.string(), nullable=False),

@@ -1,10 +1,12 @@
 """The tokenizer: loaded once per process, fast, offline by default, and identified by its vocabulary.
 
-``transformers.AutoTokenizer`` imports torch (seconds, at every start of every worker); a
-local folder whose ``tokenizer_config.json`` names a plain fast tokenizer (or none) and no
-custom code loads through ``PreTrainedTokenizerFast`` instead: the same ``tokenizer.json``, the
-same special tokens and chat template, without torch. Everything else (Hub names, named
-tokenizer classes, ``auto_map`` code with ``--trust-remote-code``) goes through AutoTokenizer.
+Importing transformers costs seconds at every start of every worker (``AutoTokenizer`` pulls in
+torch; the package itself scans its model tree). A local folder whose ``tokenizer_config.json``
+names a plain fast tokenizer (or none) and no custom code is read with the ``tokenizers`` library
+alone (:class:`PlainTokenizer`): the same ``tokenizer.json``, special tokens and chat template
+that ``PreTrainedTokenizerFast`` would give (``tests/test_tokenizer.py`` holds the two equal).
+Everything else (Hub names, named tokenizer classes, ``auto_map`` code with
+``--trust-remote-code``) goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,70 @@ def _plain_fast(path: str) -> bool:
     return isinstance(cfg, dict) and "auto_map" not in cfg and cfg.get("tokenizer_class") in _PLAIN_CLASSES
 
 
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class PlainTokenizer:
+    """The parts of ``PreTrainedTokenizerFast`` packstream uses, read from a folder without transformers."""
+
+    is_fast = True
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.name_or_path = path
+        self.backend_tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        smap = _read_json(os.path.join(path, "special_tokens_map.json"))
+
+        def special(key: str):
+            value = cfg.get(key, smap.get(key))
+            value = value.get("content") if isinstance(value, dict) else value
+            return value if isinstance(value, str) else None
+
+        self.special_tokens_map = {k: v for k in _SPECIAL if (v := special(k)) is not None}
+        self.eos_token = self.special_tokens_map.get("eos_token")
+        self.eos_token_id = self._id(self.eos_token)
+        self.pad_token_id = self._id(self.special_tokens_map.get("pad_token"))
+        template = cfg.get("chat_template")
+        jinja = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates, as transformers keeps them
+            template = {t["name"]: t["template"] for t in template if isinstance(t, dict)}
+        self.chat_template = template
+
+    def _id(self, token):
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids) -> str:
+        return self.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _plain_ok(path: str) -> bool:
+    """The folder needs nothing PlainTokenizer lacks: no tokenizer class, no remote code, no decode clean-up,
+    no tokens added outside tokenizer.json."""
+    if not _plain_fast(path):
+        return False
+    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    if cfg.get("clean_up_tokenization_spaces") or cfg.get("additional_special_tokens"):
+        return False
+    return not os.path.exists(os.path.join(path, "added_tokens.json"))
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """Load a fast tokenizer once per process (cached): a Hub name, a local path or the default."""
@@ -55,6 +121,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
     try:
+        if _plain_ok(path):
+            return PlainTokenizer(path)
         if _plain_fast(path):
             from transformers import PreTrainedTokenizerFast
 
@@ -63,7 +131,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises its own Exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PackstreamError(
             f"cannot load tokenizer {name!r}: {first}. Pass a local folder with tokenizer.json, or a Hub "
