@@ -75,7 +75,7 @@ class OutputFormat(str, enum.Enum):
 
 class PackMode(str, enum.Enum):
     GROUPED = "grouped"  #: bin-pack bounded groups keyed by a stable hash of the example id
-    GLOBAL = "global"  #: two passes: all lengths packed at once, then the tokens joined back
+    GLOBAL = "global"  #: every example of a split in one group (memory grows with the data)
 
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -286,7 +286,8 @@ class PackOptions(FormatOptions):
     group_size: int = dataclasses.field(default=10_000, metadata=cli(
         "--group-size", "Examples per packing group (grouped mode); bounds each worker's memory.", metavar="N"))
     mode: PackMode = dataclasses.field(default=PackMode.GROUPED, metadata=cli(
-        "--mode", "grouped: pack bounded groups; global: two passes over all lengths for the last bit of fill."))
+        "--mode", "grouped: pack bounded groups; global: each split as one group (the last bit of fill; its memory "
+        "grows with the data)."))
     seed: int = dataclasses.field(default=0, metadata=cli("--seed", "Seed of the row shuffle and of sampling.",
                                                           metavar="N"))
     validation_fraction: float = dataclasses.field(default=0.0, metadata=cli(
