@@ -102,6 +102,18 @@ class PlainTokenizer:
     def decode(self, ids) -> str:
         return self.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def __getattr__(self, name: str):
+        """Anything else (``apply_chat_template``, ``encode``, ...) from transformers' own tokenizer of the
+        same folder, loaded on first use: callers that need transformers pay for its import, others never."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        full = self.__dict__.get("_full")
+        if full is None:
+            from transformers import PreTrainedTokenizerFast
+
+            full = self.__dict__["_full"] = PreTrainedTokenizerFast.from_pretrained(self.name_or_path)
+        return getattr(full, name)
+
 
 def _plain_ok(path: str) -> bool:
     """The folder needs nothing PlainTokenizer lacks: no tokenizer class, no remote code, no decode clean-up,
