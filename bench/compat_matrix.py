@@ -10,10 +10,10 @@ in ``train()`` mode with its default config and in ``eval()`` mode, as a user wo
 ``install_packing_guard(model)`` then ``model(**Collator()(rows))``. Each cell is one of
 
 * **exact**: the guard let the batch through, and the packed logits, per-token loss and gradients
-  equal those of each example run alone (max abs diff <= 1e-5; flex has no CPU backward, so its
-  gradients are not compared). Gradients are compared relative to the largest gradient when that
-  exceeds 1 (Gemma 4's reach 18: fp32 rounding alone then differs by ~1e-5). "exact, mask fix" when the guard had to pass position_ids to the
-  model's mask functions;
+  equal those of each example run alone (max abs diff <= 1e-5; gradients relative to the largest
+  one where that exceeds 1, as Gemma 4's reach 18 and fp32 rounding alone then gives ~1e-5; flex
+  has no CPU backward, so its gradients are not compared). "exact, mask fix" when the guard had to
+  pass position_ids to the model's mask functions;
 * **refused**: the guard raised PackstreamError (its message; and what the unguarded batch does);
 * **cannot build**: the tiny model could not be built or run alone (why);
 * **LEAK**: the guard let the batch through and packed differs from alone. There must be none.
@@ -23,7 +23,9 @@ compares them. Dropout would make packed and alone differ by chance, so after th
 (taken with the default config) dropout probabilities are set to 0 for the comparison.
 
 The table goes to ``--md`` (docs/compatibility.md), the raw cells to ``--json``; ``--resume`` skips
-architectures already in the JSON file. ``--jobs N`` runs N worker processes.
+(architecture, backend) tasks already in the JSON file. ``--jobs N`` runs N worker processes; a worker
+that crashes or hangs costs its task only (recorded as an error) and is replaced. Exit status 1 if any
+cell is a LEAK.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -541,9 +544,17 @@ def _probe_cost(cells: list[dict]) -> str:
     eager = sorted(c["probe_s"] for c in cells if "probe_s" in c and c.get("backend") in ("eager", "sdpa"))
     if not eager:
         return ""
+    p90 = eager[int(0.9 * (len(eager) - 1))]
     return (f"The guard's probe (first packed batch of each cell, eager/sdpa, including the fix's second probe where "
-            f"needed) took {statistics.median(eager) * 1e3:.0f} ms median, {eager[-1] * 1e3:.0f} ms max, on these "
-            "tiny models with one thread.")
+            f"needed) took {statistics.median(eager) * 1e3:.0f} ms median, {p90 * 1e3:.0f} ms at the 90th percentile "
+            f"({len(eager)} cells), on these tiny models with one thread; the slowest include a process's first forward.")
+
+
+def _cause(why: str) -> str:
+    """A refusal's cause without the parts every refusal shares (model, backend, mode, the fix)."""
+    why = why.replace("\n", " ")
+    m = re.search(r"mode\): (.*?)\. Use another attn_implementation", why)
+    return (m.group(1) if m else why)[:300]
 
 
 def summary(cells: list[dict]) -> dict[str, Any]:
@@ -614,14 +625,16 @@ def markdown(cells: list[dict], seconds: float, command: str, resumed: bool = Fa
             for c in row.values():
                 if c["status"] != "exact" and c.get("why"):
                     notes.append((arch, backend, c["mode"], c["status"], c["why"]))
-    lines += ["", "## Why: refusals, errors, and cells that could not be built", ""]
-    seen = set()
+    lines += ["", "## Why: refusals and errors", "",
+              "The guard's own words, cut to the cause (each refusal also names the fix: another",
+              "`attn_implementation`, or padded batches), once per architecture and cause.", ""]
+    causes: dict[tuple[str, str, str], list[str]] = {}
     for arch, backend, mode, status, why in notes:
-        why = why.replace("\n", " ")
-        if (arch, backend, why) in seen:
-            continue
-        seen.add((arch, backend, why))
-        lines.append(f"* **{arch}**, {backend} ({mode}, {status}): {why}")
+        causes.setdefault((arch, status, _cause(why)), [])
+        if backend not in causes[(arch, status, _cause(why))]:
+            causes[(arch, status, _cause(why))].append(backend)
+    for (arch, status, cause), backends in causes.items():
+        lines.append(f"* **{arch}** ({', '.join(backends)}; {status}): {cause}")
     return "\n".join(lines) + "\n"
 
 
