@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import signal
 import sys
@@ -315,7 +314,12 @@ def _bad(d: dict[str, float]) -> bool:
 def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, exs) -> dict[str, Any]:
     import torch
 
-    from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard
+    from packers import (
+        Collator,
+        PackstreamError,
+        check_packing_safe,
+        install_packing_guard,
+    )
 
     cell: dict[str, Any] = {"arch": model_type, "class": class_name, "backend": backend, "mode": mode}
     try:

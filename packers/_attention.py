@@ -44,9 +44,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Self
 
 import torch
 
@@ -189,7 +190,10 @@ def register_varlen_attention(name: str = VARLEN_NAME) -> str:
     GPT-Neo, GIT) raises PackstreamError when built with ``name``, not a ``KeyError``.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        flash_attention_mask,
+    )
 
     if "flash" in name:
         raise PackstreamError(f"name {name!r} must not contain 'flash': transformers would treat it as flash-attn")
@@ -346,7 +350,7 @@ class _Verdict:
     """Wall time of the probe forwards."""
 
 
-_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # per model: layout -> (key, verdict)
+_STATE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()  # per model: layout -> (key, verdict)
 _LOCAL = threading.local()  # .probing: the guard's own probe forwards skip the guard
 
 
@@ -589,24 +593,24 @@ def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verd
     if _agree(error is None and diff <= tol, device):
         return _Verdict(None, False, diff, time.perf_counter() - t0)
     impl = hf.config._attn_implementation
-    fix_diff = float("nan")
+    fix_note = ""
     # The fix is for models that build their masks without position_ids (GptOss, OPT, Bloom, MPT, ... in
     # transformers 5.24): masking_utils then cannot see the packed layout. Passing it gives ~2e-7 (issue 11).
-    if error is None and "position_ids" in layout[0] and impl not in _VARLEN_NAMES and "flash" not in impl:
-        if _agree(_wrap_mask_functions(hf), device):
-            fix_diff, _, fix_error = _run_probe(hf, target, layout, fix=True)
-            if _agree(fix_error is None and fix_diff <= tol, device):
-                return _Verdict(None, True, fix_diff, time.perf_counter() - t0)
+    fixable = error is None and "position_ids" in layout[0] and impl not in _VARLEN_NAMES and "flash" not in impl
+    if fixable and _agree(_wrap_mask_functions(hf), device):
+        fix_diff, _, fix_error = _run_probe(hf, target, layout, fix=True)
+        if _agree(fix_error is None and fix_diff <= tol, device):
+            return _Verdict(None, True, fix_diff, time.perf_counter() - t0)
+        fix_note = (f", and still by {fix_diff:.2g} with position_ids passed to its mask functions" if fix_error is None
+                    else f"; with position_ids passed to its mask functions it raised: {fix_error}")
     mode = "train" if hf.training else "eval"
     if error is None and diff <= tol:
         cause = "another rank's packing probe failed (see that rank's error)"
     elif error is None:
         cause = (
             f"the packing probe (2 sequences of {PROBE_LENGTHS[0]} and {PROBE_LENGTHS[1]} tokens, packed vs alone) "
-            f"differs by {diff:.2g} > {tol:.0e} (max logit diff / max logit)"
+            f"differs by {diff:.2g} > {tol:.0e} (max logit diff / max logit){fix_note}"
         )
-        if fix_diff == fix_diff:  # not nan: the fix was tried
-            cause += f", and still by {fix_diff:.2g} with position_ids passed to its mask functions"
     else:
         cause = error.rstrip(". ")
     others = " or ".join(repr(b) for b in ("flash_attention_2", VARLEN_NAME, "sdpa") if b != impl)
@@ -745,7 +749,7 @@ class GuardHandle:
         for h in self._handles:
             h.remove()
 
-    def __enter__(self) -> "GuardHandle":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -23,8 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
-from packers import _attention
+from packers import (
+    Collator,
+    PackstreamError,
+    _attention,
+    check_packing_safe,
+    install_packing_guard,
+    register_varlen_attention,
+)
 from tests._shards import make_row, random_examples
 
 ROOT = Path(__file__).resolve().parents[1]
