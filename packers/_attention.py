@@ -528,13 +528,11 @@ def _run_probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix:
         f"attn_implementation={impl!r} is set but was never called: {type(hf).__name__} computes attention with "
         "classes of its own instead of transformers' AttentionInterface, so it cannot use this backend"
     )
-    token = _PACKED_POSITIONS.set(batch["position_ids"]) if fix and "position_ids" in batch else None
+    fixed = _packed_positions(hf, batch["position_ids"]) if fix else contextlib.nullcontext()
     try:
         with _quiet(hf, device):
-            packed = _logits(target(**batch))[0]
-            if token is not None:
-                _PACKED_POSITIONS.reset(token)
-                token = None
+            with fixed:
+                packed = _logits(target(**batch))[0]
             alone = [_logits(target(input_ids=torch.tensor([x], device=device)))[0] for x in ids]
     except Exception as e:  # the model cannot run a packed batch at all: refuse, naming why
         if impl in _VARLEN_NAMES and _VARLEN_CALLS[0] == calls:
@@ -543,8 +541,6 @@ def _run_probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix:
             return float("nan"), 0.0, str(e)
         return float("nan"), 0.0, f"the probe's packed forward raised {type(e).__name__}: {str(e)[:300]}"
     finally:
-        if token is not None:
-            _PACKED_POSITIONS.reset(token)
         if handle is not None:
             handle.remove()
     if impl in _VARLEN_NAMES and _VARLEN_CALLS[0] == calls:
@@ -597,7 +593,7 @@ def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verd
     # The fix is for models that build their masks without position_ids (GptOss, OPT, Bloom, MPT, ... in
     # transformers 5.24): masking_utils then cannot see the packed layout. Passing it gives ~2e-7 (issue 11).
     fixable = error is None and "position_ids" in layout[0] and impl not in _VARLEN_NAMES and "flash" not in impl
-    if fixable and _agree(_wrap_mask_functions(hf), device):
+    if fixable and _agree(bool(_mask_patches(hf)), device):
         fix_diff, _, fix_error = _run_probe(hf, target, layout, fix=True)
         if _agree(fix_error is None and fix_diff <= tol, device):
             return _Verdict(None, True, fix_diff, time.perf_counter() - t0)
@@ -653,7 +649,8 @@ _PACKED_POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.Con
 
 def _with_packed_positions(create: Callable[..., Any]) -> Callable[..., Any]:
     """``create`` (a masking_utils mask function), given the guarded batch's position_ids when its caller
-    passes none. Outside a guarded forward of a model that needs it, it is ``create`` unchanged.
+    passes none; in place only during such a forward (:func:`_packed_positions`), and a pass-through in
+    any other thread meanwhile (the positions are a context variable).
 
     Kept out of torch.compile graphs: the positions change every batch and must not be traced as constants.
     """
@@ -673,22 +670,46 @@ def _with_packed_positions(create: Callable[..., Any]) -> Callable[..., Any]:
     return create_with_packed_positions
 
 
-def _wrap_mask_functions(hf: torch.nn.Module) -> bool:
-    """Wrap the masking_utils mask functions that ``hf``'s modeling modules call; False if they call none."""
+_PATCHES: dict[type, list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]]] = {}
+
+
+def _mask_patches(hf: torch.nn.Module) -> list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]]:
+    """(module, name, original, wrapper) for each masking_utils mask function that ``hf``'s modeling modules
+    hold; empty if they hold none. Computed once per model class."""
     from transformers import masking_utils
 
-    originals = {id(getattr(masking_utils, n)): getattr(masking_utils, n) for n in _MASK_CREATORS}
-    found = False
-    for module in {sys.modules.get(type(m).__module__) for m in hf.modules()}:
-        if module is None or module is masking_utils:
-            continue
-        for name, obj in list(vars(module).items()):
-            if id(obj) in originals and obj is originals[id(obj)]:
-                setattr(module, name, _with_packed_positions(obj))
-                found = True
-            elif getattr(obj, "_packstream_wraps", None) is not None:
-                found = True
-    return found
+    if type(hf) not in _PATCHES:
+        originals = {id(getattr(masking_utils, n)): getattr(masking_utils, n) for n in _MASK_CREATORS}
+        patches = []
+        for module in {sys.modules.get(type(m).__module__) for m in hf.modules()}:
+            if module is None or module is masking_utils:
+                continue
+            for name, obj in list(vars(module).items()):
+                if originals.get(id(obj)) is obj:
+                    patches.append((module, name, obj, _with_packed_positions(obj)))
+        _PATCHES[type(hf)] = patches
+    return _PATCHES[type(hf)]
+
+
+@contextlib.contextmanager
+def _packed_positions(hf: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
+    """For the duration of one forward: ``hf``'s mask functions get ``position_ids`` when called without.
+
+    The modules' names point at the wrappers only meanwhile (then back at transformers' own functions,
+    unless someone else replaced them since), so nothing changes for other models or later calls, and
+    the wrappers' graph break under torch.compile is confined to guarded packed forwards.
+    """
+    patches = _mask_patches(hf)
+    token = _PACKED_POSITIONS.set(position_ids)
+    for module, name, _, wrapper in patches:
+        setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        for module, name, original, wrapper in patches:
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+        _PACKED_POSITIONS.reset(token)
 
 
 # -- public entry points ------------------------------------------------------------------------------
@@ -770,7 +791,7 @@ def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
     """
     hf = _hf_model(model)
     params = list(inspect.signature(hf.forward).parameters)
-    stack: list[contextvars.Token | None] = []
+    stack: list[contextlib.ExitStack | None] = []
 
     @torch.compiler.disable  # data-dependent checks and the probe's forwards stay out of compiled graphs
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -780,13 +801,15 @@ def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
         batch = dict(zip(params, args)) | kwargs
         verdict = _check(hf, hf, batch)
         if verdict is not None and verdict.fix and _num_sequences(batch) > 1:
-            stack[-1] = _PACKED_POSITIONS.set(batch["position_ids"])
+            fix = contextlib.ExitStack()
+            fix.enter_context(_packed_positions(hf, batch["position_ids"]))
+            stack[-1] = fix
 
     @torch.compiler.disable
     def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        token = stack.pop() if stack else None
-        if token is not None:
-            _PACKED_POSITIONS.reset(token)
+        fix = stack.pop() if stack else None
+        if fix is not None:
+            fix.close()
 
     pre_hook._packstream_guard = True  # type: ignore[attr-defined]
     return GuardHandle(

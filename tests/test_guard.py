@@ -160,6 +160,12 @@ def test_gpt_oss_leaks_without_the_guard_and_not_with_it(attn):
     check_packing_safe(model, batch)  # with the guard on, the same batch is safe
     handle.remove()
     assert max_diff(model, batch) > 1e-2  # and the fix goes with the guard
+    from transformers import masking_utils
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    # the module's names point at transformers' own functions again: only guarded forwards saw the wrappers
+    assert modeling_gpt_oss.create_causal_mask is masking_utils.create_causal_mask
+    assert modeling_gpt_oss.create_sliding_window_causal_mask is masking_utils.create_sliding_window_causal_mask
 
 
 def test_opt_leaks_without_the_guard_and_not_with_it():
