@@ -1012,6 +1012,68 @@ def detect(record: Any, options: FormatOptions = FormatOptions()) -> str:
 
 def normalize(record: Any, options: FormatOptions) -> Conversation:
     """Turn one raw record into a :class:`Conversation`, or raise :class:`Rejected` (see the module docstring)."""
+    fast = _fast(record, options)
+    if fast is not None:
+        return fast
+    return _normalize(record, options)
+
+
+# The two clean shapes most SFT data comes in, built directly: about 4x faster than the general path,
+# which is the per-record Python the encode stage runs beside the tokenizer. Anything short of clean
+# (another key, a non-string, an empty or whitespace turn, an inline <think>, roles out of order)
+# returns None and takes the general path; tests/test_formats.py holds the two equal on generated records.
+_FAST_ALPACA = frozenset({"id", "instruction", "input", "output"})
+_FAST_MESSAGES = frozenset({"id", "messages"})
+_FAST_TURN = {"role", "content"}
+
+
+def _fast(record: Any, o: FormatOptions) -> Optional[Conversation]:
+    if type(record) is not dict or not _plain(o):
+        return None
+    if "messages" in record:
+        if not record.keys() <= _FAST_MESSAGES:
+            return None
+        msgs = record["messages"]
+        if type(msgs) is not list or not msgs or len(msgs) % 2:
+            return None
+        out = []
+        for i, m in enumerate(msgs):
+            if type(m) is not dict or m.keys() != _FAST_TURN:
+                return None
+            role, content = m["role"], m["content"]
+            if role != ("user" if i % 2 == 0 else "assistant") or type(content) is not str or not content.strip():
+                return None
+            if i % 2 and "<think>" in content:
+                return None
+            out.append({"role": role, "content": content})
+        return _renderable(Conversation(out, shape="messages", mapping=_MESSAGES_MAPPING))
+    if "instruction" in record and "output" in record:
+        if not record.keys() <= _FAST_ALPACA:
+            return None
+        ins, output, inp = record["instruction"], record["output"], record.get("input", "")
+        if type(ins) is not str or type(output) is not str or type(inp) is not str or not ins.strip() or not output.strip():
+            return None
+        user = ins + "\n\n" + inp if inp.strip() else ins
+        mapping = _ALPACA_MAPPING[("input" in record)]
+        return _renderable(Conversation([{"role": "user", "content": user}, {"role": "assistant", "content": output}],
+                                        shape="alpaca", mapping=mapping))
+    return None
+
+
+_MESSAGES_MAPPING = ("messages[]: user->user, assistant->assistant",)
+_ALPACA_MAPPING = {True: ("instruction+input -> user, output -> assistant",),
+                   False: ("instruction -> user, output -> assistant",)}
+
+
+@functools.lru_cache(maxsize=64)
+def _plain(o: FormatOptions) -> bool:
+    """Options under which a clean record reads as it stands (no mapping, aliases, keys or added turns)."""
+    return (o.format is Format.AUTO and not o.fields and o.messages_field is None and not o.roles
+            and o.role_key is None and o.content_key is None and o.system_prompt is None)
+
+
+def _normalize(record: Any, options: FormatOptions) -> Conversation:
+    """The general path of :func:`normalize`: every shape and option."""
     shape = detect(record, options)
     ctx = _Ctx(options)
     if shape == "fields":

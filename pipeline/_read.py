@@ -481,7 +481,7 @@ class ReadTask:
         return hashlib.blake2b(f"{self.file.path}\0{self.file.split}\0{self.start}".encode(), digest_size=6).hexdigest()
 
 
-TASK_BYTES = 32 * 2**20
+TASK_BYTES = 8 * 2**20
 """A JSONL file is read in tasks of about this many bytes (cut at line ends), so that one big
 file spreads over every worker; each task also bounds what a worker holds at once."""
 TASK_ROWS = 65_536
