@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
+import numpy as np
 
 import packers
 from packers import InternalError, PackstreamError
@@ -143,8 +144,6 @@ class EncodeTasks(beam.DoFn):
                 which = [i for i, k in enumerate(keys) if k[0] == split]
                 if not which:
                     continue
-                import numpy as np
-
                 sub = batch.take(which)
                 groups = np.array([keys[i][1] for i in which], dtype=np.int64)
                 for sl in _spill.write_part(plan.spill, f"{task.name}-{parts}", sub, groups):

