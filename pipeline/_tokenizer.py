@@ -102,10 +102,13 @@ class PlainTokenizer:
     def decode(self, ids) -> str:
         return self.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")(*args, **kwargs)
+
     def __getattr__(self, name: str):
         """Anything else (``apply_chat_template``, ``encode``, ...) from transformers' own tokenizer of the
         same folder, loaded on first use: callers that need transformers pay for its import, others never."""
-        if name.startswith("__"):
+        if name.startswith("__") and name != "__call__":
             raise AttributeError(name)
         full = self.__dict__.get("_full")
         if full is None:
