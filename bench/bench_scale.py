@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -78,8 +79,9 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd``; wall seconds, peak tree RSS, and its last stdout line parsed as JSON if it is."""
+def run_measured(cmd: list[str], env: dict | None = None, also: Sequence[int] = ()) -> dict:
+    """Run ``cmd``; wall seconds, peak RSS of its process tree (plus the trees of the pids ``also``),
+    and its last stdout line parsed as JSON if it is."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     peak = [0]
@@ -87,7 +89,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 
     def poll() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(p) for p in also))
             done.wait(0.05)
 
     th = threading.Thread(target=poll, daemon=True)
@@ -136,30 +138,12 @@ def _run_dask(mix: Path, out: Path, budget: int) -> dict:
     try:
         with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                       dashboard_address=None) as cluster:
-            t = time.perf_counter()
-            proc = subprocess.Popen(packstream_cmd(mix, out, budget, [
-                "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            peak = [0]
-            done = threading.Event()
             workers = [w.pid for w in cluster.workers.values() if getattr(w, "pid", None)]
-
-            def poll() -> None:
-                while not done.is_set():
-                    peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(w) for w in workers))
-                    done.wait(0.05)
-
-            th = threading.Thread(target=poll, daemon=True)
-            th.start()
-            _, err = proc.communicate()
-            wall = time.perf_counter() - t
-            done.set()
-            th.join()
-            if proc.returncode != 0:
-                raise RuntimeError(f"packstream on Dask exited {proc.returncode}:\n{err[-3000:]}")
+            r = run_measured(packstream_cmd(mix, out, budget, [
+                "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]), also=workers)
     finally:
         os.environ.pop("RAYON_NUM_THREADS", None)
-    return _measured_output({"seconds": wall, "peak_rss": peak[0]}, out)
+    return _measured_output(r, out)
 
 
 def _measured_output(r: dict, out: Path) -> dict:
