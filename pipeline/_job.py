@@ -187,6 +187,7 @@ class EncodeTasks(beam.DoFn):
         if path:
             yield _tagged("rejects", path)
         yield _tagged("stats", stats)
+        _progress.flush()
 
     def _chunks(self, task: _read.ReadTask, stats: dict, rejected: list) -> Iterable[list]:
         f, size = task.file, self.options.batch_size
@@ -279,6 +280,7 @@ class PackShards(beam.DoFn):
                 raise
             yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
             return
+        _progress.flush()
         for d in descs:
             yield _tagged("shard", d)
         if path:

@@ -80,6 +80,20 @@ def record(name: str, n: int = 1) -> None:
     _write(folder, body)
 
 
+def flush() -> None:
+    """Write this process's counts now (a step calls it when a task ends: increments that came within
+    FLUSH_S of the last write would otherwise wait for the next one, which may never come)."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+    with _lock:
+        if _state["dir"] != folder:
+            return
+        _state["flushed"] = time.monotonic()
+        body = json.dumps(_state["counts"])
+    _write(folder, body)
+
+
 class Counter:
     """A Beam metrics counter that also feeds :func:`record`: a drop-in for ``Metrics.counter``."""
 
@@ -181,6 +195,10 @@ class Progress:
         reporter.start()
         try:
             yield
+            stop.set()
+            reporter.join(timeout=5)
+            if self.fmt is LogFormat.JSON:  # the last progress event holds the final counts
+                self.report(read_counts(folder))
         finally:
             stop.set()
             reporter.join(timeout=5)

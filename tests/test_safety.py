@@ -98,7 +98,8 @@ def _pack_proc(src: Path, out: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_two_runs_started_together_on_one_folder_exactly_one_wins(tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=3000)
+    # Big enough that the winner still runs when the other one, started at the same moment, claims the folder.
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"record {i} " + "lorem ipsum dolor " * 30} for i in range(40_000)])
     out = tmp_path / "out"
     procs = [_pack_proc(src, out), _pack_proc(src, out)]
     results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
