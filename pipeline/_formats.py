@@ -26,11 +26,19 @@ equal length interleave; ``transcript`` parses "Human: ... Assistant: ..." strin
 computed from its own keys.
 
 Conversation hygiene, the same for every conversational shape, each step counted in ``notes``:
-empty turns are dropped; consecutive same-role turns are merged (``--same-role``); a first
-assistant turn that answers nothing is dropped, kept as context, or refused
-(``--leading-assistant``); trailing turns that are not trained (user, tool, or flagged 0) are
-trimmed, so every example ends on a target turn. Record keys outside the detected shape are
-counted as ``ignored_field:<key>``.
+empty turns are dropped; consecutive same-role turns with the same train flag are merged
+(``--same-role``; turns whose flags differ stay apart); a first assistant turn that answers
+nothing is dropped, kept as context, or refused (``--leading-assistant``); trailing turns that
+are not trained (user, tool, or flagged 0) are trimmed, so every example ends on a target turn.
+Reasoning written inline in an assistant answer (``<think>...</think>``, or text before a
+``</think>`` with no ``<think>``) becomes the turn's reasoning.
+
+Nothing a record holds is dropped unseen: record keys outside the detected shape are counted as
+``ignored_field:<key>``; so are (when they hold something) turn keys a turn does not read
+(``ignored_field:messages[].refusal``) and fields beside a followed ``--field``/``--messages-field``
+path (``ignored_field:conversation.system``, ``ignored_field:choices[1:]``). Two keys that hold
+different text for one slot (Alpaca ``input``/``context``, ``output``/``response``/``instances``;
+a turn's ``content``/``text``/``value``; two reasoning keys) refuse the record as ``ambiguous_field``.
 
 >>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
 >>> c.shape, c.messages
@@ -87,6 +95,7 @@ class Reason(str, enum.Enum):
     PRETOKENIZED_UNVERIFIED = "pretokenized_unverified"
     BAD_TOKEN_ID = "bad_token_id"
     CORRUPT_INPUT = "corrupt_input"
+    AMBIGUOUS_FIELD = "ambiguous_field"
 
 
 class Rejected(Exception):
@@ -214,6 +223,22 @@ class _Ctx:
     def note(self, key: str, n: int = 1) -> None:
         if n:
             self.notes[key] = self.notes.get(key, 0) + n
+
+    def ignore(self, name: str) -> None:
+        """A field the record holds but the conversation does not: counted once per record."""
+        self.notes.setdefault(f"ignored_field:{name}", 1)
+
+
+def _blank(value: Any) -> bool:
+    """Holds nothing to lose: null, a string of whitespace, an empty list or object."""
+    return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, dict)) and not value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two values of one slot that say the same thing (strings compared without surrounding whitespace)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a.strip() == b.strip()
+    return type(a) is type(b) and a == b
 
 
 @dataclasses.dataclass
@@ -380,6 +405,22 @@ def _tool_call(call: Any, at: str) -> dict:
 
 
 _THINK_RE = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
+_THINK_END_RE = re.compile(r"\A(.*?)</think>\s*", re.S)
+
+
+def _inline_reasoning(turns: list[_Turn]) -> None:
+    """Reasoning written inline in an assistant answer, as R1-style data does: ``<think>...</think> answer``,
+    or (DeepSeek-R1 distills, whose template opens the block in the prompt) ``...</think> answer`` with no
+    ``<think>`` before the first ``</think>``. The block becomes the turn's reasoning, so it renders as
+    reasoning and ``--mask-reasoning`` applies to it. An empty block is kept as written."""
+    for t in turns:
+        if t.role != "assistant" or t.reasoning is not None or "</think>" not in t.content:
+            continue
+        found = _THINK_RE.match(t.content)
+        if found is None and "<think>" not in t.content[: t.content.find("</think>")]:
+            found = _THINK_END_RE.match(t.content)
+        if found and found.group(1).strip():
+            t.reasoning, t.content = found.group(1).strip("\n"), t.content[found.end():]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,12 +460,30 @@ def _train_flag(m: dict, at: str) -> Optional[bool]:
     return flag
 
 
-def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Turn:
-    """One turn object -> a :class:`_Turn`."""
+def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None, where: str = "") -> _Turn:
+    """One turn object -> a :class:`_Turn`. Keys of the object that the turn does not read (and that hold
+    something) are counted as ``ignored_field:<where>[].<key>``."""
     if isinstance(m, str) and default_role is not None:  # a dialogue given as a list of strings
         return _Turn(default_role, m, at)
     if not isinstance(m, dict):
         raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(m)}, expected a turn object {{role, content}}")
+    used: set = set(TRAIN_KEYS)
+    t = _turn_object(m, at, ctx, used)
+    _unused_turn_keys(m, used, at, where or re.sub(r"\[-?\d+\]\Z", "", at), ctx)
+    return t
+
+
+def _unused_turn_keys(m: dict, used: set, at: str, where: str, ctx: _Ctx) -> None:
+    for k, v in m.items():
+        if k in used or _blank(v):
+            continue
+        if k in MEDIA_KEYS:
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; packstream packs text only: drop records "
+                                                    "with media, or their media keys")
+        ctx.ignore(f"{where}[].{k}")
+
+
+def _turn_object(m: dict, at: str, ctx: _Ctx, used: set) -> _Turn:
     o = ctx.o
     if o.role_key is not None:
         key = o.role_key
@@ -435,11 +494,12 @@ def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Tu
         if key is None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'role' (looked for {', '.join(ROLE_KEYS)}); its keys: "
                                                  f"[{_keys(m)}]; name the speaker key with --role-key KEY")
+    used.add(key)
     role = _speaker_role(m[key], at, key, ctx)
     speaker = str(m[key]).lower() if isinstance(m[key], bool) else str(m[key])
     calls: list = []
     if role == _CALL:  # ShareGPT function_call: the value is the call
-        ckey = _content_key(m, at, ctx)
+        ckey = _content_key(m, at, ctx, used)
         raw = m[ckey]
         if isinstance(raw, (str, dict, list)):
             try:
@@ -452,52 +512,78 @@ def _turn(m: Any, at: str, ctx: _Ctx, default_role: Optional[str] = None) -> _Tu
         return _Turn("assistant", _content(raw, f"{at}.{ckey}", ctx, "assistant").text, at, speaker,
                      train=_train_flag(m, at))
     for k in ("tool_calls", "function_call"):
-        if role == "assistant" and m.get(k):
-            calls += _tool_calls(m[k], f"{at}.{k}")
-    has_reasoning = role == "assistant" and any(isinstance(m.get(k), str) and m[k] for k in REASONING_KEYS)
-    ckey = _content_key(m, at, ctx, optional=bool(calls) or has_reasoning)
-    c = _content(m.get(ckey) if ckey else None, f"{at}.{ckey or 'content'}", ctx, role,
-                 allow_null=bool(calls) or has_reasoning)
-    reasoning = c.reasoning
+        if k not in m or _blank(m[k]):
+            continue
+        if role != "assistant":  # a call cannot be rendered in another role's turn, and training on it would be wrong
+            raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is on a {role} turn; only assistant turns call tools: fix the "
+                                            f"turn's role, or drop {k!r} from {role} turns")
+        calls += _tool_calls(m[k], f"{at}.{k}")
+        used.add(k)
+    reasoning = None
     if role == "assistant":
+        said: list[str] = []  # the reasoning keys that hold text
         for k in REASONING_KEYS:
-            v = m.get(k)
+            if k not in m:
+                continue
+            used.add(k)
+            v = m[k]
             if v is None or v == "":
                 continue
             if not isinstance(v, str):
                 raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is {_kind(v)}, expected a string")
-            reasoning = v if reasoning is None else reasoning + "\n\n" + v
-            break
-        text = c.text
-        if reasoning is None:  # reasoning written inline, as R1-style data does: <think>...</think> answer
-            found = _THINK_RE.match(text)
-            if found and found.group(1).strip():
-                reasoning, text = found.group(1).strip("\n"), text[found.end():]
-        c = _Content(text, reasoning, c.calls)
-    t = _Turn(role, c.text, at, speaker, reasoning=c.reasoning or None, tool_calls=(calls + (c.calls or [])) or None,
+            if not said:
+                said.append(k)
+            elif not _same(v, m[said[0]]):
+                raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds reasoning under both {said[0]!r} and {k!r} "
+                                                       f"({_short(m[said[0]])} vs {_short(v)}), and a turn has one "
+                                                       "reasoning: keep one of the two keys in the data (--content-key picks "
+                                                       "the text, not the reasoning)")
+        reasoning = m[said[0]] if said else None
+    ckey = _content_key(m, at, ctx, used, optional=bool(calls) or bool(reasoning))
+    c = _content(m.get(ckey) if ckey else None, f"{at}.{ckey or 'content'}", ctx, role,
+                 allow_null=bool(calls) or bool(reasoning))
+    if reasoning is not None and c.reasoning is not None:
+        reasoning = c.reasoning + "\n\n" + reasoning
+    elif reasoning is None:
+        reasoning = c.reasoning
+    t = _Turn(role, c.text, at, speaker, reasoning=reasoning or None, tool_calls=(calls + (c.calls or [])) or None,
               train=_train_flag(m, at))
     if role == "tool":
         for k, attr in (("name", "name"), ("tool_call_id", "tool_call_id")):
             if isinstance(m.get(k), str):
                 setattr(t, attr, m[k])
+                used.add(k)
     return t
 
 
 _PAIRED_CONTENT = {"from": "value", "speaker": "text"}  # the text key that goes with a speaker key, by convention
 
 
-def _content_key(m: dict, at: str, ctx: _Ctx, optional: bool = False) -> Optional[str]:
+def _content_key(m: dict, at: str, ctx: _Ctx, used: set, optional: bool = False) -> Optional[str]:
+    """The key of a turn's text. Without ``--content-key``, the first of :data:`CONTENT_KEYS` that holds
+    something; another that holds different text makes the record ambiguous (never one of them dropped)."""
     key = ctx.o.content_key
     if key is not None and key in m:
-        return key
-    found = next((k for k in CONTENT_KEYS if k in m), None)
-    if found is None and not optional:
+        used.add(key)
+        return key  # the user's choice: other text keys are counted as ignored
+    present = [k for k in CONTENT_KEYS if k in m]
+    if not present:
+        if optional:
+            return None
         if key is not None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--content-key {key}); its keys: [{_keys(m)}]")
         usual = next((v for k, v in _PAIRED_CONTENT.items() if k in m), "content")
         looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
         raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "
                                              f"[{_keys(m)}]; name the text key with --content-key KEY")
+    found = next((k for k in present if not _blank(m[k])), present[0])
+    for k in present:
+        if k != found and not _blank(m[k]) and not _same(m[k], m[found]):
+            raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds text under both {found!r} and {k!r} "
+                                                   f"({_short(m[found])} vs {_short(m[k])}); name the one to read "
+                                                   f"with --content-key {found} (or --content-key {k}), the other is "
+                                                   "then counted as an ignored field")
+        used.add(k)  # empty, or the same text: nothing is lost
     return found
 
 
@@ -510,9 +596,10 @@ def _turn_list(items: Any, where: str, ctx: _Ctx, strings_alternate: bool = Fals
         if isinstance(m, dict) and _is_exchange(m, ctx):  # Capybara-style {input, output}: one exchange
             turns.append(_Turn("user", _content(m["input"], f"{at}.input", ctx, "user").text, f"{at}.input"))
             turns.append(_Turn("assistant", _content(m["output"], f"{at}.output", ctx, "assistant").text, f"{at}.output"))
+            _unused_turn_keys(m, {"input", "output"}, at, where, ctx)
             continue
         default = ("user", "assistant")[i % 2] if strings_alternate else None
-        turns.append(_turn(m, at, ctx, default))
+        turns.append(_turn(m, at, ctx, default, where))
     if any(isinstance(m, dict) and _is_exchange(m, ctx) for m in items):
         ctx.mapping.append(f"{where}[]: input -> user, output -> assistant")
     if strings_alternate and any(isinstance(m, str) for m in items):
@@ -668,12 +755,50 @@ def _read_prompt_completion(record: dict, ctx: _Ctx) -> list[_Turn]:
     return turns
 
 
+_ALPACA_INPUTS = ("input", "context")
+_ALPACA_ANSWERS = ("output", "response", "instances")
+
+
+def _alpaca_key(record: dict, keys: tuple[str, ...]) -> Optional[str]:
+    """The key an Alpaca slot is read from: the first of ``keys`` that holds something (else the first
+    present). Two that hold different things make the record ambiguous: neither is dropped unseen."""
+    present = [k for k in keys if k in record]
+    full = [k for k in present if not _blank(record[k])]
+    for k in full[1:]:
+        if not _same(record[k], record[full[0]]):
+            raise Rejected(Reason.AMBIGUOUS_FIELD, _alpaca_ambiguity(record, full[0], k))
+    return full[0] if full else present[0] if present else None
+
+
+def _alpaca_ambiguity(record: dict, a: str, b: str) -> str:
+    said = f"{a} and {b} both hold something ({_short(record[a])} vs {_short(record[b])})"
+    head = ["system=system"] if isinstance(record.get("system"), str) and record["system"].strip() else []
+    head.append("instruction=user")
+    inputs = [k for k in _ALPACA_INPUTS if k in record and not _blank(record[k])]
+    lost = " (history is then not read)" if not _blank(record.get("history")) else ""
+    if a in _ALPACA_INPUTS:  # input and context: both are the user's
+        answer = next((k for k in ("output", "response") if k in record and not _blank(record[k])), None)
+        if answer is None:
+            return f"{said}, and alpaca reads one input; keep one of them in the data"
+        fields = " ".join(f"--field {f}" for f in head + [f"{k}=user" for k in inputs] + [f"{answer}=assistant"])
+        return f"{said}, and alpaca reads one input; read both with {fields}{lost}, or keep one in the data"
+    fields = " ".join(f"--field {f}" for f in head + [f"{k}=user" for k in inputs[:1]])
+    if b == "instances":  # an answer beside self-instruct instances
+        return (f"{said}, and alpaca reads one answer; read {a} with {fields} --field {a}=assistant (instances is then "
+                f"counted as an ignored field){lost}, or drop {a} from the data to read the instances")
+    return (f"{said}, and alpaca reads one answer; pick it with {fields} --field {a}=assistant (or --field "
+            f"{b}=assistant), the other is then counted as an ignored field{lost}")
+
+
 def _read_alpaca(record: dict, ctx: _Ctx) -> list[_Turn]:
     turns: list[_Turn] = []
     instruction = _content(record["instruction"], "instruction", ctx, "user").text
-    in_key = "input" if "input" in record else "context" if "context" in record else None
+    in_key = _alpaca_key(record, _ALPACA_INPUTS)
     inp = _content(record[in_key], in_key, ctx, "user", allow_null=True).text if in_key else ""
-    out_key = next((k for k in ("output", "response") if k in record), None)
+    out_key = _alpaca_key(record, _ALPACA_ANSWERS)
+    if out_key is None:
+        raise Rejected(Reason.MISSING_FIELD, f"field 'output' (or response, instances) is missing; the record has keys "
+                                             f"[{_keys(record)}]")
     history = record.get("history")
     if history not in (None, "", []):
         if not isinstance(history, list):
@@ -686,7 +811,7 @@ def _read_alpaca(record: dict, ctx: _Ctx) -> list[_Turn]:
             turns.append(_Turn("assistant", _content(pair[1], f"history[{i}][1]", ctx, "assistant").text,
                                f"history[{i}][1]"))
         ctx.mapping.append(f"history -> {len(history)} earlier exchanges")
-    if out_key is None:  # self-instruct seed tasks: each instance is one more exchange
+    if out_key == "instances":  # self-instruct seed tasks: each instance is one more exchange
         instances = record["instances"]
         if not isinstance(instances, list) or not instances:
             raise Rejected(Reason.BAD_TYPE, f"instances is {_kind(instances)}, expected a non-empty list of "
@@ -697,6 +822,7 @@ def _read_alpaca(record: dict, ctx: _Ctx) -> list[_Turn]:
                 raise Rejected(Reason.BAD_TYPE, f"{where} is {_kind(inst)}, expected an object {{input, output}}")
             if "output" not in inst:
                 raise Rejected(Reason.MISSING_FIELD, f"{where} has no 'output'; its keys: [{_keys(inst)}]")
+            _unused_turn_keys(inst, {"input", "output"}, where, "instances", ctx)
             x = _content(inst.get("input"), f"{where}.input", ctx, "user", allow_null=True).text
             prompt = (instruction + ("\n\n" + x if x else "")) if i == 0 else (x or instruction)
             turns.append(_Turn("user", prompt, f"{where}.input"))
@@ -1043,7 +1169,7 @@ def _fast(record: Any, o: FormatOptions) -> Optional[Conversation]:
             role, content = m["role"], m["content"]
             if role != ("user" if i % 2 == 0 else "assistant") or type(content) is not str or not content.strip():
                 return None
-            if i % 2 and "<think>" in content:
+            if i % 2 and "</think>" in content:  # inline reasoning: the general path reads it
                 return None
             out.append({"role": role, "content": content})
         return _renderable(Conversation(out, shape="messages", mapping=_MESSAGES_MAPPING))
@@ -1052,6 +1178,8 @@ def _fast(record: Any, o: FormatOptions) -> Optional[Conversation]:
             return None
         ins, output, inp = record["instruction"], record["output"], record.get("input", "")
         if type(ins) is not str or type(output) is not str or type(inp) is not str or not ins.strip() or not output.strip():
+            return None
+        if "</think>" in output:  # inline reasoning: the general path reads it
             return None
         user = ins + "\n\n" + inp if inp.strip() else ins
         mapping = _ALPACA_MAPPING[("input" in record)]
@@ -1113,6 +1241,7 @@ def _normalize(record: Any, options: FormatOptions) -> Conversation:
         if isinstance(turns, str):
             conv.text = turns
         else:
+            _inline_reasoning(turns)
             turns = _hygiene(turns, ctx)
             conv.messages = [t.message() for t in turns]
             flags = [t.train for t in turns]
@@ -1127,9 +1256,62 @@ def _normalize(record: Any, options: FormatOptions) -> Conversation:
     for key in record:
         if key not in used:
             ctx.note(f"ignored_field:{key}")
+    if shape == "fields":
+        _unused_beside_paths(record, [p for p, _ in options.fields], ctx)
+    elif shape == "messages_field":
+        _unused_beside_paths(record, [options.messages_field], ctx)
     conv.notes = ctx.notes
     conv.mapping = tuple(ctx.mapping)
     return _renderable(conv)
+
+
+def _unused_beside_paths(record: dict, paths: Sequence[str], ctx: _Ctx) -> None:
+    """What a followed path leaves beside it inside the record: ``--messages-field conversation.turns``
+    does not read ``conversation.system``, ``--field 'choices[0].turns=assistant'`` does not read
+    ``choices[1]``. Each such field that holds something is counted as ``ignored_field:<path>``
+    (list items as ``choices[1]``, or ``choices[1:]`` for the rest of a list). Top-level keys are
+    counted by :func:`_normalize`; what a path ends on is read whole."""
+    tree: dict = {}
+    for path in paths:
+        if path in record:  # a key taken literally: read whole
+            tree[path] = None
+            continue
+        node = tree
+        steps = parse_path(path)
+        for k, step in enumerate(steps):
+            if k == len(steps) - 1:
+                node[step] = None  # None: the whole value is read
+            elif node.get(step, {}) is None:
+                break  # inside a value read whole
+            else:
+                node = node.setdefault(step, {})
+    for key, node in tree.items():
+        if isinstance(key, str) and key in record:
+            _unused_below(record[key], node, key, ctx)
+
+
+def _unused_below(value: Any, node: Optional[dict], at: str, ctx: _Ctx) -> None:
+    if node is None:
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k in node:
+                _unused_below(v, node[k], f"{at}.{k}", ctx)
+            elif not _blank(v):
+                ctx.ignore(f"{at}.{k}")
+    elif isinstance(value, list):
+        n = len(value)
+        read = {step % n: step for step in node if isinstance(step, int) and -n <= step < n}
+        for i, step in read.items():
+            _unused_below(value[i], node[step], f"{at}[{step}]", ctx)
+        left = [i for i in range(n) if i not in read and not _blank(value[i])]
+        while left:  # runs of items not read: x[2], or x[2:] for the rest of the list
+            j = 0
+            while j + 1 < len(left) and left[j + 1] == left[j] + 1:
+                j += 1
+            lo, hi = left[0], left[j]
+            ctx.ignore(f"{at}[{lo}:]" if hi == n - 1 else f"{at}[{lo}]" if lo == hi else f"{at}[{lo}:{hi + 1}]")
+            left = left[j + 1:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1137,12 +1319,13 @@ def _normalize(record: Any, options: FormatOptions) -> Conversation:
 
 
 def _merge(a: _Turn, b: _Turn) -> _Turn:
+    """Two consecutive turns of one role and one train flag (turns whose flags differ are never merged:
+    one loss mask cannot say both)."""
     join = lambda x, y: x + "\n\n" + y if x and y else x or y  # noqa: E731
     reasoning = join(a.reasoning or "", b.reasoning or "") or None
     calls = (a.tool_calls or []) + (b.tool_calls or []) or None
-    flags = {a.train, b.train} - {None}
     return _Turn(a.role, join(a.content, b.content), a.at, a.speaker, reasoning, calls, a.name, a.tool_call_id,
-                 True if True in flags else (False if flags else None))
+                 a.train)
 
 
 def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
@@ -1161,15 +1344,18 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
             if o.same_role is SameRole.REJECT:
                 raise Rejected(Reason.CONSECUTIVE_SAME_ROLE, f"{prev.at} and {t.at} are both {t.role} turns "
                                                              "(--same-role reject)")
-            merged[-1] = _merge(prev, t)
-            ctx.note("turns_merged")
+            if prev.train == t.train:  # None, True and False are three different flags
+                merged[-1] = _merge(prev, t)
+                ctx.note("turns_merged")
+            else:  # kept apart, each with its own flag (the built-in ChatML renders them one after the other)
+                merged.append(t)
         else:
             merged.append(t)
     ctx.note("empty_turns_dropped", empty)
     if not merged:
         raise Rejected(Reason.EMPTY_CONVERSATION, f"all {len(turns)} turns are empty")
     turns = merged
-    if o.system_prompt is not None and turns[0].role != "system":
+    if o.system_prompt is not None and turns[0].role != "system":  # '' adds an empty one: a template's default stays out
         turns.insert(0, _Turn("system", o.system_prompt, "--system-prompt"))
         ctx.mapping.append("--system-prompt -> system")
     first = next((i for i, t in enumerate(turns) if t.role != "system"), None)
@@ -1178,11 +1364,17 @@ def _hygiene(turns: list[_Turn], ctx: _Ctx) -> list[_Turn]:
         if o.leading_assistant is LeadingAssistant.REJECT:
             raise Rejected(Reason.STARTS_WITH_ASSISTANT, f"{t.at} is an assistant turn that answers nothing "
                                                          "(--leading-assistant reject)")
+        # The whole run of assistant turns before the first user turn answers nothing (turns with
+        # different train flags are not merged, so the run may hold more than one).
+        end = first
+        while end < len(turns) and turns[end].role == "assistant":
+            end += 1
         if o.leading_assistant is LeadingAssistant.DROP:
-            del turns[first]
-            ctx.note("leading_assistant_dropped")
+            del turns[first:end]
+            ctx.note("leading_assistant_dropped", end - first)
         else:
-            t.train = False
+            for t in turns[first:end]:
+                t.train = False
     n = len(turns)
     while turns and (turns[-1].role != "assistant" or turns[-1].train is False):
         ctx.flagged_off += turns.pop().train is False

@@ -526,17 +526,99 @@ def _size(f: _read.InputFile) -> int:
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 
 
+def beam_option_parser():
+    """Beam's option parser (every registered option class) whose errors are one PackstreamError line.
+
+    Beam's own parser prints its whole usage (~130 lines) and exits; a packstream user gets the
+    one line that names the option, instead.
+    """
+    from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
+
+    class Parser(_BeamArgumentParser):
+        def error(self, message: str):  # argparse calls this on a bad value; it must not return
+            what = message.removeprefix("argument ")
+            if what.startswith("--runner") and "expected one argument" in what:
+                raise PackstreamError(f"--runner needs a runner name: --runner=NAME (e.g. {_RUNNER_EXAMPLES})")
+            raise PackstreamError(f"Beam option {what}; give it as --name=value (see Beam's pipeline options)")
+
+    parser = Parser(allow_abbrev=False)
+    seen = {}
+    for cls in PipelineOptions.__subclasses__():
+        seen.setdefault(str(cls), cls)
+    for cls in seen.values():
+        cls._add_argparse_args(parser)  # the same parser Beam builds in get_all_options()
+    return parser
+
+
+_RUNNER_EXAMPLES = "DataflowRunner, DaskRunner, FlinkRunner, PortableRunner"
+
+
+def runner_names() -> list[str]:
+    """The runner names --runner takes (besides a PipelineRunner subclass's full class path)."""
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    return sorted({*StandardOptions.KNOWN_RUNNER_NAMES, "DaskRunner"})
+
+
+def _runner_value(beam_args: Sequence[str], i: int) -> tuple[Optional[str], int]:
+    """The value of the runner option at ``beam_args[i]`` (``--runner=X`` or ``--runner X``) and the tokens it spans."""
+    a = beam_args[i]
+    if a.startswith("--runner="):
+        return a.split("=", 1)[1], 1
+    if a == "--runner":
+        if i + 1 >= len(beam_args) or beam_args[i + 1].startswith("-"):
+            raise PackstreamError(f"--runner needs a runner name: --runner=NAME (e.g. {_RUNNER_EXAMPLES})")
+        return beam_args[i + 1], 2
+    return None, 1
+
+
+def _check_runner(name: str) -> str:
+    """``NAME`` as Beam is to get it (DaskRunner: its class path), or a PackstreamError naming the choices."""
+    import importlib
+
+    from apache_beam.runners.runner import _RUNNER_MAP, PipelineRunner
+
+    choices = f"use one of {', '.join(runner_names())}, or the full class path of a PipelineRunner subclass"
+    if not name.strip():
+        raise PackstreamError(f"--runner is empty; {choices}")
+    if name.lower() in ("daskrunner", "dask"):
+        try:
+            import dask.distributed  # noqa: F401
+        except ImportError:
+            raise PackstreamError("--runner=DaskRunner needs dask.distributed: pip install 'packstream[dask]'") from None
+        importlib.import_module("apache_beam.runners.dask.dask_runner")  # registers --dask_client_address, ...
+        return DASK_RUNNER
+    # Beam's own lookup (apache_beam.runners.runner.create_runner): a short name, with or without "Runner".
+    path = _RUNNER_MAP.get(name.lower(), _RUNNER_MAP.get(name.lower() + "runner", name))
+    if "." not in path:
+        raise PackstreamError(f"--runner {name!r} is not a Beam runner; {choices}")
+    module, cls_name = path.rsplit(".", 1)
+    try:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+    except Exception as e:  # noqa: BLE001 - ImportError, or a runner module that fails with this environment
+        extra = "gcp" if "dataflow" in path.lower() else "interactive" if "interactive" in path.lower() else None
+        fix = f"pip install 'apache-beam[{extra}]'" if extra else "install the package that provides it"
+        raise PackstreamError(f"--runner {name}: cannot import {module} ({type(e).__name__}: {e}); {fix}") from None
+    if not (isinstance(cls, type) and issubclass(cls, PipelineRunner)):
+        raise PackstreamError(f"--runner {name!r}: {path} is not a PipelineRunner subclass; {choices}")
+    return name
+
+
 def runner_args(beam_args: Sequence[str]) -> list[str]:
-    """``--runner=DaskRunner`` (not in Beam's registry of short names) -> Beam's class path."""
-    out = []
-    for a in beam_args:
-        if a.startswith("--runner=") and a.split("=", 1)[1].lower() in ("daskrunner", "dask"):
-            try:
-                import dask.distributed  # noqa: F401
-            except ImportError:
-                raise PackstreamError("--runner=DaskRunner needs dask.distributed: pip install 'packstream[dask]'") from None
-            a = f"--runner={DASK_RUNNER}"
-        out.append(a)
+    """Beam's options with the runner checked and spelled ``--runner=NAME``; a bad runner is a PackstreamError.
+
+    ``--runner=X`` and ``--runner X`` both work; ``DaskRunner`` (not in Beam's registry of short
+    names) becomes Beam's class path. An unknown runner is one error naming the choices.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(beam_args):
+        name, span = _runner_value(beam_args, i)
+        if name is None:
+            out.append(beam_args[i])
+        else:
+            out.append(f"--runner={_check_runner(name)}")
+        i += span
     return out
 
 
@@ -545,8 +627,9 @@ def pipeline_options(beam_args: Sequence[str], workers: int):
     from apache_beam.options.pipeline_options import PipelineOptions
 
     args = runner_args(beam_args)
+    beam_option_parser().parse_known_args(args)  # a bad value: one error line, not Beam's usage and exit
     runner = None
-    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+    if not any(a.startswith("--runner=") for a in args):
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         if workers > 1:
@@ -610,6 +693,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     options = dataclasses.replace(options, output=output)
     files, notes = _read.expand_datasets(options.datasets())
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+    _check_launch(options, identity)
     workers = options.workers or default_workers()
     pipe_opts, runner = pipeline_options(beam_args, workers)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
@@ -664,6 +748,20 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             raise TooManyRejected(manifest["error"], manifest)
         raise PackstreamError(manifest.get("error") or "the run failed")
     return manifest
+
+
+def _check_launch(options: PackOptions, identity: dict) -> None:
+    """What every worker would find wrong alike is found here, once, as one error: the chat template
+    (empty, or not compiling). A tokenizer without an EOS gets a warning: examples then end without one."""
+    from pipeline._render import Renderer
+
+    Renderer(options)  # raises PackstreamError; the tokenizer is already loaded (cached per process)
+    if identity["eos_token_id"] is None and not os.environ.get("PACKSTREAM_QUIET"):
+        import sys
+
+        print(f"warning: tokenizer {identity['name']!r} has no EOS token, so examples are packed without one and "
+              "a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
+              "tokenizer_config.json", file=sys.stderr)
 
 
 def _glob_root(pattern: str) -> str:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import os
 import re
+import typing
 from typing import Any, Optional
 
 from packers import LongPolicy, PackstreamError
@@ -169,7 +171,7 @@ class FormatOptions:
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
     mask_reasoning: bool = dataclasses.field(default=False, metadata=cli(
         "--mask-reasoning", "Train on the answers but not on the reasoning (thinking) blocks of assistant turns "
-        "(reasoning_content/thinking fields, reasoning parts, or a leading <think>...</think>).",
+        "(reasoning_content/thinking fields, reasoning parts, a leading <think>...</think>, or the text before a lone </think>).",
         kind="switch"))
     leading_assistant: LeadingAssistant = dataclasses.field(default=LeadingAssistant.DROP, metadata=cli(
         "--leading-assistant", "A first assistant turn that answers nothing: drop it, keep it as context, or "
@@ -180,9 +182,18 @@ class FormatOptions:
         "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
+    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with")
+    """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
+
     def __post_init__(self) -> None:
         for name, flag in (("fields", "--field"), ("roles", "--roles"), ("transcript_markers", "--transcript-marker")):
             object.__setattr__(self, name, _pairs(getattr(self, name), flag))
+        for name in self._NAMES_SOMETHING:
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                flag = _flag(FormatOptions, name)
+                raise PackstreamError(f"{flag} {value!r} is empty; give a name, e.g. {flag} "
+                                      f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
                                ("same_role", SameRole)):
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
@@ -215,6 +226,8 @@ class FormatOptions:
                 raise PackstreamError(f"--messages-field reads a list of turns; it does not combine with --format "
                                       f"{self.format.value}")
         for src, role in self.roles:
+            if not src:
+                raise PackstreamError(f"--roles {src}={role}: the speaker name is empty; e.g. --roles customer=user")
             if role not in ROLES:
                 raise PackstreamError(f"--roles {src}={role}: unknown role {role!r}; use one of {', '.join(ROLES)}")
         for marker, role in self.transcript_markers:
@@ -225,6 +238,10 @@ class FormatOptions:
     def format_dict(self) -> dict[str, Any]:
         """JSON-ready, for manifest.json."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
+
+
+MAX_REPEAT = 1000
+"""The largest repeat weight of a data set: each record is read, tokenized and packed that many times."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,9 +261,15 @@ class DatasetSpec:
         if not self.paths:
             raise PackstreamError(f"dataset {self.name!r} has no paths; give it 'paths: [FILE, ...]'")
         w = self.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w <= 1 or (w > 1 and float(w).is_integer())):
+        if (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+                or not (0 < w <= 1 or (w > 1 and float(w).is_integer()))):
             raise PackstreamError(
                 f"dataset {self.name!r}: weight {w!r} must be a fraction in (0, 1] (sample) or an integer > 1 (repeat)"
+            )
+        if w > MAX_REPEAT:
+            raise PackstreamError(
+                f"dataset {self.name!r}: weight {w!r} would repeat every record {w:,.0f} times, above the limit of "
+                f"{MAX_REPEAT:,} repeats; use a weight of at most {MAX_REPEAT} (or a fraction in (0, 1] to sample)"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -405,7 +428,108 @@ def _enum(cls, value, name):
         raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
-_CONFIG_KEYS = {"name", "paths", "weight", "split"}
+_EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text",
+             "tokenized_with": DEFAULT_TOKENIZER}
+
+
+def _flag(cls, name: str) -> str:
+    """The command-line flag of a field (its cli metadata), e.g. ``--content-key``."""
+    meta = {f.name: f.metadata.get("cli") for f in dataclasses.fields(cls)}.get(name)
+    return meta["flag"] if meta else "--" + name.replace("_", "-")
+
+
+_YAML_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping",
+               type(None): "null"}
+
+
+def _describe(value: Any) -> str:
+    """``list [1, 2]``, ``string 'false'``, ``null``: a config value as the error shows it."""
+    kind = _YAML_TYPES.get(type(value), type(value).__name__)
+    if value is None:
+        return kind
+    text = repr(value)
+    return f"{kind} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def check_type(value: Any, hint: Any, what: str, kind: str = "") -> None:
+    """Raise PackstreamError(``WHAT must be ..., got ...``) unless the YAML/JSON ``value`` fits the type ``hint``.
+
+    ``hint`` is a field's annotation (``Optional[str]``, ``bool``, ``int``, ``float``, an enum,
+    ``tuple[str, ...]``, ``tuple[str, str]``); ``kind`` its cli kind (``pairs`` fields also take a
+    ``{NAME: VALUE}`` mapping or ``NAME=VALUE`` text). Booleans must be booleans (not "false"),
+    integers not booleans, floats finite numbers, enums one of their values.
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return
+        inner = [a for a in args if a is not type(None)]
+        return check_type(value, inner[0] if len(inner) == 1 else Any, what, kind)
+
+    def fail(need: str, fix: str = "") -> None:
+        raise PackstreamError(f"{what} must be {need}, got {_describe(value)}" + (f"; {fix}" if fix else ""))
+
+    if kind == "pairs":
+        if isinstance(value, str):
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise PackstreamError(f"{what} key {k!r} must be a string, got {_describe(k)}; quote it: '{k}'")
+                check_type(v, str, f"{what}.{k}")
+            return
+        if isinstance(value, list):
+            for j, item in enumerate(value):
+                if not isinstance(item, str):
+                    check_type(item, args[0] if args else tuple[str, str], f"{what}[{j}]")
+            return
+        fail("a mapping {NAME: VALUE}, a list of NAME=VALUE strings, or one 'NAME=VALUE,...' string")
+    if hint is bool:
+        if not isinstance(value, bool):
+            fail("a boolean", "write true or false, without quotes")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("an integer")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            fail("a finite number")
+    elif hint is str:
+        if not isinstance(value, str):
+            scalar = isinstance(value, (int, float, bool))
+            fail("a string", f"quote it: '{value}'" if scalar else "")
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        values = [m.value for m in hint]
+        if not (isinstance(value, str) and value in values):
+            fail(f"one of {', '.join(values)}")
+    elif origin is tuple:
+        if not isinstance(value, list):
+            fail("a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            for j, item in enumerate(value):
+                check_type(item, args[0], f"{what}[{j}]")
+        else:
+            if len(value) != len(args):
+                fail(f"a list of {len(args)}")
+            for j, (item, h) in enumerate(zip(value, args)):
+                check_type(item, h, f"{what}[{j}]")
+    # Anything else (Any, a nested dataclass) is checked where it is built.
+
+
+_SPEC_FIELDS = {f.name: f for f in dataclasses.fields(DatasetSpec) if f.name != "format"}
+_CONFIG_KEYS = set(_SPEC_FIELDS)
+"""The keys of a data set in a --config besides the format options: name, paths, weight, split."""
+
+
+@functools.lru_cache(maxsize=1)
+def _config_fields() -> dict[str, tuple[Any, str]]:
+    """Every key a data set of a --config may hold -> (its declared type, its cli kind)."""
+    out = {}
+    for cls, names in ((DatasetSpec, _CONFIG_KEYS), (FormatOptions, {f.name for f in dataclasses.fields(FormatOptions)})):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in names:
+                out[f.name] = (hints[f.name], (f.metadata.get("cli") or {}).get("kind", ""))
+    return out
 
 
 def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
@@ -455,7 +579,16 @@ def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
 
             hints = [h for k in unknown for h in difflib.get_close_matches(k, sorted(known | _CONFIG_KEYS), n=1)]
             raise PackstreamError(f"{where}: unknown key(s) {unknown}" + (f"; did you mean {hints}?" if hints else ""))
-        name = str(d.get("name") or f"dataset{i}")
+        types = _config_fields()
+        for key, value in d.items():
+            hint, kind = types[key]
+            if key == "paths" and isinstance(value, str):
+                continue  # one path, for a list of one
+            try:
+                check_type(value, hint, f"datasets[{i}].{key}", kind)
+            except PackstreamError as e:
+                raise PackstreamError(f"--config {path}: {e}") from None
+        name = d.get("name") or f"dataset{i}"
         if name in names:
             raise PackstreamError(f"{where}: name {name!r} is used twice; give each data set its own name")
         names.add(name)

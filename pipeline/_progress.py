@@ -168,10 +168,7 @@ class Progress:
     """
 
     def __init__(self, fmt: LogFormat, stream: IO[str], interval: float, budget: int = 0):
-        if interval <= 0:
-            from packers import PackstreamError
-
-            raise PackstreamError(f"--log-interval {interval} must be > 0 seconds (e.g. 0.5 or 10)")
+        check_interval(interval)
         self.fmt, self.stream, self.interval = LogFormat(fmt), stream, interval
         self.started = time.monotonic()
         self.total: Optional[int] = None
@@ -337,6 +334,19 @@ def watching(progress: Optional[Progress], files: Sequence[Any], *, local: bool,
     return progress.watch(files)
 
 
+MAX_INTERVAL_S = 86_400.0
+"""The longest --log-interval: a day (a timer beyond what the platform can wait overflows)."""
+
+
+def check_interval(interval: float) -> None:
+    """A PackstreamError unless ``interval`` is a finite number of seconds in (0, MAX_INTERVAL_S]."""
+    if not (isinstance(interval, (int, float)) and math.isfinite(interval) and 0 < interval <= MAX_INTERVAL_S):
+        from packers import PackstreamError
+
+        raise PackstreamError(f"--log-interval {interval} must be a number of seconds > 0 and <= {MAX_INTERVAL_S:,.0f} "
+                              "(e.g. 0.5 on a terminal, 10 for batch logs)")
+
+
 def default_interval(fmt: LogFormat) -> float:
     """Redraw a terminal line twice a second; write a JSON line every 10 s."""
     return 0.5 if LogFormat(fmt) is LogFormat.TEXT else 10.0
@@ -351,6 +361,7 @@ def for_cli(fmt: LogFormat, quiet: bool, progress: Optional[bool], interval: Opt
     """
     fmt = LogFormat(fmt)
     interval = default_interval(fmt) if interval is None else interval
+    check_interval(interval)  # a mistake even where no progress is shown (--quiet)
     if quiet:
         return None
     if fmt is LogFormat.JSON:

@@ -403,7 +403,7 @@ def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
     with _open_bytes(f.path) as fh:
         data = fh.read()
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8-sig"))  # a byte-order mark is not part of the JSON (as in JSONL)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
             # A .json file holding JSON lines: read it as JSONL.

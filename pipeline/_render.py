@@ -318,6 +318,35 @@ def _common_suffix(a: str, b: str) -> int:
     return n
 
 
+def _check_rendered(final: str, msgs: list[dict], tools: Optional[list]) -> None:
+    """Nothing the record holds may vanish in the template: every turn's text (trimmed, as templates
+    often trim it), reasoning, tool call and tool definition must show in the rendering. A template
+    that drops system turns, or earlier turns' reasoning, is caught here, per record."""
+    def missing(where: str, what: str) -> Rejected:
+        return Rejected(Reason.TEMPLATE_ERROR, f"the chat template leaves out {where} ({what}); the record would "
+                                               "train without it. Use --chat-template FILE with a template that "
+                                               "renders every turn (or drop that part from the data)")
+    def shown(text: str) -> bool:  # as is, or as a JSON string (templates that write tool results with tojson)
+        return text in final or json.dumps(text, ensure_ascii=False)[1:-1] in final or json.dumps(text)[1:-1] in final
+
+    for i, m in enumerate(msgs):
+        text = m["content"].strip()
+        if text and not shown(text):
+            raise missing(f"messages[{i}] (role {m['role']})", f"{len(text):,} characters of text")
+        reasoning = (m.get("reasoning_content") or "").strip()
+        if reasoning and not shown(reasoning):
+            raise missing(f"the reasoning of messages[{i}]", f"{len(reasoning):,} characters")
+        for call in m.get("tool_calls") or ():
+            name = (call.get("function") or {}).get("name") if isinstance(call, dict) else None
+            if isinstance(name, str) and name and name not in final:
+                raise missing(f"a tool call of messages[{i}]", f"function {name!r}")
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str) and name and name not in final:
+            raise missing("a tool definition", f"function {name!r}")
+
+
 def template_segments(tpl: JinjaTemplate, conv: Conversation, targets: list[bool], mask_reasoning: bool) -> Segments:
     """Segments of any Jinja chat template, found by rendering prefixes."""
     msgs, plain, tools = _inline(conv, tpl)
@@ -335,6 +364,7 @@ def template_segments(tpl: JinjaTemplate, conv: Conversation, targets: list[bool
         return tpl.render(part, tools, gen, cap) if part else ""
 
     final = render(len(msgs), False)
+    _check_rendered(final, msgs, tools)
     if everything:
         return [(final, True)]
 
@@ -395,7 +425,10 @@ class Renderer:
 
     def __init__(self, options: PackOptions):
         self.tok = load_tokenizer(options.tokenizer, options.trust_remote_code)
-        source = options.chat_template or self.tok.chat_template
+        if options.chat_template is not None and not options.chat_template.strip():
+            raise PackstreamError("the --chat-template file is empty; give a file holding a Jinja chat template, or "
+                                  "leave --chat-template out to use the tokenizer's own (or the built-in ChatML)")
+        source = options.chat_template if options.chat_template is not None else self.tok.chat_template
         if isinstance(source, dict):  # tokenizers with named templates
             source = source.get("default") or next(iter(source.values()))
         self.template: Optional[str] = source

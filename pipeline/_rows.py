@@ -55,7 +55,13 @@ def example_id(source: str, position: int, record: Any) -> str:
     return f"{src}@{position}"
 
 
+_NOT_NUMERIC_START = frozenset("abcdefghjklmopqrstuvwxyzABCDEFGHJKLMOPQRSTUVWXYZ_/:@#~%")
+"""First characters ``float()`` never accepts (it takes digits, signs, dots, spaces, "inf"/"nan")."""
+
+
 def _looks_numeric(s: str) -> bool:
+    if s[0] in _NOT_NUMERIC_START:  # most string ids: skip float()'s exception
+        return False
     try:
         float(s)
     except ValueError:
@@ -248,7 +254,9 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
 
 def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
     """Sort by id and keep the first of each duplicate id (by source, then position)."""
-    order = sorted(range(len(batch)), key=lambda i: (batch.ids[i], batch.sources[i], batch.positions[i]))
+    # By id, then source, then position: numpy's string order is Python's (code points), and ties are rare.
+    order = np.lexsort((np.asarray(batch.positions, dtype=np.int64), np.asarray(batch.sources, dtype=str),
+                        np.asarray(batch.ids, dtype=str))).tolist() if len(batch) else []
     keep, rejected = [], []
     for i in order:
         if keep and batch.ids[keep[-1]] == batch.ids[i]:

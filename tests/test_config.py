@@ -115,6 +115,31 @@ def test_each_data_set_keeps_its_own_format_options(mix, tmp_path):
     ("max_tokens: 5\ndatasets:\n  - paths: x.jsonl\n", ["unknown top-level key"]),
     ("datasets:\n  - paths: x.jsonl\n    fields: {a: text, b: user}\n", ["cannot be mixed"]),
     ("datasets: [\n", ["not valid YAML"]),
+    # Every value is checked against its field's declared type, before the job starts.
+    ("datasets:\n  - paths: x.jsonl\n    system_prompt: [1, 2]\n",
+     ["datasets[0].system_prompt must be a string, got list [1, 2]"]),
+    ("datasets:\n  - paths: x.jsonl\n    system_prompt: {a: 1}\n",
+     ["datasets[0].system_prompt must be a string, got mapping {'a': 1}"]),
+    ("datasets:\n  - paths: x.jsonl\n    system_prompt: 42\n",
+     ["datasets[0].system_prompt must be a string, got integer 42; quote it: '42'"]),
+    ("datasets:\n  - paths: x.jsonl\n    content_key: [a]\n", ["datasets[0].content_key must be a string, got list"]),
+    ("datasets:\n  - paths: x.jsonl\n    mask_reasoning: \"false\"\n",
+     ["datasets[0].mask_reasoning must be a boolean, got string 'false'; write true or false, without quotes"]),
+    ("datasets:\n  - paths: x.jsonl\n    split: 3\n", ["datasets[0].split must be a string, got integer 3"]),
+    ("datasets:\n  - paths: x.jsonl\n    split: [a]\n", ["datasets[0].split must be a string, got list ['a']"]),
+    ("datasets:\n  - name: [x]\n    paths: x.jsonl\n", ["datasets[0].name must be a string, got list ['x']"]),
+    ("datasets:\n  - paths: [[x.jsonl]]\n", ["datasets[0].paths[0] must be a string, got list"]),
+    ("datasets:\n  - paths: x.jsonl\n    train_on: everything\n",
+     ["datasets[0].train_on must be one of assistant, all, got string 'everything'"]),
+    ("datasets:\n  - paths: x.jsonl\n    roles: {customer: 5}\n", ["datasets[0].roles.customer must be a string"]),
+    ("datasets:\n  - paths: x.jsonl\n    fields: 5\n", ["datasets[0].fields must be a mapping {NAME: VALUE}"]),
+    ("datasets:\n  - paths: x.jsonl\n    weight: .nan\n", ["datasets[0].weight must be a finite number, got number nan"]),
+    ("datasets:\n  - paths: x.jsonl\n    weight: true\n", ["datasets[0].weight must be a finite number, got boolean"]),
+    ("datasets:\n  - paths: x.jsonl\n    content_key: ''\n", ["--content-key '' is empty"]),
+    # A repeat weight is bounded: 1e9 would read every record a billion times.
+    ("datasets:\n  - paths: x.jsonl\n    weight: 1000000000\n",
+     ["weight 1000000000 would repeat every record 1,000,000,000 times", "limit of 1,000 repeats"]),
+    ("datasets:\n  - paths: x.jsonl\n    weight: 1001\n", ["limit of 1,000 repeats", "at most 1000"]),
 ])
 def test_config_mistakes_are_one_error_line(tmp_path, body, words):
     (tmp_path / "x.jsonl").write_text('{"text": "hi"}\n')
@@ -130,3 +155,27 @@ def test_config_mistakes_are_one_error_line(tmp_path, body, words):
 def test_inputs_and_config_together_are_refused(mix, tmp_path):
     r = cli("pack", str(tmp_path / "data"), "--config", str(mix), "-o", str(tmp_path / "out"))
     assert r.exit_code == 2 and "not both" in r.output
+
+
+@pytest.mark.parametrize("command", ["estimate", "preview"])
+def test_a_config_value_of_the_wrong_type_is_one_error_line_everywhere(tmp_path, command):
+    (tmp_path / "x.jsonl").write_text('{"text": "hi"}\n')
+    cfg = tmp_path / "mix.yaml"
+    cfg.write_text("datasets:\n  - paths: x.jsonl\n    system_prompt: [1, 2]\n")
+    r = cli(command, "--config", str(cfg))
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    assert "datasets[0].system_prompt must be a string, got list [1, 2]" in errors[0]
+
+
+def test_config_values_of_the_declared_types_are_read(tmp_path):
+    from pipeline._options import MAX_REPEAT, FormatOptions, TrainOn, load_config
+
+    cfg = tmp_path / "mix.yaml"
+    cfg.write_text("datasets:\n  - name: a\n    paths: [x.jsonl]\n    mask_reasoning: true\n    train_on: all\n"
+                   "    split: null\n    system_prompt: ''\n    roles: [bot=assistant, [agent, assistant]]\n"
+                   f"    weight: {MAX_REPEAT}\n")
+    (spec,) = load_config(str(cfg), FormatOptions())
+    assert spec.format.mask_reasoning is True and spec.format.train_on is TrainOn.ALL and spec.split is None
+    assert spec.format.roles == (("bot", "assistant"), ("agent", "assistant")) and spec.weight == MAX_REPEAT
+    assert spec.format.system_prompt == ""  # an empty system turn is a choice, not a mistake

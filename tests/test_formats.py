@@ -129,10 +129,12 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
              U("Now rewrite it for a school newsletter."),
              A("Does your bike squeak or wobble? Come to our repair café on Saturdays: volunteers teach you to fix it, "
                "and there is hot chocolate.")], None,
-            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1}),
+            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1,
+             "ignored_field:choices[0].index": 1}),
         2: ([U("A train travels 180 km in 2 hours. What is its average speed?"), A("180 km / 2 h = 90 km/h."),
              U("How long would it take to travel 300 km at that speed?"), A("300 km / 90 km/h = 3 h 20 min.")], None,
-            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1}),
+            {"ignored_field:question_id": 1, "ignored_field:category": 1, "ignored_field:model_id": 1,
+             "ignored_field:choices[0].index": 1}),
     }),
     "transcript": ("transcript.jsonl", {"fields": "chosen=transcript"}, {
         1: ([U("What's a good way to keep basil fresh?"),

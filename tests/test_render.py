@@ -355,3 +355,78 @@ def test_segments_are_exactly_as_labelled(builtin):
 
 def test_merge_runs():
     assert merge_runs([("a", True), ("", False), ("b", True), ("c", False)]) == [("ab", True), ("c", False)]
+
+
+# A template that silently drops system turns (some older chat templates do), and one that renders
+# only the last assistant turn's reasoning (Qwen3-style) with every token trained.
+NO_SYSTEM = ("{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+             "{% endif %}{% endfor %}")
+LAST_REASONING_ONLY = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content and loop.last %}<think>"
+                       "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}</{{ m.role }}>{% endfor %}")
+
+
+@pytest.mark.parametrize("name, where", [("system_multi", "messages[0] (role system)"),
+                                         ("tools", "messages[0] (role system)"),
+                                         ("tools_no_system", "messages[0] (role system)")])
+def test_a_template_that_drops_a_turn_is_refused_per_record(name, where):
+    """Tool definitions this template cannot render go into a system turn, which it then drops: caught too."""
+    r = qwen_renderer(NO_SYSTEM)
+    with pytest.raises(Rejected) as e:
+        r.segments(CONVERSATIONS[name], FormatOptions())
+    assert e.value.reason is Reason.TEMPLATE_ERROR
+    assert f"leaves out {where}" in e.value.detail and "--chat-template" in e.value.detail
+    # A record with nothing it drops renders as before.
+    assert [t for t, _ in r.segments(CONVERSATIONS["plain"], FormatOptions())] == ["<user>Hi</user>", "<assistant>Hello!</assistant>"]
+
+
+def test_a_template_that_drops_earlier_reasoning_is_refused_even_when_every_token_trains():
+    conv = Conversation([{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning": "r1 r1"},
+                         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "reasoning": "r2 r2"}])
+    r = qwen_renderer(LAST_REASONING_ONLY)
+    with pytest.raises(Rejected, match=r"leaves out the reasoning of messages\[1\]"):
+        r.segments(conv, FormatOptions(train_on="all"))
+    one = Conversation(conv.messages[2:])
+    assert r.segments(one, FormatOptions(train_on="all")) == [("<user>q2</user><assistant><think>r2 r2</think>a2</assistant>", True)]
+
+
+def test_tool_results_written_as_json_strings_count_as_shown():
+    tpl = ("{% for m in messages %}{% if m.role == 'tool' %}{\"content\": {{ m.content | tojson }}}{% else %}"
+           "<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endif %}{% endfor %}")
+    conv = Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "calling"},
+                         {"role": "tool", "content": 'line "one"\nline two'}, {"role": "assistant", "content": "done"}])
+    assert qwen_renderer(tpl).segments(conv, FormatOptions())[-1] == ("<assistant>done</assistant>", True)
+
+
+def test_an_empty_template_file_is_an_error_not_the_builtin(tmp_path):
+    with pytest.raises(PackstreamError, match="the --chat-template file is empty"):
+        qwen_renderer("  \n")
+
+
+def test_template_problems_are_one_error_at_launch_before_any_output(tmp_path):
+    from pipeline import _job
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    for template in ("{% for %}", ""):
+        out = tmp_path / f"out{len(template)}"
+        with pytest.raises(PackstreamError) as e:
+            _job.run(PackOptions(inputs=(str(data),), output=str(out), chat_template=template))
+        assert "EncodeTasks" not in str(e.value)
+        assert not out.exists()
+
+
+def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from pipeline import _job
+    from pipeline._tokenizer import default_tokenizer_path
+
+    monkeypatch.delenv("PACKSTREAM_QUIET", raising=False)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(f"{default_tokenizer_path()}/tokenizer.json", tok / "tokenizer.json")  # no config: no EOS
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    manifest = _job.run(PackOptions(inputs=(str(data),), output=str(tmp_path / "out"), tokenizer=str(tok)))
+    assert manifest["counts"]["examples_packed"] == 1 and manifest["row_checks"]["eos_token_id"] is None
+    assert "has no EOS token" in capsys.readouterr().err
