@@ -136,6 +136,9 @@ class Conversation:
 NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns_dropped", "turns_merged")
 """Notes that count turns a record held but its conversation does not (besides ``ignored_field:*``)."""
 
+NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens"}
+"""Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
+
 _CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
 
 ROLE_ALIASES: dict[str, str] = {
@@ -239,6 +242,15 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, str) and isinstance(b, str):
         return a.strip() == b.strip()
     return type(a) is type(b) and a == b
+
+
+def _one_slot(m: dict, keys: Sequence[str]) -> tuple[Optional[str], Optional[str]]:
+    """One slot that may sit under any of ``keys``: the key to read (the first that holds something, else
+    the first present, else None), and another key that holds different text (None when none does)."""
+    present = [k for k in keys if k in m]
+    full = [k for k in present if not _blank(m[k])]
+    found = full[0] if full else present[0] if present else None
+    return found, next((k for k in full[1:] if not _same(m[k], m[found])), None)
 
 
 @dataclasses.dataclass
@@ -576,14 +588,13 @@ def _content_key(m: dict, at: str, ctx: _Ctx, used: set, optional: bool = False)
         looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
         raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "
                                              f"[{_keys(m)}]; name the text key with --content-key KEY")
-    found = next((k for k in present if not _blank(m[k])), present[0])
-    for k in present:
-        if k != found and not _blank(m[k]) and not _same(m[k], m[found]):
-            raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds text under both {found!r} and {k!r} "
-                                                   f"({_short(m[found])} vs {_short(m[k])}); name the one to read "
-                                                   f"with --content-key {found} (or --content-key {k}), the other is "
-                                                   "then counted as an ignored field")
-        used.add(k)  # empty, or the same text: nothing is lost
+    found, k = _one_slot(m, present)
+    if k is not None:
+        raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds text under both {found!r} and {k!r} "
+                                               f"({_short(m[found])} vs {_short(m[k])}); name the one to read "
+                                               f"with --content-key {found} (or --content-key {k}), the other is "
+                                               "then counted as an ignored field")
+    used.update(present)  # the others are empty, or the same text: nothing is lost
     return found
 
 
@@ -762,12 +773,10 @@ _ALPACA_ANSWERS = ("output", "response", "instances")
 def _alpaca_key(record: dict, keys: tuple[str, ...]) -> Optional[str]:
     """The key an Alpaca slot is read from: the first of ``keys`` that holds something (else the first
     present). Two that hold different things make the record ambiguous: neither is dropped unseen."""
-    present = [k for k in keys if k in record]
-    full = [k for k in present if not _blank(record[k])]
-    for k in full[1:]:
-        if not _same(record[k], record[full[0]]):
-            raise Rejected(Reason.AMBIGUOUS_FIELD, _alpaca_ambiguity(record, full[0], k))
-    return full[0] if full else present[0] if present else None
+    found, other = _one_slot(record, keys)
+    if other is not None:
+        raise Rejected(Reason.AMBIGUOUS_FIELD, _alpaca_ambiguity(record, found, other))
+    return found
 
 
 def _alpaca_ambiguity(record: dict, a: str, b: str) -> str:
@@ -1255,7 +1264,7 @@ def _normalize(record: Any, options: FormatOptions) -> Conversation:
             conv.tools = _tools(record, ctx) if "tools" in used else None
     for key in record:
         if key not in used:
-            ctx.note(f"ignored_field:{key}")
+            ctx.ignore(key)
     if shape == "fields":
         _unused_beside_paths(record, [p for p, _ in options.fields], ctx)
     elif shape == "messages_field":

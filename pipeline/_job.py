@@ -45,7 +45,7 @@ import packers
 from packers import InternalError, PackstreamError
 from packers._manifest import MANIFEST, Status, parse_manifest
 from pipeline import _output, _progress, _read, _rows, _spill, _write
-from pipeline._formats import NOTE_KEYS, Reason
+from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
 
@@ -462,7 +462,7 @@ def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: di
     return counts
 
 
-_NOTES = (*NOTE_KEYS, "number_as_text", "padding_tokens_removed")
+_NOTES = tuple(NOTE_UNITS)
 """What normalization did to records that were kept (pipeline._formats), summed into counts.normalization."""
 
 

@@ -364,11 +364,9 @@ def summary_table(manifest: dict) -> str:
 
 def _note_unit(key: str) -> str:
     """What a normalization note counts (pipeline._formats adds each note per thing, not per record)."""
-    from pipeline._formats import NOTE_KEYS
+    from pipeline._formats import NOTE_UNITS
 
-    if key in NOTE_KEYS:
-        return "turns"  # turns a record held but its conversation does not
-    return {"padding_tokens_removed": "tokens", "number_as_text": "values"}.get(key, "")
+    return NOTE_UNITS.get(key, "")
 
 
 def _one_line(text: str, limit: int = 160) -> str:
