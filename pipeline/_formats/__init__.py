@@ -17,6 +17,7 @@ messages_field     a list of turns under any key: ``--messages-field PATH`` (``-
 tokens             ``input_ids`` (+ ``labels`` with -100, or ``loss_mask``; ``attention_mask``)
 segments           ``segments: [{text, label}]`` (template-free, Axolotl's input_output)
 messages           ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)
+preference         ``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's ``preferred_output``: with ``--preference chosen``
 sharegpt           ``conversations: [{from, value}]`` (or role/content)
 chat               ``conversation``/``dialog``/``dialogue``/``chat``: a list of turn objects (lmsys-chat; Capybara's ``[{input, output}]``)
 prompt-completion  ``prompt`` + ``completion`` (strings, or lists of messages as in TRL)
@@ -59,7 +60,7 @@ Layout: ``_base`` (types), ``_turns`` (turn objects, content, tool calls), ``_hy
 >>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
 Traceback (most recent call last):
 ...
-pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, conversations, conversation/dialog/dialogue/chat, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
 """
 
 from __future__ import annotations

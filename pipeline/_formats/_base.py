@@ -42,6 +42,7 @@ class Reason(str, enum.Enum):
     BAD_TOKEN_ID = "bad_token_id"
     CORRUPT_INPUT = "corrupt_input"
     AMBIGUOUS_FIELD = "ambiguous_field"
+    PREFERENCE_PAIR = "preference_pair"
 
 
 class Rejected(Exception):
@@ -86,7 +87,8 @@ for _cls in (Reason, Rejected, Conversation):
 NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns_dropped", "turns_merged")
 """Notes that count turns a record held but its conversation does not (besides ``ignored_field:*``)."""
 
-NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens"}
+NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
+              "other_side_not_trained": "records"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape
@@ -204,6 +206,8 @@ class Draft:
     text: Optional[str] = None
     segments: Optional[list[tuple[str, bool]]] = None
     tokens: Optional[Any] = None
+    tools: Optional[Any] = None
+    """Tool definitions found somewhere other than the record's ``tools`` column (raw, as the record holds them)."""
 
 
 # ------------------------------------------------------------------------------------------------

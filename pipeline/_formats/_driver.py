@@ -23,7 +23,7 @@ from packers import InternalError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _kind
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import unused_beside_paths
-from pipeline._formats._turns import MEDIA_KEYS, _content
+from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
 from pipeline._formats.detect import ORDER, REGISTRY, detect
 from pipeline._options import Format, FormatOptions
 
@@ -78,7 +78,11 @@ def _plain(o: FormatOptions) -> bool:
 
 
 def _conversations(record: Any, options: FormatOptions) -> list[Conversation]:
-    shape = REGISTRY[detect(record, options)]
+    return read_as(REGISTRY[detect(record, options)], record, options)
+
+
+def read_as(shape: Shape, record: dict, options: FormatOptions) -> list[Conversation]:
+    """``record`` read as ``shape`` (detection done), through the steps every shape shares."""
     ctx = Ctx(options)
     used = shape.top_keys(record, options)
     if not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
@@ -125,14 +129,17 @@ def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Convers
                 if n:
                     ctx.mapping.append(f"{what}: {n}")
             conv.train = flags if any(f is not None for f in flags) else None
-        conv.tools = _tools(record, ctx) if "tools" in shape.common else None
+        if draft.tools is not None:  # definitions the shape found elsewhere (OpenAI DPO: input.tools)
+            conv.tools = _tools(draft.tools, ctx)
+        else:
+            conv.tools = _tools(record.get("tools"), ctx) if "tools" in shape.common else None
     conv.notes = ctx.notes
     conv.mapping = tuple(ctx.mapping)
     return conv
 
 
 # ------------------------------------------------------------------------------------------------
-# The columns the driver reads for the shapes that declare them (Shape.common), and media beside the text.
+# Media beside the text.
 
 
 def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
@@ -153,43 +160,3 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
         raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {n} {key} in {key!r}{where}; packstream packs "
                                                 "text only: drop these records (or the media key, if the text does "
                                                 "not depend on it)")
-
-
-def _tools(record: dict, ctx: Ctx) -> Optional[list]:
-    tools = record.get("tools")
-    if tools in (None, "", []):
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except (json.JSONDecodeError, RecursionError) as e:
-            msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
-            raise Rejected(Reason.BAD_TYPE, f"tools is a string but not JSON ({msg})") from None
-    if isinstance(tools, dict):
-        tools = [tools]
-    if not isinstance(tools, list):
-        raise Rejected(Reason.BAD_TYPE, f"tools is {_kind(tools)}, expected a list of tool definitions")
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise Rejected(Reason.BAD_TYPE, f"tools[{i}] is {_kind(t)}, expected a tool definition object")
-    ctx.mapping.append(f"tools: {len(tools)} definition{'s' if len(tools) != 1 else ''}")
-    return tools
-
-
-def _system_column(record: dict, turns: list[Turn], ctx: Ctx) -> None:
-    """A ``system`` column becomes the first system turn. Beside a system turn of the conversation's own,
-    nothing is dropped: the column's text comes first, then a blank line and the turn's (the same text
-    twice is kept once)."""
-    sys_ = record.get("system")
-    if sys_ in (None, ""):
-        return
-    text = _content(sys_, "system", ctx, "system").text
-    if turns and turns[0].role == "system":
-        if text.strip() and text.strip() != turns[0].content.strip():
-            turns[0] = dataclasses.replace(turns[0], content=text + "\n\n" + turns[0].content)
-            ctx.mapping.append("system -> system (before the conversation's own system turn)")
-        return
-    turns.insert(0, Turn("system", text, "system"))
-    ctx.mapping.append("system -> system")
-
-

@@ -80,6 +80,7 @@ def _content(value: Any, at: str, ctx: Ctx, role: str, allow_null: bool = False)
             return _parts([value], at, ctx, role)
         key = ctx.o.content_key
         if key is not None and key in value:
+            _count_unread(value, {key}, at, ctx)  # the object's other keys: counted, never dropped unseen
             return _content(value[key], f"{at}.{key}", ctx, role, allow_null)
         strings = [k for k, v in value.items() if isinstance(v, str)]
         if key is None and len(value) == 1 and len(strings) == 1:
@@ -93,13 +94,30 @@ def _content(value: Any, at: str, ctx: Ctx, role: str, allow_null: bool = False)
     raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(value)}, expected a string")
 
 
-def _part_text(part: dict, at: str, keys: Sequence[str]) -> str:
-    for k in keys:
+def _where(at: str) -> str:
+    """A place in a record without its list indices, as ignored fields are named: ``messages[].content[]``."""
+    return re.sub(r"\[-?\d+\]", "[]", at)
+
+
+def _count_unread(obj: dict, read: set, at: str, ctx: Optional[Ctx]) -> None:
+    """Keys of ``obj`` (at ``at``) that were not read and hold something: ``ignored_field:<where>.<key>``."""
+    if ctx is None:
+        return
+    for k, v in obj.items():
+        if k not in read and not _blank(v):
+            ctx.ignore(f"{_where(at)}.{k}")
+
+
+def _part_text(part: dict, at: str, names: Sequence[str], ctx: Ctx) -> str:
+    """The text of a content part: the first of ``names`` it has. Its other keys (``cache_control``, a
+    second text key with other text) are counted as ignored."""
+    for k in names:
         if k in part:
             if isinstance(part[k], str):
+                _count_unread(part, {"type", k, *(n for n in names if _same(part.get(n), part[k]))}, at, ctx)
                 return part[k]
             raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is {_kind(part[k])}, expected a string")
-    raise Rejected(Reason.MISSING_FIELD, f"{at} has no text (looked for {', '.join(keys)}); its keys: [{_keys(part)}]")
+    raise Rejected(Reason.MISSING_FIELD, f"{at} has no text (looked for {', '.join(names)}); its keys: [{_keys(part)}]")
 
 
 def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
@@ -121,21 +139,25 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
             if media:
                 raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; packstream packs text only: "
                                                         "drop records with media, or their media parts")
-            texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content")))
+            texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content"), ctx))
         elif not isinstance(kind, str):
             raise Rejected(Reason.BAD_TYPE, f"{where}.type is {_kind(kind)}, expected a string such as 'text'")
         elif kind in _TEXT_PARTS:
-            texts.append(_part_text(part, where, ("text", "value")))
+            texts.append(_part_text(part, where, ("text", "value"), ctx))
         elif kind in _REASONING_PARTS:
             if role != "assistant":
                 raise Rejected(Reason.BAD_TYPE, f"{where} is a {kind} part in a {role} turn; only assistant "
                                                 "turns carry reasoning")
-            reasoning.append(_part_text(part, where, ("text", "value", kind)))
+            reasoning.append(_part_text(part, where, ("text", "value", kind), ctx))
         elif kind in _CALL_PARTS:
             if role != "assistant":
                 raise Rejected(Reason.BAD_TYPE, f"{where} is a {kind} part in a {role} turn; only assistant "
                                                 "turns call tools")
-            calls.extend(_tool_calls(part.get("value", part), where))
+            if "value" in part:  # LLaMA-Factory: the call as JSON text under value
+                _count_unread(part, {"type", "value"}, where, ctx)
+                calls.extend(_tool_calls(part["value"], f"{where}.value", ctx))
+            else:  # Anthropic tool_use: the part is the call
+                calls.extend(_tool_calls(part, where, ctx))
         elif kind in _MEDIA_PARTS:
             raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; packstream packs text only: drop "
                                                     "records with media, or their media parts")
@@ -145,7 +167,7 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
     return _Content("".join(texts), "\n\n".join(reasoning) if reasoning else None, calls or None)
 
 
-def _tool_calls(value: Any, at: str) -> list:
+def _tool_calls(value: Any, at: str, ctx: Optional[Ctx] = None) -> list:
     """OpenAI ``tool_calls``, a Glaive/LLaMA-Factory ``{"name", "arguments"}`` (object or JSON text), or a list."""
     if isinstance(value, str):
         try:
@@ -154,10 +176,12 @@ def _tool_calls(value: Any, at: str) -> list:
             raise Rejected(Reason.BAD_TYPE, f"{at} is str {_short(value)}, not a JSON tool call; expected a list of "
                                             "{name, arguments} objects (or their JSON text)") from None
     items = value if isinstance(value, list) else [value]
-    return [_tool_call(v, f"{at}[{i}]" if isinstance(value, list) else at) for i, v in enumerate(items)]
+    return [_tool_call(v, f"{at}[{i}]" if isinstance(value, list) else at, ctx) for i, v in enumerate(items)]
 
 
-def _tool_call(call: Any, at: str) -> dict:
+def _tool_call(call: Any, at: str, ctx: Optional[Ctx] = None) -> dict:
+    """One call -> ``{"type": "function", "function": {"name", "arguments"}, "id"?}``; its arguments are kept
+    exactly (JSON text that holds an object becomes the object). Keys a call does not read are counted."""
     if isinstance(call, str):
         try:
             call = json.loads(call)
@@ -169,7 +193,14 @@ def _tool_call(call: Any, at: str) -> dict:
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise Rejected(Reason.BAD_TYPE, f"{at} has no function name (a string under 'name' or 'function.name')")
-    args = next((fn[k] for k in ("arguments", "parameters", "input") if k in fn), {})
+    args_key = next((k for k in ("arguments", "parameters", "input") if k in fn), None)
+    args = fn[args_key] if args_key is not None else {}
+    has_id = isinstance(call.get("id"), str)
+    if fn is call:
+        _count_unread(call, {"name", args_key, "type", *(("id",) if has_id else ())}, at, ctx)
+    else:
+        _count_unread(call, {"function", "type", *(("id",) if has_id else ())}, at, ctx)
+        _count_unread(fn, {"name", args_key}, f"{at}.function", ctx)
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
@@ -178,7 +209,7 @@ def _tool_call(call: Any, at: str) -> dict:
         except (json.JSONDecodeError, RecursionError):
             pass  # kept as the model wrote it
     out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
-    if isinstance(call.get("id"), str):
+    if has_id:
         out["id"] = call["id"]
     return out
 
@@ -221,27 +252,28 @@ def _train_flag(m: dict, at: str) -> Optional[bool]:
     return flag
 
 
-def _turn(m: Any, at: str, ctx: Ctx, default_role: Optional[str] = None, where: str = "") -> Turn:
+def _turn(m: Any, at: str, ctx: Ctx, default_role: Optional[str] = None, where: str = "", one: bool = False) -> Turn:
     """One turn object -> a :class:`Turn`. Keys of the object that the turn does not read (and that hold
-    something) are counted as ``ignored_field:<where>[].<key>``."""
+    something) are counted as ``ignored_field:<where>[].<key>`` (``<where>.<key>`` for a turn object that
+    stands on its own, ``one``)."""
     if isinstance(m, str) and default_role is not None:  # a dialogue given as a list of strings
         return Turn(default_role, m, at)
     if not isinstance(m, dict):
         raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(m)}, expected a turn object {{role, content}}")
     used: set = set(TRAIN_KEYS)
     t = _turn_object(m, at, ctx, used)
-    _unused_turn_keys(m, used, at, where or re.sub(r"\[-?\d+\]\Z", "", at), ctx)
+    _unused_turn_keys(m, used, at, where or re.sub(r"\[-?\d+\]\Z", "", at), ctx, one)
     return t
 
 
-def _unused_turn_keys(m: dict, used: set, at: str, where: str, ctx: Ctx) -> None:
+def _unused_turn_keys(m: dict, used: set, at: str, where: str, ctx: Ctx, one: bool = False) -> None:
     for k, v in m.items():
         if k in used or _blank(v):
             continue
         if k in MEDIA_KEYS:
             raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; packstream packs text only: drop records "
                                                     "with media, or their media keys")
-        ctx.ignore(f"{where}[].{k}")
+        ctx.ignore(f"{where}.{k}" if one else f"{where}[].{k}")
 
 
 def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
@@ -264,7 +296,7 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
         raw = m[ckey]
         if isinstance(raw, (str, dict, list)):
             try:
-                calls = _tool_calls(raw, f"{at}.{ckey}")
+                calls = _tool_calls(raw, f"{at}.{ckey}", ctx)
                 return Turn("assistant", "", at, speaker, tool_calls=calls, train=_train_flag(m, at))
             except Rejected:
                 if not isinstance(raw, str):
@@ -278,7 +310,7 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
         if role != "assistant":  # a call cannot be rendered in another role's turn, and training on it would be wrong
             raise Rejected(Reason.BAD_TYPE, f"{at}.{k} is on a {role} turn; only assistant turns call tools: fix the "
                                             f"turn's role, or drop {k!r} from {role} turns")
-        calls += _tool_calls(m[k], f"{at}.{k}")
+        calls += _tool_calls(m[k], f"{at}.{k}", ctx)
         used.add(k)
     reasoning = None
     if role == "assistant":
@@ -374,3 +406,44 @@ def _is_exchange(m: dict, ctx: Ctx) -> bool:
 def _speaker_words(ctx: Ctx) -> str:
     return ", ".join(f"{name}->{role}" for name, role in list(ctx.speakers.items())[:8])
 
+
+# ------------------------------------------------------------------------------------------------
+# The columns beside the turns that the driver reads for the shapes that declare them (Shape.common).
+
+
+def _tools(tools: Any, ctx: Ctx) -> Optional[list]:
+    """Tool definitions: a list of objects, one object, or their JSON text (Glaive, LLaMA-Factory)."""
+    if tools in (None, "", []):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except (json.JSONDecodeError, RecursionError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
+            raise Rejected(Reason.BAD_TYPE, f"tools is a string but not JSON ({msg})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list):
+        raise Rejected(Reason.BAD_TYPE, f"tools is {_kind(tools)}, expected a list of tool definitions")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise Rejected(Reason.BAD_TYPE, f"tools[{i}] is {_kind(t)}, expected a tool definition object")
+    ctx.mapping.append(f"tools: {len(tools)} definition{'s' if len(tools) != 1 else ''}")
+    return tools
+
+
+def _system_column(record: dict, turns: list[Turn], ctx: Ctx) -> None:
+    """A ``system`` column becomes the first system turn. Beside a system turn of the conversation's own,
+    nothing is dropped: the column's text comes first, then a blank line and the turn's (the same text
+    twice is kept once)."""
+    sys_ = record.get("system")
+    if sys_ in (None, ""):
+        return
+    text = _content(sys_, "system", ctx, "system").text
+    if turns and turns[0].role == "system":
+        if text.strip() and text.strip() != turns[0].content.strip():
+            turns[0] = dataclasses.replace(turns[0], content=text + "\n\n" + turns[0].content)
+            ctx.mapping.append("system -> system (before the conversation's own system turn)")
+        return
+    turns.insert(0, Turn("system", text, "system"))
+    ctx.mapping.append("system -> system")

@@ -54,15 +54,9 @@ def _alpaca_ambiguity(record: dict, a: str, b: str) -> str:
             f"{b}=assistant), the other is then counted as an ignored field{lost}")
 
 
-def read(record: dict, ctx: Ctx) -> list[Draft]:
+def history_turns(record: dict, ctx: Ctx) -> list[Turn]:
+    """LLaMA-Factory's ``history``: ``[[user, assistant], ...]`` exchanges before the instruction."""
     turns: list[Turn] = []
-    instruction = _content(record["instruction"], "instruction", ctx, "user").text
-    in_key = _alpaca_key(record, _ALPACA_INPUTS)
-    inp = _content(record[in_key], in_key, ctx, "user", allow_null=True).text if in_key else ""
-    out_key = _alpaca_key(record, _ALPACA_ANSWERS)
-    if out_key is None:
-        raise Rejected(Reason.MISSING_FIELD, f"field 'output' (or response, instances) is missing; the record has keys "
-                                             f"[{_keys(record)}]")
     history = record.get("history")
     if history not in (None, "", []):
         if not isinstance(history, list):
@@ -75,6 +69,19 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
             turns.append(Turn("assistant", _content(pair[1], f"history[{i}][1]", ctx, "assistant").text,
                                f"history[{i}][1]"))
         ctx.mapping.append(f"history -> {len(history)} earlier exchanges")
+    return turns
+
+
+def read(record: dict, ctx: Ctx) -> list[Draft]:
+    turns: list[Turn] = []
+    instruction = _content(record["instruction"], "instruction", ctx, "user").text
+    in_key = _alpaca_key(record, _ALPACA_INPUTS)
+    inp = _content(record[in_key], in_key, ctx, "user", allow_null=True).text if in_key else ""
+    out_key = _alpaca_key(record, _ALPACA_ANSWERS)
+    if out_key is None:
+        raise Rejected(Reason.MISSING_FIELD, f"field 'output' (or response, instances) is missing; the record has keys "
+                                             f"[{_keys(record)}]")
+    turns += history_turns(record, ctx)
     if out_key == "instances":  # self-instruct seed tasks: each instance is one more exchange
         instances = record["instances"]
         if not isinstance(instances, list) or not instances:

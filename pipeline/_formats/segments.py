@@ -11,7 +11,7 @@ Trained exactly where labelled, with no template and no EOS added.
 from __future__ import annotations
 
 from pipeline._formats._base import Ctx, Draft, Reason, Rejected, Shape, _keys, _kind, _short, all_of, has, is_list
-from pipeline._formats._turns import _content
+from pipeline._formats._turns import _content, _count_unread
 from pipeline._options import Format
 
 
@@ -35,6 +35,7 @@ def _read_segments(record: dict, ctx: Ctx) -> list[tuple[str, bool]]:
         v = s[key]
         if not (isinstance(v, bool) or (isinstance(v, (int, float)) and v in (0, 1))):
             raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}, expected true or false")
+        _count_unread(s, {"text", key}, at, ctx)
         out.append((text, bool(v)))
     ctx.mapping.append(f"segments[]: text, label ({sum(t for _, t in out)} of {len(out)} trained)")
     return out
