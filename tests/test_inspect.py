@@ -198,15 +198,22 @@ def test_disagreements_and_unlisted_files_are_warned_about(packed, tmp_path):
     folder = tmp_path / "out"
     shutil.copytree(packed, folder)
     m = json.loads((folder / "manifest.json").read_text())
-    m["counts"]["rows"] += 1
-    (folder / "manifest.json").write_text(json.dumps(m))
     first = m["shards"][0]["name"]
     shutil.copy(folder / first, folder / "backup-00000-of-00003.arrow")
+    table = pa.ipc.open_stream((folder / first).read_bytes()).read_all()
+    with pa.OSFile(str(folder / first), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table.slice(1))  # a row removed: the file no longer holds what its entry says
     report = inspect(str(folder))
     assert report["consistent"] is False
+    assert any(w.startswith(f"{first}: manifest.json says rows") for w in report["warnings"])
     assert any("counts.rows" in w for w in report["warnings"])
     assert any(w.startswith("backup-00000-of-00003.arrow") for w in report["warnings"])
-    assert report["rows"] == truth(packed)["total"]["rows"]  # the stray copy is not read
+    assert report["rows"] == truth(packed)["total"]["rows"] - 1  # the stray copy is not read
+
+    m["counts"]["rows"] += 1  # a manifest that contradicts itself is refused, in one line
+    (folder / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["inspect", str(folder), "--no-plots"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "manifest.json counts.rows says" in r.output, r.output
 
 
 def test_only_a_complete_manifest_is_read(packed, tmp_path):
@@ -231,3 +238,4 @@ def test_only_a_complete_manifest_is_read(packed, tmp_path):
     (tmp_path / "empty").mkdir()
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "empty")])
     assert r.exit_code == 2 and "no manifest.json" in r.output
+

@@ -32,7 +32,7 @@ import pytest
 from packers import ContractError, PackedDataset, PackstreamError
 from packers._loader import _Batch, _gather, check_batch
 from packers._manifest import RowChecks
-from tests._shards import Example, pack_first_fit, write_manifest, write_shards
+from tests._shards import Example, pack_first_fit, recount, write_manifest, write_shards
 
 BUDGET = 64
 EOS = 1
@@ -97,6 +97,8 @@ def reseal(folder: Path) -> None:
         t = read(folder / s["name"])
         s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), rows=t.num_rows,
                  tokens=sum(t.column("num_tokens").to_pylist()), examples=sum(len(x or []) for x in t.column("example_ids").to_pylist()))
+        s["target_tokens"] = min(s["target_tokens"], s["tokens"])
+    m["counts"] = recount(m["counts"], m["shards"], m["row_checks"]["budget"])
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
@@ -317,7 +319,7 @@ def test_malformed_manifest_is_refused(run, edit, message):
     with pytest.raises(ContractError, match=message):
         PackedDataset(run)
     (run / "manifest.json").write_text("{not json")
-    with pytest.raises(ContractError, match="manifest.json is not valid JSON"):
+    with pytest.raises(ContractError, match="manifest.json: not valid JSON"):
         PackedDataset(run)
 
 
@@ -451,3 +453,4 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
         with pytest.raises(ContractError, match=rf"{SHARD}: check sha256 failed"):
             PackedDataset(base, verify=True)
     assert refused > 30  # most damage is caught without verify=True too (measured: ~60 of 100)
+
