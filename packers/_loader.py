@@ -91,10 +91,29 @@ class _Sampling:
     instead of repeating micro-batches from the epoch's start."""
 
     def __post_init__(self) -> None:
+        if not _is_count(self.seed):
+            raise PackstreamError(f"seed={_short(self.seed)} must be an integer >= 0 (numpy's generators take "
+                                  "non-negative seeds); use e.g. seed=0")
         if self.batch_size < 1:
             raise PackstreamError(f"batch_size={self.batch_size} must be >= 1")
         if not 0 <= self.rank < self.world_size:
             raise PackstreamError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+
+
+def _is_count(v: Any) -> bool:
+    """An integer >= 0 (Python or numpy; not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """``"seed -5 vs 3, world_size 2 vs 1"``: the keys whose saved and current values differ ('' if none)."""
+    return ", ".join(f"{k} {_short(saved[k])} vs {_short(current[k])}" for k in keys
+                     if saved[k] != current[k] or type(saved[k]) is not type(current[k]))
 
 
 def _micro_batches(order: np.ndarray, units: np.ndarray | None, s: _Sampling, budget: int) -> list[np.ndarray]:

@@ -454,3 +454,16 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
             PackedDataset(base, verify=True)
     assert refused > 30  # most damage is caught without verify=True too (measured: ~60 of 100)
 
+
+# -- issue 16: a negative seed is refused when the dataset is made (cause 17) ---------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "0", True, None])
+def test_a_bad_seed_is_refused_at_construction(run, seed):
+    with pytest.raises(PackstreamError, match=r"seed=.* must be an integer >= 0"):
+        PackedDataset(run, seed=seed)
+
+
+def test_a_big_seed_works(run):
+    ds = PackedDataset(run, seed=2**70)
+    assert sum(1 for _ in ds) == len(ds)
