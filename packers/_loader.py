@@ -829,25 +829,55 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return self._position
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the iteration is, plus what shaped its plan; plain Python values."""
+        """Where the iteration is, what shaped its plan, and which data it is over; plain Python values.
+
+        ``run_id``, ``split`` and ``data_sha256`` (sha256 over the opened shards' names and their
+        manifest sha256s) tie the state to the data: it resumes only a dataset over the same shards."""
         s = asdict(self.sampling)
         s["batch_by"] = self.sampling.batch_by.value
-        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows), **s}
+        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows), **s,
+                "run_id": self.manifest.run_id, "split": self.split, "data_sha256": self._data_sha256}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``; the plan options and the data must match the saved ones.
+        """Resume at ``state``; the data, the plan options and the world size must match the saved ones, and
+        ``(epoch, position)`` must be a place in this plan (0 <= position <= the epoch's steps).
 
         Every rank is at the same (epoch, position), so one rank's state (say rank 0's) resumes all.
         """
+        if not isinstance(state, Mapping):
+            raise PackstreamError(f"cannot resume: the state is a {type(state).__name__}, expected the dict "
+                                  "PackedDataset.state_dict() returns")
         mine = self.state_dict()
+        lacking = [k for k in mine if k not in state]
+        if lacking:
+            raise PackstreamError(
+                f"cannot resume: the state lacks {lacking}; it was saved by an older packstream or is not a "
+                "PackedDataset state. Start the epoch afresh (set_epoch) instead of loading it"
+            )
+        data = _differences(state, mine, ("run_id", "split", "data_sha256", "num_rows"))
+        if data:
+            raise PackstreamError(
+                f"cannot resume: the state was saved over other data (saved vs current: {data}); a state resumes only "
+                f"the folder and split it was saved on ({self._where}, split {self.split!r} here)"
+            )
         same = ("epoch", "position", "rank")
-        diff = {k: (state.get(k), mine[k]) for k in mine if k not in same and state.get(k) != mine[k]}
+        diff = _differences(state, mine, [k for k in mine if k not in same])
         if diff:
             raise PackstreamError(
-                f"cannot resume: saved vs current {diff}; the plan depends on these, so resume with the same "
+                f"cannot resume: saved vs current: {diff}; the plan depends on these, so resume with the same "
                 "data, world size and batching options"
             )
-        self.epoch, self._position = int(state["epoch"]), int(state["position"])
+        epoch, position = state["epoch"], state["position"]
+        if not _is_count(epoch):
+            raise PackstreamError(f"cannot resume: epoch is {_short(epoch)}, expected an integer >= 0")
+        if not _is_count(position):
+            raise PackstreamError(f"cannot resume: position is {_short(position)}, expected an integer >= 0 (the "
+                                  "steps of the epoch already taken)")
+        steps = len(self._plan(int(epoch)))
+        if position > steps:
+            raise PackstreamError(f"cannot resume: position {int(position)} is past the end of epoch {int(epoch)}, "
+                                  f"which has {steps} steps on each rank; the state is not this dataset's")
+        self.epoch, self._position = int(epoch), int(position)
 
     def dataloader(self, **kwargs: Any) -> "PackedLoader":
         """A ``torch.utils.data.DataLoader`` over this dataset that keeps its position exact with workers.

@@ -455,6 +455,68 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
     assert refused > 30  # most damage is caught without verify=True too (measured: ~60 of 100)
 
 
+# -- issue 16: resume states are tied to the data and range-checked (cause 7) --------------------------------
+
+
+def test_a_state_resumes_only_its_own_data(run, tmp_path):
+    """A state saved on one folder must not resume another with the same row count: the batches would be the
+    same indices of other rows. The state carries the run id, the split and a digest of the shards opened."""
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    next(iter(ds))
+    state = ds.state_dict()
+    assert state["run_id"] == ds.manifest.run_id and state["split"] == "train" and len(state["data_sha256"]) == 64
+    twin = tmp_path / "twin"  # another run of other examples, packed to the same number of rows
+    rows = make_run(run.parent / "scratch", seed=0)
+    other = [{**r, "example_ids": [f"other:{i}:{k}" for k in range(len(r["example_ids"]))]} for i, r in enumerate(rows)]
+    write_shards(twin, other, budget=BUDGET, num_shards=3, eos_token_id=EOS)
+    theirs = PackedDataset(twin, batch_size=4, seed=3)
+    assert len(theirs.rows) == len(ds.rows)  # what the old check compared, and all it compared
+    with pytest.raises(PackstreamError, match=r"cannot resume: the state was saved over other data \(saved vs current: run_id '[0-9a-f]{16}' vs "):
+        theirs.load_state_dict(state)
+    one = PackedDataset(run / "train-00000-of-00003.arrow", batch_size=4, seed=3)
+    with pytest.raises(PackstreamError, match=r"saved over other data \(saved vs current: data_sha256 '[0-9a-f]{16}"):
+        one.load_state_dict({**state, "num_rows": len(one.rows)})  # fewer shards of the same run
+    fresh = PackedDataset(run, batch_size=4, seed=3)
+    fresh.load_state_dict(state)
+    assert (fresh.epoch, fresh.position) == (0, 1)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"position": -3}, r"position is -3, expected an integer >= 0"),
+    ({"position": 10**6}, r"position 1000000 is past the end of epoch 0, which has \d+ steps"),
+    ({"position": 1.5}, r"position is 1.5, expected an integer >= 0"),
+    ({"position": True}, r"position is True"),
+    ({"epoch": -1}, r"epoch is -1, expected an integer >= 0"),
+    ({"epoch": "2"}, r"epoch is '2'"),
+    ({"seed": -5}, r"saved vs current: seed -5 vs 3;"),
+    ({"world_size": 2}, r"saved vs current: world_size 2 vs 1;"),
+], ids=["negative", "past-the-epoch", "float", "bool", "negative-epoch", "string-epoch", "seed", "world"])
+def test_a_state_out_of_range_is_refused(run, edit, message):
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    state = {**ds.state_dict(), **edit}
+    with pytest.raises(PackstreamError, match=message):
+        ds.load_state_dict(state)
+    assert (ds.epoch, ds.position) == (0, 0)  # nothing half-applied
+
+
+def test_a_position_of_minus_3_no_longer_adds_batches(run):
+    """The issue's case: position -3 made a 6-step epoch yield 9 batches."""
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    steps = len(ds)
+    with pytest.raises(PackstreamError, match="position is -3"):
+        ds.load_state_dict({**ds.state_dict(), "position": -3})
+    assert sum(1 for _ in ds) == steps
+
+
+@pytest.mark.parametrize("state,message", [
+    ([1, 2], "the state is a list"),
+    ({"epoch": 0, "position": 0}, r"the state lacks \["),
+])
+def test_a_state_that_is_not_ours_is_refused(run, state, message):
+    with pytest.raises(PackstreamError, match=message):
+        PackedDataset(run).load_state_dict(state)
+
+
 # -- issue 16: a negative seed is refused when the dataset is made (cause 17) ---------------------------------
 
 
