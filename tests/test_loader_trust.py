@@ -22,6 +22,7 @@ held-out check): each must end the same way.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -529,3 +530,55 @@ def test_a_bad_seed_is_refused_at_construction(run, seed):
 def test_a_big_seed_works(run):
     ds = PackedDataset(run, seed=2**70)
     assert sum(1 for _ in ds) == len(ds)
+
+
+# -- issue 16: cached copies of remote shards are checked, and private (cause 8) ------------------------------
+
+
+def _remote(run: Path, name: str):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for p in run.iterdir():
+        fs.pipe(f"/{name}/{p.name}", p.read_bytes())
+    return fs
+
+
+def test_a_cached_copy_edited_to_the_same_size_is_not_served(run, tmp_path):
+    fs = _remote(run, "cache-check")
+    cache = tmp_path / "cache"
+    ds = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    good = ds.rows[:]
+    copy = Path(next(f["filename"] for f in ds.rows.cache_files if f["filename"].endswith(SHARD)))
+    del ds
+    rewrite(copy, lambda rows: rows[2]["input_ids"].__setitem__(1, rows[2]["input_ids"][1] + 1))  # one token, same size
+    assert copy.stat().st_size == (run / SHARD).stat().st_size
+    again = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    assert again.rows[:] == good  # the edited copy was hashed, found wrong, and fetched again
+    assert pa.ipc.open_stream(copy.read_bytes()).read_all().to_pylist() == read(run / SHARD).to_pylist()
+    fs.rm("/cache-check", recursive=True)
+
+
+def test_the_cache_is_private(run, tmp_path, monkeypatch):
+    fs = _remote(run, "cache-private")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ds = PackedDataset("memory://cache-private")  # the default: under the user's cache home
+    root = tmp_path / "xdg" / "packstream" / "shards"
+    assert all(f["filename"].startswith(str(root)) for f in ds.rows.cache_files)
+    for d in (root, Path(ds.rows.cache_files[0]["filename"]).parent):
+        assert d.stat().st_mode & 0o777 == 0o700, oct(d.stat().st_mode)
+    open_to_all = tmp_path / "shared-cache"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(PackstreamError, match=r"shared-cache is writable by others \(mode 0777\).*chmod 700"):
+        PackedDataset("memory://cache-private", cache_dir=str(open_to_all))
+    open_to_all.chmod(0o770)
+    with pytest.raises(PackstreamError, match="is writable by its group"):
+        PackedDataset("memory://cache-private", cache_dir=str(open_to_all))
+    if os.geteuid() == 0:  # root can make a folder that belongs to someone else
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(PackstreamError, match=r"theirs belongs to user id 65534, not to you"):
+            PackedDataset("memory://cache-private", cache_dir=str(theirs))
+    fs.rm("/cache-private", recursive=True)
