@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
+import stat
 from typing import Any, Optional
 
 import numpy as np
@@ -33,7 +34,7 @@ import pyarrow.compute as pc
 
 import packers
 from packers import ContractError, PackstreamError
-from packers._files import check_regular, show_path
+from packers._files import check_regular, load_json, read_checked, show_path
 from packers._manifest import (
     LOCK, MANIFEST, SPLITS, TMP_PREFIX, Manifest, ShardEntry, is_datasets_cache, missing_manifest, require_complete,
 )
@@ -209,6 +210,8 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and not os.path.isdir(folder):
         raise PackstreamError(f"{show_path(folder)} is not a folder; pass the --output folder of packstream pack")
+    if plots_dir is not None:
+        _check_plots_dir(plots_dir)  # before the work: a folder inspect may not write into fails at once
     try:
         m, names = load_manifest(folder)
         entries = m.listed()
@@ -270,21 +273,97 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
     return report
 
 
+PLOTS_MARK = ".packstream-inspect.json"
+"""The file that marks a plots folder as inspect's, with the sha256 of each PNG it wrote there."""
+
+
+def _plot_files(out: str) -> dict[str, str]:
+    """The PNGs inspect wrote into ``out`` (name -> sha256, from its mark); {} for a new or empty folder.
+
+    inspect writes only into a folder of its own: one it creates (and marks), or an empty one. A path
+    that exists and is not a folder, a folder holding files it did not write, a PNG changed since it
+    wrote it (or replaced by a user's file of that name, or a link) is refused, never overwritten."""
+    fix = "pass --plots-dir a new or empty folder, or --no-plots"
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise PackstreamError(f"--plots-dir {show_path(out)} cannot be used: {e.strerror or e}; {fix}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackstreamError(f"--plots-dir {show_path(out)} exists and is not a folder (inspect writes its PNGs into "
+                              f"a folder of its own); {fix}")
+    names = sorted(os.listdir(out))
+    if PLOTS_MARK not in names:
+        if names:
+            raise PackstreamError(f"--plots-dir {show_path(out)} holds files inspect did not write ({len(names)}, e.g. "
+                                  f"{show_path(names[0])}); inspect never overwrites them: {fix}")
+        return {}
+    try:
+        mark = load_json(read_checked(os.path.join(out, PLOTS_MARK), what=PLOTS_MARK, limit=1 << 16), what=PLOTS_MARK)
+        plots = mark["plots"]
+        if not isinstance(plots, dict) or not all(isinstance(v, str) for v in plots.values()):
+            raise TypeError
+    except (PackstreamError, KeyError, TypeError):
+        raise PackstreamError(f"--plots-dir {show_path(out)}: {PLOTS_MARK} is not the mark inspect writes; {fix}") from None
+    for name in PLOTS:
+        path = os.path.join(out, f"{name}.png")
+        if not os.path.lexists(path):
+            continue
+        st = os.lstat(path)
+        mine = stat.S_ISREG(st.st_mode) and plots.get(f"{name}.png") == _file_sha256(path)
+        if not mine:
+            raise PackstreamError(f"{show_path(path)} is not the plot inspect wrote there (changed since, or another "
+                                  f"file of that name); inspect never overwrites it: move it away, or {fix}")
+    return dict(plots)
+
+
+def _check_plots_dir(out: str) -> None:
+    _plot_files(out)
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_plots(out: str, lengths: np.ndarray, num_tokens: np.ndarray, per_row: np.ndarray, budget: int) -> dict[str, str]:
-    """Draw the three PNGs into local folder ``out``; returns name -> path."""
+    """Draw the three PNGs into the local folder ``out``, which inspect owns (see :func:`_plot_files`: created
+    and marked here, or marked earlier by inspect); returns name -> path."""
+    import json
+    import uuid
+
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    os.makedirs(out, exist_ok=True)
+    written = _plot_files(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise PackstreamError(f"--plots-dir {show_path(out)} cannot be created: {e.strerror or e}") from None
     paths = {}
+
+    def mark() -> None:
+        tmp = os.path.join(out, f".tmp-{PLOTS_MARK}.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump({"written_by": "packstream inspect", "plots": written}, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out, PLOTS_MARK))
+
+    mark()  # the folder is inspect's before any PNG is in it
 
     def save(fig, name: str) -> None:
         path = os.path.join(out, f"{name}.png")
+        tmp = os.path.join(out, f".tmp-{name}.{uuid.uuid4().hex}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(tmp, dpi=100)
         plt.close(fig)
+        written[f"{name}.png"] = _file_sha256(tmp)
+        mark()
+        os.replace(tmp, path)  # replaces a name, never writes through a link
         paths[name] = path
 
     fig, ax = plt.subplots(figsize=(8, 4.5))

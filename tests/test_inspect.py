@@ -19,8 +19,9 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
+from packers import PackstreamError
 from pipeline import OutputFormat, PackOptions, run
-from pipeline._inspect import PERCENTILES, PLOTS, REPORT_KEYS, SCHEMA_VERSION, inspect
+from pipeline._inspect import PERCENTILES, PLOTS, PLOTS_MARK, REPORT_KEYS, SCHEMA_VERSION, inspect
 from pipeline.cli import bundled_sample, main
 
 BUDGET = 256
@@ -169,7 +170,7 @@ def test_table_and_default_plots_dir(packed):
                   "example length", "p50", "records read", "rejected", "dropped (> 256 tokens)", "  train",
                   "  validation", "plot example_lengths", "KiB"):
         assert label in r.stdout, label
-    assert sorted(os.listdir(packed + "-inspect")) == sorted(f"{p}.png" for p in PLOTS)
+    assert sorted(os.listdir(packed + "-inspect")) == sorted([PLOTS_MARK] + [f"{p}.png" for p in PLOTS])
 
 
 def test_rejected_is_counted_like_packs_summary_and_parquet(tmp_path):
@@ -239,3 +240,48 @@ def test_only_a_complete_manifest_is_read(packed, tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "empty")])
     assert r.exit_code == 2 and "no manifest.json" in r.output
 
+
+# -- issue 16, cause 4: inspect writes only into a plots folder of its own ----------------------------------
+
+
+def test_plots_never_overwrite_a_users_file(packed, tmp_path):
+    plots = tmp_path / "mine"
+    plots.mkdir()
+    (plots / "row_fill.png").write_bytes(b"the user's own figure")
+    r = CliRunner().invoke(main, ["inspect", packed, "--plots-dir", str(plots)])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "holds files inspect did not write" in errors[0], r.output
+    assert (plots / "row_fill.png").read_bytes() == b"the user's own figure"
+    assert sorted(os.listdir(plots)) == ["row_fill.png"]
+
+
+def test_plots_dir_that_is_a_file_is_one_error_line(packed, tmp_path):
+    target = tmp_path / "out-inspect"
+    target.write_bytes(b"notes")
+    r = CliRunner().invoke(main, ["inspect", packed, "--plots-dir", str(target)])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "exists and is not a folder" in errors[0], r.output
+    assert "Traceback" not in r.output and target.read_bytes() == b"notes"
+
+
+def test_inspect_rewrites_its_own_plots_and_nothing_else(packed, tmp_path):
+    plots = tmp_path / "plots"
+    first = inspect(packed, str(plots))["plots"]
+    mark = json.loads((plots / PLOTS_MARK).read_text())
+    assert set(mark["plots"]) == {f"{p}.png" for p in PLOTS}
+    assert inspect(packed, str(plots))["plots"] == first  # its own folder: rewritten in place
+    (plots / "notes.txt").write_text("mine")  # a user's file beside inspect's: left alone
+    inspect(packed, str(plots))
+    assert (plots / "notes.txt").read_text() == "mine"
+    (plots / "example_lengths.png").write_bytes(b"edited by the user")  # one of its names, changed since
+    with pytest.raises(PackstreamError, match=r"example_lengths.png is not the plot inspect wrote there"):
+        inspect(packed, str(plots))
+    assert (plots / "example_lengths.png").read_bytes() == b"edited by the user"
+    (plots / "example_lengths.png").unlink()
+    (plots / "example_lengths.png").symlink_to(tmp_path / "elsewhere.png")  # a link: never written through
+    with pytest.raises(PackstreamError, match=r"example_lengths.png is not the plot inspect wrote there"):
+        inspect(packed, str(plots))
+    assert not (tmp_path / "elsewhere.png").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert set(inspect(packed, str(empty))["plots"]) == set(PLOTS)  # an empty folder becomes inspect's
