@@ -200,7 +200,10 @@ def _locate(path: str | os.PathLike | Sequence[str | os.PathLike], storage_optio
     for p in paths:
         if not isinstance(p, (str, os.PathLike)):
             raise PackstreamError(f"PackedDataset path {p!r:.80} is a {type(p).__name__}; pass a folder or file path")
-        fs, root = fsspec.core.url_to_fs(os.fspath(p), **(storage_options or {}))
+        try:
+            fs, root = fsspec.core.url_to_fs(os.fspath(p), **(storage_options or {}))
+        except (ValueError, ImportError) as e:  # an unknown protocol, or its filesystem not installed
+            raise PackstreamError(f"{show_path(os.fspath(p))}: {e}; pass a local folder or an fsspec URL") from None
         root = root.rstrip("/") or "/"
         if fs.isdir(root):
             found.append((fs, root, None))
@@ -236,7 +239,10 @@ def _locate(path: str | os.PathLike | Sequence[str | os.PathLike], storage_optio
 def _read_manifest(folder: _Folder) -> tuple[Manifest, list[str]]:
     """The folder's complete, checked manifest and its file names; refuses a folder that is not a finished
     run's (read through the checked open: a FIFO, a device or a huge file is one refusal, not a hang)."""
-    names = sorted(posixpath.basename(p.rstrip("/")) for p in folder.fs.ls(folder.root, detail=False))
+    try:
+        names = sorted(posixpath.basename(p.rstrip("/")) for p in folder.fs.ls(folder.root, detail=False))
+    except OSError as e:
+        raise PackstreamError(f"{folder.where} cannot be listed: {e.strerror or e}; check its permissions") from None
     if MANIFEST not in names:
         raise missing_manifest(folder.where, names)
     path = folder.join(MANIFEST) if folder.local else folder.fs.unstrip_protocol(folder.join(MANIFEST))

@@ -46,17 +46,11 @@ from tests._shards import recount
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("trust")
-    data, out = root / "in", root / "out"
-    shutil.copytree(bundled_sample(), data)
-    (data / "bad.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n{broken\n')  # 2 dead letters
-    run(PackOptions(inputs=(str(data),), output=str(out), max_tokens=512, num_shards=2, group_size=8,
-                    validation_fraction=0.25))
-    names = sorted(p.name for p in out.glob("*.arrow"))
+def packed(small_run) -> Path:
+    names = sorted(p.name for p in small_run.glob("*.arrow"))
     assert names == ["train-00000-of-00002.arrow", "train-00001-of-00002.arrow",
                      "validation-00000-of-00002.arrow", "validation-00001-of-00002.arrow"], names
-    return out
+    return small_run
 
 
 @pytest.fixture
@@ -313,7 +307,7 @@ def test_a_big_dead_letter_file_is_read_line_by_line(out, monkeypatch):
     import pipeline._verify as v
 
     lines = (out / "rejected.jsonl").read_text().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert verify(str(out), announce=lambda line: None).ok
     monkeypatch.setattr(v, "MAX_DEAD_LETTER_BYTES", max(len(x) for x in lines) + 1)
     assert verify(str(out), announce=lambda line: None).ok
@@ -354,3 +348,16 @@ def test_deadline_interrupts_a_blocking_open(tmp_path):
     assert outcome("verify", tmp_path) and "no manifest.json" in outcome("verify", tmp_path)
     with pytest.raises(PackstreamError):
         PackedDataset(tmp_path)
+
+
+def test_paths_the_loader_cannot_open_are_one_line(tmp_path):
+    with pytest.raises(PackstreamError, match="nosuchproto://x"):
+        PackedDataset("nosuchproto://x/out")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "manifest.json").write_text("{}")
+    if os.geteuid() != 0:  # root reads any folder
+        locked.chmod(0)
+        with pytest.raises(PackstreamError, match="cannot be listed"):
+            PackedDataset(locked)
+        locked.chmod(0o700)
