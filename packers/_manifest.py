@@ -74,18 +74,18 @@ MANIFEST = "manifest.json"
 LOCK = ".packstream.lock"
 TMP_PREFIX = ".tmp-"
 SPLITS = ("train", "validation")
-SHARD_NAME = re.compile(r"^(train|validation)-(\d{5})-of-(\d{5})\.(arrow|parquet)$")
+SHARD_NAME = re.compile(r"^(train|validation)-(\d{5})-of-(\d{5})\.(arrow|parquet)\Z")
 """Names of the shards packstream writes; nothing else in a folder is ever opened as a shard."""
 REJECTED = "rejected.jsonl"
 CARD = "README.md"
 RUN_FILES = (REJECTED, CARD)
 """Besides shards: the files a run writes and lists in ``files`` (``manifest.json`` itself is not listed)."""
-DATASETS_CACHE = re.compile(r"^cache-[0-9a-f]{16}(_\d{5}_of_\d{5})?\.arrow$")
+DATASETS_CACHE = re.compile(r"^cache-[0-9a-f]{16}(_\d{5}_of_\d{5})?\.arrow\Z")
 """What ``datasets`` writes beside a file it maps (``ds.rows.map(...)``, ``select``, ...): ``cache-`` + its
 16-hex-digit fingerprint (+ ``_XXXXX_of_NNNNN`` with ``num_proc``), see ``Dataset._get_cache_file_path``.
 Readers tolerate these next to the shards (``datasets`` itself treats them as its own:
 ``Dataset.cleanup_cache_files``); any other unlisted ``*.arrow`` is refused by name."""
-RUN_ID = re.compile(r"^[0-9a-f]{16}$")
+RUN_ID = re.compile(r"^[0-9a-f]{16}\Z")
 MAX_MANIFEST_BYTES = 64 * MiB
 """The largest manifest.json a reader opens. A run of 10,000 input files and 10,000 shards writes about
 5 MiB (each input and shard is one short entry); a bigger file is not one packstream wrote."""
@@ -301,8 +301,7 @@ class _Reader:
 
 
 _MISSING = object()
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_PLAIN = re.compile(r"^[\w][\w.-]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def _short(value: Any, limit: int = 80) -> str:

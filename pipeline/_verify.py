@@ -298,7 +298,7 @@ def check_shard(report: Report, index: int, entry: ShardEntry, size: int, sha: s
     for key, want in expect_meta.items():
         got = meta.get(key, "missing")
         if meta and (got != want or type(got) is not type(want)):
-            report.add(f"{name} schema metadata {key}", f"is {got if key not in meta else repr(got)}, manifest.json "
+            report.add(f"{name} schema metadata {key}", f"is {got if key not in meta else _short(got)}, manifest.json "
                                                         f"says {want!r}")
     tok_off, tok, n1 = _list_column(table, "input_ids")
     mask_off, mask, n2 = _list_column(table, "loss_mask")

@@ -221,6 +221,8 @@ EDITS = {
     "files: [1]": lambda m: m.update(files=[1]),
     "files: ../x": lambda m: m["files"].append("../x"),
     "run_id: 7": lambda m: m.update(run_id=7),
+    "run_id with a newline": lambda m: m.update(run_id=m["run_id"] + "\n"),
+    "shards[0].name with a newline": lambda m: m["shards"][0].update(name=m["shards"][0]["name"] + "\n"),
     "a huge integer": lambda m: m["counts"].update(rows=10**500),
 }
 
