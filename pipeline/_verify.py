@@ -4,9 +4,11 @@ Pure functions that fill a :class:`Report` with :class:`Problem` s, each naming 
 row, sequence, example id, input record, or the manifest key) and what (the check, expected vs
 got). Nothing in the folder is trusted:
 
-* **The manifest.** Only a complete ``manifest.json`` is read (:mod:`packers._manifest`): a folder
-  without one (a run still writing, a killed run, not packstream's) or with ``"status": "failed"``
-  is a problem that says so, and nothing else is opened.
+* **The manifest.** Only a complete ``manifest.json`` is read, through the checked open and the typed
+  reader (:mod:`packers._manifest`): a folder without one (a run still writing, a killed run, not
+  packstream's), with ``"status": "failed"``, or with one that is not a regular file, too big, too
+  deep or of the wrong types is a problem that says so, and nothing else is opened. Every place the
+  manifest contradicts itself (:func:`packers._manifest.inconsistencies`) is a problem of its own.
 * **Files.** Exactly the shards the manifest lists are opened (train and validation), only by
   the names the contract allows, only inside the folder. Every other ``*.arrow``/``*.parquet``
   is reported by name (a stray copy, another run's shard), and so are ``.tmp-*`` leftovers and
@@ -14,7 +16,8 @@ got). Nothing in the folder is trusted:
   every file the manifest lists must exist.
 * **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema equals
   :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
-  implies (:func:`packers._manifest.expected_metadata`), and no column holds nulls.
+  implies (:func:`packers._manifest.expected_metadata`: the run's, and the shard's own run id, split,
+  index and count), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
   increasing), loss_mask values only 0 or 1, and the manifest's ``row_checks``: every sequence
   shorter than the budget ends with ``eos_token_id`` (``eos_at_boundaries``), every sequence has a
@@ -561,7 +564,7 @@ def options_from_config(config: dict, inputs: Sequence[str], output: str,
         kw.update(config=specs, inputs=() if specs else tuple(inputs) or tuple(config.get("inputs") or ()),
                   output=output, trust_remote_code=trust_remote_code)
         return PackOptions(**kw)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PackstreamError(f"manifest.json config cannot be read back into options ({type(e).__name__}: {e}); "
                               "it was written by another packstream version: verify with that version") from None
 
