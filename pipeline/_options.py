@@ -150,8 +150,9 @@ class FormatOptions:
     fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
         "--field question=user --field answer=assistant. ROLE: system, user, assistant, tool; text (the "
-        "whole record as plain text, every token trained); or transcript (one string of 'Human:'/'Assistant:' "
-        "turns). Mapped lists of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
+        "whole record as plain text, every token trained); transcript (one string of 'Human:'/'Assistant:' "
+        "turns); or tool_calls (an assistant turn of {name, arguments} calls, objects or JSON text). Mapped lists "
+        "of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
     messages_field: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
         "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant.", metavar="PATH"))
@@ -210,7 +211,7 @@ class FormatOptions:
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", _enum(Preference, self.preference, "preference"))
-        allowed = ROLES + ("text", "transcript")
+        allowed = ROLES + ("text", "transcript", "tool_calls")
         for field, role in self.fields:
             if role not in allowed:
                 raise PackstreamError(f"--field {field}={role}: unknown role {role!r}; use one of {', '.join(allowed)}")

@@ -80,16 +80,18 @@ def test_format_enum_docstring_docs_and_unknown_list_follow_order():
 # Claims: disjoint, or ordered by a reviewed decision.
 
 OVERLAPS = [  # (winner, loser): a record with the keys of both is read as the winner. Reviewed; ORDER agrees.
-    *[("tokens", s) for s in ("segments", "messages", "preference", "sharegpt", "chat", "prompt-completion", "alpaca",
-                              "text")],
-    *[("segments", s) for s in ("messages", "preference", "sharegpt", "chat", "prompt-completion", "alpaca", "text")],
+    *[("tokens", s) for s in ("segments", "messages", "preference", "sharegpt", "chat", "xlam", "prompt-completion",
+                              "alpaca", "text")],
+    *[("segments", s) for s in ("messages", "preference", "sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
     # messages beside chosen/rejected (UltraFeedback binarized: messages is the chosen conversation): messages
-    *[("messages", s) for s in ("preference", "sharegpt", "chat", "prompt-completion", "alpaca", "text")],
+    *[("messages", s) for s in ("preference", "sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
     # a pair is refused without --preference, never read as one of its halves (LLaMA-Factory's ranking form
     # has conversations, its Alpaca form instruction)
-    *[("preference", s) for s in ("sharegpt", "chat", "prompt-completion", "alpaca", "text")],
-    *[("sharegpt", s) for s in ("chat", "prompt-completion", "alpaca", "text")],
-    *[("chat", s) for s in ("prompt-completion", "alpaca", "text")],
+    *[("preference", s) for s in ("sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
+    *[("sharegpt", s) for s in ("chat", "xlam", "prompt-completion", "alpaca", "text")],
+    *[("chat", s) for s in ("xlam", "prompt-completion", "alpaca", "text")],
+    # query + answers is a tool-call record even beside prompt/instruction/text keys
+    *[("xlam", s) for s in ("prompt-completion", "alpaca", "text")],
     ("prompt-completion", "alpaca"), ("prompt-completion", "text"),
     ("alpaca", "text"),
 ]

@@ -67,6 +67,10 @@ CURRENCY_TOOLS = [{"type": "function", "function": {"name": "convert_currency", 
 
 ORDER_TOOLS = [{"type": "function", "function": {"name": "get_order_status", "description": "Look up the shipping status of an order",
                 "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+GIVEAWAY_TOOLS = [{"name": "live_giveaways_by_type", "description": "Retrieve live giveaways from the GamerPower API based on the specified type.", "parameters": {"type": {"description": "The type of giveaways to retrieve (e.g., game, loot, beta).", "type": "str", "default": "game"}}}]
+MORTGAGE_TOOLS = [{"name": "calculate_mortgage", "description": "Monthly payment of a fixed-rate mortgage", "parameters": {"principal": {"type": "float", "description": "Loan amount"}, "annual_rate": {"type": "float", "description": "Yearly interest rate in percent"}, "years": {"type": "int", "description": "Term in years"}}}, {"name": "convert_currency", "description": "Convert an amount between currencies", "parameters": {"amount": {"type": "float"}, "from": {"type": "str"}, "to": {"type": "str"}}}]
+FLIGHT_TOOLS = [{"name": "find_flights", "description": "Search direct flights", "parameters": {"origin": {"type": "str"}, "destination": {"type": "str"}, "date": {"type": "str", "description": "YYYY-MM-DD"}, "cabins": {"type": "List[str]"}}}]
+THERMOSTAT_TOOLS = [{"type": "function", "function": {"name": "set_thermostat", "description": "Set a room's target temperature", "parameters": {"type": "object", "properties": {"room": {"type": "string"}, "celsius": {"type": "number"}}, "required": ["room", "celsius"]}}}]
 PREF = {"other_side_not_trained": 1}  # --preference chosen: the rejected answer of each pair is counted, not trained
 
 # shape -> (fixture file, options, {position: expected}); expected is (turns, tools, notes), a
@@ -170,6 +174,25 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
                "to the eastern suburbs from March, after a petition gathered 12,000 signatures."),
              A("After a 12,000-signature petition, the council voted to extend night buses to the eastern suburbs from "
                "March.")], None, PREF),
+    }),
+    "xlam": ("xlam.jsonl", {}, {
+        1: ([U("Where can I find live giveaways for beta access and games?"),
+             A("", calls=[("live_giveaways_by_type", {"type": "beta"}), ("live_giveaways_by_type", {"type": "game"})])],
+            GIVEAWAY_TOOLS, {}),
+        2: ([U("What is the monthly payment on a 320,000 loan at 4.25% over 30 years, and how much is 1,500 EUR in USD?"),
+             A("", calls=[("calculate_mortgage", {"principal": 320000, "annual_rate": 4.25, "years": 30}),
+                          ("convert_currency", {"amount": 1500, "from": "EUR", "to": "USD"})])], MORTGAGE_TOOLS, {}),
+        3: ([U("Find direct flights from Lisbon to Reykjavík on 2025-03-14 in economy or premium economy."),
+             A("", calls=[("find_flights", {"origin": "LIS", "destination": "KEF", "date": "2025-03-14",
+                                            "cabins": ["economy", "premium_economy"]})])], FLIGHT_TOOLS, {}),
+    }),
+    "tool_call_objects": ("tool_call_objects.jsonl", {"fields": "question=user,calls=tool_calls"}, {
+        1: ([U("Make the bedroom 19 degrees and the office 21."),
+             A("", calls=[("set_thermostat", {"room": "bedroom", "celsius": 19}),
+                          ("set_thermostat", {"room": "office", "celsius": 21})])], THERMOSTAT_TOOLS, {"ignored_field:uid": 1}),
+        2: ([U("It's freezing in the kitchen, warm it up to 22.5 please."),
+             A("", calls=[("set_thermostat", {"room": "kitchen", "celsius": 22.5})])], THERMOSTAT_TOOLS,
+            {"ignored_field:uid": 1}),
     }),
     "chat": ("chat.jsonl", {}, {
         1: ([U("What does a sommelier do?"),
@@ -526,6 +549,28 @@ def test_transcripts_markers():
     assert [m["content"] for m in normalize({"t": "Q: hi\nA: hello"}, fmt).messages] == ["hi", "hello"]
 
 
+def test_tool_call_objects_are_tool_calls_with_their_arguments():
+    """xLAM answers mapped to the assistant were refused as bad_type with '--content-key name' suggested, and that
+    option trained the names alone (the arguments gone, nothing counted). Objects of {name, arguments} under an
+    assistant field, or any field given as =tool_calls (objects or JSON text), are the turn's tool calls."""
+    calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name": "get_time", "arguments": {}}]
+    want = [{"type": "function", "function": c} for c in calls]
+    for answers, role in ((calls, "assistant"), (calls, "tool_calls"), (json.dumps(calls), "tool_calls"),
+                          (calls[0], "assistant")):
+        conv = normalize({"q": "Weather and time in Oslo?", "answers": answers},
+                         FormatOptions(fields=(("q", "user"), ("answers", role))))
+        assert conv.messages[1]["tool_calls"] == (want if isinstance(answers, (list, str)) else want[:1]), (answers, role)
+        assert conv.messages[1]["content"] == "" and conv.notes == {}
+    # --content-key on a call's object no longer hides the arguments: they are the calls' (or counted).
+    conv = normalize({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls[0]}]},
+                     FormatOptions(content_key="name"))
+    assert conv.messages[1]["tool_calls"] == want[:1]
+    conv = normalize({"messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": {"answer": "4", "confidence": 0.9}}]},
+                     FormatOptions(content_key="answer"))
+    assert conv.messages[1]["content"] == "4" and conv.notes == {"ignored_field:messages[].content.confidence": 1}
+
+
 def test_tool_call_shapes_are_canonical():
     want = [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
     for call in ('{"name": "f", "arguments": {"x": 1}}', {"name": "f", "arguments": '{"x": 1}'},
@@ -589,7 +634,8 @@ REFUSALS = [
      "read it with --field system=transcript --field chat=transcript"),
     ({"id": "x", "system_prompt": "Be good.", "question": "q", "response": "r"}, {}, "unknown_format",
      "read it with --field system_prompt=system --field question=user --field response=assistant"),
-    ({"id": 1, "query": "q", "answers": "[]", "tools": "[]"}, {}, "unknown_format", "--field query=user --field answers=assistant"),
+    ({"id": 1, "question": "q", "answers": [{"name": "f", "arguments": {"x": 1}}]}, {}, "unknown_format",
+     "--field question=user --field answers=assistant"),  # the answers are tool calls: read as such, arguments kept
 ]
 
 

@@ -20,7 +20,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from packers import InternalError
-from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _kind
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank, _kind
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -108,6 +108,10 @@ def read_as(shape: Shape, record: dict, options: FormatOptions) -> list[Conversa
 
 def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Conversation:
     conv = Conversation(shape=shape.name)
+    if draft.turns is None:  # text, segments, tokens: the columns a conversation would read are not read
+        for key in shape.common:
+            if not _blank(record.get(key)):
+                ctx.ignore(key)
     if draft.tokens is not None:
         conv.tokens = draft.tokens
     elif draft.segments is not None:

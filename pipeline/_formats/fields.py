@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn
 from pipeline._formats._paths import resolve, top_key
-from pipeline._formats._turns import ROLE_KEYS, _content
+from pipeline._formats._turns import ROLE_KEYS, _content, _looks_like_calls, _tool_calls
 from pipeline._options import FormatOptions
 
 _BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
@@ -100,6 +100,12 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
         if role == "transcript":
             (after if columns else before).extend(_transcript(value, path, ctx))
             ctx.mapping.append(f"{path} -> transcript turns")
+        elif role == "tool_calls" or (role == "assistant" and _looks_like_calls(value)):
+            # {name, arguments} objects (or their JSON text, with =tool_calls): one assistant turn of tool calls,
+            # rendered as the template's calls with the arguments as the record holds them (xLAM/APIGen answers)
+            calls = _tool_calls(value, path, ctx)
+            (after if columns else before).append(Turn("assistant", "", path, tool_calls=calls or None))
+            ctx.mapping.append(f"{path} -> assistant tool calls ({len(calls)})")
         elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
             if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
