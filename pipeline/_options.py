@@ -155,7 +155,9 @@ class FormatOptions:
         "of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
     messages_field: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
-        "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant.", metavar="PATH"))
+        "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant. With --field, the "
+        "mapped fields' turns follow the list's (--messages-field conversations --field chosen=assistant).",
+        metavar="PATH"))
     role_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--role-key", "Key of the speaker in each turn object [default: role, from, speaker or author].",
         metavar="KEY"))
@@ -233,9 +235,9 @@ class FormatOptions:
             raise PackstreamError(f"--field maps the record's fields itself; drop --format {self.format.value} "
                                   "(or drop --field to read that format)")
         if self.messages_field is not None:
-            if self.fields:
-                raise PackstreamError("give --messages-field (a list of turn objects) or --field (one field per turn), "
-                                      "not both")
+            if "text" in roles:
+                raise PackstreamError("--field NAME=text takes the whole record as plain text; it does not combine with "
+                                      f"--messages-field {self.messages_field} (whose turns --field turns follow)")
             if self.format not in (Format.AUTO, Format.MESSAGES, Format.SHAREGPT):
                 raise PackstreamError(f"--messages-field reads a list of turns; it does not combine with --format "
                                       f"{self.format.value}")

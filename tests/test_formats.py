@@ -436,8 +436,8 @@ def test_paths():
 def test_usage_errors():
     with pytest.raises(PackstreamError, match="drop --format alpaca"):
         FormatOptions(format="alpaca", fields=(("q", "user"),))
-    with pytest.raises(PackstreamError, match="not both"):
-        FormatOptions(messages_field="turns", fields=(("q", "user"),))
+    with pytest.raises(PackstreamError, match="does not combine with --messages-field turns"):
+        FormatOptions(messages_field="turns", fields=(("q", "text"),))
     with pytest.raises(PackstreamError, match="cannot be mixed with turn roles"):
         FormatOptions(fields=(("body", "text"), ("q", "user")))
 
@@ -569,6 +569,28 @@ def test_tool_call_objects_are_tool_calls_with_their_arguments():
                                    {"role": "assistant", "content": {"answer": "4", "confidence": 0.9}}]},
                      FormatOptions(content_key="answer"))
     assert conv.messages[1]["content"] == "4" and conv.notes == {"ignored_field:messages[].content.confidence": 1}
+
+
+def test_messages_field_with_fields_after_it():
+    """LLaMA-Factory's ranking form and OpenAI's DPO form, read as SFT by the combination users reach for (it was
+    refused as 'not both'): the mapped fields' turns follow the list's."""
+    rec = {"conversations": [{"from": "human", "value": "2+2?"}], "chosen": {"from": "gpt", "value": "4"},
+           "rejected": {"from": "gpt", "value": "5"}}
+    conv = normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen", "assistant"),)))
+    assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "2+2?"), ("assistant", "4")]
+    assert conv.notes == {"ignored_field:rejected": 1}
+    conv = normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen.value", "assistant"),)))
+    assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "2+2?"), ("assistant", "4")]
+    assert conv.notes == {"ignored_field:rejected": 1, "ignored_field:chosen.from": 1}
+    with pytest.raises(Rejected, match="field 'chosen' is a turn object of role assistant .'gpt'., mapped as user"):
+        normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen", "user"),)))
+    rec = {"input": {"messages": [{"role": "user", "content": "Hi"}]},
+           "preferred_output": [{"role": "assistant", "content": "Hello!"}], "non_preferred_output": []}
+    conv = normalize(rec, FormatOptions(messages_field="input.messages", fields=(("preferred_output[0].content", "assistant"),)))
+    assert [m["content"] for m in conv.messages] == ["Hi", "Hello!"] and "ignored_field:preferred_output[0].role" in conv.notes
+    with pytest.raises(Rejected) as e:
+        normalize({"log": [{"from": "human", "value": "q"}]}, FormatOptions(messages_field="log", fields=(("chosen", "assistant"),)))
+    assert e.value.detail.startswith("field 'chosen' (--field chosen=assistant) is missing from this record")
 
 
 def test_tool_call_shapes_are_canonical():

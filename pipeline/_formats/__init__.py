@@ -13,7 +13,7 @@ each; ``docs/formats.md`` has the table with the options):
 
 =================  =========================================================================
 fields             any other shape, field by field: ``--field PATH=ROLE`` (and ``transcript`` strings)
-messages_field     a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, ``--roles``)
+messages_field     a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, ``--roles``; ``--field`` turns after it)
 tokens             ``input_ids`` (+ ``labels`` with -100, or ``loss_mask``; ``attention_mask``)
 segments           ``segments: [{text, label}]`` (template-free, Axolotl's input_output)
 messages           ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)

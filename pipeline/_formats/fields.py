@@ -22,8 +22,8 @@ from typing import Any
 
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn
 from pipeline._formats._paths import resolve, top_key
-from pipeline._formats._turns import ROLE_KEYS, _content, _looks_like_calls, _tool_calls
-from pipeline._options import FormatOptions
+from pipeline._formats._turns import ROLE_KEYS, _content, _looks_like_calls, _tool_calls, _turn
+from pipeline._options import ROLES, FormatOptions
 
 _BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
     ("### Human:", "user"), ("### Assistant:", "assistant"), ("### System:", "system"), ("### User:", "user"),
@@ -106,6 +106,14 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
             calls = _tool_calls(value, path, ctx)
             (after if columns else before).append(Turn("assistant", "", path, tool_calls=calls or None))
             ctx.mapping.append(f"{path} -> assistant tool calls ({len(calls)})")
+        elif isinstance(value, dict) and role in ROLES and any(k in value for k in (*ROLE_KEYS, ctx.o.role_key) if k):
+            # one turn object under the field (LLaMA-Factory's chosen: {from, value}): read as a turn of the mapped role
+            t = _turn(value, path, ctx, where=path, one=True)
+            if t.role != role:
+                raise Rejected(Reason.BAD_TYPE, f"field {path!r} is a turn object of role {t.role} ({t.speaker!r}), "
+                                                f"mapped as {role}; map it with --field {path}={t.role}")
+            (after if columns else before).append(t)
+            ctx.mapping.append(f"{path} -> {role} (a turn object)")
         elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
             if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
@@ -139,7 +147,7 @@ def _missing(record: dict, o: FormatOptions) -> list[str]:
 
 SHAPE = Shape(
     name="fields",
-    claims=Claim(mapped=_missing, applies=lambda o: bool(o.fields),
+    claims=Claim(mapped=_missing, applies=lambda o: bool(o.fields) and o.messages_field is None,
                  given=lambda o, missing: " ".join(f"--field {p}={r}" for p, r in o.fields if p in missing)),
     reads=lambda record, o: {top_key(record, p) for p, _ in o.fields},
     common=("tools",),
