@@ -48,6 +48,13 @@ class Preference(str, enum.Enum):
     REJECTED = "rejected"  #: the prompt and the rejected answer
 
 
+class TreePaths(str, enum.Enum):
+    """Which conversations a message tree (``--tree``) gives."""
+
+    ALL = "all"  #: every root-to-leaf path
+    BEST = "best"  #: the best-ranked reply at each step (rank 0 first)
+
+
 class TrainOn(str, enum.Enum):
     """Which tokens are training targets."""
 
@@ -176,6 +183,12 @@ class FormatOptions:
         metavar="MARKER=ROLE", kind="pairs"))
     system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
+    tree: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--tree", "Field (a path) holding a message tree: a message {role, text} with its replies under 'replies', "
+        "nested (OpenAssistant: --tree prompt); each kept root-to-leaf path is one conversation.", metavar="PATH"))
+    tree_paths: TreePaths = dataclasses.field(default=TreePaths.ALL, metadata=cli(
+        "--tree-paths", "With --tree: every root-to-leaf path, or only the best-ranked reply at each step (rank 0 "
+        "first)."))
     preference: Optional[Preference] = dataclasses.field(default=None, metadata=cli(
         "--preference", "Preference pairs (chosen/rejected: TRL, LLaMA-Factory ranking, OpenAI DPO, HH-RLHF "
         "transcripts): train on the prompt and the chosen (or rejected) answer as SFT. Without it such records are "
@@ -196,7 +209,7 @@ class FormatOptions:
         "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
-    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with")
+    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree")
     """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
 
     def __post_init__(self) -> None:
@@ -209,7 +222,7 @@ class FormatOptions:
                 raise PackstreamError(f"{flag} {value!r} is empty; give a name, e.g. {flag} "
                                       f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
-                               ("same_role", SameRole)):
+                               ("same_role", SameRole), ("tree_paths", TreePaths)):
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", _enum(Preference, self.preference, "preference"))
@@ -225,7 +238,11 @@ class FormatOptions:
                 "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
                 f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
             )
-        for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field")]:
+        if self.tree is not None and (self.fields or self.messages_field is not None or self.format is not Format.AUTO):
+            raise PackstreamError(f"--tree {self.tree} reads a message tree; it does not combine with --field, "
+                                  "--messages-field or --format")
+        for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field"),
+                                                                     (self.tree, "--tree")]:
             if path is not None:
                 try:
                     parse_path(path)
@@ -444,7 +461,7 @@ def _enum(cls, value, name):
         raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
-_EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text",
+_EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
              "tokenized_with": DEFAULT_TOKENIZER}
 
 

@@ -23,7 +23,7 @@ got). Nothing in the folder is trusted:
   pieces of one record in one split; every count of the manifest equals what the shards and
   ``rejected.jsonl`` hold, and the counts reconcile::
 
-      records_read + repeated_copies == examples_packed + rejected + dropped_too_long + not_sampled
+      records_read + repeated_copies + extra_paths == examples_packed + rejected + dropped_too_long + not_sampled
 
 * **Inputs** (``--inputs``). Every input record is re-read and re-encoded with the manifest's
   configuration (:class:`pipeline._encode.Encoder`, the job's own encode stage; data sets, weights
@@ -531,11 +531,13 @@ def _check_counts(m: dict, measured: dict[str, dict], stored: _Stored, dead: _De
                                                           "rejected.jsonl")
     keys = ("records_read", "repeated_copies", "examples_packed", "rejected", "dropped_too_long", "not_sampled")
     if all(isinstance(c.get(k), int) for k in keys):
-        given = c["records_read"] + c["repeated_copies"]
+        extra = c.get("extra_paths", 0)  # absent from manifests written before message trees
+        given = c["records_read"] + c["repeated_copies"] + extra
         accounted = c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
         if given != accounted:
             report.add("manifest.json counts", (
-                f"do not reconcile: records_read {c['records_read']} + repeated_copies {c['repeated_copies']} = "
+                f"do not reconcile: records_read {c['records_read']} + repeated_copies {c['repeated_copies']} + "
+                f"extra_paths {extra} = "
                 f"{given}, but examples_packed {c['examples_packed']} + rejected {c['rejected']} + dropped_too_long "
                 f"{c['dropped_too_long']} + not_sampled {c['not_sampled']} = {accounted}"))
     else:
@@ -736,6 +738,9 @@ def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead:
                      ("no_target_pieces", totals.get("no_target_pieces", 0))):
         if c.get(key) != got:
             report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, re-reading the inputs gives {got}")
+    if c.get("extra_paths", 0) != counts.get("extra_paths", 0):
+        report.add("manifest.json counts.extra_paths", f"says {c.get('extra_paths', 0)!r}, re-reading the inputs gives "
+                                                       f"{counts.get('extra_paths', 0)}")
 
 
 def _explain(folder: str, stored: _Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],

@@ -228,7 +228,7 @@ def test_a_field_added_anywhere_is_read_or_counted(case, where, key, wrap, data)
     if any(c.notes.get("other_side_not_trained") for c in convs) and \
             _tokens(location)[0] in other[opts["preference"]]:
         return  # the side of a preference pair that --preference leaves out: counted as a whole
-    if re.search(r"\[\d+\]", location) and any(c.notes.get(k) for c in convs for k in NOTE_KEYS):
-        return  # inside a turn that hygiene dropped or trimmed, and counted (a turn, with all it holds)
+    if re.search(r"\[\d+\]", location) and any(c.notes.get(k) for c in convs for k in (*NOTE_KEYS, "tree_messages_off_path")):
+        return  # inside a turn that hygiene dropped or trimmed, or a message on no kept path: counted whole
     assert any(_covers(n, location) for n in ignored), f"{location} = {obj[key]!r} is neither read nor counted " \
                                                        f"(ignored: {ignored})"

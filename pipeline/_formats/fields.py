@@ -69,7 +69,7 @@ def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
             found = loose
     if not found:
         given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
-        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'"
+        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker MARKER=ROLE, once per marker (Q:=user)"
         raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, "
                                         f"System:, ### Human, ### Assistant{given}){hint}")
     turns = []
