@@ -176,7 +176,7 @@ class FirstRejected:
     detail: str
 
 
-COUNT_KEYS = ("records_read", "not_sampled", "repeated_copies", "examples_packed", "rejected", "dropped_too_long",
+COUNT_KEYS = ("records_read", "not_sampled", "repeated_copies", "extra_paths", "examples_packed", "rejected", "dropped_too_long",
               "truncated_examples", "split_examples", "no_target_pieces", "pieces", "rows", "tokens",
               "target_tokens", "lower_bound")
 """The integer counts readers use (``counts`` holds a few more, for people)."""
@@ -189,6 +189,8 @@ class Counts:
     records_read: int
     not_sampled: int
     repeated_copies: int
+    extra_paths: int
+    """Examples beyond a record's first (``--tree-paths all``: every root-to-leaf path of a message tree)."""
     examples_packed: int
     rejected: int
     dropped_too_long: int
@@ -535,10 +537,11 @@ def inconsistencies(m: Manifest) -> list[tuple[str, str]]:
         out.append(("counts.splits", f"says {_short({k: (v.rows, v.tokens) for k, v in c.splits.items()}, 200)} "
                                      f"(rows, tokens), the shards it lists hold "
                                      f"{_short({k: (v.rows, v.tokens) for k, v in splits.items()}, 200)}"))
-    given = c.records_read + c.repeated_copies
+    given = c.records_read + c.repeated_copies + c.extra_paths
     accounted = c.examples_packed + c.rejected + c.dropped_too_long + c.not_sampled
     if given != accounted:
-        out.append(("counts", f"do not reconcile: records_read {c.records_read} + repeated_copies {c.repeated_copies} = "
+        out.append(("counts", f"do not reconcile: records_read {c.records_read} + repeated_copies {c.repeated_copies} + "
+                              f"extra_paths {c.extra_paths} = "
                               f"{given}, but examples_packed {c.examples_packed} + rejected {c.rejected} + "
                               f"dropped_too_long {c.dropped_too_long} + not_sampled {c.not_sampled} = {accounted}"))
     if "too_long" in c.rejected_by_reason:

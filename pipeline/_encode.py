@@ -11,7 +11,8 @@ Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam
        v
     Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
 
-Nothing leaves silently: a record becomes an example (or several, when its data set repeats),
+Nothing leaves silently: a record becomes an example (or several, when its data set repeats or it is a
+message tree with several kept paths),
 a dead letter with a :class:`~pipeline._formats.Reason`, or a ``not_sampled`` count (a data set
 sampled below weight 1). ``counts`` also carries what normalization did to the records that
 were kept (turns trimmed, merged, dropped; fields ignored), summed into the manifest.
@@ -26,7 +27,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pipeline import _rows
-from pipeline._formats import Conversation, Reason, Rejected, normalize
+from pipeline._formats import Conversation, Reason, Rejected, conversations
 from pipeline._options import PackOptions
 from pipeline._render import Renderer
 
@@ -39,7 +40,9 @@ class Encoded:
     batch: _rows.ExampleBatch
     rejected: list[dict]
     counts: dict[str, int]
-    """Per-chunk counters: ``not_sampled``, ``repeated_copies``, normalization notes, ``ignored_field:<name>``."""
+    """Per-chunk counters: ``not_sampled``, ``repeated_copies``, ``extra_paths`` (examples beyond the first of a
+    record that holds several conversations: the paths of a message tree), normalization notes,
+    ``ignored_field:<name>``."""
 
 
 @dataclasses.dataclass
@@ -77,6 +80,7 @@ class Encoder:
         self._backend = tok.backend_tokenizer
         self.eos_id: Optional[int] = tok.eos_token_id
         self.vocab_size = len(tok)
+        self._foreign_ends = _foreign_ends(self._backend, self.eos_id)
 
     # -- per record ---------------------------------------------------------------------------
     def _sampled(self, dataset: int, example_id: str) -> bool:
@@ -87,18 +91,30 @@ class Encoder:
         return _rows.stable_hash(example_id, salt=f"sample:{self.options.seed}") < weight * 2**64
 
     def _pretokenized(self, conv: Conversation, dataset: int) -> np.ndarray:
+        """Pre-tokenized ids, refused when they cannot be this tokenizer's: checked before --tokenized-with is asked
+        for, so that the refusal never suggests an option that would pack another tokenizer's ids."""
         tokens = conv.tokens
         fmt = self.datasets[dataset].format
+        ids = tokens[0]
+        name = self.options.tokenizer
+        if tokens.shape[1] and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise Rejected(Reason.BAD_TOKEN_ID, f"input_ids holds {bad}, at or beyond the vocabulary of {name} "
+                                                f"({self.vocab_size} ids): they were made with another tokenizer; pack "
+                                                "them with that one as --tokenizer, or pack the text")
+        if tokens.shape[1]:
+            last = int(ids[-1])
+            if last in self._foreign_ends:  # e.g. LLaMA-3's <|eot_id|> 128009 is a deepseek placeholder token
+                raise Rejected(Reason.BAD_TOKEN_ID, f"input_ids ends with {last} ({self._foreign_ends[last]!r}), a "
+                                                    f"special token of {name} that is not its EOS ({self.eos_id}): the "
+                                                    "ids look made with another tokenizer; pack them with that one as "
+                                                    "--tokenizer, or pack the text")
         if fmt.tokenized_with is None:
             raise Rejected(
                 Reason.PRETOKENIZED_UNVERIFIED,
                 "the record holds input_ids, but nothing says which tokenizer made them; pass --tokenized-with "
-                f"{self.options.tokenizer} (it must be the tokenizer they were made with)",
+                f"{name} (it must be the tokenizer they were made with)",
             )
-        if tokens.shape[1] and (int(tokens[0].min()) < 0 or int(tokens[0].max()) >= self.vocab_size):
-            bad = int(tokens[0].max()) if int(tokens[0].max()) >= self.vocab_size else int(tokens[0].min())
-            raise Rejected(Reason.BAD_TOKEN_ID, f"input_ids holds {bad}, outside the tokenizer's vocabulary "
-                                                f"[0, {self.vocab_size}); were they made with another tokenizer?")
         return tokens
 
     # -- per chunk ----------------------------------------------------------------------------
@@ -120,22 +136,30 @@ class Encoder:
                     p.counts["not_sampled"] = p.counts.get("not_sampled", 0) + 1
                     continue
                 fmt = self.datasets[dataset].format
-                conv = normalize(record, fmt)
-                if conv.tokens is not None:
-                    p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
-                else:
-                    if not self.renderer.appends_eos(conv):  # labelled segments: trained exactly as labelled
-                        p.no_eos.add(len(p.meta))
-                    segs = self.renderer.segments(conv, fmt)
-                    k = len(p.meta)
-                    p.texts.extend(t for t, _ in segs)
-                    p.flags.extend(y for _, y in segs)
-                    p.owner.extend(itertools.repeat(k, len(segs)))
-                add_counts(p.counts, conv.notes)
+                convs = conversations(record, fmt)
             except Rejected as r:
                 p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
                 continue
-            p.meta.append((eid, source, position, dataset))
+            if len(convs) > 1:  # a message tree: one example per kept path, ids <id>~p2, <id>~p3, ...
+                p.counts["extra_paths"] = p.counts.get("extra_paths", 0) + len(convs) - 1
+            for k, conv in enumerate(convs):
+                ceid = eid if k == 0 else f"{eid}~p{k + 1}"
+                try:
+                    if conv.tokens is not None:
+                        p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
+                    else:
+                        if not self.renderer.appends_eos(conv):  # labelled segments: trained exactly as labelled
+                            p.no_eos.add(len(p.meta))
+                        segs = self.renderer.segments(conv, fmt)
+                        i = len(p.meta)
+                        p.texts.extend(t for t, _ in segs)
+                        p.flags.extend(y for _, y in segs)
+                        p.owner.extend(itertools.repeat(i, len(segs)))
+                    add_counts(p.counts, conv.notes)
+                except Rejected as r:
+                    p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, ceid))
+                    continue
+                p.meta.append((ceid, source, position, dataset))
         return p
 
     def tokenize(self, p: "_Prepared") -> list:
@@ -229,3 +253,18 @@ def _splice(ids, mask, rec_lens, direct: dict[int, np.ndarray]):
             start = ends[i]
     return (np.concatenate(parts_ids) if parts_ids else ids, np.concatenate(parts_mask) if parts_mask else mask,
             rec_lens)
+
+
+_END_WORDS = ("end", "eot", "eos", "eom", "</s>", "stop")
+
+
+def _foreign_ends(backend, eos_id: Optional[int]) -> dict[int, str]:
+    """Special tokens of the tokenizer that no sequence of its own ends with: neither its EOS nor an end marker
+    (``<|im_end|>``, ``<|eot_id|>``, ``<|endoftext|>``): padding, placeholders, BOS. Pre-tokenized ids ending with
+    one were made with another tokenizer (LLaMA-2's EOS 2 is deepseek's pad)."""
+    try:
+        added = backend.get_added_tokens_decoder()
+    except AttributeError:  # not a tokenizers.Tokenizer: nothing to tell
+        return {}
+    return {i: t.content for i, t in added.items()
+            if t.special and i != eos_id and not any(w in t.content.lower() for w in _END_WORDS)}

@@ -70,6 +70,7 @@ REPORT_KEYS: dict[str, Any] = {
     "records_read": int,
     "not_sampled": int,  # records of data sets with weight < 1 left out by sampling
     "repeated_copies": int,  # extra copies of records of data sets with weight > 1
+    "extra_paths": int,  # examples beyond a record's first (--tree-paths all: one per root-to-leaf path)
     "rejected": int,  # dead-lettered records, NOT counting those dropped for length
     "rejected_by_reason": dict,  # reason -> records (too_long never here)
     "dropped_too_long": int,  # examples longer than the budget dropped by --long drop
@@ -259,6 +260,7 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         "records_read": c.records_read,
         "not_sampled": c.not_sampled,
         "repeated_copies": c.repeated_copies,
+        "extra_paths": c.extra_paths,
         "rejected": c.rejected,
         "rejected_by_reason": dict(sorted(c.rejected_by_reason.items())),
         "dropped_too_long": c.dropped_too_long,
@@ -420,6 +422,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(("not sampled (weight < 1)", f"{r['not_sampled']:,}"))
     if r["repeated_copies"]:
         lines.append(("repeated copies (weight > 1)", f"{r['repeated_copies']:,}"))
+    if r["extra_paths"]:
+        lines.append(("more message-tree paths", f"{r['extra_paths']:,}"))
     lines += [
         ("examples packed", f"{r['examples_packed']:,}"),
         ("rejected", f"{r['rejected']:,}"),

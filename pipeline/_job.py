@@ -434,6 +434,7 @@ def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: di
         "records_read": stats.get("records_read", 0),
         "not_sampled": stats.get("not_sampled", 0),
         "repeated_copies": stats.get("repeated_copies", 0),
+        "extra_paths": stats.get("extra_paths", 0),
         "examples_packed": stats.get("examples_packed", 0),
         "rejected": sum(v for k, v in rejected.items() if k != Reason.TOO_LONG.value),
         "rejected_by_reason": {k: v for k, v in rejected.items() if k != Reason.TOO_LONG.value},
@@ -469,12 +470,14 @@ _NOTES = tuple(NOTE_UNITS)
 
 
 def _reconcile(c: dict) -> None:
-    """Every record is packed, rejected, dropped for length, or not sampled (copies count as records too)."""
-    given = c["records_read"] + c["repeated_copies"]
+    """Every record is packed, rejected, dropped for length, or not sampled (copies, and the paths of a message
+    tree beyond its first, count as records too)."""
+    given = c["records_read"] + c["repeated_copies"] + c["extra_paths"]
     accounted = c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
     if given != accounted:
         raise InternalError(
-            f"counts do not reconcile: read {c['records_read']} + copies {c['repeated_copies']} != packed "
+            f"counts do not reconcile: read {c['records_read']} + copies {c['repeated_copies']} + extra tree paths "
+            f"{c['extra_paths']} != packed "
             f"{c['examples_packed']} + rejected {c['rejected']} + dropped for length {c['dropped_too_long']} "
             f"+ not sampled {c['not_sampled']}"
         )

@@ -48,6 +48,13 @@ class Preference(str, enum.Enum):
     REJECTED = "rejected"  #: the prompt and the rejected answer
 
 
+class TreePaths(str, enum.Enum):
+    """Which conversations a message tree (``--tree``) gives."""
+
+    ALL = "all"  #: every root-to-leaf path
+    BEST = "best"  #: the best-ranked reply at each step (rank 0 first)
+
+
 class TrainOn(str, enum.Enum):
     """Which tokens are training targets."""
 
@@ -150,11 +157,14 @@ class FormatOptions:
     fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
         "--field question=user --field answer=assistant. ROLE: system, user, assistant, tool; text (the "
-        "whole record as plain text, every token trained); or transcript (one string of 'Human:'/'Assistant:' "
-        "turns). Mapped lists of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
+        "whole record as plain text, every token trained); transcript (one string of 'Human:'/'Assistant:' "
+        "turns); or tool_calls (an assistant turn of {name, arguments} calls, objects or JSON text). Mapped lists "
+        "of equal length interleave into turns.", metavar="PATH=ROLE", kind="pairs"))
     messages_field: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--messages-field", "Field (a path) holding the list of turns, for shapes other than messages/conversations "
-        "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant.", metavar="PATH"))
+        "(e.g. utterances, data.dialog); turns given as plain strings alternate user, assistant. With --field, the "
+        "mapped fields' turns follow the list's (--messages-field conversations --field chosen=assistant).",
+        metavar="PATH"))
     role_key: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--role-key", "Key of the speaker in each turn object [default: role, from, speaker or author].",
         metavar="KEY"))
@@ -173,6 +183,12 @@ class FormatOptions:
         metavar="MARKER=ROLE", kind="pairs"))
     system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
+    tree: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--tree", "Field (a path) holding a message tree: a message {role, text} with its replies under 'replies', "
+        "nested (OpenAssistant: --tree prompt); each kept root-to-leaf path is one conversation.", metavar="PATH"))
+    tree_paths: TreePaths = dataclasses.field(default=TreePaths.ALL, metadata=cli(
+        "--tree-paths", "With --tree: every root-to-leaf path, or only the best-ranked reply at each step (rank 0 "
+        "first)."))
     preference: Optional[Preference] = dataclasses.field(default=None, metadata=cli(
         "--preference", "Preference pairs (chosen/rejected: TRL, LLaMA-Factory ranking, OpenAI DPO, HH-RLHF "
         "transcripts): train on the prompt and the chosen (or rejected) answer as SFT. Without it such records are "
@@ -193,7 +209,7 @@ class FormatOptions:
         "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
-    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with")
+    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree")
     """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
 
     def __post_init__(self) -> None:
@@ -206,11 +222,11 @@ class FormatOptions:
                 raise PackstreamError(f"{flag} {value!r} is empty; give a name, e.g. {flag} "
                                       f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
-                               ("same_role", SameRole)):
+                               ("same_role", SameRole), ("tree_paths", TreePaths)):
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", _enum(Preference, self.preference, "preference"))
-        allowed = ROLES + ("text", "transcript")
+        allowed = ROLES + ("text", "transcript", "tool_calls")
         for field, role in self.fields:
             if role not in allowed:
                 raise PackstreamError(f"--field {field}={role}: unknown role {role!r}; use one of {', '.join(allowed)}")
@@ -222,7 +238,11 @@ class FormatOptions:
                 "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
                 f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
             )
-        for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field")]:
+        if self.tree is not None and (self.fields or self.messages_field is not None or self.format is not Format.AUTO):
+            raise PackstreamError(f"--tree {self.tree} reads a message tree; it does not combine with --field, "
+                                  "--messages-field or --format")
+        for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field"),
+                                                                     (self.tree, "--tree")]:
             if path is not None:
                 try:
                     parse_path(path)
@@ -232,9 +252,9 @@ class FormatOptions:
             raise PackstreamError(f"--field maps the record's fields itself; drop --format {self.format.value} "
                                   "(or drop --field to read that format)")
         if self.messages_field is not None:
-            if self.fields:
-                raise PackstreamError("give --messages-field (a list of turn objects) or --field (one field per turn), "
-                                      "not both")
+            if "text" in roles:
+                raise PackstreamError("--field NAME=text takes the whole record as plain text; it does not combine with "
+                                      f"--messages-field {self.messages_field} (whose turns --field turns follow)")
             if self.format not in (Format.AUTO, Format.MESSAGES, Format.SHAREGPT):
                 raise PackstreamError(f"--messages-field reads a list of turns; it does not combine with --format "
                                       f"{self.format.value}")
@@ -441,7 +461,7 @@ def _enum(cls, value, name):
         raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
-_EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text",
+_EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
              "tokenized_with": DEFAULT_TOKENIZER}
 
 

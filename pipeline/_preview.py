@@ -21,7 +21,7 @@ import os
 from typing import Any, Iterator
 
 from packers import PackstreamError
-from pipeline._formats import Rejected, detect, normalize
+from pipeline._formats import Rejected, conversations, detect
 from pipeline._options import PackOptions
 
 _HF_MARKERS = ("state.json", "dataset_dict.json")
@@ -162,26 +162,41 @@ def preview(options: PackOptions, n: int) -> list[dict]:
         fmt = specs[f.dataset].format
         for position, record in itertools.islice(records(f, options.max_record_bytes), n):
             item: dict[str, Any] = {"source": f.source, "position": position, "dataset": specs[f.dataset].name}
-            items.append(item)
+            convs = []
             if not isinstance(record, Rejected):
                 try:
                     item["format"] = detect(record, fmt)
-                    conv = normalize(record, fmt)
-                    item["mapping"] = list(conv.mapping)
-                    item["notes"] = dict(conv.notes)
+                    convs = conversations(record, fmt)
                 except Rejected:
                     pass
             encoded = encoder.encode([(f.dataset, f.source, position, record)])
-            if encoded.rejected:
-                dead = encoded.rejected[0]
-                item["reason"], item["detail"] = dead["reason"], dead["detail"]
-                continue
-            batch = encoded.batch
-            a, b = int(batch.offsets[0]), int(batch.offsets[1])
-            ids, mask = _example(batch, a, b)
-            item["tokens"], item["targets"] = len(ids), int(sum(mask))
-            item["spans"] = [(tok.decode(run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
+            dead = {d.get("example_id"): d for d in encoded.rejected}
+            packed = dict(zip(encoded.batch.ids, range(len(encoded.batch.ids))))
+            # One item per example: a message tree's paths are shown one after the other (ids <id>~p2, ...).
+            for k, eid in enumerate(_example_ids(encoded, len(convs))):
+                it = dict(item, **({"path": k + 1} if len(convs) > 1 else {}))
+                items.append(it)
+                if k < len(convs):
+                    it["mapping"], it["notes"] = list(convs[k].mapping), dict(convs[k].notes)
+                if eid not in packed:
+                    d = dead.get(eid) or encoded.rejected[0]
+                    it["reason"], it["detail"] = d["reason"], d["detail"]
+                    continue
+                batch, i = encoded.batch, packed[eid]
+                ids, mask = _example(batch, int(batch.offsets[i]), int(batch.offsets[i + 1]))
+                it["tokens"], it["targets"] = len(ids), int(sum(mask))
+                it["spans"] = [(tok.decode(run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
     return items
+
+
+def _example_ids(encoded, n: int) -> list:
+    """The example ids one record gave, packed or dead-lettered, in order (one, or one per kept tree path)."""
+    ids = list(dict.fromkeys([*encoded.batch.ids, *(d.get("example_id") for d in encoded.rejected)]))
+    if n > 1:
+        base = next((i for i in ids if i and "~p" not in i), None)
+        if base is not None:
+            return [base if k == 0 else f"{base}~p{k + 1}" for k in range(n)]
+    return ids[:1] or [None]
 
 
 def _example(batch, a: int, b: int) -> tuple[list[int], list[int]]:
@@ -215,6 +230,8 @@ def format_preview(items: list[dict], color: bool) -> str:
         where = f"line {it['position']}" if str(source).lower().endswith((".jsonl", ".jsonl.gz", ".ndjson")) \
             else f"record {it['position']}"
         shape = it.get("format", "shape not recognised")
+        if "path" in it:  # one of the conversations of a message tree
+            where += f", path {it['path']}"
         if "reason" in it:
             out.append(f"-- {where}: {shape}  " + c(_RED, f"REFUSED {it['reason']}"))
             out.append(f"   {it['detail']}")

@@ -26,7 +26,7 @@ got). Nothing in the folder is trusted:
   pieces of one record in one split; every count of the manifest equals what the shards and
   ``rejected.jsonl`` hold, and the counts reconcile::
 
-      records_read + repeated_copies == examples_packed + rejected + dropped_too_long + not_sampled
+      records_read + repeated_copies + extra_paths == examples_packed + rejected + dropped_too_long + not_sampled
 
 * **Inputs** (``--inputs``). Every input record is re-read and re-encoded with the manifest's
   configuration (:class:`pipeline._encode.Encoder`, the job's own encode stage; data sets, weights
@@ -730,6 +730,9 @@ def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, d
                      ("no_target_pieces", totals.get("no_target_pieces", 0))):
         if getattr(c, key) != got:
             report.add(f"manifest.json counts.{key}", f"says {getattr(c, key)!r}, re-reading the inputs gives {got}")
+    if c.extra_paths != counts.get("extra_paths", 0):
+        report.add("manifest.json counts.extra_paths", f"says {c.extra_paths}, re-reading the inputs gives "
+                                                       f"{counts.get('extra_paths', 0)}")
 
 
 def _explain(folder: str, stored: _Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],

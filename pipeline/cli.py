@@ -325,7 +325,8 @@ def summary_table(manifest: dict) -> str:
 
     lines = [
         ("records read", f"{c['records_read']:,}"
-         + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")),
+         + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")
+         + (f"  (+{c['extra_paths']:,} more message-tree paths)" if c.get("extra_paths") else "")),
         ("examples packed", f"{c['examples_packed']:,}"),
     ]
     if c.get("not_sampled"):

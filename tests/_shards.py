@@ -169,7 +169,7 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
             "sha256": hashlib.sha256(data).hexdigest(),
         })
     budget = meta.get("budget", 1)
-    counts = recount({"records_read": len(packed), "not_sampled": 0, "repeated_copies": 0,
+    counts = recount({"records_read": len(packed), "not_sampled": 0, "repeated_copies": 0, "extra_paths": 0,
                       "examples_packed": len(packed), "rejected": 0, "rejected_by_reason": {}, "first_rejected": {},
                       "dropped_too_long": 0, "truncated_examples": 0, "split_examples": 0, "no_target_pieces": 0},
                      shards, budget)

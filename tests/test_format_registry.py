@@ -80,16 +80,18 @@ def test_format_enum_docstring_docs_and_unknown_list_follow_order():
 # Claims: disjoint, or ordered by a reviewed decision.
 
 OVERLAPS = [  # (winner, loser): a record with the keys of both is read as the winner. Reviewed; ORDER agrees.
-    *[("tokens", s) for s in ("segments", "messages", "preference", "sharegpt", "chat", "prompt-completion", "alpaca",
-                              "text")],
-    *[("segments", s) for s in ("messages", "preference", "sharegpt", "chat", "prompt-completion", "alpaca", "text")],
+    *[("tokens", s) for s in ("segments", "messages", "preference", "sharegpt", "chat", "xlam", "prompt-completion",
+                              "alpaca", "text")],
+    *[("segments", s) for s in ("messages", "preference", "sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
     # messages beside chosen/rejected (UltraFeedback binarized: messages is the chosen conversation): messages
-    *[("messages", s) for s in ("preference", "sharegpt", "chat", "prompt-completion", "alpaca", "text")],
+    *[("messages", s) for s in ("preference", "sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
     # a pair is refused without --preference, never read as one of its halves (LLaMA-Factory's ranking form
     # has conversations, its Alpaca form instruction)
-    *[("preference", s) for s in ("sharegpt", "chat", "prompt-completion", "alpaca", "text")],
-    *[("sharegpt", s) for s in ("chat", "prompt-completion", "alpaca", "text")],
-    *[("chat", s) for s in ("prompt-completion", "alpaca", "text")],
+    *[("preference", s) for s in ("sharegpt", "chat", "xlam", "prompt-completion", "alpaca", "text")],
+    *[("sharegpt", s) for s in ("chat", "xlam", "prompt-completion", "alpaca", "text")],
+    *[("chat", s) for s in ("xlam", "prompt-completion", "alpaca", "text")],
+    # query + answers is a tool-call record even beside prompt/instruction/text keys
+    *[("xlam", s) for s in ("prompt-completion", "alpaca", "text")],
     ("prompt-completion", "alpaca"), ("prompt-completion", "text"),
     ("alpaca", "text"),
 ]
@@ -226,7 +228,7 @@ def test_a_field_added_anywhere_is_read_or_counted(case, where, key, wrap, data)
     if any(c.notes.get("other_side_not_trained") for c in convs) and \
             _tokens(location)[0] in other[opts["preference"]]:
         return  # the side of a preference pair that --preference leaves out: counted as a whole
-    if re.search(r"\[\d+\]", location) and any(c.notes.get(k) for c in convs for k in NOTE_KEYS):
-        return  # inside a turn that hygiene dropped or trimmed, and counted (a turn, with all it holds)
+    if re.search(r"\[\d+\]", location) and any(c.notes.get(k) for c in convs for k in (*NOTE_KEYS, "tree_messages_off_path")):
+        return  # inside a turn that hygiene dropped or trimmed, or a message on no kept path: counted whole
     assert any(_covers(n, location) for n in ignored), f"{location} = {obj[key]!r} is neither read nor counted " \
                                                        f"(ignored: {ignored})"

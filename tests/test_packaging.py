@@ -277,5 +277,5 @@ def test_run_locally_walkthrough_works_as_written(clone):
     assert (work / "out" / "sample" / "manifest.json").exists()
     assert json.loads((work / "out" / "pack-log.jsonl").read_text().splitlines()[-1])["event"] == "done"
     assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 2
-    assert sorted(os.listdir(work / "out" / "packed-inspect")) == [
-        "example_lengths.png", "examples_per_row.png", "row_fill.png"]
+    assert sorted(os.listdir(work / "out" / "packed-inspect")) == [  # the marker: inspect owns this folder
+        ".packstream-inspect.json", "example_lengths.png", "examples_per_row.png", "row_fill.png"]

@@ -157,6 +157,23 @@ def test_pairs_that_cannot_be_split_say_why():
     assert [t.content for t in p.prompt] == ["hi"] and [t.content for t in p.chosen] == ["hello"]
 
 
+def test_whole_conversations_beside_a_prompt_field_are_read_once():
+    """orpo-dpo-mix / capybara-dpo: a prompt field beside sides that are whole conversations (a system turn first,
+    or earlier exchanges): the shared turns are the prompt, and the prompt field's text is not trained twice."""
+    conv = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    rec = {"prompt": "And 3+3?", "question": "And 3+3?", "chosen": conv + [{"role": "assistant", "content": "6"}],
+           "rejected": conv + [{"role": "assistant", "content": "7"}]}
+    p = preference_turns(rec)
+    assert [t.content for t in p.prompt] == ["Be exact.", "2+2?", "4", "And 3+3?"]
+    assert [t.content for t in p.chosen] == ["6"] and [t.content for t in p.rejected] == ["7"]
+    conv_ = normalize(rec, CHOSEN)
+    assert [m["content"] for m in conv_.messages] == ["Be exact.", "2+2?", "4", "And 3+3?", "6"]
+    # A prompt field whose text the sides do not hold is kept, first.
+    p = preference_turns({**rec, "prompt": "Context: arithmetic."})
+    assert [t.content for t in p.prompt][:2] == ["Context: arithmetic.", "Be exact."]
+
+
 def test_other_records_are_not_pairs():
     assert layout({"messages": [], "chosen": "x"}) is None
     # ultrafeedback_binarized has messages beside chosen/rejected: messages wins (ORDER), the pair is counted.

@@ -13,13 +13,15 @@ each; ``docs/formats.md`` has the table with the options):
 
 =================  =========================================================================
 fields             any other shape, field by field: ``--field PATH=ROLE`` (and ``transcript`` strings)
-messages_field     a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, ``--roles``)
+messages_field     a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, ``--roles``; ``--field`` turns after it)
+tree               a message tree, each message with its ``replies`` (OpenAssistant): ``--tree KEY`` (``--tree-paths all|best``)
 tokens             ``input_ids`` (+ ``labels`` with -100, or ``loss_mask``; ``attention_mask``)
 segments           ``segments: [{text, label}]`` (template-free, Axolotl's input_output)
 messages           ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)
 preference         ``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's ``preferred_output``: with ``--preference chosen``
 sharegpt           ``conversations: [{from, value}]`` (or role/content)
 chat               ``conversation``/``dialog``/``dialogue``/``chat``: a list of turn objects (lmsys-chat; Capybara's ``[{input, output}]``)
+xlam               ``query`` + ``answers: [{name, arguments}]`` (xLAM/APIGen function calling; JSON text or objects)
 prompt-completion  ``prompt`` + ``completion`` (strings, or lists of messages as in TRL)
 alpaca             ``instruction`` + ``output``/``response`` (+ ``input``, ``system``, ``history``)
 text               ``text``
@@ -60,7 +62,7 @@ Layout: ``_base`` (types), ``_turns`` (turn objects, content, tool calls), ``_hy
 >>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
 Traceback (most recent call last):
 ...
-pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat, query/answers, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ from pipeline._formats._hygiene import target_flags
 from pipeline._formats._paths import resolve
 from pipeline._formats._turns import ROLE_ALIASES
 from pipeline._formats.detect import ORDER, REGISTRY, detect, suggest
+from pipeline._formats.preference import PreferenceTurns, preference_turns
 from pipeline._options import FormatOptions, parse_path
 
 __all__ = [
-    "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "Reason",
-    "Rejected", "conversations", "detect", "normalize", "parse_path", "resolve", "suggest", "target_flags",
+    "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "PreferenceTurns",
+    "Reason", "Rejected", "conversations", "detect", "normalize", "parse_path", "preference_turns", "resolve", "suggest",
+    "target_flags",
     "_fast", "_normalize",
 ]

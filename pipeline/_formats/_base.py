@@ -88,7 +88,7 @@ NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns
 """Notes that count turns a record held but its conversation does not (besides ``ignored_field:*``)."""
 
 NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
-              "other_side_not_trained": "records"}
+              "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape

@@ -7,6 +7,9 @@
       the record:           ignored top-level keys, fields beside followed paths (counted once)
       each conversation:    renderable
 
+A refusal whose detail suggests options is checked: the suggestion is printed only when it reads the
+record whole (:func:`_validated`).
+
 A record yields one conversation, or several (one per kept path of a message tree): the record's
 own notes (ignored fields) are counted once, on its first conversation; each conversation carries
 the notes of its own hygiene.
@@ -17,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from typing import Any, Optional, Sequence
 
-from packers import InternalError
-from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _kind
+from packers import InternalError, PackstreamError
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank, _kind
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -33,7 +37,10 @@ def conversations(record: Any, options: FormatOptions) -> list[Conversation]:
     fast = _fast(record, options)
     if fast is not None:
         return [fast]
-    return _conversations(record, options)
+    try:
+        return _conversations(record, options)
+    except Rejected as r:
+        raise _validated(r, record, options) from None
 
 
 def normalize(record: Any, options: FormatOptions) -> Conversation:
@@ -47,7 +54,10 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
 
 def _normalize(record: Any, options: FormatOptions) -> Conversation:
     """The general path of :func:`normalize`: every shape and option."""
-    convs = _conversations(record, options)
+    try:
+        convs = _conversations(record, options)
+    except Rejected as r:
+        raise _validated(r, record, options) from None
     if len(convs) != 1:
         raise InternalError(f"normalize() got a record that holds {len(convs)} conversations; callers that read "
                             "message trees use conversations()")
@@ -74,7 +84,7 @@ def _fast(record: Any, o: FormatOptions) -> Optional[Conversation]:
 def _plain(o: FormatOptions) -> bool:
     """Options under which a clean record reads as it stands (no mapping, aliases, keys or added turns)."""
     return (o.format is Format.AUTO and not o.fields and o.messages_field is None and not o.roles
-            and o.role_key is None and o.content_key is None and o.system_prompt is None)
+            and o.role_key is None and o.content_key is None and o.system_prompt is None and o.tree is None)
 
 
 def _conversations(record: Any, options: FormatOptions) -> list[Conversation]:
@@ -108,6 +118,10 @@ def read_as(shape: Shape, record: dict, options: FormatOptions) -> list[Conversa
 
 def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Conversation:
     conv = Conversation(shape=shape.name)
+    if draft.turns is None:  # text, segments, tokens: the columns a conversation would read are not read
+        for key in shape.common:
+            if not _blank(record.get(key)):
+                ctx.ignore(key)
     if draft.tokens is not None:
         conv.tokens = draft.tokens
     elif draft.segments is not None:
@@ -160,3 +174,101 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
         raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {n} {key} in {key!r}{where}; packstream packs "
                                                 "text only: drop these records (or the media key, if the text does "
                                                 "not depend on it)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Validated suggestions: a refusal's detail names options only when they read the record whole.
+
+_FLAG_RE = re.compile(r"(?<![\w-])(--[a-z][a-z-]*)(?:[ =]('[^']*'|\"[^\"]*\"|[^\s;,()'\"]+(?:,[^\s;,()'\"]+)*))?")
+_PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]+\b")  # KEY, ROLE, NAME=ROLE, PATH, MARKER=ROLE: the user fills them in
+_PAIRS = {"--field": "fields", "--roles": "roles", "--transcript-marker": "transcript_markers"}
+_SCALARS = {f.metadata["cli"]["flag"]: f.name for f in dataclasses.fields(FormatOptions)
+            if "cli" in f.metadata and f.name not in _PAIRS.values()}
+
+
+def suggested_options(detail: str, options: FormatOptions) -> Optional[dict]:
+    """The options a refusal's detail suggests (``--flag value`` pairs with concrete values that the user did not
+    already give), as FormatOptions overrides; None when it suggests none."""
+    fix: dict = {}
+    for flag, raw in _FLAG_RE.findall(detail):
+        value = raw.strip("'\"")
+        if not value or _PLACEHOLDER.search(value):
+            continue
+        if flag in _PAIRS:
+            name = _PAIRS[flag]
+            pairs = [tuple(p.split("=", 1)) for p in value.split(",") if "=" in p]
+            new = [p for p in pairs if p not in getattr(options, name)]
+            if new:
+                fix[name] = tuple(fix.get(name, getattr(options, name))) + tuple(new)
+        elif flag in _SCALARS:
+            name = _SCALARS[flag]
+            given = getattr(options, name)
+            if str(getattr(given, "value", given)) != value:
+                fix[name] = value
+    if "instead of --field" in detail and "messages_field" in fix:
+        fix["fields"] = ()
+    return fix or None
+
+
+def _text_below_top(record: dict, note: str) -> bool:
+    """Does an ignored field below the top level (``choices[0].index``, ``answers[].arguments``) hold text?"""
+    steps = re.findall(r"\[(-?\d*)(:?)(-?\d*)\]|([^.\[\]]+)", note)
+    if len(steps) < 2:
+        return False  # a top-level key: named in the detail, counted
+    values = [record]
+    for lo, colon, hi, key in steps:
+        nxt = []
+        for v in values:
+            if key:
+                if isinstance(v, dict) and key in v:
+                    nxt.append(v[key])
+            elif isinstance(v, list):
+                a = int(lo) if lo else 0
+                b = (int(hi) if hi else None) if colon or not lo else a + 1
+                nxt.extend(v[a:b] if not (lo and not colon and a < 0) else v[a:][:1])
+        values = nxt
+    return any(_holds_text(v) for v in values)
+
+
+def _holds_text(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, dict):
+        return any(_holds_text(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_text(v) for v in value)
+    return False
+
+
+def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
+    """``r``, when the options its detail suggests read the record whole (packed, no text left unread below the top
+    level); else the same refusal with the suggestion's values left to the user (``--content-key KEY``)."""
+    fix = suggested_options(r.detail, options) if isinstance(record, dict) else None
+    if fix is None:
+        return r
+    try:
+        convs = _conversations(record, dataclasses.replace(options, **fix))
+    except (Rejected, PackstreamError, ValueError, TypeError):
+        convs = None
+    if convs is not None and not any(_text_below_top(record, n.split(":", 1)[1]) for c in convs for n in c.notes
+                                     if n.startswith("ignored_field:")):
+        left = sorted({n.split(":", 1)[1] for c in convs for n in c.notes if n.startswith("ignored_field:")})
+        if not left:
+            return r
+        return Rejected(r.reason, f"{r.detail} ({', '.join(left)} then counted as ignored)")
+    return Rejected(r.reason, _unsuggested(r.detail, options) + " (no single option found that reads this record "
+                                                                 "whole; check the record with packstream preview)")
+
+
+def _unsuggested(detail: str, options: FormatOptions) -> str:
+    """The detail with each suggested value replaced by what the user must choose."""
+    def swap(m: re.Match) -> str:
+        flag, raw = m.group(1), m.group(2)
+        if not raw or _PLACEHOLDER.search(raw) or suggested_options(m.group(0), options) is None:
+            return m.group(0)
+        return f"{flag} {_HOLES.get(flag, 'VALUE')}"
+    return _FLAG_RE.sub(swap, detail)
+
+
+_HOLES = {"--field": "NAME=ROLE", "--roles": "NAME=ROLE", "--transcript-marker": "MARKER=ROLE", "--messages-field": "PATH",
+          "--role-key": "KEY", "--content-key": "KEY", "--tree": "PATH"}

@@ -73,6 +73,8 @@ def _content(value: Any, at: str, ctx: Ctx, role: str, allow_null: bool = False)
         if allow_null:
             return _Content("")
         raise Rejected(Reason.BAD_TYPE, f"{at} is null, expected a string")
+    if role == "assistant" and _looks_like_calls(value):  # {name, arguments} objects: tool calls, arguments kept
+        return _Content("", calls=_tool_calls(value, at, ctx))
     if isinstance(value, list):
         return _parts(value, at, ctx, role)
     if isinstance(value, dict):
@@ -167,6 +169,24 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
     return _Content("".join(texts), "\n\n".join(reasoning) if reasoning else None, calls or None)
 
 
+_ARGS_KEYS = ("arguments", "parameters", "input")
+_CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
+
+
+def _is_call(obj: Any) -> bool:
+    """A tool-call object: ``{name, arguments}`` (or ``parameters``), or OpenAI's ``{function: {name, arguments}}``."""
+    if not isinstance(obj, dict):
+        return False
+    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+    return isinstance(fn.get("name"), str) and any(k in fn for k in _ARGS_KEYS) and \
+        obj.get("type") in (None, "function", "tool_call", "function_call")
+
+
+def _looks_like_calls(value: Any) -> bool:
+    """One tool-call object, or a non-empty list of them (xLAM/APIGen answers, a call mapped to the assistant)."""
+    return _is_call(value) or (isinstance(value, list) and bool(value) and all(_is_call(v) for v in value))
+
+
 def _tool_calls(value: Any, at: str, ctx: Optional[Ctx] = None) -> list:
     """OpenAI ``tool_calls``, a Glaive/LLaMA-Factory ``{"name", "arguments"}`` (object or JSON text), or a list."""
     if isinstance(value, str):
@@ -193,13 +213,16 @@ def _tool_call(call: Any, at: str, ctx: Optional[Ctx] = None) -> dict:
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise Rejected(Reason.BAD_TYPE, f"{at} has no function name (a string under 'name' or 'function.name')")
-    args_key = next((k for k in ("arguments", "parameters", "input") if k in fn), None)
+    args_key = next((k for k in _ARGS_KEYS if k in fn), None)
     args = fn[args_key] if args_key is not None else {}
     has_id = isinstance(call.get("id"), str)
+    # A call's kind ("function", "tool_use", ...) is read: every kind renders as a function call. Any other
+    # value under "type" is not a kind this reader knows, so it is counted as unread, never dropped unseen.
+    kind = ("type",) if call.get("type") in _CALL_KINDS else ()
     if fn is call:
-        _count_unread(call, {"name", args_key, "type", *(("id",) if has_id else ())}, at, ctx)
+        _count_unread(call, {"name", args_key, *kind, *(("id",) if has_id else ())}, at, ctx)
     else:
-        _count_unread(call, {"function", "type", *(("id",) if has_id else ())}, at, ctx)
+        _count_unread(call, {"function", *kind, *(("id",) if has_id else ())}, at, ctx)
         _count_unread(fn, {"name", args_key}, f"{at}.function", ctx)
     if isinstance(args, str):
         try:

@@ -10,8 +10,8 @@ record no shape claims is refused with options computed from its own keys (:func
 >>> detect({"input_ids": [1, 2], "text": "x"})
 'tokens'
 >>> [s.name for s in ORDER]  # doctest: +NORMALIZE_WHITESPACE
-['fields', 'messages_field', 'tokens', 'segments', 'messages', 'preference', 'sharegpt', 'chat', 'prompt-completion',
- 'alpaca', 'text']
+['fields', 'messages_field', 'tree', 'tokens', 'segments', 'messages', 'preference', 'sharegpt', 'chat', 'xlam',
+ 'prompt-completion', 'alpaca', 'text']
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import re
 from typing import Any
 
 from pipeline._formats import (alpaca, fields, messages, messages_field, preference, prompt_completion, segments, sharegpt,
-                               text, tokens)
+                               text, tokens, tree, xlam)
 from pipeline._formats._base import ID_KEYS, Reason, Rejected, Shape, _keys
 from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS
 from pipeline._options import Format, FormatOptions
 
 ORDER: tuple[Shape, ...] = (  # first matching claim wins; reorder only with a test (tests/test_formats.py OVERLAPS)
-    fields.SHAPE, messages_field.SHAPE,  # when options name them
+    fields.SHAPE, messages_field.SHAPE, tree.SHAPE,  # when options name them
     tokens.SHAPE, segments.SHAPE, messages.SHAPE,
     preference.SHAPE,  # conversations + chosen/rejected: above sharegpt; instruction + chosen: above alpaca
     sharegpt.SHAPE, messages.DIALOGUE,
+    xlam.SHAPE,  # query + answers: above alpaca and text
     prompt_completion.SHAPE, alpaca.SHAPE, text.SHAPE,
 )
 

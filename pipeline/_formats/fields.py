@@ -22,8 +22,8 @@ from typing import Any
 
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn
 from pipeline._formats._paths import resolve, top_key
-from pipeline._formats._turns import ROLE_KEYS, _content
-from pipeline._options import FormatOptions
+from pipeline._formats._turns import ROLE_KEYS, _content, _looks_like_calls, _tool_calls, _turn
+from pipeline._options import ROLES, FormatOptions
 
 _BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
     ("### Human:", "user"), ("### Assistant:", "assistant"), ("### System:", "system"), ("### User:", "user"),
@@ -69,7 +69,7 @@ def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
             found = loose
     if not found:
         given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
-        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'"
+        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker MARKER=ROLE, once per marker (Q:=user)"
         raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, "
                                         f"System:, ### Human, ### Assistant{given}){hint}")
     turns = []
@@ -100,6 +100,20 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
         if role == "transcript":
             (after if columns else before).extend(_transcript(value, path, ctx))
             ctx.mapping.append(f"{path} -> transcript turns")
+        elif role == "tool_calls" or (role == "assistant" and _looks_like_calls(value)):
+            # {name, arguments} objects (or their JSON text, with =tool_calls): one assistant turn of tool calls,
+            # rendered as the template's calls with the arguments as the record holds them (xLAM/APIGen answers)
+            calls = _tool_calls(value, path, ctx)
+            (after if columns else before).append(Turn("assistant", "", path, tool_calls=calls or None))
+            ctx.mapping.append(f"{path} -> assistant tool calls ({len(calls)})")
+        elif isinstance(value, dict) and role in ROLES and any(k in value for k in (*ROLE_KEYS, ctx.o.role_key) if k):
+            # one turn object under the field (LLaMA-Factory's chosen: {from, value}): read as a turn of the mapped role
+            t = _turn(value, path, ctx, where=path, one=True)
+            if t.role != role:
+                raise Rejected(Reason.BAD_TYPE, f"field {path!r} is a turn object of role {t.role} ({t.speaker!r}), "
+                                                f"mapped as {role}; map it with --field {path}={t.role}")
+            (after if columns else before).append(t)
+            ctx.mapping.append(f"{path} -> {role} (a turn object)")
         elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
             if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
@@ -133,7 +147,7 @@ def _missing(record: dict, o: FormatOptions) -> list[str]:
 
 SHAPE = Shape(
     name="fields",
-    claims=Claim(mapped=_missing, applies=lambda o: bool(o.fields),
+    claims=Claim(mapped=_missing, applies=lambda o: bool(o.fields) and o.messages_field is None,
                  given=lambda o, missing: " ".join(f"--field {p}={r}" for p, r in o.fields if p in missing)),
     reads=lambda record, o: {top_key(record, p) for p, _ in o.fields},
     common=("tools",),

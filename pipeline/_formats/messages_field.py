@@ -16,24 +16,36 @@ from __future__ import annotations
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Shape
 from pipeline._formats._paths import resolve, top_key
 from pipeline._formats._turns import _speaker_words, _turn_list
+from pipeline._formats.fields import _read_fields
+from pipeline._options import FormatOptions
 
 
 def read(record: dict, ctx: Ctx) -> list[Draft]:
     path = ctx.o.messages_field
     turns = _turn_list(resolve(record, path), path, ctx, strings_alternate=True)
     ctx.mapping.insert(0, f"{path}[]: " + (_speaker_words(ctx) or "turns"))
+    if ctx.o.fields:  # the answer after the list: --messages-field conversations --field chosen=assistant
+        turns += _read_fields(record, ctx)
     return [Draft(turns=turns)]
+
+
+def _paths(o: FormatOptions) -> list[str]:
+    return [o.messages_field, *(p for p, _ in o.fields)]
+
+
+def _given(o: FormatOptions, missing: list[str]) -> str:
+    return " ".join(f"--messages-field {p}" if p == o.messages_field else
+                    " ".join(f"--field {f}={r}" for f, r in o.fields if f == p) for p in missing)
 
 
 SHAPE = Shape(
     name="messages_field",
-    claims=Claim(mapped=lambda record, o: [o.messages_field] if resolve(record, o.messages_field) is MISSING else [],
-                 applies=lambda o: o.messages_field is not None,
-                 given=lambda o, missing: f"--messages-field {missing[0]}"),
-    reads=lambda record, o: {top_key(record, o.messages_field)},
+    claims=Claim(mapped=lambda record, o: [p for p in _paths(o) if resolve(record, p) is MISSING],
+                 applies=lambda o: o.messages_field is not None, given=_given),
+    reads=lambda record, o: {top_key(record, p) for p in _paths(o)},
     common=("system", "tools"),
     read=read,
     looks_like="a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, "
-               "``--roles``)",
-    follows=lambda o: [o.messages_field],
+               "``--roles``; ``--field`` turns after it)",
+    follows=_paths,
 )

@@ -78,7 +78,8 @@ def _reads(record: dict, options: FormatOptions) -> tuple[str, ...]:
     prompt = {"openai-dpo": ("input",), "ranking": ("conversations",),
               "instruction": ("instruction", "input", "context", "history"),
               "prompt": (_prompt_key(record),), "implicit": ()}.get(kind, ())
-    return (*prompt, *sides, "system")
+    own_tools = kind == "openai-dpo" and isinstance(record.get("input"), dict) and not _blank(record["input"].get("tools"))
+    return (*prompt, *sides, "system", *(() if own_tools else ("tools",)))  # input.tools wins: a top-level one is counted
 
 
 @dataclasses.dataclass
@@ -131,6 +132,14 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
     if kind == "implicit":
         prompt, chosen, rejected = _shared_prefix(chosen, rejected)
         ctx.mapping.append(f"{a}/{b}: the shared {len(prompt)} turns are the prompt")
+    elif chosen and rejected and chosen[0].role != "assistant" and rejected[0].role != "assistant":
+        # Both sides are whole conversations beside a prompt field (capybara-dpo, orpo-dpo-mix: a system turn
+        # first, or earlier exchanges): their shared turns are the prompt, and the prompt field is read once
+        # when its text is among them (else it comes first, never dropped).
+        shared, chosen, rejected = _shared_prefix(chosen, rejected)
+        said = {t.content.strip() for t in shared}
+        prompt = shared if all(t.content.strip() in said for t in prompt) else prompt + shared
+        ctx.mapping.append(f"{a}/{b}: whole conversations; their shared {len(shared)} turns are the prompt")
     _system_column(record, prompt, ctx)
     return PreferenceTurns(prompt, chosen, rejected, kind, tools)
 
@@ -231,7 +240,7 @@ SHAPE = Shape(
     name="preference",
     claims=Claim(needs=(Need("chosen", lambda r: layout(r) is not None),)),
     reads=_reads,
-    common=("tools",),
+    common=(),  # tools: the record's, or OpenAI's input.tools (preference_turns finds them)
     read=read,
     looks_like="``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's "
                "``preferred_output``: with ``--preference chosen``",
