@@ -15,15 +15,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import itertools
 import json
 import os
 import posixpath
+import re
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import orjson
 
 from packers import PackstreamError
+from packers._files import MAX_JSON_DEPTH, check_regular, open_checked, show_path, value_depth
 from pipeline._formats import Reason, Rejected
 
 _JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
@@ -45,10 +48,13 @@ class InputFile:
 
 
 def open_raw(path: str):
-    """A file's bytes as a binary stream: the local file system directly (no Beam import), else Beam's
-    FileSystems (gs://, s3://, ...), uncompressed."""
-    if "://" not in path:
-        return open(path, "rb")
+    """An input's bytes as a binary stream, through the one checked open (:func:`packers._files.open_checked`:
+    regular files only, so a FIFO or ``/dev/zero`` is one error line); local files directly (no Beam
+    import), anything else through Beam's FileSystems (gs://, s3://, ...), uncompressed."""
+    return open_checked(path, what="input", opener=_beam_open)
+
+
+def _beam_open(path: str):
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.open(path, compression_type="uncompressed")
@@ -106,6 +112,12 @@ def _sniff(path: str, kind: str) -> None:
                 f"input {path} holds a JSON array spread over lines, not JSON Lines (one object per line); "
                 "rename it to .json"
             )
+        if kind == "json" and len(head) < 4096:  # all of it is here: a break is a launch error, as for gzip
+            try:
+                for _ in _json_texts(InputFile(path, path, kind), 2**31 - 1):
+                    pass
+            except ValueError as e:
+                raise PackstreamError(f"input {path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
         if kind == "jsonl" and stripped[:1] == b"[" and _one_line(path):
             raise PackstreamError(
                 f"input {path} holds one JSON array on a single line, not JSON Lines (one object per line): its "
@@ -183,20 +195,6 @@ def _remote_matches(pattern: str) -> list[str]:
         raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
 
 
-def _check_regular(path: str) -> None:
-    """Refuse what is not a regular file (a FIFO would block the reader forever; a device never ends)."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        raise PackstreamError(f"cannot read input {path}: {e.strerror or e}; check the path and its permissions") from None
-    if not stat.S_ISREG(mode):
-        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-        raise PackstreamError(f"input {path} is {what}; packstream reads regular files: copy the data to a file first")
-
-
 def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
     """Resolve every data set's files, globs and folders into checked inputs, plus notes on duplicates.
 
@@ -225,7 +223,7 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
                 )
             for p, k in usable:
                 if not remote and k != "hf_disk":
-                    _check_regular(p)
+                    check_regular(p, "input")
                 real = p if remote else os.path.realpath(p)
                 if real in owner:
                     first, first_d = owner[real]
@@ -315,20 +313,161 @@ def _open_bytes(path: str) -> Iterator[Any]:
             yield raw
 
 
-def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
-    """One JSONL line -> its record, or a Rejected saying why not. ``first``: line 1 of its file.
+# ---------------------------------------------------------------------------------------
+# Lines: one rule everywhere
+#
+# A line ends at LF, CRLF or a lone CR (old Mac files), exactly the line ends of Python's
+# ``bytes.splitlines``. Raw CR and LF cannot occur inside a JSON value, so splitting at either
+# never cuts a record. The readers split with ``bytes.splitlines``; the task planner and the
+# record count count with :func:`line_ends`; tests hold the two equal over random bytes cut at
+# random places, so every task numbers its lines as one pass over the whole file would.
 
-    orjson parses the common case (several times faster than ``json``); anything it refuses is
-    parsed again by ``json`` for the exact error, a byte-order mark, NaN, or a lone surrogate.
+_BLOCK = 1 << 20
+"""Bytes read at a time by the line and JSON readers."""
+_BOM = b"\xef\xbb\xbf"
+
+
+def line_ends(buf: bytes, start: int = 0, stop: Optional[int] = None, after_cr: bool = False) -> int:
+    """The number of line ends in ``buf[start:stop]`` (LF, CRLF, lone CR; a CRLF counts once).
+
+    ``after_cr``: the byte before ``start`` was a CR, so an LF at ``start`` completes a CRLF that
+    was already counted.
+
+    >>> line_ends(b"a\\nb\\r\\nc\\rd\\r\\r\\n"), line_ends(b"\\nx", after_cr=True)
+    (5, 0)
+    """
+    stop = len(buf) if stop is None else stop
+    n = buf.count(b"\n", start, stop) + buf.count(b"\r", start, stop) - buf.count(b"\r\n", start, stop)
+    if after_cr and start < stop and buf[start] == 0x0A:
+        n -= 1
+    return n
+
+
+def _blocks(fh, limit: Optional[int] = None, size: int = _BLOCK) -> Iterator[bytes]:
+    """The bytes of ``fh`` from its position, up to ``size`` at a time, at most ``limit`` of them in all.
+
+    ``read1`` where the stream has it: a decompressing stream then hands over what it has decoded
+    before it raises at a break (a truncated gzip), so the records before the break are read."""
+    read = getattr(fh, "read1", None) or fh.read
+    while limit is None or limit > 0:
+        block = read(size if limit is None else min(size, limit))
+        if not block:
+            return
+        if limit is not None:
+            limit -= len(block)
+        yield block
+
+
+def split_lines(blocks: Iterable[bytes], max_bytes: int) -> Iterator["bytes | int"]:
+    """Each line of a byte stream, without its line end (see :func:`line_ends` for the rule).
+
+    A line longer than ``max_bytes`` comes out as its length (an ``int``), and is never held
+    whole: memory stays within ``max_bytes`` plus one block, whatever the file holds (a file of
+    one 10 GB line, a file of lone CRs read as one line by ``readline``).
+
+    >>> list(split_lines([b"a\\r", b"\\nbb\\rc", b"ccc\\n\\n"], max_bytes=3))
+    [b'a', b'bb', 4, b'']
+    """
+    pending = b""  # the start of a line whose end is not read yet
+    skipped = 0  # the length so far of a line too long to hold (pending is then empty)
+    after_cr = False  # the last block ended with a CR: an LF starting the next one completes that CRLF
+    for block in blocks:
+        if after_cr and block[:1] == b"\n":
+            block = block[1:]
+        data = pending + block if pending else block
+        parts = data.splitlines(keepends=True)
+        pending = parts.pop() if parts and parts[-1][-1:] not in (b"\n", b"\r") else b""
+        after_cr = bool(parts) and not pending and parts[-1][-1:] == b"\r"
+        for part in parts:
+            body = part[:-2] if part[-2:] == b"\r\n" else part[:-1]
+            if skipped:
+                yield skipped + len(body)
+                skipped = 0
+            else:
+                yield body if len(body) <= max_bytes else len(body)
+        if len(pending) > max_bytes:
+            skipped += len(pending)
+            pending = b""
+    if skipped:
+        yield skipped + len(pending)
+    elif pending:
+        yield pending if len(pending) <= max_bytes else len(pending)
+
+
+def _lines(fh, first_line: int, limit: Optional[int], max_bytes: int) -> Iterator[tuple[int, "bytes | int"]]:
+    """``(line number, bytes or length)`` of each line in the next ``limit`` bytes of ``fh`` (None: to the end)."""
+    return enumerate(split_lines(_blocks(fh, limit), max_bytes), start=first_line)
+
+
+def _jsonl_texts(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
+                 first_line: int = 1) -> Iterator[tuple[int, "bytes | int"]]:
+    """``(line number, text or size)`` of each non-blank line of bytes ``start:stop`` of a JSONL file
+    (a byte-order mark before line 1 is not part of it)."""
+    with _open_bytes(f.path) as fh:
+        if start:
+            fh.seek(start)
+        for lineno, raw in _lines(fh, first_line, None if stop is None else stop - start, max_bytes):
+            if lineno == 1 and isinstance(raw, bytes) and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            if isinstance(raw, int) or raw.strip():  # blank lines are not records
+                yield lineno, raw
+
+
+def _jsonl(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
+           first_line: int = 1) -> Iterator[tuple[int, Any]]:
+    for lineno, text in _jsonl_texts(f, max_bytes, start, stop, first_line):
+        yield lineno, _record(text, max_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# One record's bytes -> the record
+
+
+def _too_large(size: int, max_bytes: int) -> Rejected:
+    return Rejected(Reason.RECORD_TOO_LARGE, f"{size} bytes > --max-record-bytes {max_bytes}")
+
+
+_DIGITS = bytes.maketrans(b"0123456789", b"9999999999")
+_LONG_DIGITS = b"9" * 19
+"""orjson turns an integer beyond 64 bits (-2**63 .. 2**64-1) into a float, silently (an id
+18446744073709551617 would read as 1.8446744073709552e+19): every such integer has 19 digits or
+more, so a record with a run of 19 digits is parsed again by ``json``, whose integers are exact."""
+def _too_deep(depth: "int | None" = None) -> Rejected:
+    how = f"{depth} levels deep, deeper" if depth else "deeper"
+    return Rejected(Reason.MALFORMED_JSON, f"nested {how} than the {MAX_JSON_DEPTH} levels packstream reads; "
+                                           "flatten the record")
+
+
+def _checked(record: Any, raw: bytes) -> Any:
+    """``record``, or a Rejected when it nests deeper than :data:`packers._files.MAX_JSON_DEPTH` (counted on the
+    parsed value, breadth first and stopping past the bound; only when its text holds that many brackets)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        depth = value_depth(record)
+        if depth > MAX_JSON_DEPTH:
+            return _too_deep()
+    return record
+
+
+def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
+    """One record's JSON text -> the record, or a Rejected saying why not. ``first``: the start of its file.
+
+    The one parser of every JSON record: JSONL lines, the items of a JSON array, and the sampled
+    lines of ``estimate``. orjson parses the common case (several times faster than ``json``);
+    anything it refuses is parsed again by ``json`` for the exact error, a byte-order mark, NaN,
+    or a lone surrogate. Whatever a parser refuses costs this record alone: invalid UTF-8, bad
+    JSON, nesting deeper than :data:`packers._files.MAX_JSON_DEPTH` (orjson stops at 1,024 levels
+    and ``json`` at Python's recursion limit, both in C), an integer of more digits than Python
+    converts. Integers stay exact at any size (see :data:`_LONG_DIGITS`).
     """
     if len(raw) > max_bytes:
-        return Rejected(Reason.RECORD_TOO_LARGE, f"{len(raw)} bytes > --max-record-bytes {max_bytes}")
+        return _too_large(len(raw), max_bytes)
     try:
         record = orjson.loads(raw)
     except orjson.JSONDecodeError:
         pass
     else:
-        return record
+        if _LONG_DIGITS not in raw.translate(_DIGITS):
+            return _checked(record, raw)
     try:
         # utf-8-sig on the first line: a byte-order mark is not part of the first record.
         text = raw.decode("utf-8-sig" if first else "utf-8")
@@ -339,40 +478,14 @@ def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
     except json.JSONDecodeError as e:
         return Rejected(Reason.MALFORMED_JSON, f"{e.msg} at column {e.colno}")
     except RecursionError:
-        return Rejected(Reason.MALFORMED_JSON, "nesting too deep")
+        return _too_deep()
+    except ValueError as e:  # an integer of more than 4,300 digits (Python's int() limit), or another refusal
+        words = str(e).split(";")[0]
+        if "digits" in words:
+            words = f"holds a number longer than Python reads ({words}); store it as a string"
+        return Rejected(Reason.MALFORMED_JSON, words)
+    record = _checked(record, raw)
     return (_lone_surrogate(record) if _may_hold_surrogates(raw) else None) or record
-
-
-def _lines(fh, first_line: int, stop: Optional[int], start: int) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` of each line from the current position up to byte ``stop``.
-
-    Lines end at LF, CRLF or a lone CR (old Mac files): raw CR and LF cannot occur inside a
-    JSON value, so splitting at either never cuts a record.
-    """
-    lineno = first_line
-    pos = start
-    for raw in iter(fh.readline, b""):
-        pos += len(raw)
-        body = raw.rstrip(b"\r\n")
-        if b"\r" in body:
-            for part in body.split(b"\r"):
-                yield lineno, part
-                lineno += 1
-        else:
-            yield lineno, body
-            lineno += 1
-        if stop is not None and pos >= stop:
-            return
-
-
-def _jsonl(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
-           first_line: int = 1) -> Iterator[tuple[int, Any]]:
-    with _open_bytes(f.path) as fh:
-        if start:
-            fh.seek(start)
-        for lineno, raw in _lines(fh, first_line, stop, start):
-            if raw.strip():  # blank lines are not records
-                yield lineno, parse_line(raw, max_bytes, first=lineno == 1)
 
 
 def _may_hold_surrogates(raw: bytes) -> bool:
@@ -399,30 +512,169 @@ def _lone_surrogate(value: Any) -> "Rejected | None":
     return None
 
 
-def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    with _open_bytes(f.path) as fh:
-        data = fh.read()
-    try:
-        value = json.loads(data.decode("utf-8-sig"))  # a byte-order mark is not part of the JSON (as in JSONL)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
-            # A .json file holding JSON lines: read it as JSONL.
-            yield from _jsonl(f, max_bytes)
-            return
-        raise PackstreamError(f"input {f.path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
-    items = value if isinstance(value, list) else [value]
-    check_surrogates = _may_hold_surrogates(data)
-    for i, item in enumerate(items):
-        bad = _lone_surrogate(item) if check_surrogates else None
-        if bad is not None:
-            yield i, bad
-            continue
-        if max_bytes < 2**31 and isinstance(item, dict):
-            size = len(json.dumps(item, ensure_ascii=False).encode())
-            if size > max_bytes:
-                yield i, Rejected(Reason.RECORD_TOO_LARGE, f"{size} bytes > --max-record-bytes {max_bytes}")
+# ---------------------------------------------------------------------------------------
+# JSON files, streamed: one item at a time
+
+
+class _JsonLines(Exception):
+    """A ``.json`` file that holds JSON lines (several values, no array): read it as JSONL."""
+
+
+_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_SKIP_ITEM = re.compile(rb'(?:' + _STRING + rb'|[^\[\]{}",]+)*', re.S)
+"""Bytes at an array's level that end no item: whole strings and anything but brackets, commas and quotes."""
+_SKIP_INNER = re.compile(rb'(?:' + _STRING + rb'|[^\[\]{}"]+)*', re.S)
+"""Bytes inside an item's brackets that change no depth: whole strings and anything but brackets and quotes."""
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+"""The rest of a string up to its closing quote (or up to a backslash that ends the block)."""
+
+
+def json_items(blocks: Iterable[bytes], max_bytes: int, wrapped: bool = False) -> Iterator["bytes | int | Rejected"]:
+    """The text of each item of the JSON array in a byte stream, one at a time::
+
+        [ {"text": "a, [b]"} ,  {"text": "c"} , 7 ]        the bytes
+          '-- item 0 ------'   '-- item 1 --'  '-'       what comes out
+
+    A streaming splitter: it follows strings and brackets and never parses a value, so memory
+    holds one item (at most ``max_bytes`` plus one block) whatever the size of the file; each
+    item is then parsed on its own by :func:`parse_line`, so an item that a parser refuses costs
+    that item alone. An item larger than ``max_bytes`` comes out as its size (an ``int``), one
+    nested deeper than :data:`packers._files.MAX_JSON_DEPTH` as a Rejected; neither is held. A
+    stream that breaks off, holds an empty item (``[1,,2]``) or data after the array raises
+    ValueError naming the byte (the items before it have come out).
+
+    ``wrapped``: the stream is one top-level value that the caller put inside ``[...]``; a second
+    top-level value (JSON lines in a ``.json`` file) raises :class:`_JsonLines`.
+
+    >>> list(json_items([b'[{"a": [1, "]"]}, 2', b'2, "x,\\\\', b'"]"]  '], max_bytes=100))
+    [b'{"a": [1, "]"]}', b'22', b'"x,\\\\"]"']
+    """
+    blocks = iter(blocks)
+    buf, i, offset = b"", 0, 0  # held bytes, the next one to scan, the file offset of buf[0]
+    depth = 0  # 1: in the array, at its items' level; 2 and more: inside an item's brackets
+    item = None  # where the current item starts in buf (None: before the array)
+    dropped = 0  # bytes of the current item let go of: too large or too deep to hold
+    deepest = 0
+    in_string = False  # inside a string whose end is not read yet
+    closed = False  # wrapped: the top-level value has ended
+    after_comma = False
+    done = False
+
+    def more() -> bool:
+        """Read the next block, first letting go of what is no longer needed. False at the end."""
+        nonlocal buf, i, offset, item, dropped
+        cut = i
+        if item is not None and not done:
+            if dropped or i - item > max_bytes or deepest - 1 > MAX_JSON_DEPTH:
+                dropped += len(buf[item:i].strip()) if not dropped else i - item
+                item = i
+            cut = item
+        buf, offset, i = buf[cut:], offset + cut, i - cut
+        if item is not None:
+            item -= cut
+        block = next(blocks, b"")
+        buf += block
+        return bool(block)
+
+    while True:
+        if in_string:
+            j = _STRING_BODY.match(buf, i).end()
+            if j < len(buf) and buf[j] == 0x22:  # the closing quote
+                i, in_string = j + 1, False
                 continue
-        yield i, item
+            i = j  # the string goes on past this block (a backslash ending it is kept for the next match)
+            if not more():
+                break
+            continue
+        # Skip, in C, what moves no bracket and ends no item; stop at the next bracket, comma or open quote.
+        start = (_SKIP_INNER if depth > 1 else _SKIP_ITEM).match(buf, i).end()
+        if (done or item is None or (wrapped and closed)) and buf[i:start].strip():
+            if wrapped and closed and not done:
+                raise _JsonLines()
+            where = "after the end of" if done else "before"
+            raise ValueError(f"unexpected data {where} the JSON array, at byte {offset + i + len(buf[i:start]) - len(buf[i:start].lstrip())}")
+        if start == len(buf):
+            i = start
+            if not more():
+                break
+            continue
+        c, i = buf[start], start + 1
+        if done or (item is None and c != 0x5B):
+            where = "after the end of" if done else "before"
+            raise ValueError(f"unexpected data {where} the JSON array, at byte {offset + start}")
+        if c == 0x22:  # a quote whose string goes on past this block (whole strings were skipped)
+            if wrapped and closed and depth == 1:
+                raise _JsonLines()
+            in_string = True
+            continue
+        if item is None:  # the array's "["
+            depth, item, deepest = 1, i, 1
+            continue
+        if c in (0x5B, 0x7B):  # [ {
+            if wrapped and closed and depth == 1:
+                raise _JsonLines()
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif depth > 1:
+            if c != 0x2C:  # ] } closing a bracket inside an item (a comma inside one is nothing here)
+                depth -= 1
+                closed = closed or depth == 1
+        elif c == 0x7D:
+            raise ValueError(f"a '}}' closes the JSON array's '[', at byte {offset + start}")
+        else:  # the item's end: "," or the array's "]"
+            if c == 0x2C and wrapped:
+                raise _JsonLines()
+            empty = not dropped and not buf[item:start].strip()
+            if empty and (c == 0x2C or after_comma):
+                raise ValueError(f"an empty item in the JSON array, at byte {offset + start}")
+            if not empty:
+                yield _item(buf[item:start], dropped, deepest, max_bytes)
+            item, dropped, deepest, after_comma = i, 0, 1, c == 0x2C
+            done = c == 0x5D
+    if in_string or not done:
+        raise ValueError(f"the JSON array breaks off at byte {offset + len(buf)} (a truncated file?)")
+
+
+def _item(text: bytes, dropped: int, deepest: int, max_bytes: int) -> "bytes | int | Rejected":
+    if deepest - 1 > MAX_JSON_DEPTH:
+        return _too_deep(deepest - 1)
+    text = text.strip()
+    return text if not dropped and len(text) <= max_bytes else dropped + len(text)
+
+
+def _json_texts(f: InputFile, max_bytes: int) -> Iterator[tuple[int, "bytes | int | Rejected"]]:
+    """``(position, item text, size or Rejected)`` of a ``.json`` file: the items of its array, or its one
+    object at position 0; a file of JSON lines is read as JSONL (positions are then line numbers)."""
+    with _open_bytes(f.path) as fh:
+        blocks = _blocks(fh)
+        head = b""
+        for block in blocks:  # up to the first byte after a byte-order mark and white space
+            head += block
+            if head[len(_BOM) if head.startswith(_BOM) else 0:].strip():
+                break
+        if head.startswith(_BOM):  # a byte-order mark is not part of the JSON (as in JSONL)
+            head = head[len(_BOM):]
+        if head.lstrip()[:1] != b"{":
+            yield from enumerate(json_items(itertools.chain([head], blocks), max_bytes))
+            return
+        try:
+            texts = list(json_items(itertools.chain([b"[", head], blocks, [b"]"]), max_bytes, wrapped=True))
+        except _JsonLines:
+            texts = None
+    yield from _jsonl_texts(f, max_bytes) if texts is None else enumerate(texts)
+
+
+def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
+    for position, text in _json_texts(f, max_bytes):
+        yield position, _record(text, max_bytes)
+
+
+def _record(text: "bytes | int | Rejected", max_bytes: int) -> Any:
+    """The record of one text from :func:`_jsonl_texts` or :func:`_json_texts`."""
+    if isinstance(text, bytes):
+        return parse_line(text, max_bytes)
+    return _too_large(text, max_bytes) if isinstance(text, int) else text
 
 
 def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> Iterator[list[dict]]:
@@ -488,27 +740,29 @@ TASK_ROWS = 65_536
 """Rows per task for Parquet (whole row groups) and datasets folders."""
 
 
-def plan_tasks(f: InputFile, task_bytes: int = TASK_BYTES) -> list[ReadTask]:
-    """The read tasks of one input. Splitting a JSONL file counts its lines once (fast: a byte scan)."""
+def plan_tasks(f: InputFile, task_bytes: Optional[int] = None) -> list[ReadTask]:
+    """The read tasks of one input (``task_bytes``: :data:`TASK_BYTES`, read at call time).
 
+    A JSONL file is cut right after an LF at about every ``task_bytes`` bytes, and each task
+    starts with the number of its first line, counted by the one line rule (:func:`line_ends`:
+    LF, CRLF and lone CR end lines) that the readers split by, so every task numbers its lines
+    as one pass over the whole file would. One byte scan, no parsing.
+    """
+    task_bytes = task_bytes or TASK_BYTES
     if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
-        tasks, start, line = [], 0, 1
+        tasks, start, line, pos, ends, after_cr = [], 0, 1, 0, 0, False
         with open_raw(f.path) as fh:
-            pos, pending = 0, 0
-            while True:
-                block = fh.read(8 * 2**20)
-                if not block:
-                    break
-                cut = 0
-                while pos + len(block) - start >= task_bytes:
-                    nl = block.find(b"\n", max(cut, start + task_bytes - pos - 1))
+            for block in _blocks(fh, size=8 * 2**20):
+                cut = 0  # line ends of block[:cut] are counted
+                while True:
+                    nl = block.find(b"\n", max(cut, start + task_bytes - 1 - pos))
                     if nl < 0:
                         break
-                    pending += block.count(b"\n", cut, nl + 1)
+                    ends += line_ends(block, cut, nl + 1, after_cr if cut == 0 else block[cut - 1] == 0x0D)
                     tasks.append(ReadTask(f, start, pos + nl + 1, line))
-                    line += pending
-                    pending, start, cut = 0, pos + nl + 1, nl + 1
-                pending += block.count(b"\n", cut)
+                    line, ends, start, cut = line + ends, 0, pos + nl + 1, nl + 1
+                ends += line_ends(block, cut, None, after_cr if cut == 0 else block[cut - 1] == 0x0D)
+                after_cr = block[-1] == 0x0D
                 pos += len(block)
         if start < pos or not tasks:
             tasks.append(ReadTask(f, start, None, line))
@@ -543,12 +797,12 @@ def count_records(f: InputFile) -> int:
     """Records in one input, as cheaply as the format allows (the progress total and the group count)."""
 
     if f.kind == "jsonl":
-        n, last = 0, b"\n"
+        n, last, after_cr = 0, b"\n", False
         with _open_bytes(f.path) as fh:
-            for block in iter(lambda: fh.read(8 * 2**20), b""):
-                n += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
-                last = block[-1:]
-        # a last line without a newline is a record too (blank lines count: this is an estimate)
+            for block in _blocks(fh, size=8 * 2**20):
+                n += line_ends(block, after_cr=after_cr)
+                last, after_cr = block[-1:], block[-1] == 0x0D
+        # a last line without a line end is a record too (blank lines count: this is an estimate)
         return n + (last not in (b"\n", b"\r"))
     if f.kind == "parquet":
         import pyarrow.parquet as pq
@@ -560,6 +814,8 @@ def count_records(f: InputFile) -> int:
 
         ds = datasets.load_from_disk(f.path)
         return len(ds[f.split] if f.split else ds)
+    if f.kind == "json":
+        return sum(1 for _ in _json_texts(f, 2**31 - 1))  # split, not parsed
     return sum(1 for _ in read_file(f, 2**31 - 1))
 
 
