@@ -272,36 +272,128 @@ def test_a_json_file_that_breaks_is_corrupt_after_the_last_good_item(tmp_path, d
     assert [pos for pos, _ in got[:-1]] == list(range(0 if position is None else position + 1))
 
 
+def test_deep_json_through_pack_preview_and_estimate(tmp_path):
+    good = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
+    body = [json.dumps(g).encode() for g in good]
+    body.insert(2, b'{"text": "x", "d": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    p = tmp_path / "deep.json"
+    p.write_bytes(b"[" + b",".join(body) + b"]")
+    out = tmp_path / "out"
+    r = cli("pack", str(p), "-o", str(out), "-q")
+    assert r.exit_code == 0, r.output
+    (dead,) = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    assert dead["position"] == 2 and dead["reason"] == "malformed_json" and "levels deep" in dead["detail"]
+    r = cli("preview", str(p), "-n", "10", "--no-color")
+    assert r.exit_code == 0 and "record 2: shape not recognised  REFUSED malformed_json" in r.output, r.output
+    r = cli("estimate", str(p), "--json")
+    assert r.exit_code == 0, r.output
 
 
 # ------------------------------------------------------------------------------------------------
 # Causes 10, 11, 16: what preview, --chat-template, --config and tokenizers name, checked alike
 
 
+def special(tmp_path: Path, kind: str, name: str) -> Path:
+    p = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p.symlink_to("/dev/zero")
+    return p
 
 
+KINDS = [pytest.param("fifo", id="fifo", marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")),
+         pytest.param("zero", id="dev_zero", marks=pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero"))]
+WHAT = {"fifo": "FIFO", "zero": "a device"}
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_preview_input(tmp_path, kind):
+    one_error(cli("preview", str(special(tmp_path, kind, "a.jsonl"))), WHAT[kind], "regular files")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_chat_template_file(tmp_path, kind):
+    t = special(tmp_path, kind, "t.jinja")
+    one_error(cli("preview", "--chat-template", str(t)), "--chat-template file", WHAT[kind])
+    one_error(cli("pack", "--chat-template", str(t), "-o", str(tmp_path / "o")), WHAT[kind])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_file(tmp_path, kind):
+    c = special(tmp_path, kind, "mix.yaml")
+    one_error(cli("preview", "--config", str(c)), "--config file", WHAT[kind])
+    one_error(cli("estimate", "--config", str(c)), WHAT[kind])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_tokenizer_folder(tmp_path, kind, name):
+    from pipeline._tokenizer import default_tokenizer_path
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").symlink_to(Path(default_tokenizer_path()) / "tokenizer.json")
+    if name == "tokenizer.json":
+        (folder / name).unlink()
+    special(folder, kind, name)
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    one_error(cli("preview", str(data), "--tokenizer", str(folder)), "tokenizer file", WHAT[kind])
 
 
+def test_config_alias_bomb_and_depth(tmp_path):
+    """Issue 16: 300 aliases of a 1 MiB string took 88 s and 3.8 GiB; 3,000 did not finish."""
+    c = tmp_path / "bomb.yaml"
+    c.write_text("x: &s '" + "z" * 900_000 + "'\ndatasets: [" + ", ".join(["*s"] * 3000) + "]\n")
+    one_error(cli("preview", "--config", str(c), timeout=60), "expands to more than")
+    c.write_text("datasets: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    one_error(cli("preview", "--config", str(c), timeout=60), "nests deeper than 32 levels")
+    c.write_text("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(9)))
+    one_error(cli("preview", "--config", str(c), timeout=60), "expands to more than")  # the billion laughs
 
 
+@pytest.mark.parametrize("name, data, words", [
+    ("a.arrow", b"not arrow at all", "not an Arrow IPC file"),
+    ("a.parquet", b'{"text": "a"}\n', "not a Parquet file"),
+    ("a.jsonl.gz", b'{"text": "a"}\n', "not gzip data"),
+    ("a.json", b'[{"text": "a"}, {"text": ', "not valid JSON"),
+])
+def test_preview_checks_file_types_like_pack(tmp_path, name, data, words):
+    p = tmp_path / name
+    p.write_bytes(data)
+    one_error(cli("preview", str(p)), words)
+    one_error(cli("pack", str(p), "-o", str(tmp_path / "o")), words)
 
 
+def test_preview_refuses_a_big_number_line_alone(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b'{"text": "a", "n": ' + HUGE + b'}\n{"text": "b"}\n')
+    r = cli("preview", str(p), "--no-color")
+    assert r.exit_code == 0, r.output
+    assert "line 1: shape not recognised  REFUSED malformed_json" in r.output and "line 2: text" in r.output
 
 
+def test_preview_shows_where_a_file_breaks_off(tmp_path):
+    p = tmp_path / "cut.jsonl.gz"
+    data = gzip.compress(b"".join(json.dumps({"text": f"r{i} " + "w" * (i % 90)}).encode() + b"\n" for i in range(3000)))
+    p.write_bytes(data[: len(data) // 2])
+    r = cli("preview", str(p), "-n", "100000", "--no-color")
+    assert r.exit_code == 0, r.output
+    assert "REFUSED corrupt_input" in r.output and "cut.jsonl.gz is corrupt or truncated" in r.output
 
 
 # ------------------------------------------------------------------------------------------------
 # Cause 17: the seed, checked once
 
 
+@pytest.mark.parametrize("args", [["estimate"], ["pack", "--estimate", "-o", "OUT"], ["preview"], ["pack", "-o", "OUT"]])
+def test_negative_seed_is_one_error(tmp_path, args):
+    args = [a.replace("OUT", str(tmp_path / "o")) for a in args]
+    one_error(cli(*args, "--seed", "-1"), "--seed -1 must be an integer within 0..")
+    with pytest.raises(PackstreamError, match="--seed"):
+        PackOptions(inputs=("x",), seed=2**64)
 
 
 # ------------------------------------------------------------------------------------------------
