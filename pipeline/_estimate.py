@@ -1,7 +1,7 @@
 """Predict a packing job from a sample of its inputs: ``packstream estimate`` (``pack --estimate``).
 
 For each input, :func:`sample_input` takes about ``k`` records spread over the whole file
-(evenly spaced seeks for JSONL, evenly spaced rows elsewhere, a seeded reservoir for gzip) and
+(evenly spaced seeks for JSONL, evenly spaced rows elsewhere, a seeded reservoir for compressed JSONL) and
 counts the records (exactly where that is cheap; otherwise file bytes / sampled bytes per
 record). :func:`estimate` then runs the job's own stages on the sample: the encode stage
 (:meth:`pipeline._encode.Encoder.encode`: normalize, render, tokenize, sample or repeat per data
@@ -95,8 +95,8 @@ def _parse_lines(lines: Sequence[tuple[int, "bytes | int"]], max_bytes: int) -> 
 def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random) -> tuple[list, int, bool]:
     """Lines are split and numbered by the job's own reader (:func:`pipeline._read._jsonl_texts`: one
     line rule, lines past --max-record-bytes never held), so positions are the job's."""
-    if f.path.lower().endswith(".gz"):
-        # No seeking into gzip: one pass, counting lines and keeping a seeded reservoir.
+    if _read.compression(f.path) is not None:
+        # No seeking into a compressed stream: one pass, counting lines and keeping a seeded reservoir.
         kept: list[tuple[int, "bytes | int"]] = []
         n = 0
         for lineno, raw in _read._jsonl_texts(f, max_bytes):
@@ -137,11 +137,13 @@ def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random
     return _parse_lines(lines, max_bytes), records, exact
 
 
-def _parquet_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
+def _parquet_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, int, bool]:
+    """Rows restored as the job restores them (:func:`pipeline._read.table_rows`)."""
     import pyarrow.parquet as pq
 
     with _read.open_raw(f.path) as fh:
         pf = pq.ParquetFile(fh)
+        plan = _read.row_plan(pf.schema_arrow)
         n = pf.metadata.num_rows
         starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
         wanted = _evenly(n, k)
@@ -149,19 +151,20 @@ def _parquet_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
         for i in wanted:
             g = int(np.searchsorted(starts, i, side="right") - 1)
             if g not in cache:
-                cache = {g: pf.read_row_group(g).to_pylist()}  # one group in memory at a time
+                cache = {g: _read.table_rows(pf.read_row_group(g), max_bytes, plan)}  # one group in memory at a time
             sample.append((i, cache[g][i - starts[g]]))
     return sample, n, True
 
 
-def _hf_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
+def _hf_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, int, bool]:
     import datasets
 
     ds = datasets.load_from_disk(f.path)
     if f.split:
         ds = ds[f.split]
     wanted = _evenly(len(ds), k)
-    return list(zip(wanted, ds.select(wanted).to_list())), len(ds), True
+    rows = _read.table_rows(ds.with_format("arrow").select(wanted)[:], max_bytes, _read.row_plan(ds.features.arrow_schema))
+    return list(zip(wanted, rows)), len(ds), True
 
 
 def sample_input(f: _read.InputFile, k: int = 1000, max_bytes: int = 16 * 2**20, seed: int = 0) -> InputSample:
@@ -173,9 +176,9 @@ def sample_input(f: _read.InputFile, k: int = 1000, max_bytes: int = 16 * 2**20,
     if f.kind == "jsonl":
         sample, n, exact = _jsonl_sample(f, k, max_bytes, rng)
     elif f.kind == "parquet":
-        sample, n, exact = _parquet_sample(f, k)
+        sample, n, exact = _parquet_sample(f, k, max_bytes)
     elif f.kind == "hf_disk":
-        sample, n, exact = _hf_sample(f, k)
+        sample, n, exact = _hf_sample(f, k, max_bytes)
     else:  # json, arrow: no seeking; count, then keep the records at evenly spaced places in one pass
         n = _read.count_records(f)
         wanted = set(_evenly(n, k))
@@ -307,7 +310,7 @@ def _input_bytes(f: _read.InputFile) -> int:
 
 def _read_tasks(f: _read.InputFile, records: int) -> int:
     """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
-    if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
+    if f.kind == "jsonl" and _read.compression(f.path) is None:
         return max(1, math.ceil(_input_bytes(f) / _read.TASK_BYTES))
     if f.kind in ("parquet", "hf_disk"):
         return max(1, math.ceil(records / _read.TASK_ROWS))

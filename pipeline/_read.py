@@ -1,10 +1,12 @@
 """Readers: input paths -> ``(source, position, record)`` triples.
 
 Inputs are files, globs or folders, local or anything Beam's ``FileSystems`` reads (gs://,
-s3://). Supported: JSONL (``.jsonl``, ``.ndjson``, gzip'd too), JSON arrays (``.json``), Parquet,
-Arrow (IPC stream or file), and Hugging Face ``save_to_disk`` folders. Each input is checked
-against its extension before the job starts, so a mislabelled or empty file is a clear CLI
-error, not a worker traceback.
+s3://). Supported (:data:`SUPPORTED`): JSONL (``.jsonl``, ``.ndjson``) and JSON arrays (``.json``),
+plain or compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet, Arrow (IPC stream or file), and
+Hugging Face ``save_to_disk`` folders. Each input is checked against its name before the job
+starts (its magic bytes; a small compressed stream decompressed whole), so a mislabelled, empty or
+unsupported file is a clear CLI error naming the fix, not a worker traceback. Every file is opened
+through :func:`packers._files.open_checked`.
 
 Positions: 1-based line numbers for JSONL, 0-based row indices for everything else.
 A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Rejected`.
@@ -29,11 +31,17 @@ from packers import PackstreamError
 from packers._files import MAX_JSON_DEPTH, check_regular, open_checked, show_path, value_depth
 from pipeline._formats import Reason, Rejected
 
-_JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
-_JSON = (".json", ".json.gz")
-_PARQUET = (".parquet",)
-_ARROW = (".arrow",)
-SUPPORTED = _JSONL + _JSON + _PARQUET + _ARROW
+_TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File name endings -> input kind (the one table; everything else is derived from it)."""
+COMPRESSIONS = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh"}
+"""Compressions of JSONL and JSON inputs -> the magic bytes their streams start with."""
+_CODEC = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}
+_COMPRESSIBLE = ("jsonl", "json")
+SUPPORTED = tuple(ext + c for ext, kind in _TYPES.items() for c in ("", *(COMPRESSIONS if kind in _COMPRESSIBLE else ())))
+_OTHER_COMPRESSIONS = {".lz4": "lz4 -d", ".zip": "unzip", ".snappy": "a Snappy tool", ".br": "brotli -d",
+                       ".zz": "a zlib tool", ".lzma": "xz -d", ".z": "uncompress", ".tar": "tar -xf", ".tgz": "tar -xzf",
+                       ".7z": "7z x", ".rar": "unrar x"}
+"""Compressions and archives packstream does not read, and the command that undoes each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +68,49 @@ def _beam_open(path: str):
     return FileSystems.open(path, compression_type="uncompressed")
 
 
-def _kind(path: str) -> str | None:
+def compression(path: str) -> Optional[str]:
+    """The compression suffix of a JSONL or JSON input (``.gz``, ``.zst``, ``.xz``, ``.bz2``), or None."""
     low = path.lower()
-    for exts, kind in ((_JSONL, "jsonl"), (_JSON, "json"), (_PARQUET, "parquet"), (_ARROW, "arrow")):
-        if low.endswith(exts):
-            return kind
+    for c in COMPRESSIONS:
+        if low.endswith(c) and _TYPES.get(posixpath.splitext(low[: -len(c)])[1]) in _COMPRESSIBLE:
+            return c
     return None
+
+
+def _kind(path: str) -> str | None:
+    """The input kind a file name says (``data.jsonl.zst``: jsonl), or None.
+
+    >>> _kind("a/b.ndjson.zst"), _kind("b.JSON.bz2"), _kind("b.parquet"), _kind("b.parquet.gz"), _kind("b.jsonl.lz4")
+    ('jsonl', 'json', 'parquet', None, None)
+    """
+    low = path.lower()
+    c = compression(low)
+    return _TYPES.get(posixpath.splitext(low[: len(low) - len(c or "")])[1])
+
+
+def supported_text() -> str:
+    """The supported inputs, for messages."""
+    plain = ", ".join(ext for ext in _TYPES)
+    return (f"{plain} (JSONL and JSON also compressed: {', '.join(COMPRESSIONS)}), or a datasets save_to_disk folder")
+
+
+def _looks_like_data(name: str) -> bool:
+    """A file name that says data packstream does not read (``a.jsonl.lz4``, ``shard.parquet.gz``, ``data.zip``):
+    a folder holding one is noted, never skipped in silence."""
+    low = name.lower()
+    return low.endswith(tuple(_OTHER_COMPRESSIONS)) or any(f"{ext}." in low for ext in _TYPES)
+
+
+def _fix_for(paths: list[str]) -> str:
+    """What to do about files no reader supports: the command that undoes a compression packstream does not
+    read, else a rename."""
+    for p in paths:
+        low = p.lower()
+        for ext, command in _OTHER_COMPRESSIONS.items():
+            if low.endswith(ext):
+                return (f"packstream does not read {ext} files: decompress them first ({command}), or recompress "
+                        "JSONL/JSON as .zst, .gz, .xz or .bz2")
+    return "name each file for its type (data.jsonl for JSON lines, data.json for a JSON array, data.parquet, ...)"
 
 
 def _is_hf_disk(path: str) -> bool:
@@ -82,18 +127,26 @@ def _sniff(path: str, kind: str) -> None:
     """Refuse a file whose bytes do not match its extension, or that is empty."""
     try:
         with open_raw(path) as f:
-            head = f.read(4096)
+            head = raw_head = f.read(4096)
     except (OSError, IOError) as e:  # permissions, a folder named like a file, a vanished file
         raise PackstreamError(f"cannot read input {path}: {type(e).__name__}: {e}; check the path and its permissions") from None
     if not head:
         raise PackstreamError(f"input {path} is empty; remove it from the inputs")
-    if path.lower().endswith(".gz"):
-        if head[:2] != b"\x1f\x8b":
-            raise PackstreamError(f"input {path} ends in .gz but is not gzip data; rename it or recompress it")
+    c = compression(path)
+    if c is not None:
+        if not head.startswith(COMPRESSIONS[c]):
+            raise PackstreamError(f"input {show_path(path)} ends in {c} but is not {_CODEC[c]} data (starts with {head[:6]!r}); "
+                                  "rename it to what it is, or recompress it")
         try:
-            head = gzip.decompress(head) if len(head) < 4096 else _gunzip_head(path)
-        except (OSError, EOFError, zlib.error) as e:
-            raise PackstreamError(f"input {path} is a corrupt or truncated gzip file ({e}); re-create it") from None
+            # A small file is decompressed whole here, so a break in it is a launch error (bounded: a
+            # few KiB of zstd or xz can stand for gigabytes).
+            with _open_bytes(path) as fh:
+                head = fh.read(4096)
+                if len(head) == 4096 and len(raw_head) < 4096:
+                    for _ in _blocks(fh, limit=64 * 2**20):
+                        pass
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            raise PackstreamError(f"input {show_path(path)} is a corrupt or truncated {_CODEC[c]} file ({e}); re-create it") from None
     if kind == "parquet" and head[:4] != b"PAR1":
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
@@ -144,11 +197,6 @@ def _one_line(path: str) -> bool:
     return True
 
 
-def _gunzip_head(path: str) -> bytes:
-    with open_raw(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
-        return f.read(4096)
-
-
 def _local_matches(pattern: str) -> list[str]:
     """Absolute paths of the local files (or datasets folders) that ``pattern`` names.
 
@@ -169,11 +217,12 @@ def _local_matches(pattern: str) -> list[str]:
                 out.append(dirpath)
                 dirnames[:] = []
                 continue
-            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".") and _kind(f)]
-        if not out:
+            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")
+                    and (_kind(f) or _looks_like_data(f))]
+        if not any(_kind(p) or _is_hf_disk(p) for p in out):
             raise PackstreamError(
-                f"input folder {pattern!r} holds no supported file (supported: {', '.join(SUPPORTED)}, or a datasets "
-                "save_to_disk folder; hidden names are skipped)"
+                f"input folder {show_path(pattern)} holds no supported file (supported: {supported_text()}; hidden "
+                f"names are skipped); {_fix_for(out)}"
             )
         return out
     return sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True)
@@ -215,12 +264,17 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
             if not paths:
                 raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
             usable = [(p, "hf_disk" if _is_hf_disk(p) else _kind(p)) for p in paths]
+            skipped = [p for p, k in usable if not k]
             usable = [(p, k) for p, k in usable if k]
             if not usable:
-                raise PackstreamError(
-                    f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)} "
-                    "or a datasets save_to_disk folder"
-                )
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} matches no supported file ({shown}); supported: "
+                                      f"{supported_text()}; {_fix_for(skipped)}")
+            unread = [p for p in skipped if _looks_like_data(posixpath.basename(p))]
+            if unread:  # data no reader supports is refused, never skipped in silence
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
+                                      f"({shown}); {_fix_for(unread)}, or name only the files to read")
             for p, k in usable:
                 if not remote and k != "hf_disk":
                     check_regular(p, "input")
@@ -299,18 +353,49 @@ def _hf_splits(path: str, source: str, dataset: int = 0, split: "str | None" = N
 
 @contextlib.contextmanager
 def _open_bytes(path: str) -> Iterator[Any]:
-    """The file's bytes, gunzipped for ``.gz``.
+    """The file's bytes, decompressed by its suffix (:data:`COMPRESSIONS`).
 
-    Python's gzip over the raw stream, not Beam's ``CompressedFile``: that one is not iterable,
-    and at a truncated gzip member it stops silently, so the rest of the file would vanish
-    without a trace; ``gzip.GzipFile`` raises EOFError (see :func:`read_file`).
+    Each decompressor raises at a stream that breaks off, so the rest of the file never vanishes
+    without a trace (see :func:`read_file`): Python's gzip (not Beam's ``CompressedFile``, which
+    stops silently at a truncated member), bz2 and lzma, and pyarrow's zstd (already a dependency;
+    the ``zstandard`` package's stream reader ends silently at a truncated frame).
     """
+    c = compression(path)
     with open_raw(path) as raw:
-        if path.lower().endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-                yield gz
-        else:
+        if c is None:
             yield raw
+        elif c == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield stream
+        elif c == ".bz2":
+            import bz2
+
+            with bz2.BZ2File(raw, mode="rb") as stream:
+                yield stream
+        elif c == ".xz":
+            import lzma
+
+            with lzma.LZMAFile(raw, mode="rb") as stream:
+                yield stream
+        else:
+            import pyarrow as pa
+
+            with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
+                yield _SmallReads(stream)
+
+
+class _SmallReads:
+    """A stream whose ``read1`` asks for at most 64 KiB: pyarrow's decompressing stream raises at a break and
+    drops what that one call decoded, so small calls hand over all but the last 64 KiB before the break."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def read(self, n: int = -1) -> bytes:
+        return self.stream.read() if n is None or n < 0 else self.stream.read(n)
+
+    def read1(self, n: int = -1) -> bytes:
+        return self.stream.read(1 << 16 if n is None or n < 0 else min(n, 1 << 16))
 
 
 # ---------------------------------------------------------------------------------------
@@ -677,8 +762,93 @@ def _record(text: "bytes | int | Rejected", max_bytes: int) -> Any:
     return _too_large(text, max_bytes) if isinstance(text, int) else text
 
 
-def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> Iterator[list[dict]]:
-    """Rows ``start:stop`` of a table input, in lists of up to 1024."""
+# ---------------------------------------------------------------------------------------
+# Tables (Parquet, Arrow, datasets folders): rows as the records they hold
+
+
+_JSON_VALUE = "json"
+
+
+def _plan(t: Any, feature: Any = None) -> Any:
+    """What turns a value of Arrow type ``t`` back into the record it stores: None (nothing: no struct and
+    no JSON inside), :data:`_JSON_VALUE`, ``("struct", {field: plan})`` or ``("list", plan)``.
+
+    ``feature`` is ``datasets``' description of the same place (its ``huggingface`` schema metadata),
+    which marks a ``Json`` feature even where a writer dropped the Arrow extension type.
+    """
+    import pyarrow as pa
+
+    if getattr(t, "extension_name", None) == "arrow.json" or (isinstance(feature, dict) and feature.get("_type") == "Json"):
+        return _JSON_VALUE
+    if isinstance(t, pa.ExtensionType):
+        t = t.storage_type
+    if pa.types.is_struct(t):
+        sub = feature if isinstance(feature, dict) and "_type" not in feature else {}
+        return ("struct", {t.field(i).name: _plan(t.field(i).type, sub.get(t.field(i).name)) for i in range(t.num_fields)})
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_list_view(t) \
+            or pa.types.is_large_list_view(t):
+        inner = feature.get("feature") if isinstance(feature, dict) and feature.get("_type") in ("List", "LargeList", "Sequence") else None
+        sub = _plan(t.value_type, inner)
+        return None if sub is None else ("list", sub)
+    return None
+
+
+def row_plan(schema: Any) -> Any:
+    """The plan (:func:`_plan`) of a table's rows: a struct of its columns."""
+    import pyarrow as pa
+
+    features = None
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if meta:
+        try:
+            features = (json.loads(meta).get("info") or {}).get("features")
+        except (ValueError, AttributeError):
+            features = None
+    return _plan(pa.struct(list(schema)), features if isinstance(features, dict) else None)
+
+
+def _restore(value: Any, plan: Any, max_bytes: int, at: str) -> Any:
+    """A columnar value as the record it stores (see :func:`table_rows`)."""
+    if value is None or plan is None:
+        return value
+    if plan is _JSON_VALUE:
+        if not isinstance(value, str):
+            return value
+        record = parse_line(value.encode("utf-8", "surrogatepass"), max_bytes)
+        if isinstance(record, Rejected):
+            raise Rejected(record.reason, f"the Json value at {at}: {record.detail}")
+        return record
+    kind, sub = plan
+    if kind == "struct":
+        return {k: _restore(v, sub.get(k), max_bytes, f"{at}.{k}" if at else k) for k, v in value.items() if v is not None}
+    return [_restore(x, sub, max_bytes, f"{at}[{j}]") for j, x in enumerate(value)]
+
+
+def table_rows(batch: Any, max_bytes: int, plan: Any = None) -> list:
+    """The records of a record batch or table (a Rejected for a record that cannot be restored).
+
+    Columnar files store records differently from JSON, and these two differences are undone here,
+    so that the same records give the same examples in every container (tests/test_containers.py):
+
+    * ``datasets``' ``Json`` feature (the ``arrow.json`` extension type, which ``datasets`` 5 writes
+      to Parquet and ``save_to_disk`` for free-form values) stores each value as JSON text: it is
+      decoded, never read as a string holding JSON.
+    * A columnar schema gives every row every field of a struct, so the fields a record lacked come
+      back as nulls (pyarrow and ``datasets`` fill them): a null struct field is dropped, as it is
+      not in the record. Values decoded from ``Json`` are left as their JSON says, nulls included.
+    """
+    plan = row_plan(batch.schema) if plan is None else plan
+    out: list = []
+    for row in batch.to_pylist():
+        try:
+            out.append(_restore(row, plan, max_bytes, ""))
+        except Rejected as r:
+            out.append(r)
+    return out
+
+
+def _table_batches(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None) -> Iterator[list]:
+    """Records ``start:stop`` of a table input (:func:`table_rows`), in lists of up to 1024."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -690,29 +860,35 @@ def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> 
             ds = ds[f.split]
         ds = ds.with_format("arrow")
         stop = len(ds) if stop is None else min(stop, len(ds))
+        plan = row_plan(ds.features.arrow_schema) if hasattr(ds.features, "arrow_schema") else None
         for i in range(start, stop, 1024):
-            yield ds[i:min(i + 1024, stop)].to_pylist()
+            yield table_rows(ds[i:min(i + 1024, stop)], max_bytes, plan)
         return
     with open_raw(f.path) as fh:
         if f.kind == "parquet":
             pf = pq.ParquetFile(fh)
+            plan = row_plan(pf.schema_arrow)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             first = 0
             for g, n in enumerate(sizes):  # tasks start and stop at row-group boundaries
                 if first >= start and (stop is None or first < stop):
                     for batch in pf.iter_batches(batch_size=1024, row_groups=[g]):
-                        yield batch.to_pylist()
+                        yield table_rows(batch, max_bytes, plan)
                 first += n
             return
-        data = fh.read()
-    try:
-        reader = pa.ipc.open_stream(data)
-        batches = iter(reader)
-    except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(data)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    for batch in batches:
-        yield batch.to_pylist()
+        # Arrow: IPC file (random access, "ARROW1" first) or stream, read batch by batch from the checked file.
+        source = pa.PythonFile(fh, mode="r")
+        if fh.read(6) == b"ARROW1":
+            fh.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema, batches = reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            fh.seek(0)
+            reader = pa.ipc.open_stream(source)
+            schema, batches = reader.schema, iter(reader)
+        plan = row_plan(schema)
+        for batch in batches:
+            yield table_rows(batch, max_bytes, plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,7 +925,7 @@ def plan_tasks(f: InputFile, task_bytes: Optional[int] = None) -> list[ReadTask]
     as one pass over the whole file would. One byte scan, no parsing.
     """
     task_bytes = task_bytes or TASK_BYTES
-    if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
+    if f.kind == "jsonl" and compression(f.path) is None:
         tasks, start, line, pos, ends, after_cr = [], 0, 1, 0, 0, False
         with open_raw(f.path) as fh:
             for block in _blocks(fh, size=8 * 2**20):
@@ -829,7 +1005,7 @@ def read_task(t: ReadTask, max_bytes: int) -> Iterator[tuple[int, Any]]:
         elif f.kind == "json":
             records = _json(f, max_bytes)
         else:
-            records = enumerate((row for rows in _table_batches(f, t.start, t.stop) for row in rows), start=t.start)
+            records = enumerate((row for rows in _table_batches(f, max_bytes, t.start, t.stop) for row in rows), start=t.start)
         for position, record in records:
             yield position, record
     except PackstreamError:
