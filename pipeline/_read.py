@@ -460,6 +460,16 @@ def split_lines(blocks: Iterable[bytes], max_bytes: int) -> Iterator["bytes | in
         if after_cr and block[:1] == b"\n":
             block = block[1:]
         data = pending + block if pending else block
+        if not skipped and b"\r" not in data:  # the common case, LF only: split and hand over in C
+            parts = data.split(b"\n")
+            pending, after_cr = parts.pop(), False
+            if parts and max(map(len, parts)) <= max_bytes:
+                yield from parts
+            else:
+                yield from (p if len(p) <= max_bytes else len(p) for p in parts)
+            if len(pending) > max_bytes:
+                skipped, pending = len(pending), b""
+            continue
         parts = data.splitlines(keepends=True)
         pending = parts.pop() if parts and parts[-1][-1:] not in (b"\n", b"\r") else b""
         after_cr = bool(parts) and not pending and parts[-1][-1:] == b"\r"
@@ -526,7 +536,7 @@ def _too_deep(depth: "int | None" = None) -> Rejected:
 def _checked(record: Any, raw: bytes) -> Any:
     """``record``, or a Rejected when it nests deeper than :data:`packers._files.MAX_JSON_DEPTH` (counted on the
     parsed value, breadth first and stopping past the bound; only when its text holds that many brackets)."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+    if len(raw) > 2 * MAX_JSON_DEPTH and raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         depth = value_depth(record)
         if depth > MAX_JSON_DEPTH:
             return _too_deep()

@@ -161,7 +161,7 @@ def test_lone_cr_lines_number_alike_in_every_task(tmp_path):
     assert [(pos, r) for pos, r in got] == [(n, json.loads(raw)) for n, raw in truth_lines(body)]
 
 
-chunks_of_bytes = st.lists(st.sampled_from([b"\n", b"\r", b"\r\n", b"{}", b" ", b"ab", b"\r\r", b"\n\r"]),
+chunks_of_bytes = st.lists(st.sampled_from([b"\n", b"\r", b"\r\n", b"{}", b" ", b"ab", b"\r\r", b"\n\r", b"abcdefg"]),
                            max_size=60).map(b"".join)
 
 
@@ -179,6 +179,8 @@ def test_one_line_rule_everywhere(data, cuts, task):
     if want[-1] == b"":
         want.pop()
     assert lines == want
+    # Lines past max_bytes come out as their lengths, wherever the blocks cut them.
+    assert list(_read.split_lines(blocks, max_bytes=3)) == [w if len(w) <= 3 else len(w) for w in want]
     after_cr, ends = False, 0
     for b in blocks:
         ends += _read.line_ends(b, after_cr=after_cr)
