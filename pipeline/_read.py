@@ -1,10 +1,12 @@
 """Readers: input paths -> ``(source, position, record)`` triples.
 
 Inputs are files, globs or folders, local or anything Beam's ``FileSystems`` reads (gs://,
-s3://). Supported: JSONL (``.jsonl``, ``.ndjson``, gzip'd too), JSON arrays (``.json``), Parquet,
-Arrow (IPC stream or file), and Hugging Face ``save_to_disk`` folders. Each input is checked
-against its extension before the job starts, so a mislabelled or empty file is a clear CLI
-error, not a worker traceback.
+s3://). Supported (:data:`SUPPORTED`): JSONL (``.jsonl``, ``.ndjson``) and JSON arrays (``.json``),
+plain or compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet, Arrow (IPC stream or file), and
+Hugging Face ``save_to_disk`` folders. Each input is checked against its name before the job
+starts (its magic bytes; a small compressed stream decompressed whole), so a mislabelled, empty or
+unsupported file is a clear CLI error naming the fix, not a worker traceback. Every file is opened
+through :func:`packers._files.open_checked`.
 
 Positions: 1-based line numbers for JSONL, 0-based row indices for everything else.
 A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Rejected`.
@@ -15,22 +17,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import itertools
 import json
 import os
 import posixpath
+import re
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import orjson
 
 from packers import PackstreamError
+from packers._files import MAX_JSON_DEPTH, check_regular, open_checked, show_path, value_depth
 from pipeline._formats import Reason, Rejected
 
-_JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
-_JSON = (".json", ".json.gz")
-_PARQUET = (".parquet",)
-_ARROW = (".arrow",)
-SUPPORTED = _JSONL + _JSON + _PARQUET + _ARROW
+_TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File name endings -> input kind (the one table; everything else is derived from it)."""
+COMPRESSIONS = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh"}
+"""Compressions of JSONL and JSON inputs -> the magic bytes their streams start with."""
+_CODEC = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}
+_COMPRESSIBLE = ("jsonl", "json")
+SUPPORTED = tuple(ext + c for ext, kind in _TYPES.items() for c in ("", *(COMPRESSIONS if kind in _COMPRESSIBLE else ())))
+_OTHER_COMPRESSIONS = {".lz4": "lz4 -d", ".zip": "unzip", ".snappy": "a Snappy tool", ".br": "brotli -d",
+                       ".zz": "a zlib tool", ".lzma": "xz -d", ".z": "uncompress", ".tar": "tar -xf", ".tgz": "tar -xzf",
+                       ".7z": "7z x", ".rar": "unrar x"}
+"""Compressions and archives packstream does not read, and the command that undoes each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +56,61 @@ class InputFile:
 
 
 def open_raw(path: str):
-    """A file's bytes as a binary stream: the local file system directly (no Beam import), else Beam's
-    FileSystems (gs://, s3://, ...), uncompressed."""
-    if "://" not in path:
-        return open(path, "rb")
+    """An input's bytes as a binary stream, through the one checked open (:func:`packers._files.open_checked`:
+    regular files only, so a FIFO or ``/dev/zero`` is one error line); local files directly (no Beam
+    import), anything else through Beam's FileSystems (gs://, s3://, ...), uncompressed."""
+    return open_checked(path, what="input", opener=_beam_open)
+
+
+def _beam_open(path: str):
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.open(path, compression_type="uncompressed")
 
 
-def _kind(path: str) -> str | None:
+def compression(path: str) -> Optional[str]:
+    """The compression suffix of a JSONL or JSON input (``.gz``, ``.zst``, ``.xz``, ``.bz2``), or None."""
     low = path.lower()
-    for exts, kind in ((_JSONL, "jsonl"), (_JSON, "json"), (_PARQUET, "parquet"), (_ARROW, "arrow")):
-        if low.endswith(exts):
-            return kind
+    for c in COMPRESSIONS:
+        if low.endswith(c) and _TYPES.get(posixpath.splitext(low[: -len(c)])[1]) in _COMPRESSIBLE:
+            return c
     return None
+
+
+def _kind(path: str) -> str | None:
+    """The input kind a file name says (``data.jsonl.zst``: jsonl), or None.
+
+    >>> _kind("a/b.ndjson.zst"), _kind("b.JSON.bz2"), _kind("b.parquet"), _kind("b.parquet.gz"), _kind("b.jsonl.lz4")
+    ('jsonl', 'json', 'parquet', None, None)
+    """
+    low = path.lower()
+    c = compression(low)
+    return _TYPES.get(posixpath.splitext(low[: len(low) - len(c or "")])[1])
+
+
+def supported_text() -> str:
+    """The supported inputs, for messages."""
+    plain = ", ".join(ext for ext in _TYPES)
+    return (f"{plain} (JSONL and JSON also compressed: {', '.join(COMPRESSIONS)}), or a datasets save_to_disk folder")
+
+
+def _looks_like_data(name: str) -> bool:
+    """A file name that says data packstream does not read (``a.jsonl.lz4``, ``shard.parquet.gz``, ``data.zip``):
+    a folder holding one is noted, never skipped in silence."""
+    low = name.lower()
+    return low.endswith(tuple(_OTHER_COMPRESSIONS)) or any(f"{ext}." in low for ext in _TYPES)
+
+
+def _fix_for(paths: list[str]) -> str:
+    """What to do about files no reader supports: the command that undoes a compression packstream does not
+    read, else a rename."""
+    for p in paths:
+        low = p.lower()
+        for ext, command in _OTHER_COMPRESSIONS.items():
+            if low.endswith(ext):
+                return (f"packstream does not read {ext} files: decompress them first ({command}), or recompress "
+                        "JSONL/JSON as .zst, .gz, .xz or .bz2")
+    return "name each file for its type (data.jsonl for JSON lines, data.json for a JSON array, data.parquet, ...)"
 
 
 def _is_hf_disk(path: str) -> bool:
@@ -76,18 +127,26 @@ def _sniff(path: str, kind: str) -> None:
     """Refuse a file whose bytes do not match its extension, or that is empty."""
     try:
         with open_raw(path) as f:
-            head = f.read(4096)
+            head = raw_head = f.read(4096)
     except (OSError, IOError) as e:  # permissions, a folder named like a file, a vanished file
         raise PackstreamError(f"cannot read input {path}: {type(e).__name__}: {e}; check the path and its permissions") from None
     if not head:
         raise PackstreamError(f"input {path} is empty; remove it from the inputs")
-    if path.lower().endswith(".gz"):
-        if head[:2] != b"\x1f\x8b":
-            raise PackstreamError(f"input {path} ends in .gz but is not gzip data; rename it or recompress it")
+    c = compression(path)
+    if c is not None:
+        if not head.startswith(COMPRESSIONS[c]):
+            raise PackstreamError(f"input {show_path(path)} ends in {c} but is not {_CODEC[c]} data (starts with {head[:6]!r}); "
+                                  "rename it to what it is, or recompress it")
         try:
-            head = gzip.decompress(head) if len(head) < 4096 else _gunzip_head(path)
-        except (OSError, EOFError, zlib.error) as e:
-            raise PackstreamError(f"input {path} is a corrupt or truncated gzip file ({e}); re-create it") from None
+            # A small file is decompressed whole here, so a break in it is a launch error (bounded: a
+            # few KiB of zstd or xz can stand for gigabytes).
+            with _open_bytes(path) as fh:
+                head = fh.read(4096)
+                if len(head) == 4096 and len(raw_head) < 4096:
+                    for _ in _blocks(fh, limit=64 * 2**20):
+                        pass
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            raise PackstreamError(f"input {show_path(path)} is a corrupt or truncated {_CODEC[c]} file ({e}); re-create it") from None
     if kind == "parquet" and head[:4] != b"PAR1":
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
@@ -106,6 +165,12 @@ def _sniff(path: str, kind: str) -> None:
                 f"input {path} holds a JSON array spread over lines, not JSON Lines (one object per line); "
                 "rename it to .json"
             )
+        if kind == "json" and len(head) < 4096:  # all of it is here: a break is a launch error, as for gzip
+            try:
+                for _ in _json_texts(InputFile(path, path, kind), 2**31 - 1):
+                    pass
+            except ValueError as e:
+                raise PackstreamError(f"input {path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
         if kind == "jsonl" and stripped[:1] == b"[" and _one_line(path):
             raise PackstreamError(
                 f"input {path} holds one JSON array on a single line, not JSON Lines (one object per line): its "
@@ -132,11 +197,6 @@ def _one_line(path: str) -> bool:
     return True
 
 
-def _gunzip_head(path: str) -> bytes:
-    with open_raw(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
-        return f.read(4096)
-
-
 def _local_matches(pattern: str) -> list[str]:
     """Absolute paths of the local files (or datasets folders) that ``pattern`` names.
 
@@ -157,11 +217,12 @@ def _local_matches(pattern: str) -> list[str]:
                 out.append(dirpath)
                 dirnames[:] = []
                 continue
-            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".") and _kind(f)]
-        if not out:
+            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")
+                    and (_kind(f) or _looks_like_data(f))]
+        if not any(_kind(p) or _is_hf_disk(p) for p in out):
             raise PackstreamError(
-                f"input folder {pattern!r} holds no supported file (supported: {', '.join(SUPPORTED)}, or a datasets "
-                "save_to_disk folder; hidden names are skipped)"
+                f"input folder {show_path(pattern)} holds no supported file (supported: {supported_text()}; hidden "
+                f"names are skipped); {_fix_for(out)}"
             )
         return out
     return sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True)
@@ -181,20 +242,6 @@ def _remote_matches(pattern: str) -> list[str]:
         return sorted(m.path for m in FileSystems.match([query])[0].metadata_list)
     except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError (or worse) for unreadable or unknown schemes
         raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
-
-
-def _check_regular(path: str) -> None:
-    """Refuse what is not a regular file (a FIFO would block the reader forever; a device never ends)."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        raise PackstreamError(f"cannot read input {path}: {e.strerror or e}; check the path and its permissions") from None
-    if not stat.S_ISREG(mode):
-        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-        raise PackstreamError(f"input {path} is {what}; packstream reads regular files: copy the data to a file first")
 
 
 def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
@@ -217,15 +264,20 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
             if not paths:
                 raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
             usable = [(p, "hf_disk" if _is_hf_disk(p) else _kind(p)) for p in paths]
+            skipped = [p for p, k in usable if not k]
             usable = [(p, k) for p, k in usable if k]
             if not usable:
-                raise PackstreamError(
-                    f"input {pattern!r} matches no supported file; supported: {', '.join(SUPPORTED)} "
-                    "or a datasets save_to_disk folder"
-                )
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} matches no supported file ({shown}); supported: "
+                                      f"{supported_text()}; {_fix_for(skipped)}")
+            unread = [p for p in skipped if _looks_like_data(posixpath.basename(p))]
+            if unread:  # data no reader supports is refused, never skipped in silence
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
+                                      f"({shown}); {_fix_for(unread)}, or name only the files to read")
             for p, k in usable:
                 if not remote and k != "hf_disk":
-                    _check_regular(p)
+                    check_regular(p, "input")
                 real = p if remote else os.path.realpath(p)
                 if real in owner:
                     first, first_d = owner[real]
@@ -301,34 +353,216 @@ def _hf_splits(path: str, source: str, dataset: int = 0, split: "str | None" = N
 
 @contextlib.contextmanager
 def _open_bytes(path: str) -> Iterator[Any]:
-    """The file's bytes, gunzipped for ``.gz``.
+    """The file's bytes, decompressed by its suffix (:data:`COMPRESSIONS`).
 
-    Python's gzip over the raw stream, not Beam's ``CompressedFile``: that one is not iterable,
-    and at a truncated gzip member it stops silently, so the rest of the file would vanish
-    without a trace; ``gzip.GzipFile`` raises EOFError (see :func:`read_file`).
+    Each decompressor raises at a stream that breaks off, so the rest of the file never vanishes
+    without a trace (see :func:`read_file`): Python's gzip (not Beam's ``CompressedFile``, which
+    stops silently at a truncated member), bz2 and lzma, and pyarrow's zstd (already a dependency;
+    the ``zstandard`` package's stream reader ends silently at a truncated frame).
     """
+    c = compression(path)
     with open_raw(path) as raw:
-        if path.lower().endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-                yield gz
-        else:
+        if c is None:
             yield raw
+        elif c == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield stream
+        elif c == ".bz2":
+            import bz2
+
+            with bz2.BZ2File(raw, mode="rb") as stream:
+                yield stream
+        elif c == ".xz":
+            import lzma
+
+            with lzma.LZMAFile(raw, mode="rb") as stream:
+                yield stream
+        else:
+            import pyarrow as pa
+
+            with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
+                yield _SmallReads(stream)
+
+
+class _SmallReads:
+    """A stream whose ``read1`` asks for at most 64 KiB: pyarrow's decompressing stream raises at a break and
+    drops what that one call decoded, so small calls hand over all but the last 64 KiB before the break."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def read(self, n: int = -1) -> bytes:
+        return self.stream.read() if n is None or n < 0 else self.stream.read(n)
+
+    def read1(self, n: int = -1) -> bytes:
+        return self.stream.read(1 << 16 if n is None or n < 0 else min(n, 1 << 16))
+
+
+# ---------------------------------------------------------------------------------------
+# Lines: one rule everywhere
+#
+# A line ends at LF, CRLF or a lone CR (old Mac files), exactly the line ends of Python's
+# ``bytes.splitlines``. Raw CR and LF cannot occur inside a JSON value, so splitting at either
+# never cuts a record. The readers split with ``bytes.splitlines``; the task planner and the
+# record count count with :func:`line_ends`; tests hold the two equal over random bytes cut at
+# random places, so every task numbers its lines as one pass over the whole file would.
+
+_BLOCK = 1 << 20
+"""Bytes read at a time by the line and JSON readers."""
+_BOM = b"\xef\xbb\xbf"
+
+
+def line_ends(buf: bytes, start: int = 0, stop: Optional[int] = None, after_cr: bool = False) -> int:
+    """The number of line ends in ``buf[start:stop]`` (LF, CRLF, lone CR; a CRLF counts once).
+
+    ``after_cr``: the byte before ``start`` was a CR, so an LF at ``start`` completes a CRLF that
+    was already counted.
+
+    >>> line_ends(b"a\\nb\\r\\nc\\rd\\r\\r\\n"), line_ends(b"\\nx", after_cr=True)
+    (5, 0)
+    """
+    stop = len(buf) if stop is None else stop
+    n = buf.count(b"\n", start, stop) + buf.count(b"\r", start, stop) - buf.count(b"\r\n", start, stop)
+    if after_cr and start < stop and buf[start] == 0x0A:
+        n -= 1
+    return n
+
+
+def _blocks(fh, limit: Optional[int] = None, size: int = _BLOCK) -> Iterator[bytes]:
+    """The bytes of ``fh`` from its position, up to ``size`` at a time, at most ``limit`` of them in all.
+
+    ``read1`` where the stream has it: a decompressing stream then hands over what it has decoded
+    before it raises at a break (a truncated gzip), so the records before the break are read."""
+    read = getattr(fh, "read1", None) or fh.read
+    while limit is None or limit > 0:
+        block = read(size if limit is None else min(size, limit))
+        if not block:
+            return
+        if limit is not None:
+            limit -= len(block)
+        yield block
+
+
+def split_lines(blocks: Iterable[bytes], max_bytes: int) -> Iterator["bytes | int"]:
+    """Each line of a byte stream, without its line end (see :func:`line_ends` for the rule).
+
+    A line longer than ``max_bytes`` comes out as its length (an ``int``), and is never held
+    whole: memory stays within ``max_bytes`` plus one block, whatever the file holds (a file of
+    one 10 GB line, a file of lone CRs read as one line by ``readline``).
+
+    >>> list(split_lines([b"a\\r", b"\\nbb\\rc", b"ccc\\n\\n"], max_bytes=3))
+    [b'a', b'bb', 4, b'']
+    """
+    pending = b""  # the start of a line whose end is not read yet
+    skipped = 0  # the length so far of a line too long to hold (pending is then empty)
+    after_cr = False  # the last block ended with a CR: an LF starting the next one completes that CRLF
+    for block in blocks:
+        if after_cr and block[:1] == b"\n":
+            block = block[1:]
+        data = pending + block if pending else block
+        if not skipped and b"\r" not in data:  # the common case, LF only: split and hand over in C
+            parts = data.split(b"\n")
+            pending, after_cr = parts.pop(), False
+            if parts and max(map(len, parts)) <= max_bytes:
+                yield from parts
+            else:
+                yield from (p if len(p) <= max_bytes else len(p) for p in parts)
+            if len(pending) > max_bytes:
+                skipped, pending = len(pending), b""
+            continue
+        parts = data.splitlines(keepends=True)
+        pending = parts.pop() if parts and parts[-1][-1:] not in (b"\n", b"\r") else b""
+        after_cr = bool(parts) and not pending and parts[-1][-1:] == b"\r"
+        for part in parts:
+            body = part[:-2] if part[-2:] == b"\r\n" else part[:-1]
+            if skipped:
+                yield skipped + len(body)
+                skipped = 0
+            else:
+                yield body if len(body) <= max_bytes else len(body)
+        if len(pending) > max_bytes:
+            skipped += len(pending)
+            pending = b""
+    if skipped:
+        yield skipped + len(pending)
+    elif pending:
+        yield pending if len(pending) <= max_bytes else len(pending)
+
+
+def _lines(fh, first_line: int, limit: Optional[int], max_bytes: int) -> Iterator[tuple[int, "bytes | int"]]:
+    """``(line number, bytes or length)`` of each line in the next ``limit`` bytes of ``fh`` (None: to the end)."""
+    return enumerate(split_lines(_blocks(fh, limit), max_bytes), start=first_line)
+
+
+def _jsonl_texts(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
+                 first_line: int = 1) -> Iterator[tuple[int, "bytes | int"]]:
+    """``(line number, text or size)`` of each non-blank line of bytes ``start:stop`` of a JSONL file
+    (a byte-order mark before line 1 is not part of it)."""
+    with _open_bytes(f.path) as fh:
+        if start:
+            fh.seek(start)
+        for lineno, raw in _lines(fh, first_line, None if stop is None else stop - start, max_bytes):
+            if lineno == 1 and isinstance(raw, bytes) and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            if isinstance(raw, int) or raw.strip():  # blank lines are not records
+                yield lineno, raw
+
+
+def _jsonl(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
+           first_line: int = 1) -> Iterator[tuple[int, Any]]:
+    for lineno, text in _jsonl_texts(f, max_bytes, start, stop, first_line):
+        yield lineno, _record(text, max_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# One record's bytes -> the record
+
+
+def _too_large(size: int, max_bytes: int) -> Rejected:
+    return Rejected(Reason.RECORD_TOO_LARGE, f"{size} bytes > --max-record-bytes {max_bytes}")
+
+
+_DIGITS = bytes.maketrans(b"0123456789", b"9999999999")
+_LONG_DIGITS = b"9" * 19
+"""orjson turns an integer beyond 64 bits (-2**63 .. 2**64-1) into a float, silently (an id
+18446744073709551617 would read as 1.8446744073709552e+19): every such integer has 19 digits or
+more, so a record with a run of 19 digits is parsed again by ``json``, whose integers are exact."""
+def _too_deep(depth: "int | None" = None) -> Rejected:
+    how = f"{depth} levels deep, deeper" if depth else "deeper"
+    return Rejected(Reason.MALFORMED_JSON, f"nested {how} than the {MAX_JSON_DEPTH} levels packstream reads; "
+                                           "flatten the record")
+
+
+def _checked(record: Any, raw: bytes) -> Any:
+    """``record``, or a Rejected when it nests deeper than :data:`packers._files.MAX_JSON_DEPTH` (counted on the
+    parsed value, breadth first and stopping past the bound; only when its text holds that many brackets)."""
+    if len(raw) > 2 * MAX_JSON_DEPTH and raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        depth = value_depth(record)
+        if depth > MAX_JSON_DEPTH:
+            return _too_deep()
+    return record
 
 
 def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
-    """One JSONL line -> its record, or a Rejected saying why not. ``first``: line 1 of its file.
+    """One record's JSON text -> the record, or a Rejected saying why not. ``first``: the start of its file.
 
-    orjson parses the common case (several times faster than ``json``); anything it refuses is
-    parsed again by ``json`` for the exact error, a byte-order mark, NaN, or a lone surrogate.
+    The one parser of every JSON record: JSONL lines, the items of a JSON array, and the sampled
+    lines of ``estimate``. orjson parses the common case (several times faster than ``json``);
+    anything it refuses is parsed again by ``json`` for the exact error, a byte-order mark, NaN,
+    or a lone surrogate. Whatever a parser refuses costs this record alone: invalid UTF-8, bad
+    JSON, nesting deeper than :data:`packers._files.MAX_JSON_DEPTH` (orjson stops at 1,024 levels
+    and ``json`` at Python's recursion limit, both in C), an integer of more digits than Python
+    converts. Integers stay exact at any size (see :data:`_LONG_DIGITS`).
     """
     if len(raw) > max_bytes:
-        return Rejected(Reason.RECORD_TOO_LARGE, f"{len(raw)} bytes > --max-record-bytes {max_bytes}")
+        return _too_large(len(raw), max_bytes)
     try:
         record = orjson.loads(raw)
     except orjson.JSONDecodeError:
         pass
     else:
-        return record
+        if _LONG_DIGITS not in raw.translate(_DIGITS):
+            return _checked(record, raw)
     try:
         # utf-8-sig on the first line: a byte-order mark is not part of the first record.
         text = raw.decode("utf-8-sig" if first else "utf-8")
@@ -339,40 +573,14 @@ def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
     except json.JSONDecodeError as e:
         return Rejected(Reason.MALFORMED_JSON, f"{e.msg} at column {e.colno}")
     except RecursionError:
-        return Rejected(Reason.MALFORMED_JSON, "nesting too deep")
+        return _too_deep()
+    except ValueError as e:  # an integer of more than 4,300 digits (Python's int() limit), or another refusal
+        words = str(e).split(";")[0]
+        if "digits" in words:
+            words = f"holds a number longer than Python reads ({words}); store it as a string"
+        return Rejected(Reason.MALFORMED_JSON, words)
+    record = _checked(record, raw)
     return (_lone_surrogate(record) if _may_hold_surrogates(raw) else None) or record
-
-
-def _lines(fh, first_line: int, stop: Optional[int], start: int) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` of each line from the current position up to byte ``stop``.
-
-    Lines end at LF, CRLF or a lone CR (old Mac files): raw CR and LF cannot occur inside a
-    JSON value, so splitting at either never cuts a record.
-    """
-    lineno = first_line
-    pos = start
-    for raw in iter(fh.readline, b""):
-        pos += len(raw)
-        body = raw.rstrip(b"\r\n")
-        if b"\r" in body:
-            for part in body.split(b"\r"):
-                yield lineno, part
-                lineno += 1
-        else:
-            yield lineno, body
-            lineno += 1
-        if stop is not None and pos >= stop:
-            return
-
-
-def _jsonl(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None,
-           first_line: int = 1) -> Iterator[tuple[int, Any]]:
-    with _open_bytes(f.path) as fh:
-        if start:
-            fh.seek(start)
-        for lineno, raw in _lines(fh, first_line, stop, start):
-            if raw.strip():  # blank lines are not records
-                yield lineno, parse_line(raw, max_bytes, first=lineno == 1)
 
 
 def _may_hold_surrogates(raw: bytes) -> bool:
@@ -399,34 +607,258 @@ def _lone_surrogate(value: Any) -> "Rejected | None":
     return None
 
 
-def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    with _open_bytes(f.path) as fh:
-        data = fh.read()
-    try:
-        value = json.loads(data.decode("utf-8-sig"))  # a byte-order mark is not part of the JSON (as in JSONL)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
-            # A .json file holding JSON lines: read it as JSONL.
-            yield from _jsonl(f, max_bytes)
-            return
-        raise PackstreamError(f"input {f.path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
-    items = value if isinstance(value, list) else [value]
-    check_surrogates = _may_hold_surrogates(data)
-    for i, item in enumerate(items):
-        bad = _lone_surrogate(item) if check_surrogates else None
-        if bad is not None:
-            yield i, bad
-            continue
-        if max_bytes < 2**31 and isinstance(item, dict):
-            size = len(json.dumps(item, ensure_ascii=False).encode())
-            if size > max_bytes:
-                yield i, Rejected(Reason.RECORD_TOO_LARGE, f"{size} bytes > --max-record-bytes {max_bytes}")
+# ---------------------------------------------------------------------------------------
+# JSON files, streamed: one item at a time
+
+
+class _JsonLines(Exception):
+    """A ``.json`` file that holds JSON lines (several values, no array): read it as JSONL."""
+
+
+_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_SKIP_ITEM = re.compile(rb'(?:' + _STRING + rb'|[^\[\]{}",]+)*', re.S)
+"""Bytes at an array's level that end no item: whole strings and anything but brackets, commas and quotes."""
+_SKIP_INNER = re.compile(rb'(?:' + _STRING + rb'|[^\[\]{}"]+)*', re.S)
+"""Bytes inside an item's brackets that change no depth: whole strings and anything but brackets and quotes."""
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+"""The rest of a string up to its closing quote (or up to a backslash that ends the block)."""
+
+
+def json_items(blocks: Iterable[bytes], max_bytes: int, wrapped: bool = False) -> Iterator["bytes | int | Rejected"]:
+    """The text of each item of the JSON array in a byte stream, one at a time::
+
+        [ {"text": "a, [b]"} ,  {"text": "c"} , 7 ]        the bytes
+          '-- item 0 ------'   '-- item 1 --'  '-'       what comes out
+
+    A streaming splitter: it follows strings and brackets and never parses a value, so memory
+    holds one item (at most ``max_bytes`` plus one block) whatever the size of the file; each
+    item is then parsed on its own by :func:`parse_line`, so an item that a parser refuses costs
+    that item alone. An item larger than ``max_bytes`` comes out as its size (an ``int``), one
+    nested deeper than :data:`packers._files.MAX_JSON_DEPTH` as a Rejected; neither is held. A
+    stream that breaks off, holds an empty item (``[1,,2]``) or data after the array raises
+    ValueError naming the byte (the items before it have come out).
+
+    ``wrapped``: the stream is one top-level value that the caller put inside ``[...]``; a second
+    top-level value (JSON lines in a ``.json`` file) raises :class:`_JsonLines`.
+
+    >>> list(json_items([b'[{"a": [1, "]"]}, 2', b'2, "x,\\\\', b'"]"]  '], max_bytes=100))
+    [b'{"a": [1, "]"]}', b'22', b'"x,\\\\"]"']
+    """
+    blocks = iter(blocks)
+    buf, i, offset = b"", 0, 0  # held bytes, the next one to scan, the file offset of buf[0]
+    depth = 0  # 1: in the array, at its items' level; 2 and more: inside an item's brackets
+    item = None  # where the current item starts in buf (None: before the array)
+    dropped = 0  # bytes of the current item let go of: too large or too deep to hold
+    deepest = 0
+    in_string = False  # inside a string whose end is not read yet
+    closed = False  # wrapped: the top-level value has ended
+    after_comma = False
+    done = False
+
+    def more() -> bool:
+        """Read the next block, first letting go of what is no longer needed. False at the end."""
+        nonlocal buf, i, offset, item, dropped
+        cut = i
+        if item is not None and not done:
+            if dropped or i - item > max_bytes or deepest - 1 > MAX_JSON_DEPTH:
+                dropped += len(buf[item:i].strip()) if not dropped else i - item
+                item = i
+            cut = item
+        buf, offset, i = buf[cut:], offset + cut, i - cut
+        if item is not None:
+            item -= cut
+        block = next(blocks, b"")
+        buf += block
+        return bool(block)
+
+    while True:
+        if in_string:
+            j = _STRING_BODY.match(buf, i).end()
+            if j < len(buf) and buf[j] == 0x22:  # the closing quote
+                i, in_string = j + 1, False
                 continue
-        yield i, item
+            i = j  # the string goes on past this block (a backslash ending it is kept for the next match)
+            if not more():
+                break
+            continue
+        # Skip, in C, what moves no bracket and ends no item; stop at the next bracket, comma or open quote.
+        start = (_SKIP_INNER if depth > 1 else _SKIP_ITEM).match(buf, i).end()
+        if (done or item is None or (wrapped and closed)) and buf[i:start].strip():
+            if wrapped and closed and not done:
+                raise _JsonLines()
+            where = "after the end of" if done else "before"
+            raise ValueError(f"unexpected data {where} the JSON array, at byte {offset + i + len(buf[i:start]) - len(buf[i:start].lstrip())}")
+        if start == len(buf):
+            i = start
+            if not more():
+                break
+            continue
+        c, i = buf[start], start + 1
+        if done or (item is None and c != 0x5B):
+            where = "after the end of" if done else "before"
+            raise ValueError(f"unexpected data {where} the JSON array, at byte {offset + start}")
+        if c == 0x22:  # a quote whose string goes on past this block (whole strings were skipped)
+            if wrapped and closed and depth == 1:
+                raise _JsonLines()
+            in_string = True
+            continue
+        if item is None:  # the array's "["
+            depth, item, deepest = 1, i, 1
+            continue
+        if c in (0x5B, 0x7B):  # [ {
+            if wrapped and closed and depth == 1:
+                raise _JsonLines()
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif depth > 1:
+            if c != 0x2C:  # ] } closing a bracket inside an item (a comma inside one is nothing here)
+                depth -= 1
+                closed = closed or depth == 1
+        elif c == 0x7D:
+            raise ValueError(f"a '}}' closes the JSON array's '[', at byte {offset + start}")
+        else:  # the item's end: "," or the array's "]"
+            if c == 0x2C and wrapped:
+                raise _JsonLines()
+            empty = not dropped and not buf[item:start].strip()
+            if empty and (c == 0x2C or after_comma):
+                raise ValueError(f"an empty item in the JSON array, at byte {offset + start}")
+            if not empty:
+                yield _item(buf[item:start], dropped, deepest, max_bytes)
+            item, dropped, deepest, after_comma = i, 0, 1, c == 0x2C
+            done = c == 0x5D
+    if in_string or not done:
+        raise ValueError(f"the JSON array breaks off at byte {offset + len(buf)} (a truncated file?)")
 
 
-def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> Iterator[list[dict]]:
-    """Rows ``start:stop`` of a table input, in lists of up to 1024."""
+def _item(text: bytes, dropped: int, deepest: int, max_bytes: int) -> "bytes | int | Rejected":
+    if deepest - 1 > MAX_JSON_DEPTH:
+        return _too_deep(deepest - 1)
+    text = text.strip()
+    return text if not dropped and len(text) <= max_bytes else dropped + len(text)
+
+
+def _json_texts(f: InputFile, max_bytes: int) -> Iterator[tuple[int, "bytes | int | Rejected"]]:
+    """``(position, item text, size or Rejected)`` of a ``.json`` file: the items of its array, or its one
+    object at position 0; a file of JSON lines is read as JSONL (positions are then line numbers)."""
+    with _open_bytes(f.path) as fh:
+        blocks = _blocks(fh)
+        head = b""
+        for block in blocks:  # up to the first byte after a byte-order mark and white space
+            head += block
+            if head[len(_BOM) if head.startswith(_BOM) else 0:].strip():
+                break
+        if head.startswith(_BOM):  # a byte-order mark is not part of the JSON (as in JSONL)
+            head = head[len(_BOM):]
+        if head.lstrip()[:1] != b"{":
+            yield from enumerate(json_items(itertools.chain([head], blocks), max_bytes))
+            return
+        try:
+            texts = list(json_items(itertools.chain([b"[", head], blocks, [b"]"]), max_bytes, wrapped=True))
+        except _JsonLines:
+            texts = None
+    yield from _jsonl_texts(f, max_bytes) if texts is None else enumerate(texts)
+
+
+def _json(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
+    for position, text in _json_texts(f, max_bytes):
+        yield position, _record(text, max_bytes)
+
+
+def _record(text: "bytes | int | Rejected", max_bytes: int) -> Any:
+    """The record of one text from :func:`_jsonl_texts` or :func:`_json_texts`."""
+    if isinstance(text, bytes):
+        return parse_line(text, max_bytes)
+    return _too_large(text, max_bytes) if isinstance(text, int) else text
+
+
+# ---------------------------------------------------------------------------------------
+# Tables (Parquet, Arrow, datasets folders): rows as the records they hold
+
+
+_JSON_VALUE = "json"
+
+
+def _plan(t: Any, feature: Any = None) -> Any:
+    """What turns a value of Arrow type ``t`` back into the record it stores: None (nothing: no struct and
+    no JSON inside), :data:`_JSON_VALUE`, ``("struct", {field: plan})`` or ``("list", plan)``.
+
+    ``feature`` is ``datasets``' description of the same place (its ``huggingface`` schema metadata),
+    which marks a ``Json`` feature even where a writer dropped the Arrow extension type.
+    """
+    import pyarrow as pa
+
+    if getattr(t, "extension_name", None) == "arrow.json" or (isinstance(feature, dict) and feature.get("_type") == "Json"):
+        return _JSON_VALUE
+    if isinstance(t, pa.ExtensionType):
+        t = t.storage_type
+    if pa.types.is_struct(t):
+        sub = feature if isinstance(feature, dict) and "_type" not in feature else {}
+        return ("struct", {t.field(i).name: _plan(t.field(i).type, sub.get(t.field(i).name)) for i in range(t.num_fields)})
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_list_view(t) \
+            or pa.types.is_large_list_view(t):
+        inner = feature.get("feature") if isinstance(feature, dict) and feature.get("_type") in ("List", "LargeList", "Sequence") else None
+        sub = _plan(t.value_type, inner)
+        return None if sub is None else ("list", sub)
+    return None
+
+
+def row_plan(schema: Any) -> Any:
+    """The plan (:func:`_plan`) of a table's rows: a struct of its columns."""
+    import pyarrow as pa
+
+    features = None
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if meta:
+        try:
+            features = (json.loads(meta).get("info") or {}).get("features")
+        except (ValueError, AttributeError):
+            features = None
+    return _plan(pa.struct(list(schema)), features if isinstance(features, dict) else None)
+
+
+def _restore(value: Any, plan: Any, max_bytes: int, at: str) -> Any:
+    """A columnar value as the record it stores (see :func:`table_rows`)."""
+    if value is None or plan is None:
+        return value
+    if plan is _JSON_VALUE:
+        if not isinstance(value, str):
+            return value
+        record = parse_line(value.encode("utf-8", "surrogatepass"), max_bytes)
+        if isinstance(record, Rejected):
+            raise Rejected(record.reason, f"the Json value at {at}: {record.detail}")
+        return record
+    kind, sub = plan
+    if kind == "struct":
+        return {k: _restore(v, sub.get(k), max_bytes, f"{at}.{k}" if at else k) for k, v in value.items() if v is not None}
+    return [_restore(x, sub, max_bytes, f"{at}[{j}]") for j, x in enumerate(value)]
+
+
+def table_rows(batch: Any, max_bytes: int, plan: Any = None) -> list:
+    """The records of a record batch or table (a Rejected for a record that cannot be restored).
+
+    Columnar files store records differently from JSON, and these two differences are undone here,
+    so that the same records give the same examples in every container (tests/test_containers.py):
+
+    * ``datasets``' ``Json`` feature (the ``arrow.json`` extension type, which ``datasets`` 5 writes
+      to Parquet and ``save_to_disk`` for free-form values) stores each value as JSON text: it is
+      decoded, never read as a string holding JSON.
+    * A columnar schema gives every row every field of a struct, so the fields a record lacked come
+      back as nulls (pyarrow and ``datasets`` fill them): a null struct field is dropped, as it is
+      not in the record. Values decoded from ``Json`` are left as their JSON says, nulls included.
+    """
+    plan = row_plan(batch.schema) if plan is None else plan
+    out: list = []
+    for row in batch.to_pylist():
+        try:
+            out.append(_restore(row, plan, max_bytes, ""))
+        except Rejected as r:
+            out.append(r)
+    return out
+
+
+def _table_batches(f: InputFile, max_bytes: int, start: int = 0, stop: Optional[int] = None) -> Iterator[list]:
+    """Records ``start:stop`` of a table input (:func:`table_rows`), in lists of up to 1024."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -438,29 +870,35 @@ def _table_batches(f: InputFile, start: int = 0, stop: Optional[int] = None) -> 
             ds = ds[f.split]
         ds = ds.with_format("arrow")
         stop = len(ds) if stop is None else min(stop, len(ds))
+        plan = row_plan(ds.features.arrow_schema) if hasattr(ds.features, "arrow_schema") else None
         for i in range(start, stop, 1024):
-            yield ds[i:min(i + 1024, stop)].to_pylist()
+            yield table_rows(ds[i:min(i + 1024, stop)], max_bytes, plan)
         return
     with open_raw(f.path) as fh:
         if f.kind == "parquet":
             pf = pq.ParquetFile(fh)
+            plan = row_plan(pf.schema_arrow)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             first = 0
             for g, n in enumerate(sizes):  # tasks start and stop at row-group boundaries
                 if first >= start and (stop is None or first < stop):
                     for batch in pf.iter_batches(batch_size=1024, row_groups=[g]):
-                        yield batch.to_pylist()
+                        yield table_rows(batch, max_bytes, plan)
                 first += n
             return
-        data = fh.read()
-    try:
-        reader = pa.ipc.open_stream(data)
-        batches = iter(reader)
-    except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(data)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    for batch in batches:
-        yield batch.to_pylist()
+        # Arrow: IPC file (random access, "ARROW1" first) or stream, read batch by batch from the checked file.
+        source = pa.PythonFile(fh, mode="r")
+        if fh.read(6) == b"ARROW1":
+            fh.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema, batches = reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            fh.seek(0)
+            reader = pa.ipc.open_stream(source)
+            schema, batches = reader.schema, iter(reader)
+        plan = row_plan(schema)
+        for batch in batches:
+            yield table_rows(batch, max_bytes, plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,27 +926,29 @@ TASK_ROWS = 65_536
 """Rows per task for Parquet (whole row groups) and datasets folders."""
 
 
-def plan_tasks(f: InputFile, task_bytes: int = TASK_BYTES) -> list[ReadTask]:
-    """The read tasks of one input. Splitting a JSONL file counts its lines once (fast: a byte scan)."""
+def plan_tasks(f: InputFile, task_bytes: Optional[int] = None) -> list[ReadTask]:
+    """The read tasks of one input (``task_bytes``: :data:`TASK_BYTES`, read at call time).
 
-    if f.kind == "jsonl" and not f.path.lower().endswith(".gz"):
-        tasks, start, line = [], 0, 1
+    A JSONL file is cut right after an LF at about every ``task_bytes`` bytes, and each task
+    starts with the number of its first line, counted by the one line rule (:func:`line_ends`:
+    LF, CRLF and lone CR end lines) that the readers split by, so every task numbers its lines
+    as one pass over the whole file would. One byte scan, no parsing.
+    """
+    task_bytes = task_bytes or TASK_BYTES
+    if f.kind == "jsonl" and compression(f.path) is None:
+        tasks, start, line, pos, ends, after_cr = [], 0, 1, 0, 0, False
         with open_raw(f.path) as fh:
-            pos, pending = 0, 0
-            while True:
-                block = fh.read(8 * 2**20)
-                if not block:
-                    break
-                cut = 0
-                while pos + len(block) - start >= task_bytes:
-                    nl = block.find(b"\n", max(cut, start + task_bytes - pos - 1))
+            for block in _blocks(fh, size=8 * 2**20):
+                cut = 0  # line ends of block[:cut] are counted
+                while True:
+                    nl = block.find(b"\n", max(cut, start + task_bytes - 1 - pos))
                     if nl < 0:
                         break
-                    pending += block.count(b"\n", cut, nl + 1)
+                    ends += line_ends(block, cut, nl + 1, after_cr if cut == 0 else block[cut - 1] == 0x0D)
                     tasks.append(ReadTask(f, start, pos + nl + 1, line))
-                    line += pending
-                    pending, start, cut = 0, pos + nl + 1, nl + 1
-                pending += block.count(b"\n", cut)
+                    line, ends, start, cut = line + ends, 0, pos + nl + 1, nl + 1
+                ends += line_ends(block, cut, None, after_cr if cut == 0 else block[cut - 1] == 0x0D)
+                after_cr = block[-1] == 0x0D
                 pos += len(block)
         if start < pos or not tasks:
             tasks.append(ReadTask(f, start, None, line))
@@ -543,12 +983,12 @@ def count_records(f: InputFile) -> int:
     """Records in one input, as cheaply as the format allows (the progress total and the group count)."""
 
     if f.kind == "jsonl":
-        n, last = 0, b"\n"
+        n, last, after_cr = 0, b"\n", False
         with _open_bytes(f.path) as fh:
-            for block in iter(lambda: fh.read(8 * 2**20), b""):
-                n += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
-                last = block[-1:]
-        # a last line without a newline is a record too (blank lines count: this is an estimate)
+            for block in _blocks(fh, size=8 * 2**20):
+                n += line_ends(block, after_cr=after_cr)
+                last, after_cr = block[-1:], block[-1] == 0x0D
+        # a last line without a line end is a record too (blank lines count: this is an estimate)
         return n + (last not in (b"\n", b"\r"))
     if f.kind == "parquet":
         import pyarrow.parquet as pq
@@ -560,6 +1000,8 @@ def count_records(f: InputFile) -> int:
 
         ds = datasets.load_from_disk(f.path)
         return len(ds[f.split] if f.split else ds)
+    if f.kind == "json":
+        return sum(1 for _ in _json_texts(f, 2**31 - 1))  # split, not parsed
     return sum(1 for _ in read_file(f, 2**31 - 1))
 
 
@@ -573,7 +1015,7 @@ def read_task(t: ReadTask, max_bytes: int) -> Iterator[tuple[int, Any]]:
         elif f.kind == "json":
             records = _json(f, max_bytes)
         else:
-            records = enumerate((row for rows in _table_batches(f, t.start, t.stop) for row in rows), start=t.start)
+            records = enumerate((row for rows in _table_batches(f, max_bytes, t.start, t.stop) for row in rows), start=t.start)
         for position, record in records:
             yield position, record
     except PackstreamError:

@@ -253,12 +253,26 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
 
 
 def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
-    """Sort by id and keep the first of each duplicate id (by source, then position)."""
+    """Sort by id and keep the first of each duplicate id (by source, then position).
+
+    Two records may share an id when they sit at different places (two records with the same own
+    ``id``): the later one is a ``duplicate_id`` dead letter. Two examples with one id at the same
+    place (source and position) are one record read twice, or two records numbered alike: a bug
+    in the reader, never a duplicate in the data, so the run stops with an InternalError rather
+    than drop a record (issue 16: lone CRs once shifted line numbers between read tasks).
+    """
     # By id, then source, then position: numpy's string order is Python's (code points), and ties are rare.
     order = np.lexsort((np.asarray(batch.positions, dtype=np.int64), np.asarray(batch.sources, dtype=str),
                         np.asarray(batch.ids, dtype=str))).tolist() if len(batch) else []
     keep, rejected = [], []
-    for i in order:
+    for k, i in enumerate(order):
+        prev = order[k - 1] if k else None
+        if prev is not None and batch.ids[prev] == batch.ids[i] and batch.sources[prev] == batch.sources[i] \
+                and batch.positions[prev] == batch.positions[i]:
+            raise packers.InternalError(
+                f"two examples have id {batch.ids[i]!r} and sit at one place ({batch.sources[i]} at "
+                f"{batch.positions[i]}): a record was read twice or two were numbered alike; please report this bug"
+            )
         if keep and batch.ids[keep[-1]] == batch.ids[i]:
             first = keep[-1]
             rejected.append(reject_record(

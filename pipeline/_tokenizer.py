@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from typing import Any
 
 from packers import PackstreamError
+from packers._files import check_regular, load_json, read_checked, show_path
 from pipeline._options import DEFAULT_TOKENIZER
 
 _PLAIN_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
@@ -46,27 +46,40 @@ def _plain_fast(path: str) -> bool:
     """A local folder whose tokenizer.json needs no tokenizer class of its own and no remote code."""
     if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
         return False
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    if not os.path.isfile(cfg_path):
-        return True
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and "auto_map" not in cfg and cfg.get("tokenizer_class") in _PLAIN_CLASSES
+    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    return "auto_map" not in cfg and cfg.get("tokenizer_class") in _PLAIN_CLASSES
 
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+MAX_TOKENIZER_FILE = 1 << 30
+"""The largest tokenizer file read (the biggest tokenizer.json files are a few hundred MB)."""
+
+
+def _read_bytes(path: str) -> bytes:
+    """A tokenizer file's bytes through the one checked open: a FIFO or a link to /dev/zero is one error line."""
+    return read_checked(path, what="tokenizer file", limit=MAX_TOKENIZER_FILE, fix="is this a tokenizer folder?")
+
+
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
+    """A JSON object file of a tokenizer folder ({} when it is absent), bounded and checked."""
+    if not os.path.lexists(path):
         return {}
+    value = load_json(_read_bytes(path), what=f"tokenizer file {show_path(path)}")
     return value if isinstance(value, dict) else {}
+
+
+def check_folder(path: str) -> None:
+    """Refuse a local tokenizer folder that holds something other than files and folders (a FIFO would block
+    transformers' reads forever, /dev/zero would fill memory) before any library opens a file in it."""
+    if not os.path.isdir(path):
+        return
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames:
+            check_regular(os.path.join(dirpath, name), "tokenizer file")
+        if dirpath.count(os.sep) - path.count(os.sep) >= 1:
+            dirnames[:] = []
 
 
 class PlainTokenizer:
@@ -78,7 +91,7 @@ class PlainTokenizer:
         from tokenizers import Tokenizer
 
         self.name_or_path = path
-        self.backend_tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        self.backend_tokenizer = Tokenizer.from_str(_read_bytes(os.path.join(path, "tokenizer.json")).decode("utf-8"))
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         smap = _read_json(os.path.join(path, "special_tokens_map.json"))
 
@@ -93,9 +106,8 @@ class PlainTokenizer:
         self.pad_token_id = self._id(self.special_tokens_map.get("pad_token"))
         template = cfg.get("chat_template")
         jinja = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja):
-            with open(jinja, encoding="utf-8") as f:
-                template = f.read()
+        if template is None and os.path.lexists(jinja):
+            template = _read_bytes(jinja).decode("utf-8")
         if isinstance(template, list):  # named templates, as transformers keeps them
             template = {t["name"]: t["template"] for t in template if isinstance(t, dict)}
         self.chat_template = template
@@ -142,6 +154,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
+    check_folder(path)
     try:
         if _plain_ok(path):
             return PlainTokenizer(path)

@@ -167,18 +167,16 @@ def build_options(paths: Sequence[str], params: dict[str, Any], *, output_requir
 
 
 def read_text_file(path: str, flag: str) -> str:
-    """A small text file given on the command line (a template), as UTF-8 text, or a clear error."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(4 * 2**20 + 1)
-    except OSError as e:
-        raise PackstreamError(f"{flag} {path} cannot be read: {e.strerror or e}") from None
-    if len(data) > 4 * 2**20:
-        raise PackstreamError(f"{flag} {path} is larger than 4 MiB; a chat template is a few KB")
+    """A small text file given on the command line (a template), as UTF-8 text, or a clear error: read
+    through the one checked open (a FIFO, a device or a file over 4 MiB is one error line)."""
+    from packers._files import read_checked, show_path
+
+    data = read_checked(path, what=f"{flag} file", limit=4 * 2**20, fix="a chat template is a few KB")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise PackstreamError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+        raise PackstreamError(f"{flag} {show_path(path)} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              "save it as UTF-8") from None
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
