@@ -43,6 +43,7 @@ import numpy as np
 
 import packers
 from packers import InternalError, PackstreamError
+from packers._files import show_path
 from packers._manifest import MANIFEST, Status, parse_manifest
 from pipeline import _output, _progress, _read, _rows, _spill, _write
 from pipeline._formats import NOTE_UNITS, Reason
@@ -752,15 +753,18 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
 
 def _check_launch(options: PackOptions, identity: dict) -> None:
     """What every worker would find wrong alike is found here, once, as one error: the chat template
-    (empty, or not compiling). A tokenizer without an EOS gets a warning: examples then end without one."""
+    (empty, not compiling, or never ending), an EOS token the vocabulary does not hold as one token.
+    A tokenizer without an EOS gets a warning: examples then end without one."""
     from pipeline._render import Renderer
+    from pipeline._tokenizer import check_eos, load_tokenizer
 
     Renderer(options)  # raises PackstreamError; the tokenizer is already loaded (cached per process)
-    if identity["eos_token_id"] is None and not os.environ.get("PACKSTREAM_QUIET"):
+    check_eos(load_tokenizer(options.tokenizer, options.trust_remote_code), identity["name"])
+    if identity["eos_token"] is None and not os.environ.get("PACKSTREAM_QUIET"):
         import sys
 
-        print(f"warning: tokenizer {identity['name']!r} has no EOS token, so examples are packed without one and "
-              "a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
+        print(f"warning: tokenizer {show_path(identity['name'])} has no EOS token, so examples are packed without one "
+              "and a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
               "tokenizer_config.json", file=sys.stderr)
 
 
