@@ -23,10 +23,12 @@ import dataclasses
 import json
 import os
 import socket
+import stat
 import time
 from typing import Optional, Sequence
 
 from packers import PackstreamError
+from packers._files import show_path
 from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
 from pipeline._write import join
 
@@ -46,17 +48,39 @@ def normalize_output(output: str) -> str:
     """The output folder as packstream uses it: absolute locally; refuses names that are no folder of its own."""
     if not output or not output.strip():
         raise PackstreamError("--output is empty; give a folder for the packed data, e.g. -o packed/")
-    if _is_remote(output):
+    shown = show_path(output)
+    if output.startswith("file://"):  # a local path as a URL: file:///abs/path (file://localhost/abs/path)
+        rest = output[len("file://"):]
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise PackstreamError(f"--output {shown}: a file:// URL names a local folder as file:///absolute/path; "
+                                  "give it so, or as a plain path")
+        output = "/" + path
+    elif _is_remote(output):
         scheme, rest = output.split("://", 1)
+        _check_scheme(output, scheme)
         rest = rest.strip("/")
         if "/" not in rest:
-            raise PackstreamError(f"--output {output} is a bucket root; give a folder inside it, e.g. {scheme}://{rest}/packed")
+            raise PackstreamError(f"--output {shown} is a bucket root; give a folder inside it, e.g. {scheme}://{rest}/packed")
         return f"{scheme}://{rest}"
     path = os.path.abspath(os.path.expanduser(output))
     if path == os.path.abspath(os.sep) or path == os.path.expanduser("~"):
-        raise PackstreamError(f"--output {output} is {'the filesystem root' if path == os.sep else 'your home folder'}; "
+        raise PackstreamError(f"--output {shown} is {'the filesystem root' if path == os.sep else 'your home folder'}; "
                               "packstream owns its output folder: give a new folder, e.g. -o packed/")
     return path
+
+
+def _check_scheme(output: str, scheme: str) -> None:
+    """A remote --output must name a filesystem Beam has (gs://, s3://, hdfs://, ...), installed."""
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        FileSystems.get_filesystem(output)
+    except ValueError:
+        raise PackstreamError(
+            f"--output {show_path(output)}: no filesystem for {scheme}:// (Beam reads and writes local paths, gs://, "
+            "s3://, hdfs:// and azfs://; gs:// needs apache-beam[gcp], s3:// apache-beam[aws])"
+        ) from None
 
 
 def check_not_inputs(output: str, inputs: Sequence[str]) -> None:
@@ -224,18 +248,31 @@ def _own_name(name: str) -> bool:
     return bool(SHARD_NAME.match(name)) or name in OWN_NAMES or name.startswith(TMP_PREFIX)
 
 
+def _check_folder(output: str) -> None:
+    """A local --output is a folder, or nothing yet (then it is created); anything else is named for what it is."""
+    shown = show_path(output)
+    if os.path.islink(output) and not os.path.exists(output):
+        raise PackstreamError(f"--output {shown} is a dangling symlink (to {show_path(os.readlink(output))}, which does not "
+                              "exist); remove the link, or point it at a folder")
+    if os.path.lexists(output) and not os.path.isdir(output):
+        mode = os.stat(output).st_mode
+        what = ("a file" if stat.S_ISREG(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "not a folder")
+        raise PackstreamError(f"--output {shown} is {what}; give a folder")
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as e:
+        raise PackstreamError(f"--output {shown} cannot be created: {e.strerror or e}; choose a writable folder") from None
+    if not os.access(output, os.W_OK | os.X_OK):
+        raise PackstreamError(f"--output {shown} is not writable; choose a writable folder")
+
+
 def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str) -> Claim:
     """Check, claim and clear the output folder (see the module docstring); raises PackstreamError."""
     check_not_inputs(output, inputs)
     if not _is_remote(output):
-        if os.path.lexists(output) and not os.path.isdir(output):
-            raise PackstreamError(f"--output {output} is a file; give a folder")
-        try:
-            os.makedirs(output, exist_ok=True)
-        except OSError as e:
-            raise PackstreamError(f"--output {output} cannot be created: {e.strerror or e}; choose a writable folder") from None
-        if not os.access(output, os.W_OK | os.X_OK):
-            raise PackstreamError(f"--output {output} is not writable; choose a writable folder")
+        _check_folder(output)
     lock = join(output, LOCK)
     broke = False
     try:

@@ -303,3 +303,45 @@ def test_quiet_silences_worker_processes(tmp_path):
                            "--workers", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == "", proc.stderr[-3000:]
+
+
+# -- issue 16, causes 19 and 21: output paths, and one error line whatever a path holds --------------
+
+
+def test_a_file_url_output_keeps_its_leading_slash(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "packed"
+    r = cli("pack", str(src), "-o", f"file://{out}", "-q")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["config"]["output"] == str(out)
+
+
+@pytest.mark.parametrize("output,words", [
+    ("file://otherhost/x", ["file:///absolute/path"]),
+    ("ftp://host/folder", ["no filesystem for ftp://"]),
+])
+def test_an_output_url_packstream_cannot_write_is_one_line(tmp_path, output, words):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    user_error(cli("pack", str(src), "-o", output, "-q"), *words)
+
+
+def test_a_dangling_output_symlink_is_named_as_such(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    user_error(cli("pack", str(src), "-o", str(link), "-q"), "dangling symlink", "gone")
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("where", ["output", "input", "option"])
+def test_a_control_character_in_a_path_never_splits_the_error_line(tmp_path, where):
+    """Every message goes through the CLI's one printer, which escapes control characters: a newline (or a
+    terminal escape) in a path shows as \\n, on the one line."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    odd = "/proc/new\nline\x1b[31m"
+    args = {"output": ["pack", str(src), "-o", odd], "input": ["pack", odd + ".jsonl", "-o", str(tmp_path / "o")],
+            "option": ["pack", str(src), "-o", str(tmp_path / "o"), "--bogus\nflag"]}[where]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "\x1b[31m" not in r.output and "Traceback" not in r.output, r.output
+    lines = [line for line in r.output.splitlines() if "new" in line or "bogus" in line]
+    assert len(lines) == 1 and ("\\n" in lines[0]) and ("line" in lines[0] or "flag" in lines[0]), r.output
