@@ -4,8 +4,10 @@ The protocol of one ``packstream pack`` run (the contract is :mod:`packers._mani
 
     check     --output is a folder of its own: not "", not "/", not an input, not inside or around one
     claim     create .packstream.lock exclusively (O_EXCL locally; a create-if-absent precondition on
-              gs:// and s3://) holding pid, host, start time. An existing lock: another run holds the
-              folder (exit 2, naming it), or a killed run left it (--overwrite breaks it).
+              gs:// and s3://) holding who runs (pid, host, boot id, the process's start time, run id).
+              An existing lock: another run holds the folder (exit 2, naming it), or a killed run left
+              it (its process is gone, the pid now belongs to another program, or the machine
+              restarted): --overwrite breaks it.
     own       the folder must be empty, or hold an earlier packstream output (a manifest.json): then
               --overwrite removes exactly the files that manifest lists, plus packstream's .tmp-*
               names, and nothing else. Files without a manifest are refused, except after a broken
@@ -105,15 +107,26 @@ def check_not_inputs(output: str, inputs: Sequence[str]) -> None:
             )
 
 
+_HELD: set[str] = set()
+"""Run ids whose lock this process holds now: a lock naming this process's pid but none of these is stale
+(a run of this process that ended without releasing it, or an earlier process that had the same pid)."""
+
+
 @dataclasses.dataclass
 class Claim:
-    """A held output folder: release it when the run ends."""
+    """A held output folder: release it when the run ends (only once a manifest explains the folder)."""
 
     folder: str
     lock_path: str
     broke_stale: bool
+    run_id: str = ""
+
+    def leave(self) -> None:
+        """The run ends without removing its lock (no manifest explains the folder): the lock is stale now."""
+        _HELD.discard(self.run_id)
 
     def release(self) -> None:
+        _HELD.discard(self.run_id)
         try:
             if _is_remote(self.lock_path):
                 from apache_beam.io.filesystems import FileSystems
@@ -125,9 +138,37 @@ class Claim:
             pass
 
 
+def boot_id() -> Optional[str]:
+    """This machine's boot id (Linux): a lock from before a restart is stale whatever its pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started, as a token equal only for the same process: its start time in clock ticks
+    since boot (/proc/PID/stat field 22), else psutil's create_time; None when neither can tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return "ticks:" + data[data.rindex(b")") + 2:].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return f"ctime:{psutil.Process(pid).create_time():.3f}"
+    except Exception:  # noqa: BLE001 - ImportError, NoSuchProcess, AccessDenied: unknown
+        return None
+
+
 def _lock_body(run_id: str) -> bytes:
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id}).encode()
+    return json.dumps({
+        "pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "pid_start": process_start(os.getpid()),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id,
+    }).encode()
 
 
 def _create_exclusive(path: str, data: bytes) -> bool:
@@ -198,17 +239,33 @@ def _read_lock(path: str) -> dict:
         return {}
 
 
-def _alive(info: dict) -> Optional[bool]:
-    """Whether the lock's process runs: True/False on this host, None when it is elsewhere or unknown."""
-    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
-        return None
+def lock_state(info: dict) -> tuple[Optional[bool], str]:
+    """Whether the run that wrote a lock still runs (True / False; None: it may run elsewhere), and why.
+
+    A pid alone proves nothing: after a restart, or in a container where every run is pid 1, the
+    pid of a dead run belongs to another process, or to this very one. The lock says which
+    process it was (boot id, the process's start time, the run id), and each must still match.
+    """
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None, f"the run may be on another machine ({info.get('host')!r})" if info else "the lock is unreadable"
+    recorded_boot, boot = info.get("boot_id"), boot_id()
+    if recorded_boot and boot and recorded_boot != boot:
+        return False, "the machine restarted since: a killed run left it"
+    if pid == os.getpid():
+        if info.get("run") in _HELD:
+            return True, "this process holds it for another run"
+        return False, f"pid {pid} is this process, which runs no pack there: an earlier run that was stopped left it"
     try:
-        os.kill(info["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return False, "that process is gone: a killed run left it"
     except PermissionError:
-        return True
-    return True
+        pass
+    recorded_start, start = info.get("pid_start"), process_start(pid)
+    if recorded_start and start and recorded_start.split(":")[0] == start.split(":")[0] and recorded_start != start:
+        return False, f"pid {pid} now belongs to another process (started at another time): a killed run left it"
+    return True, "that run is still going"
 
 
 def _list(folder: str) -> list[str]:
@@ -273,28 +330,32 @@ def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str) -> C
     check_not_inputs(output, inputs)
     if not _is_remote(output):
         _check_folder(output)
+    shown = show_path(output)
     lock = join(output, LOCK)
     broke = False
     try:
         got = _create_exclusive(lock, _lock_body(run_id))
         if not got:
             info = _read_lock(lock)
-            alive = _alive(info)
+            alive, state = lock_state(info)
             who = (f"pid {info.get('pid')} on {info.get('host')}, since {info.get('started')}" if info
                    else "an unreadable lock")
             if alive is True or not overwrite:
-                state = ("that run is still going" if alive else
-                         "that process is gone: a killed run left it" if alive is False else
-                         "the run may be on another machine")
-                fix = ("wait for it or stop it" if alive else "if no run is active, pass --overwrite to break the lock")
-                raise OutputLocked(f"--output {output} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
+                if alive is True:
+                    fix = (f"wait for it, or stop it (kill {info.get('pid')}); if no packstream run uses this folder (the "
+                           f"pid now belongs to another program), remove the lock: rm {show_path(lock)}, then pass "
+                           "--overwrite")
+                else:
+                    fix = "if no run is active, pass --overwrite to break the lock and clear what that run left"
+                raise OutputLocked(f"--output {shown} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
             _remove(output, [LOCK])
             broke = True
             if not _create_exclusive(lock, _lock_body(run_id)):
-                raise OutputLocked(f"--output {output}: another run claimed {LOCK} while this one broke the stale lock")
+                raise OutputLocked(f"--output {shown}: another run claimed {LOCK} while this one broke the stale lock")
     except OSError as e:
-        raise PackstreamError(f"--output {output} cannot be written: {e.strerror or e}; choose a writable folder") from None
-    c = Claim(output, lock, broke)
+        raise PackstreamError(f"--output {shown} cannot be written: {e.strerror or e}; choose a writable folder") from None
+    _HELD.add(run_id)
+    c = Claim(output, lock, broke, run_id)
     try:
         _clear(output, overwrite, broke)
     except BaseException:

@@ -130,14 +130,64 @@ def test_a_stale_lock_is_reported_and_overwrite_breaks_it(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
 
 
-def test_a_live_lock_is_never_broken(tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
-    out = tmp_path / "out"
-    out.mkdir()
+def _start_ticks(pid: int) -> int:
+    """Process ``pid``'s start time in clock ticks since boot (/proc/PID/stat field 22), as the lock records it."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        pytest.skip("needs /proc (Linux)")
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def _lock(out: Path, pid: int, **extra) -> None:
+    """A lock as packstream writes it (who runs: pid, host, boot id, the process's start time, run id)."""
     import socket
 
-    (out / ".packstream.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-    user_error(cli("pack", str(src), "-o", str(out), "-q", "--overwrite"), "still going")
+    out.mkdir(exist_ok=True)
+    body = {"pid": pid, "host": socket.gethostname(), "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "pid_start": f"ticks:{_start_ticks(pid)}", "started": "2026-01-01T00:00:00Z", "run": "0123456789ab", **extra}
+    (out / ".packstream.lock").write_text(json.dumps(body))
+
+
+@pytest.fixture
+def live_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_lock_is_never_broken(tmp_path, live_pid):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    _lock(out, live_pid)
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    user_error(r, "still going", f"kill {live_pid}", f"rm {out / '.packstream.lock'}")  # how to clear a truly stale one
+    assert (out / ".packstream.lock").exists()
+
+
+# -- issue 16, cause 13: a lock names its run by more than a pid -----------------------------------
+
+
+@pytest.mark.parametrize("case", ["pid_reused", "this_process", "rebooted"])
+def test_a_lock_whose_pid_is_alive_but_another_process_is_stale(tmp_path, live_pid, case):
+    """The pid in a dead run's lock may belong to a live, unrelated process (pid reuse; pid 1 in a container),
+    or to the new run itself: the lock's start time, boot id and run id tell them apart."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    if case == "pid_reused":  # a live process, but not the one that took the lock: its start time differs
+        _lock(out, live_pid, pid_start=f"ticks:{_start_ticks(live_pid) - 1000}")
+    elif case == "this_process":  # the run restarted with the same pid (pid 1 in a container), the old run's lock
+        _lock(out, os.getpid())
+    else:  # the machine restarted since the lock was taken
+        _lock(out, live_pid, boot_id="00000000-0000-0000-0000-000000000000")
+    (out / "train-00000-of-00001.arrow").write_bytes(b"left by the killed run")
+    user_error(cli("pack", str(src), "-o", str(out), "-q"), "killed run" if case != "this_process" else "stopped left it",
+               "--overwrite")
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert not (out / ".packstream.lock").exists()
 
 
 def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
