@@ -4,19 +4,25 @@ The protocol of one ``packstream pack`` run (the contract is :mod:`packers._mani
 
     check     --output is a folder of its own: not "", not "/", not an input, not inside or around one
     claim     create .packstream.lock exclusively (O_EXCL locally; a create-if-absent precondition on
-              gs:// and s3://) holding who runs (pid, host, boot id, the process's start time, run id).
-              An existing lock: another run holds the folder (exit 2, naming it), or a killed run left
-              it (its process is gone, the pid now belongs to another program, or the machine
-              restarted): --overwrite breaks it.
+              gs:// and s3://) holding who runs (pid, host, boot id, the process's start time, run id)
+              and the run's journal: every file name it may create ("files"), written BEFORE any of
+              them exists. An existing lock: another run holds the folder (exit 2, naming it), or a
+              killed run left it (its process is gone, the pid now belongs to another program, or the
+              machine restarted): --overwrite breaks it.
     own       the folder must be empty, or hold an earlier packstream output (a manifest.json): then
               --overwrite removes exactly the files that manifest lists, plus packstream's .tmp-*
-              names, and nothing else. Files without a manifest are refused, except after a broken
-              stale lock, where only packstream's own names (shards, rejected.jsonl, README.md,
-              .tmp-*) are removed.
+              names, and nothing else. Files without a manifest are refused, except the leftovers of
+              a run that never finished (a broken stale lock, or packstream's own "not complete"
+              README.md): then the lock's journal and packstream's own names (shards,
+              rejected.jsonl, README.md, .tmp-*) are removed.
+    guard     before anything is removed or written, README.md becomes a card whose data_files point at
+              nothing, so datasets.load_dataset refuses the folder until the commit
+              (pipeline._write.guard_card); then the earlier output goes, its manifest first
     run       shards and dead letters appear under .tmp-* names and are renamed into place
-    commit    manifest.json, written last and atomically: "status": "complete", or "failed" with
-              the reason (nothing a reader will load)
-    release   remove the lock (a SIGKILL leaves it: the next run reports it as stale)
+    commit    manifest.json, atomically: "status": "complete" (then the real card), or "failed" with
+              the reason (and a card that points at no data)
+    release   remove the lock, only once a manifest explains the folder (a SIGKILL, or a manifest
+              that could not be written, leaves it: the next run reports it as stale)
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Optional, Sequence
 from packers import PackstreamError
 from packers._files import show_path
 from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
-from pipeline._write import join
+from pipeline._write import GUARD_MARK, join
 
 OWN_NAMES = ("rejected.jsonl", "README.md", MANIFEST)
 """Besides shards and .tmp-* names: the files a run writes."""
@@ -164,10 +170,10 @@ def process_start(pid: int) -> Optional[str]:
         return None
 
 
-def _lock_body(run_id: str) -> bytes:
+def _lock_body(run_id: str, files: Sequence[str]) -> bytes:
     return json.dumps({
         "pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "pid_start": process_start(os.getpid()),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id, "files": list(files),
     }).encode()
 
 
@@ -325,16 +331,20 @@ def _check_folder(output: str) -> None:
         raise PackstreamError(f"--output {shown} is not writable; choose a writable folder")
 
 
-def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str) -> Claim:
-    """Check, claim and clear the output folder (see the module docstring); raises PackstreamError."""
+def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str, files: Sequence[str] = ()) -> Claim:
+    """Check, claim and clear the output folder (see the module docstring); raises PackstreamError.
+
+    ``files``: the run's journal, every name it may create in the folder; written into the lock
+    before any of them exists, so whatever a run leaves, ``--overwrite`` knows it is packstream's.
+    """
     check_not_inputs(output, inputs)
+    shown = show_path(output)
     if not _is_remote(output):
         _check_folder(output)
-    shown = show_path(output)
     lock = join(output, LOCK)
-    broke = False
+    broke, journal = False, []
     try:
-        got = _create_exclusive(lock, _lock_body(run_id))
+        got = _create_exclusive(lock, _lock_body(run_id, files))
         if not got:
             info = _read_lock(lock)
             alive, state = lock_state(info)
@@ -348,26 +358,55 @@ def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str) -> C
                 else:
                     fix = "if no run is active, pass --overwrite to break the lock and clear what that run left"
                 raise OutputLocked(f"--output {shown} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
+            journal = [n for n in info.get("files", []) if isinstance(n, str)] if isinstance(info.get("files"), list) else []
             _remove(output, [LOCK])
             broke = True
-            if not _create_exclusive(lock, _lock_body(run_id)):
+            if not _create_exclusive(lock, _lock_body(run_id, files)):
                 raise OutputLocked(f"--output {shown}: another run claimed {LOCK} while this one broke the stale lock")
     except OSError as e:
         raise PackstreamError(f"--output {shown} cannot be written: {e.strerror or e}; choose a writable folder") from None
     _HELD.add(run_id)
     c = Claim(output, lock, broke, run_id)
     try:
-        _clear(output, overwrite, broke)
+        _clear(output, overwrite, broke, journal, run_id)
     except BaseException:
         c.release()
         raise
     return c
 
 
-def _clear(output: str, overwrite: bool, broke_stale: bool) -> None:
+def _guarded(output: str, names: Sequence[str]) -> bool:
+    """The folder holds packstream's own "not complete" card: a run that never finished (its lock removed by hand)."""
+    if "README.md" not in names:
+        return False
+    from pipeline._write import read_bytes
+
+    try:
+        return GUARD_MARK.encode() in read_bytes(join(output, "README.md"))[:64 * 1024]
+    except Exception:  # noqa: BLE001 - unreadable: no proof of ownership
+        return False
+
+
+def _guard(output: str, run_id: str) -> None:
+    """Put packstream's "not complete" card in place (pipeline._write.guard_card): datasets.load_dataset refuses
+    the folder from now until the commit, even while an earlier output's files are being removed."""
+    from pipeline._write import guard_card, write_atomic
+
+    try:
+        write_atomic(join(output, "README.md"), guard_card(
+            f"A packstream run (id {run_id}) is writing this folder, or was stopped before it finished.").encode())
+    except OSError as e:
+        raise PackstreamError(f"--output {show_path(output)} cannot be written: {e.strerror or e}; choose a writable "
+                              "folder") from None
+
+
+def _clear(output: str, overwrite: bool, broke_stale: bool, journal: Sequence[str] = (), run_id: str = "") -> None:
+    """Check that the folder is packstream's, put the guard card in place, then remove the earlier output."""
     names = [n for n in _list(output) if n != LOCK]
     if not names:
+        _guard(output, run_id)
         return
+    shown = show_path(output)
     manifest = None
     if MANIFEST in names:
         from packers._manifest import parse_manifest
@@ -377,21 +416,26 @@ def _clear(output: str, overwrite: bool, broke_stale: bool) -> None:
             manifest = parse_manifest(read_bytes(join(output, MANIFEST)), output)
         except Exception:  # noqa: BLE001 - a damaged manifest proves nothing about ownership
             manifest = None
-    if manifest is None and not broke_stale:
+    leftovers = broke_stale or (manifest is None and _guarded(output, names))
+    if manifest is None and not leftovers:
         raise PackstreamError(
-            f"--output {output} holds files packstream did not write ({len(names)} entries, e.g. {names[0]}; no "
+            f"--output {shown} holds files packstream did not write ({len(names)} entries, e.g. {show_path(names[0])}; no "
             f"packstream {MANIFEST}); packstream owns its output folder: choose an empty or new folder"
         )
     if not overwrite:
+        what = "an earlier packstream output" if manifest is not None else "what an unfinished packstream run left"
         raise PackstreamError(
-            f"--output {output} holds an earlier packstream output ({len(names)} entries); pass --overwrite to "
-            "replace it (only the files its manifest lists), or choose an empty folder"
+            f"--output {shown} holds {what} ({len(names)} entries); pass --overwrite to replace it (only "
+            "packstream's own files), or choose an empty folder"
         )
     owned = set(manifest.get("files", [])) | {MANIFEST} if manifest is not None else set()
-    remove = [n for n in names if n in owned or n.startswith(TMP_PREFIX) or (broke_stale and _own_name(n))]
+    owned |= set(journal)
+    remove = [n for n in names if n in owned or n.startswith(TMP_PREFIX) or (leftovers and _own_name(n))]
     try:
-        # The manifest goes first: from here on the folder is no complete output.
+        # The guard card first (it replaces the old card: load_dataset refuses the folder from here on), then the
+        # manifest (PackedDataset and verify refuse it), then the rest.
+        _guard(output, run_id)
         _remove(output, [n for n in remove if n == MANIFEST])
-        _remove(output, [n for n in remove if n != MANIFEST])
+        _remove(output, [n for n in remove if n not in (MANIFEST, "README.md")])
     except OSError as e:
-        raise PackstreamError(f"--output {output}: cannot remove the earlier output's files ({e}); check permissions") from None
+        raise PackstreamError(f"--output {shown}: cannot remove the earlier output's files ({e}); check permissions") from None

@@ -267,8 +267,50 @@ def _size_category(rows: int) -> str:
     return "n>1T"
 
 
+GUARD_MARK = "<!-- packstream: not a complete output -->"
+"""The line that marks packstream's own "not complete" card (pipeline._output recognises its leftovers by it)."""
+GUARD_DATA = "packstream-output-not-complete-see-README.md"
+"""Where the guard card's ``data_files`` point: a name that never exists, so ``datasets.load_dataset(folder)``
+raises ``FileNotFoundError: Unable to find '.../packstream-output-not-complete-see-README.md'``."""
+
+
+def guard_card(why: str) -> str:
+    """README.md of a folder that holds no complete output: while a run writes it, or after it failed.
+
+    ``datasets.load_dataset(folder)`` reads a card's ``configs`` before anything else, and without
+    a card it infers splits from file names (``train-*``, and ``rejected.jsonl`` as data): so a
+    card is always there, and until the commit it points at a name that does not exist. Only a
+    complete run replaces it with :func:`dataset_card`.
+    """
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: "{GUARD_DATA}"
+tags:
+- packstream
+---
+{GUARD_MARK}
+
+# Not a complete packstream output
+
+{why}
+
+Nothing here is a dataset yet: `datasets.load_dataset`, `packers.PackedDataset` and `packstream verify`
+refuse this folder (its `manifest.json` is missing or says `"status": "failed"`). Fix the cause, if any,
+and run `packstream pack ... --overwrite` into this folder: it removes exactly the files packstream wrote
+here and packs again.
+"""
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
-    """The output folder's README.md, with the YAML header that datasets and the Hub read."""
+    """The output folder's README.md, with the YAML header that datasets and the Hub read.
+
+    Only a complete run's card points at data; a failed run's is :func:`guard_card` with the reason.
+    """
+    if manifest.get("status") != "complete":
+        return guard_card(f"This packstream run failed: {manifest.get('error') or 'no reason recorded'}.")
     c = manifest["counts"]
     ext = "parquet" if manifest["config"]["output_format"] == "parquet" else "arrow"
     # Only splits that hold rows: `datasets` cannot load a DatasetDict with an empty split (datasets#8401),
@@ -304,13 +346,9 @@ size_categories:
 ---
 """
     t = manifest["tokenizer"]
-    status = ""
-    if manifest.get("status") != "complete":
-        status = (f"\n**This run failed** ({manifest.get('error', 'no reason recorded')}): the files here are not a "
-                  "complete output. Fix the cause and re-run `packstream pack --overwrite`.\n")
     body = f"""
 # Packed SFT data (packstream)
-{status}
+
 Rows of at most **{manifest['config']['max_tokens']}** tokens, each holding several tokenized
 examples back to back (packed-row contract v{manifest['contract_version']}; no padding stored).
 

@@ -35,6 +35,7 @@ logging.getLogger("apache_beam.runners.portability.fn_api_runner.fn_runner").add
 logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
 
 from packers import PackstreamError
+from pipeline import _signals
 from pipeline._progress import LogFormat
 
 
@@ -99,6 +100,7 @@ def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None, summ
     """The one way a command ends with an error: one ``error:`` line (through :func:`printable`), exit ``code``."""
     if summary is not None:
         click.echo(summary_table(summary), err=True)
+    _signals.unmute_stderr()
     click.secho(f"error: {printable(str(e))}", fg="red", err=True)
     if reporter is not None:
         reporter.error(str(e), code)  # --log-format json: the batch log ends with an error event
@@ -106,7 +108,21 @@ def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None, summ
 
 
 class _Commands(click.Group):
-    """The ``packstream`` group: a click usage error's message is one printable line too."""
+    """The ``packstream`` group: every command runs with SIGINT, SIGTERM and SIGHUP handled (one line, exit
+    128 + the signal; pipeline._signals), and a click usage error's message is one printable line too."""
+
+    def main(self, *args, **kwargs):
+        with _signals.handling():
+            try:
+                return super().main(*args, **kwargs)
+            except SystemExit:
+                raise
+            except BaseException as e:
+                signum = _signals.received()
+                if signum is None:
+                    raise
+                _fail(e if isinstance(e, _signals.Interrupted) else f"interrupted by {_signals.name(signum)}",
+                      _signals.exit_code(signum))
 
     def invoke(self, ctx):
         try:
@@ -240,9 +256,13 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
         manifest = run(options, beam_args, progress=reporter)
     except TooManyRejected as e:
         _fail(e, EXIT_TOO_MANY_REJECTED, reporter, summary=e.manifest)
+    except _signals.Interrupted as e:
+        _fail(e, e.exit_code, reporter)
     except PackstreamError as e:
         _fail(e, reporter=reporter)
     except Exception as e:  # a Beam job failure wraps the worker's exception: surface user errors cleanly
+        if _signals.received() is not None:
+            raise
         msg = _user_error_in(e)
         if msg is None:
             raise

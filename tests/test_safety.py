@@ -190,6 +190,23 @@ def test_a_lock_whose_pid_is_alive_but_another_process_is_stale(tmp_path, live_p
     assert not (out / ".packstream.lock").exists()
 
 
+def test_a_lock_removed_by_hand_leaves_a_folder_overwrite_still_clears(tmp_path, live_pid):
+    """The message for a live-looking lock says `rm` it; what the run left is still packstream's (its guard card)."""
+    from pipeline import _write
+
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    _lock(out, live_pid)
+    (out / "README.md").write_text(_write.guard_card("A packstream run is writing this folder."))
+    (out / "train-00000-of-00002.arrow").write_bytes(b"partial")
+    (out / ".packstream.lock").unlink()
+    user_error(cli("pack", str(src), "-o", str(out), "-q"), "unfinished packstream run", "--overwrite")
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "rejected.jsonl",
+                                                     "train-00000-of-00001.arrow"]
+
+
 def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"bogus": 1}, {"bogus": 2}])
     out = tmp_path / "out"
@@ -202,19 +219,28 @@ def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
     assert not (out / ".packstream.lock").exists()
 
 
-def test_an_all_rejected_run_exits_3_and_its_output_loads_as_an_empty_dataset(tmp_path):
+@pytest.mark.parametrize("records,fraction", [
+    ([{"bogus": 1}, {"answer": 2}, {"messages": []}], "0.5"),   # nothing packed
+    ([GOOD, {"bogus": 1}, {"bogus": 2}], "0.5"),                # too many rejected
+])
+def test_an_exit_3_run_publishes_no_data(tmp_path, records, fraction):
+    """Issue 16, cause 6: a failed run's card points at no data, so datasets.load_dataset refuses the folder
+    (it used to load the shards of a run that exited 3), like PackedDataset and verify."""
     import datasets
 
-    src = write_jsonl(tmp_path / "in.jsonl", [{"bogus": 1}, {"answer": 2}, {"messages": []}])
+    src = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
-    r = cli("pack", str(src), "-o", str(out))
-    assert r.exit_code == 3 and "no example was packed" in r.output, r.output
-    assert "unknown_format" in r.output and "empty_conversation" in r.output  # the summary's reasons
-    shard = next(out.glob("train-*.arrow"))
-    empty = datasets.Dataset.from_file(str(shard))
-    assert empty.num_rows == 0 and empty.features == datasets.Features.from_arrow_schema(packers.SCHEMA)
-    streamed = datasets.load_dataset(str(out), streaming=True)
-    assert list(streamed["train"]) == [] and streamed["train"].features == empty.features
+    r = cli("pack", str(src), "-o", str(out), "--max-reject-fraction", fraction)
+    assert r.exit_code == 3 and "unknown_format" in r.output, r.output  # the summary's reasons
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+    card = (out / "README.md").read_text()
+    assert "train-*" not in card and "This packstream run failed" in card
+    for streaming in (False, True):
+        with pytest.raises(FileNotFoundError, match="packstream-output-not-complete"):
+            datasets.load_dataset(str(out), streaming=streaming)
+    with pytest.raises(packers.PackstreamError, match="failed"):
+        packers.PackedDataset(str(out))
+    assert cli("verify", str(out)).exit_code == 1
 
 
 # -- 6. one error line, never a traceback ----------------------------------------------------------
