@@ -761,24 +761,22 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     run_id = uuid.uuid4().hex[:12]
     plan = _plan(options, files, identity, run_id)
-    _signals.at("launch")
     inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
-    claim = None
-    if not template:
-        with _signals.deferred():  # the lock, its journal and the clearing of an earlier output happen whole
-            claim = _output.claim(output, inputs, options.overwrite, run_id, planned_files(options, plan))
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
     env = {"PACKSTREAM_OUTCOME": outcome_path, _signals.LAUNCHER_ENV: str(os.getpid())}
     if workers > 1:  # each worker process takes its share of the cores for the tokenizer's threads
         env["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    result = None
+    claim = result = None
     try:
-        if claim is not None:  # the folder holds the lock (with the run's journal) and the guard card
+        _signals.at("launch")
+        if not template:
+            with _signals.deferred():  # the lock, its journal, the guard card and the clearing happen whole
+                claim = _output.claim(output, inputs, options.overwrite, run_id, planned_files(options, plan))
             _signals.set_last_words(f"interrupted again while stopping; {show_path(output)} holds a partial output and "
                                     "the run's lock: run again with --overwrite")
             _signals.at("launch")
+        os.environ.update(env)
         with _progress.watching(progress, files, local=runner is not None, budget=options.max_tokens):
             try:
                 p = beam.Pipeline(runner=runner, options=pipe_opts)
@@ -806,7 +804,8 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         signum = _signals.received()
         if claim is None:
             if signum is not None:
-                raise _signals.Interrupted(signum, f"interrupted by {_signals.name(signum)}") from None
+                raise _signals.Interrupted(signum, f"interrupted by {_signals.name(signum)} before anything was "
+                                                   f"written to {show_path(output)}") from None
             raise
         if signum is not None:
             _cancel(result)
