@@ -12,13 +12,14 @@
                       (every shard) -> GroupByKey -> PackShards: per group of the shard: |
                                                      read it back, de-duplicate, split/  |
                                                      truncate, bin-pack, assemble rows,  |
-                                                     stream them into the shard file     |
+                                                     stream them into the (staged) shard |
                                                    |                                     |
                                                    v                                     v
                                    Collect (one key) -> Finalize: merge the dead letters,
                                    sum the counts, check they reconcile, then the commit:
-                                   manifest.json (complete) and the dataset card, or
-                                   a failed manifest + a card that points at no data
+                                   the staged shards renamed into place, manifest.json
+                                   (complete) and the dataset card; or a failed manifest
+                                   and a card that points at no data
 
 Only small values cross a shuffle (tasks, slices, shard descriptions, counts, file names), so
 memory does not grow with the input on any runner; tokens move through spill files
@@ -365,17 +366,21 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
                 f"{frac:.1%} of {counts['records_read']:,} records were rejected or dropped ({_top_reasons(counts)}), "
                 f"more than --max-reject-fraction {o.max_reject_fraction:.1%}; see {o.output}/rejected.jsonl"
             ), EXIT_REJECTED
-    if status == Status.COMPLETE.value:
-        written = [s["name"] for s in shards] + ["rejected.jsonl", "README.md"]
-    else:  # everything the run may have left: --overwrite removes these
-        written = planned_files(o, plan)
-    manifest = _manifest(o, plan, identity, files, notes, status, counts, shards, written, flags)
-    if status != Status.COMPLETE.value:
-        manifest.update(error=error, exit_code=code)
     _signals.at("commit")
     try:
+        if status == Status.COMPLETE.value:
+            shards = _write.publish(o.output, shards)  # the shards take their names; the manifest says they are whole
+            written = [s["name"] for s in shards] + ["rejected.jsonl", "README.md"]
+        else:  # nothing is published; the manifest lists everything the run may have left (--overwrite removes it)
+            _write.discard(shards)
+            shards, written = [], planned_files(o, plan)
+        manifest = _manifest(o, plan, identity, files, notes, status, counts, shards, written, flags)
+        if status != Status.COMPLETE.value:
+            manifest.update(error=error, exit_code=code)
         commit(o.output, manifest)
     except OSError as e:
+        manifest = _manifest(o, plan, identity, files, notes, Status.FAILED.value, counts, [], planned_files(o, plan),
+                             flags)
         manifest.update(status=Status.FAILED.value, exit_code=EXIT_USER_ERROR,
                         error=f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
         _record_outcome(manifest)
@@ -386,8 +391,9 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
 def commit(output: str, manifest: dict) -> None:
     """Write the run's end into the folder: the order is what every reader sees at every instant.
 
-    complete: manifest.json (atomic), then the dataset card that points at the shards. Until the
-              card is written, the guard card written at launch keeps ``datasets.load_dataset``
+    complete: (the shards already renamed into place: :func:`pipeline._write.publish`)
+              manifest.json (atomic), then the dataset card that points at the shards. Until the
+              card is written, the guard card written at the claim keeps ``datasets.load_dataset``
               out, and the lock keeps ``PackedDataset`` and ``verify`` out; the lock goes last.
     failed:   the guard card with the reason, then the failed manifest.
 
@@ -870,6 +876,8 @@ def _stopped(options: PackOptions, plan: Plan, identity: dict, files, notes, cla
         except Exception:  # noqa: BLE001 - a folder we cannot write: the lock stays and says so
             pass
         _remove_spill(plan.spill)
+        if state != "complete":
+            _output.remove_temporaries(options.output)  # staged shards, dead-letter parts: nothing will publish them
         if state != "locked":
             claim.release()
         else:

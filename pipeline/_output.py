@@ -18,9 +18,10 @@ The protocol of one ``packstream pack`` run (the contract is :mod:`packers._mani
     guard     before anything is removed or written, README.md becomes a card whose data_files point at
               nothing, so datasets.load_dataset refuses the folder until the commit
               (pipeline._write.guard_card); then the earlier output goes, its manifest first
-    run       shards and dead letters appear under .tmp-* names and are renamed into place
-    commit    manifest.json, atomically: "status": "complete" (then the real card), or "failed" with
-              the reason (and a card that points at no data)
+    run       shards and dead letters are written under .tmp-* names (datasets ignores them)
+    commit    complete: the shards are renamed into place, then manifest.json ("status": "complete",
+              atomically), then the real card; failed: the staged shards go, then a card that
+              points at no data and manifest.json with "status": "failed" and the reason
     release   remove the lock, only once a manifest explains the folder (a SIGKILL, or a manifest
               that could not be written, leaves it: the next run reports it as stale)
 """
@@ -305,6 +306,15 @@ def _remove(folder: str, names: Sequence[str]) -> None:
             shutil.rmtree(p)
         else:
             os.remove(p)
+
+
+def remove_temporaries(folder: str) -> None:
+    """Remove packstream's ``.tmp-*`` names from a folder this process holds (its run has stopped, its workers
+    with it: nothing writes them any more). Best effort: ``--overwrite`` removes any that stay."""
+    try:
+        _remove(folder, [n for n in _list(folder) if n.startswith(TMP_PREFIX)])
+    except Exception:  # noqa: BLE001 - OSError, BeamIOError: they stay for --overwrite
+        pass
 
 
 def _own_name(name: str) -> bool:

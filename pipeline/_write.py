@@ -2,8 +2,10 @@
 
 Every file appears atomically: it is written under a temporary name in the output folder and
 renamed into place, so a reader never sees a partial shard and a retried or re-run writer
-produces the same bytes under the same name. Shard contents are deterministic: rows sorted by
-their seeded shuffle key, one fixed schema (:data:`packers.SCHEMA`) with fixed metadata.
+produces the same bytes under the same name. Shards keep their temporary (``.tmp-*``) names
+until the run commits (:func:`publish`): ``datasets`` ignores such names, so no shard of a run
+that can still fail sits where it would be loaded. Shard contents are deterministic: rows sorted
+by their seeded shuffle key, one fixed schema (:data:`packers.SCHEMA`) with fixed metadata.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ class _HashingFile:
 class ShardWriter:
     """Write one shard as its record batches come (never the whole shard in memory), atomically.
 
-    The bytes go to a ``.tmp-`` sibling through a sha256; :meth:`close` renames the file into
-    place and returns what manifest.json says about it. Arrow: an uncompressed IPC *stream*,
+    The bytes go to a ``.tmp-`` sibling through a sha256; :meth:`close` finishes the file and
+    returns what manifest.json says about it, plus ``"staged"``: the temporary path, which
+    :func:`publish` renames into place when the run commits. Arrow: an uncompressed IPC *stream*,
     what ``datasets.Dataset.from_file`` memory-maps zero-copy; an empty shard still holds one
     empty record batch, so every reader sees the full schema. Parquet: zstd, a row group per batch.
     """
@@ -167,23 +170,13 @@ class ShardWriter:
         self.target_tokens += int(pc.sum(batch.column("loss_mask").values).as_py() or 0)
 
     def close(self, split: str) -> dict:
-        from apache_beam.io.filesystems import FileSystems
-
         if self.rows == 0 and isinstance(self._writer, pa.ipc.RecordBatchStreamWriter):
             self._writer.write_batch(pa.RecordBatch.from_pylist([], schema=self.schema))  # readable when empty
         self._writer.close()
         self._raw.close()
-        if "://" not in self.path:
-            import os
-
-            os.replace(self.tmp, self.path)
-        else:
-            if FileSystems.exists(self.path):
-                FileSystems.delete([self.path])
-            FileSystems.rename([self.tmp], [self.path])
         return {"name": self.name, "split": split, "rows": self.rows, "examples": self.examples,
                 "tokens": self.tokens, "target_tokens": self.target_tokens, "bytes": self._sink.size,
-                "sha256": self._sink.sha.hexdigest()}
+                "sha256": self._sink.sha.hexdigest(), "staged": self.tmp}
 
     def abort(self) -> None:
         from apache_beam.io.filesystems import FileSystems
@@ -195,6 +188,44 @@ class ShardWriter:
         try:
             FileSystems.delete([self.tmp])
         except Exception:  # noqa: BLE001
+            pass
+
+
+def publish(folder: str, shards: Sequence[dict]) -> list[dict]:
+    """The commit's first step: rename every staged shard (:meth:`ShardWriter.close`) to its final name.
+
+    Returns the manifest's shard entries (without ``"staged"``). A commit that is retried (a runner
+    retries a failed bundle) finds the shards it already renamed in place, and goes on.
+    """
+    from apache_beam.io.filesystems import FileSystems
+
+    out = []
+    for s in shards:
+        entry = {k: v for k, v in s.items() if k != "staged"}
+        staged, final = s.get("staged"), join(folder, s["name"])
+        if staged:
+            if "://" not in final:
+                import os
+
+                if os.path.exists(staged) or not os.path.exists(final):
+                    os.replace(staged, final)
+            elif FileSystems.exists(staged) or not FileSystems.exists(final):
+                if FileSystems.exists(final):
+                    FileSystems.delete([final])
+                FileSystems.rename([staged], [final])
+        out.append(entry)
+    return out
+
+
+def discard(shards: Sequence[dict]) -> None:
+    """A failed run publishes nothing: remove its staged shards (best effort; --overwrite removes any ``.tmp-*``)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    staged = [s["staged"] for s in shards if s.get("staged")]
+    for path in staged:
+        try:
+            FileSystems.delete([path])
+        except Exception:  # noqa: BLE001 - BeamIOError (an OSError) or a missing file: nothing to keep
             pass
 
 

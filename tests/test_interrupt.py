@@ -8,7 +8,8 @@ does for Ctrl-C and hang-up) or to the launcher alone (``kill PID``). Then:
 * the command exits 128 + the signal (130, 143, 129) with exactly one line on stderr, ``error:
   interrupted by SIG...`` naming what to do, and nothing else from any process (no traceback, no
   KeyboardInterrupt from a worker, no log line);
-* ``datasets.load_dataset``, ``packers.PackedDataset`` and ``packstream verify`` all refuse the folder;
+* no shard sits under its final name, nothing temporary is left, and ``datasets.load_dataset``,
+  ``packers.PackedDataset`` and ``packstream verify`` all refuse the folder;
 * a rerun without ``--overwrite`` is refused as an earlier packstream output (never as files
   packstream did not write), and ``--overwrite`` gives a clean run's bytes, with nothing left over.
 
@@ -118,6 +119,8 @@ def check(inputs: Path, expected: dict[str, bytes], out: Path, phase: str, n: in
         assert rerun.exit_code == 0 and _files(out) == expected, (case, rerun.output)
         return
     assert "--overwrite" in lines[0], (case, lines[0])
+    left = sorted(os.listdir(out))  # no shard took its final name, and nothing temporary stays
+    assert not [n for n in left if n.startswith(("train-", "validation-", ".tmp-"))], (case, left)
     _refused_by_every_reader(out, case)
     again = CliRunner().invoke(main, ["pack", str(inputs), "-o", str(out), *ARGS])
     assert again.exit_code == 2 and "--overwrite" in again.output, (case, again.output)
