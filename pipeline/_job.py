@@ -853,14 +853,10 @@ def _stopped(options: PackOptions, plan: Plan, identity: dict, files, notes, cla
     manifest is there; if it cannot be written, the lock stays ("locked"): a killed run's lock,
     which ``--overwrite`` breaks.
     """
-    path = _write.join(options.output, MANIFEST)
     state = "locked"
     with _signals.deferred():
         try:
-            try:
-                m = parse_manifest(_write.read_bytes(path), options.output)
-            except (OSError, PackstreamError):
-                m = None
+            m = _written_manifest(options.output)
             if m is not None and m.get("status") == Status.COMPLETE.value:
                 _write.write_atomic(_write.join(options.output, "README.md"), _write.dataset_card(m).encode())
                 state = "complete"
@@ -883,6 +879,25 @@ def _stopped(options: PackOptions, plan: Plan, identity: dict, files, notes, cla
         else:
             claim.leave()
     return state
+
+
+def _written_manifest(output: str) -> Optional[dict]:
+    """The manifest this run wrote, as JSON (the folder was cleared at the claim: any manifest there is this run's,
+    written whole by an atomic rename); None when there is none or it cannot be read."""
+    from packers._files import GiB, load_json, read_checked
+
+    try:
+        raw = load_json(read_checked(_write.join(output, MANIFEST), what=MANIFEST, limit=GiB, opener=_open_remote),
+                        what=MANIFEST)
+    except (OSError, PackstreamError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _open_remote(path: str):
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(path, compression_type="uncompressed")
 
 
 def _interrupted_message(signum: int, output: str, state: str) -> str:

@@ -389,11 +389,16 @@ def _guarded(output: str, names: Sequence[str]) -> bool:
     """The folder holds packstream's own "not complete" card: a run that never finished (its lock removed by hand)."""
     if "README.md" not in names:
         return False
-    from pipeline._write import read_bytes
+    from packers._files import MiB, read_checked
 
-    try:
-        return GUARD_MARK.encode() in read_bytes(join(output, "README.md"))[:64 * 1024]
-    except Exception:  # noqa: BLE001 - unreadable: no proof of ownership
+    def remote(path: str):
+        from apache_beam.io.filesystems import FileSystems
+
+        return FileSystems.open(path, compression_type="uncompressed")
+
+    try:  # packstream's cards are a few KB: a bigger README.md is not one
+        return GUARD_MARK.encode() in read_checked(join(output, "README.md"), what="README.md", limit=MiB, opener=remote)
+    except (OSError, PackstreamError):  # unreadable: no proof of ownership
         return False
 
 
