@@ -12,12 +12,14 @@
                       (every shard) -> GroupByKey -> PackShards: per group of the shard: |
                                                      read it back, de-duplicate, split/  |
                                                      truncate, bin-pack, assemble rows,  |
-                                                     stream them into the shard file     |
+                                                     stream them into the (staged) shard |
                                                    |                                     |
                                                    v                                     v
                                    Collect (one key) -> Finalize: merge the dead letters,
-                                   sum the counts, check they reconcile, write README.md,
-                                   then manifest.json LAST (complete, or failed + why)
+                                   sum the counts, check they reconcile, then the commit:
+                                   the staged shards renamed into place, manifest.json
+                                   (complete) and the dataset card; or a failed manifest
+                                   and a card that points at no data
 
 Only small values cross a shuffle (tasks, slices, shard descriptions, counts, file names), so
 memory does not grow with the input on any runner; tokens move through spill files
@@ -25,6 +27,11 @@ memory does not grow with the input on any runner; tokens move through spill fil
 support nothing more. Nothing a worker finds wrong with the user's data or folder raises: a
 corrupt input is a dead letter naming the file, a failed write a ``failure`` value that the
 manifest records, and the launcher turns a failed manifest into one ``error:`` line.
+
+The launcher owns the output folder for the run (:mod:`pipeline._output`: the lock holds the
+run's journal), puts a guard card in it first, and whatever stops the run (a signal, a runner
+error) ends in :func:`_stopped`: a failed manifest and guard card (or the rest of a commit that
+was already made), so every reader refuses the folder and ``--overwrite`` can clear it.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ import numpy as np
 
 import packers
 from packers import InternalError, PackstreamError
+from packers._files import show_path
 from packers._manifest import MANIFEST, Status
-from pipeline import _output, _progress, _read, _rows, _spill, _write
+from pipeline import _output, _progress, _read, _rows, _signals, _spill, _write
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
@@ -150,6 +158,7 @@ class EncodeTasks(beam.DoFn):
                 groups = np.array([keys[i][1] for i in which], dtype=np.int64)
                 for sl in _spill.write_part(plan.spill, f"{task.name}-{parts}", sub, groups):
                     out.append(_tagged("slice", ((split, sl.group % plan.shards[split]), sl)))
+                _signals.at("spill")
                 stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
             parts += 1
 
@@ -157,6 +166,7 @@ class EncodeTasks(beam.DoFn):
             nonlocal held_tokens
             prepared, future, size = pending
             enc = self.encoder.finish(prepared, future.result())
+            _signals.at("encode")
             self.encoded.inc(size)
             rejected.extend(enc.rejected)
             add_counts(stats, enc.counts)
@@ -197,6 +207,7 @@ class EncodeTasks(beam.DoFn):
         position = None
         try:
             for position, record in _read.read_task(task, self.options.max_record_bytes):
+                _signals.at("read")
                 chunk.append((f.dataset, f.source, position, record))
                 if len(chunk) == size:
                     stats["records_read"] += size
@@ -258,6 +269,7 @@ class PackShards(beam.DoFn):
                 by_group.setdefault(sl.group, []).append(sl)
             row_no = 0
             for g in sorted(by_group):
+                _signals.at("pack")
                 group = _rows.pack_group(_spill.read_slices(by_group[g]), o, plan.eos_id)
                 rejected += group.rejected
                 for k, v in group.stats.items():
@@ -273,7 +285,9 @@ class PackShards(beam.DoFn):
                         w.write(batch.take(pa.array(idx, pa.int64())))
                 row_no += batch.num_rows
                 self.rows.inc(batch.num_rows)
+                _signals.at("shard_write")
             descs = [w.close(split) for w in writers]
+            _signals.at("shard_write")
             path = _write.write_reject_part(plan.spill, f"shard-{split}-{shard}", rejected)
         except BaseException as e:
             for w in writers:  # a failed attempt leaves no temp file (a retry writes its own)
@@ -331,6 +345,7 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
     except OSError as e:
         failures.append(f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
         rejected, first = {}, {}
+    _signals.at("commit")
     counts = _counts(o, stats, shards, rejected, first)
     status, error, code = Status.COMPLETE.value, None, 0
     if failures:
@@ -353,8 +368,64 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
                 f"{frac:.1%} of {counts['records_read']:,} records were rejected or dropped ({_top_reasons(counts)}), "
                 f"more than --max-reject-fraction {o.max_reject_fraction:.1%}; see {o.output}/rejected.jsonl"
             ), EXIT_REJECTED
-    written = [s["name"] for s in shards] + (["rejected.jsonl"] if not failures else []) + ["README.md"]
-    manifest = {
+    _signals.at("commit")
+    try:
+        if status == Status.COMPLETE.value:
+            shards = _write.publish(o.output, shards)  # the shards take their names; the manifest says they are whole
+            written = [s["name"] for s in shards] + ["rejected.jsonl", "README.md"]
+        else:  # nothing is published; the manifest lists everything the run may have left (--overwrite removes it)
+            _write.discard(shards)
+            shards, written = [], planned_files(o, plan)
+        manifest = _manifest(o, plan, identity, files, notes, status, counts, shards, written, flags)
+        if status != Status.COMPLETE.value:
+            manifest.update(error=error, exit_code=code)
+        commit(o.output, manifest)
+    except OSError as e:
+        manifest = _manifest(o, plan, identity, files, notes, Status.FAILED.value, counts, [], planned_files(o, plan),
+                             flags)
+        manifest.update(status=Status.FAILED.value, exit_code=EXIT_USER_ERROR,
+                        error=f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+        _record_outcome(manifest)
+    _remove_spill(plan.spill)
+    return manifest
+
+
+def commit(output: str, manifest: dict) -> None:
+    """Write the run's end into the folder: the order is what every reader sees at every instant.
+
+    complete: (the shards already renamed into place: :func:`pipeline._write.publish`)
+              manifest.json (atomic), then the dataset card that points at the shards. Until the
+              card is written, the guard card written at the claim keeps ``datasets.load_dataset``
+              out, and the lock keeps ``PackedDataset`` and ``verify`` out; the lock goes last.
+    failed:   the guard card with the reason, then the failed manifest.
+
+    A signal that arrives in between is held until both are written. A complete manifest whose
+    card cannot be written is turned back into a failed one (best effort; the lock stays if not).
+    """
+    body = (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    card = _write.dataset_card(manifest).encode()
+    readme, path = _write.join(output, "README.md"), _write.join(output, MANIFEST)
+    with _signals.deferred():
+        if manifest["status"] != Status.COMPLETE.value:
+            _write.write_atomic(readme, card)
+            _write.write_atomic(path, body)
+            return
+        _write.write_atomic(path, body)  # the commit
+        try:
+            _write.write_atomic(readme, card)
+        except OSError:
+            failed = {**manifest, "status": Status.FAILED.value, "exit_code": EXIT_USER_ERROR,
+                      "error": "the dataset card README.md could not be written after the manifest"}
+            try:
+                _write.write_atomic(path, (json.dumps(failed, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
+            except OSError:
+                pass
+            raise
+
+
+def _manifest(o: PackOptions, plan: Plan, identity: dict, files, notes, status: str, counts: dict, shards: list,
+              written: list, flags: dict) -> dict:
+    return {
         "status": status,
         "packstream_version": _version(),
         "contract_version": packers.CONTRACT_VERSION,
@@ -375,18 +446,14 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
         },
         "rejected_file": "rejected.jsonl",
     }
-    if status != Status.COMPLETE.value:
-        manifest.update(error=error, exit_code=code)
-    try:
-        _write.write_atomic(_write.join(o.output, "README.md"), _write.dataset_card(manifest).encode())
-        body = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        _write.write_atomic(_write.join(o.output, MANIFEST), body.encode())  # the commit: last
-    except OSError as e:
-        manifest.update(status=Status.FAILED.value, exit_code=EXIT_USER_ERROR,
-                        error=f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
-        _record_outcome(manifest)
-    _remove_spill(plan.spill)
-    return manifest
+
+
+def planned_files(o: PackOptions, plan: Plan) -> list[str]:
+    """The run's journal: every name it may create in the output folder (besides packstream's ``.tmp-*`` names),
+    known before it starts. The lock holds it, and a failed manifest lists it, so --overwrite clears all of it."""
+    ext = "parquet" if o.output_format.value == "parquet" else "arrow"
+    shards = [_write.shard_name(split, i, n, ext) for split, n in sorted(plan.shards.items()) for i in range(n)]
+    return shards + ["rejected.jsonl", "README.md"]
 
 
 def _record_outcome(manifest: dict) -> None:
@@ -645,12 +712,10 @@ def pipeline_options(beam_args: Sequence[str], workers: int):
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         if workers > 1:
-            # Beam's multi_processing mode, with packstream's worker entry point (quiet under -q).
-            import sys
-
+            # Beam's multi_processing mode, with packstream's worker entry point (quiet under -q; signals settled).
             from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
-            env = SubprocessSDKEnvironment.from_command_string(f"{sys.executable} -m pipeline._worker")
+            env = SubprocessSDKEnvironment.from_command_string(_signals.worker_command())
             runner = FnApiRunner(default_environment=env)
             args += [f"--direct_num_workers={workers}"]
         else:
@@ -697,6 +762,9 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
     changes the output. A Flex Template launch (``--template_location``) only writes the job
     graph: Dataflow runs it later (and writes the manifest), so this returns the config.
+
+    Stopped by a signal (the CLI handles SIGINT, SIGTERM and SIGHUP: :mod:`pipeline._signals`),
+    it raises :class:`~pipeline._signals.Interrupted` once the folder is a failed output.
     """
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
@@ -712,14 +780,21 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     run_id = uuid.uuid4().hex[:12]
     plan = _plan(options, files, identity, run_id)
     inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
-    claim = None if template else _output.claim(output, inputs, options.overwrite, run_id)
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
-    env = {"PACKSTREAM_OUTCOME": outcome_path}
+    env = {"PACKSTREAM_OUTCOME": outcome_path, _signals.LAUNCHER_ENV: str(os.getpid())}
     if workers > 1:  # each worker process takes its share of the cores for the tokenizer's threads
         env["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    claim = result = None
     try:
+        _signals.at("launch")
+        if not template:
+            with _signals.deferred():  # the lock, its journal, the guard card and the clearing happen whole
+                claim = _output.claim(output, inputs, options.overwrite, run_id, planned_files(options, plan))
+            _signals.set_last_words(f"interrupted again while stopping; {show_path(output)} holds a partial output and "
+                                    "the run's lock: run again with --overwrite")
+            _signals.at("launch")
+        os.environ.update(env)
         with _progress.watching(progress, files, local=runner is not None, budget=options.max_tokens):
             try:
                 p = beam.Pipeline(runner=runner, options=pipe_opts)
@@ -734,6 +809,8 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             except PackstreamError:
                 raise
             except Exception:  # a runner error: our typed outcome (if any) says more than its text
+                if _signals.received() is not None:
+                    raise
                 outcome = _read_outcome(outcome_path)
                 if outcome:
                     raise PackstreamError(outcome["error"]) from None
@@ -741,6 +818,22 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         if template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
             return {"config": options.to_dict(), "template_location": template}
         manifest = _read_manifest(output, outcome_path)
+    except BaseException as e:
+        signum = _signals.received()
+        if claim is None:
+            if signum is not None:
+                raise _signals.Interrupted(signum, f"interrupted by {_signals.name(signum)} before anything was "
+                                                   f"written to {show_path(output)}") from None
+            raise
+        if signum is not None:
+            _cancel(result)
+        why = (f"interrupted by {_signals.name(signum)}" if signum is not None else
+               str(e) if isinstance(e, PackstreamError) else f"the run stopped: {type(e).__name__}: {e}")
+        code = _signals.exit_code(signum) if signum is not None else EXIT_USER_ERROR
+        state = _stopped(options, plan, identity, files, notes, claim, why, code)
+        if signum is not None:
+            raise _signals.Interrupted(signum, _interrupted_message(signum, output, state)) from None
+        raise
     finally:
         for k, v in saved.items():
             if v is None:
@@ -752,8 +845,8 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         except OSError:
             pass
         _remove_spill(plan.spill)
-        if claim is not None:
-            claim.release()
+    if claim is not None:
+        claim.release()
     manifest["elapsed_s"] = round(time.time() - started, 3)
     if manifest["status"] != Status.COMPLETE.value:
         if manifest.get("exit_code") == EXIT_REJECTED:
@@ -762,17 +855,93 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     return manifest
 
 
+def _stopped(options: PackOptions, plan: Plan, identity: dict, files, notes, claim, why: str, code: int) -> str:
+    """After a run stopped without its commit (a signal, a runner error): make the folder explain itself.
+
+    The workers have stopped (Beam's teardown, or :func:`pipeline._signals.stop_workers`), so nothing
+    else writes here now. A complete manifest means the commit was made: its card is (re)written and
+    the run counts as done ("complete"). A failed one stays ("failed"). Otherwise a failed manifest
+    listing the run's journal and a guard card are written ("failed"). The lock goes only when a
+    manifest is there; if it cannot be written, the lock stays ("locked"): a killed run's lock,
+    which ``--overwrite`` breaks.
+    """
+    state = "locked"
+    with _signals.deferred():
+        try:
+            m = _written_manifest(options.output)
+            if m is not None and m.get("status") == Status.COMPLETE.value:
+                _write.write_atomic(_write.join(options.output, "README.md"), _write.dataset_card(m).encode())
+                state = "complete"
+            elif m is not None:
+                state = "failed"
+            else:
+                counts = _counts(options, {}, [], {}, {})
+                manifest = _manifest(options, plan, identity, files, notes, Status.FAILED.value, counts, [],
+                                     planned_files(options, plan), {"eos_at_boundaries": True, "all_targets": True})
+                manifest.update(error=why, exit_code=code)
+                commit(options.output, manifest)
+                state = "failed"
+        except Exception:  # noqa: BLE001 - a folder we cannot write: the lock stays and says so
+            pass
+        _remove_spill(plan.spill)
+        if state != "complete":
+            _output.remove_temporaries(options.output)  # staged shards, dead-letter parts: nothing will publish them
+        if state != "locked":
+            claim.release()
+        else:
+            claim.leave()
+    return state
+
+
+def _written_manifest(output: str) -> Optional[dict]:
+    """The manifest this run wrote, as JSON (the folder was cleared at the claim: any manifest there is this run's,
+    written whole by an atomic rename); None when there is none or it cannot be read."""
+    from packers._files import GiB, load_json, read_checked
+
+    try:
+        raw = load_json(read_checked(_write.join(output, MANIFEST), what=MANIFEST, limit=GiB, opener=_write.beam_open),
+                        what=MANIFEST)
+    except (OSError, PackstreamError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _interrupted_message(signum: int, output: str, state: str) -> str:
+    what = f"interrupted by {_signals.name(signum)}"
+    out = show_path(output)
+    if state == "complete":
+        return f"{what} after the output was committed: {out} is complete (packstream verify {out} checks it)"
+    if state == "failed":
+        return (f"{what}; {out} holds no complete output (its manifest.json says failed, and readers refuse it): "
+                "run the same command with --overwrite to pack again")
+    return (f"{what}; {out} holds a partial output and the run's lock (it could not be marked failed): "
+            "run the same command with --overwrite to clear it and pack again")
+
+
+def _cancel(result) -> None:
+    """A remote job keeps running after its launcher stops: cancel it (best effort)."""
+    if result is None:
+        return
+    try:
+        result.cancel()
+    except Exception:  # noqa: BLE001 - local runners have nothing to cancel; remote ones may refuse
+        pass
+
+
 def _check_launch(options: PackOptions, identity: dict) -> None:
     """What every worker would find wrong alike is found here, once, as one error: the chat template
-    (empty, or not compiling). A tokenizer without an EOS gets a warning: examples then end without one."""
+    (empty, not compiling, or never ending), an EOS token the vocabulary does not hold as one token.
+    A tokenizer without an EOS gets a warning: examples then end without one."""
     from pipeline._render import Renderer
+    from pipeline._tokenizer import check_eos, load_tokenizer
 
     Renderer(options)  # raises PackstreamError; the tokenizer is already loaded (cached per process)
-    if identity["eos_token_id"] is None and not os.environ.get("PACKSTREAM_QUIET"):
+    check_eos(load_tokenizer(options.tokenizer, options.trust_remote_code), identity["name"])
+    if identity["eos_token"] is None and not os.environ.get("PACKSTREAM_QUIET"):
         import sys
 
-        print(f"warning: tokenizer {identity['name']!r} has no EOS token, so examples are packed without one and "
-              "a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
+        print(f"warning: tokenizer {show_path(identity['name'])} has no EOS token, so examples are packed without one "
+              "and a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
               "tokenizer_config.json", file=sys.stderr)
 
 

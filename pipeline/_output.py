@@ -4,17 +4,26 @@ The protocol of one ``packstream pack`` run (the contract is :mod:`packers._mani
 
     check     --output is a folder of its own: not "", not "/", not an input, not inside or around one
     claim     create .packstream.lock exclusively (O_EXCL locally; a create-if-absent precondition on
-              gs:// and s3://) holding pid, host, start time. An existing lock: another run holds the
-              folder (exit 2, naming it), or a killed run left it (--overwrite breaks it).
+              gs:// and s3://) holding who runs (pid, host, boot id, the process's start time, run id)
+              and the run's journal: every file name it may create ("files"), written BEFORE any of
+              them exists. An existing lock: another run holds the folder (exit 2, naming it), or a
+              killed run left it (its process is gone, the pid now belongs to another program, or the
+              machine restarted): --overwrite breaks it.
     own       the folder must be empty, or hold an earlier packstream output (a manifest.json): then
               --overwrite removes exactly the files that manifest lists, plus packstream's .tmp-*
-              names, and nothing else. Files without a manifest are refused, except after a broken
-              stale lock, where only packstream's own names (shards, rejected.jsonl, README.md,
-              .tmp-*) are removed.
-    run       shards and dead letters appear under .tmp-* names and are renamed into place
-    commit    manifest.json, written last and atomically: "status": "complete", or "failed" with
-              the reason (nothing a reader will load)
-    release   remove the lock (a SIGKILL leaves it: the next run reports it as stale)
+              names, and nothing else. Files without a manifest are refused, except the leftovers of
+              a run that never finished (a broken stale lock, or packstream's own "not complete"
+              README.md): then the lock's journal and packstream's own names (shards,
+              rejected.jsonl, README.md, .tmp-*) are removed.
+    guard     before anything is removed or written, README.md becomes a card whose data_files point at
+              nothing, so datasets.load_dataset refuses the folder until the commit
+              (pipeline._write.guard_card); then the earlier output goes, its manifest first
+    run       shards and dead letters are written under .tmp-* names (datasets ignores them)
+    commit    complete: the shards are renamed into place, then manifest.json ("status": "complete",
+              atomically), then the real card; failed: the staged shards go, then a card that
+              points at no data and manifest.json with "status": "failed" and the reason
+    release   remove the lock, only once a manifest explains the folder (a SIGKILL, or a manifest
+              that could not be written, leaves it: the next run reports it as stale)
 """
 
 from __future__ import annotations
@@ -23,13 +32,14 @@ import dataclasses
 import json
 import os
 import socket
+import stat
 import time
 from typing import Optional, Sequence
 
 from packers import PackstreamError
 from packers._files import show_path
 from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
-from pipeline._write import join
+from pipeline._write import GUARD_MARK, join
 
 OWN_NAMES = ("rejected.jsonl", "README.md", MANIFEST)
 """Besides shards and .tmp-* names: the files a run writes."""
@@ -47,17 +57,39 @@ def normalize_output(output: str) -> str:
     """The output folder as packstream uses it: absolute locally; refuses names that are no folder of its own."""
     if not output or not output.strip():
         raise PackstreamError("--output is empty; give a folder for the packed data, e.g. -o packed/")
-    if _is_remote(output):
+    shown = show_path(output)
+    if output.startswith("file://"):  # a local path as a URL: file:///abs/path (file://localhost/abs/path)
+        rest = output[len("file://"):]
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise PackstreamError(f"--output {shown}: a file:// URL names a local folder as file:///absolute/path; "
+                                  "give it so, or as a plain path")
+        output = "/" + path
+    elif _is_remote(output):
         scheme, rest = output.split("://", 1)
+        _check_scheme(output, scheme)
         rest = rest.strip("/")
         if "/" not in rest:
-            raise PackstreamError(f"--output {output} is a bucket root; give a folder inside it, e.g. {scheme}://{rest}/packed")
+            raise PackstreamError(f"--output {shown} is a bucket root; give a folder inside it, e.g. {scheme}://{rest}/packed")
         return f"{scheme}://{rest}"
     path = os.path.abspath(os.path.expanduser(output))
     if path == os.path.abspath(os.sep) or path == os.path.expanduser("~"):
-        raise PackstreamError(f"--output {output} is {'the filesystem root' if path == os.sep else 'your home folder'}; "
+        raise PackstreamError(f"--output {shown} is {'the filesystem root' if path == os.sep else 'your home folder'}; "
                               "packstream owns its output folder: give a new folder, e.g. -o packed/")
     return path
+
+
+def _check_scheme(output: str, scheme: str) -> None:
+    """A remote --output must name a filesystem Beam has (gs://, s3://, hdfs://, ...), installed."""
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        FileSystems.get_filesystem(output)
+    except ValueError:
+        raise PackstreamError(
+            f"--output {show_path(output)}: no filesystem for {scheme}:// (Beam reads and writes local paths, gs://, "
+            "s3://, hdfs:// and azfs://; gs:// needs apache-beam[gcp], s3:// apache-beam[aws])"
+        ) from None
 
 
 def check_not_inputs(output: str, inputs: Sequence[str]) -> None:
@@ -82,15 +114,26 @@ def check_not_inputs(output: str, inputs: Sequence[str]) -> None:
             )
 
 
+_HELD: set[str] = set()
+"""Run ids whose lock this process holds now: a lock naming this process's pid but none of these is stale
+(a run of this process that ended without releasing it, or an earlier process that had the same pid)."""
+
+
 @dataclasses.dataclass
 class Claim:
-    """A held output folder: release it when the run ends."""
+    """A held output folder: release it when the run ends (only once a manifest explains the folder)."""
 
     folder: str
     lock_path: str
     broke_stale: bool
+    run_id: str = ""
+
+    def leave(self) -> None:
+        """The run ends without removing its lock (no manifest explains the folder): the lock is stale now."""
+        _HELD.discard(self.run_id)
 
     def release(self) -> None:
+        _HELD.discard(self.run_id)
         try:
             if _is_remote(self.lock_path):
                 from apache_beam.io.filesystems import FileSystems
@@ -102,9 +145,37 @@ class Claim:
             pass
 
 
-def _lock_body(run_id: str) -> bytes:
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id}).encode()
+def boot_id() -> Optional[str]:
+    """This machine's boot id (Linux): a lock from before a restart is stale whatever its pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started, as a token equal only for the same process: its start time in clock ticks
+    since boot (/proc/PID/stat field 22), else psutil's create_time; None when neither can tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return "ticks:" + data[data.rindex(b")") + 2:].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return f"ctime:{psutil.Process(pid).create_time():.3f}"
+    except Exception:  # noqa: BLE001 - ImportError, NoSuchProcess, AccessDenied: unknown
+        return None
+
+
+def _lock_body(run_id: str, files: Sequence[str]) -> bytes:
+    return json.dumps({
+        "pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "pid_start": process_start(os.getpid()),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run": run_id, "files": list(files),
+    }).encode()
 
 
 def _create_exclusive(path: str, data: bytes) -> bool:
@@ -175,17 +246,33 @@ def _read_lock(path: str) -> dict:
         return {}
 
 
-def _alive(info: dict) -> Optional[bool]:
-    """Whether the lock's process runs: True/False on this host, None when it is elsewhere or unknown."""
-    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
-        return None
+def lock_state(info: dict) -> tuple[Optional[bool], str]:
+    """Whether the run that wrote a lock still runs (True / False; None: it may run elsewhere), and why.
+
+    A pid alone proves nothing: after a restart, or in a container where every run is pid 1, the
+    pid of a dead run belongs to another process, or to this very one. The lock says which
+    process it was (boot id, the process's start time, the run id), and each must still match.
+    """
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None, f"the run may be on another machine ({info.get('host')!r})" if info else "the lock is unreadable"
+    recorded_boot, boot = info.get("boot_id"), boot_id()
+    if recorded_boot and boot and recorded_boot != boot:
+        return False, "the machine restarted since: a killed run left it"
+    if pid == os.getpid():
+        if info.get("run") in _HELD:
+            return True, "this process holds it for another run"
+        return False, f"pid {pid} is this process, which runs no pack there: an earlier run that was stopped left it"
     try:
-        os.kill(info["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return False, "that process is gone: a killed run left it"
     except PermissionError:
-        return True
-    return True
+        pass
+    recorded_start, start = info.get("pid_start"), process_start(pid)
+    if recorded_start and start and recorded_start.split(":")[0] == start.split(":")[0] and recorded_start != start:
+        return False, f"pid {pid} now belongs to another process (started at another time): a killed run left it"
+    return True, "that run is still going"
 
 
 def _list(folder: str) -> list[str]:
@@ -221,56 +308,117 @@ def _remove(folder: str, names: Sequence[str]) -> None:
             os.remove(p)
 
 
+def remove_temporaries(folder: str) -> None:
+    """Remove packstream's ``.tmp-*`` names from a folder this process holds (its run has stopped, its workers
+    with it: nothing writes them any more). Best effort: ``--overwrite`` removes any that stay."""
+    try:
+        _remove(folder, [n for n in _list(folder) if n.startswith(TMP_PREFIX)])
+    except Exception:  # noqa: BLE001 - OSError, BeamIOError: they stay for --overwrite
+        pass
+
+
 def _own_name(name: str) -> bool:
     return bool(SHARD_NAME.match(name)) or name in OWN_NAMES or name.startswith(TMP_PREFIX)
 
 
-def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str) -> Claim:
-    """Check, claim and clear the output folder (see the module docstring); raises PackstreamError."""
-    check_not_inputs(output, inputs)
-    if not _is_remote(output):
-        if os.path.lexists(output) and not os.path.isdir(output):
-            raise PackstreamError(f"--output {output} is a file; give a folder")
-        try:
-            os.makedirs(output, exist_ok=True)
-        except OSError as e:
-            raise PackstreamError(f"--output {output} cannot be created: {e.strerror or e}; choose a writable folder") from None
-        if not os.access(output, os.W_OK | os.X_OK):
-            raise PackstreamError(f"--output {output} is not writable; choose a writable folder")
-    lock = join(output, LOCK)
-    broke = False
+def _check_folder(output: str) -> None:
+    """A local --output is a folder, or nothing yet (then it is created); anything else is named for what it is."""
+    shown = show_path(output)
+    if os.path.islink(output) and not os.path.exists(output):
+        raise PackstreamError(f"--output {shown} is a dangling symlink (to {show_path(os.readlink(output))}, which does not "
+                              "exist); remove the link, or point it at a folder")
+    if os.path.lexists(output) and not os.path.isdir(output):
+        mode = os.stat(output).st_mode
+        what = ("a file" if stat.S_ISREG(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "not a folder")
+        raise PackstreamError(f"--output {shown} is {what}; give a folder")
     try:
-        got = _create_exclusive(lock, _lock_body(run_id))
+        os.makedirs(output, exist_ok=True)
+    except OSError as e:
+        raise PackstreamError(f"--output {shown} cannot be created: {e.strerror or e}; choose a writable folder") from None
+    if not os.access(output, os.W_OK | os.X_OK):
+        raise PackstreamError(f"--output {shown} is not writable; choose a writable folder")
+
+
+def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str, files: Sequence[str] = ()) -> Claim:
+    """Check, claim and clear the output folder (see the module docstring); raises PackstreamError.
+
+    ``files``: the run's journal, every name it may create in the folder; written into the lock
+    before any of them exists, so whatever a run leaves, ``--overwrite`` knows it is packstream's.
+    """
+    check_not_inputs(output, inputs)
+    shown = show_path(output)
+    if not _is_remote(output):
+        _check_folder(output)
+    lock = join(output, LOCK)
+    broke, journal = False, []
+    try:
+        got = _create_exclusive(lock, _lock_body(run_id, files))
         if not got:
             info = _read_lock(lock)
-            alive = _alive(info)
+            alive, state = lock_state(info)
             who = (f"pid {info.get('pid')} on {info.get('host')}, since {info.get('started')}" if info
                    else "an unreadable lock")
             if alive is True or not overwrite:
-                state = ("that run is still going" if alive else
-                         "that process is gone: a killed run left it" if alive is False else
-                         "the run may be on another machine")
-                fix = ("wait for it or stop it" if alive else "if no run is active, pass --overwrite to break the lock")
-                raise OutputLocked(f"--output {output} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
+                if alive is True:
+                    fix = (f"wait for it, or stop it (kill {info.get('pid')}); if no packstream run uses this folder (the "
+                           f"pid now belongs to another program), remove the lock: rm {show_path(lock)}, then pass "
+                           "--overwrite")
+                else:
+                    fix = "if no run is active, pass --overwrite to break the lock and clear what that run left"
+                raise OutputLocked(f"--output {shown} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
+            journal = [n for n in info.get("files", []) if isinstance(n, str)] if isinstance(info.get("files"), list) else []
             _remove(output, [LOCK])
             broke = True
-            if not _create_exclusive(lock, _lock_body(run_id)):
-                raise OutputLocked(f"--output {output}: another run claimed {LOCK} while this one broke the stale lock")
+            if not _create_exclusive(lock, _lock_body(run_id, files)):
+                raise OutputLocked(f"--output {shown}: another run claimed {LOCK} while this one broke the stale lock")
     except OSError as e:
-        raise PackstreamError(f"--output {output} cannot be written: {e.strerror or e}; choose a writable folder") from None
-    c = Claim(output, lock, broke)
+        raise PackstreamError(f"--output {shown} cannot be written: {e.strerror or e}; choose a writable folder") from None
+    _HELD.add(run_id)
+    c = Claim(output, lock, broke, run_id)
     try:
-        _clear(output, overwrite, broke)
+        _clear(output, overwrite, broke, journal, run_id)
     except BaseException:
         c.release()
         raise
     return c
 
 
-def _clear(output: str, overwrite: bool, broke_stale: bool) -> None:
+def _guarded(output: str, names: Sequence[str]) -> bool:
+    """The folder holds packstream's own "not complete" card: a run that never finished (its lock removed by hand)."""
+    if "README.md" not in names:
+        return False
+    from packers._files import MiB, read_checked
+
+    from pipeline._write import beam_open
+
+    try:  # packstream's cards are a few KB: a bigger README.md is not one
+        return GUARD_MARK.encode() in read_checked(join(output, "README.md"), what="README.md", limit=MiB, opener=beam_open)
+    except (OSError, PackstreamError):  # unreadable: no proof of ownership
+        return False
+
+
+def _guard(output: str, run_id: str) -> None:
+    """Put packstream's "not complete" card in place (pipeline._write.guard_card): datasets.load_dataset refuses
+    the folder from now until the commit, even while an earlier output's files are being removed."""
+    from pipeline._write import guard_card, write_atomic
+
+    try:
+        write_atomic(join(output, "README.md"), guard_card(
+            f"A packstream run (id {run_id}) is writing this folder, or was stopped before it finished.").encode())
+    except OSError as e:
+        raise PackstreamError(f"--output {show_path(output)} cannot be written: {e.strerror or e}; choose a writable "
+                              "folder") from None
+
+
+def _clear(output: str, overwrite: bool, broke_stale: bool, journal: Sequence[str] = (), run_id: str = "") -> None:
+    """Check that the folder is packstream's, put the guard card in place, then remove the earlier output."""
     names = [n for n in _list(output) if n != LOCK]
     if not names:
+        _guard(output, run_id)
         return
+    shown = show_path(output)
     manifest = None
     if MANIFEST in names:
         from pipeline._write import read_manifest
@@ -278,29 +426,33 @@ def _clear(output: str, overwrite: bool, broke_stale: bool) -> None:
         try:  # the one typed reader, through the checked open: a FIFO, /dev/zero or a huge file is one line
             manifest = read_manifest(output, files_only=True)  # which files a run wrote: all --overwrite needs
         except PackstreamError as e:
-            if not broke_stale:
+            if not broke_stale and not _guarded(output, names):
                 raise PackstreamError(
-                    f"--output {show_path(output)}: its {MANIFEST} cannot be trusted ({e}); --overwrite removes only "
+                    f"--output {shown}: its {MANIFEST} cannot be trusted ({e}); --overwrite removes only "
                     "the files a valid manifest lists, so it leaves this folder alone: remove the folder yourself, or "
                     "choose another --output"
                 ) from None
             manifest = None  # a killed run's leftovers: only packstream's own names go (below)
-    if manifest is None and not broke_stale:
+    leftovers = broke_stale or (manifest is None and _guarded(output, names))
+    if manifest is None and not leftovers:
         raise PackstreamError(
-            f"--output {show_path(output)} holds files packstream did not write ({len(names)} entries, e.g. "
-            f"{show_path(names[0])}; no packstream {MANIFEST}); packstream owns its output folder: choose an empty or "
-            "new folder"
+            f"--output {shown} holds files packstream did not write ({len(names)} entries, e.g. {show_path(names[0])}; no "
+            f"packstream {MANIFEST}); packstream owns its output folder: choose an empty or new folder"
         )
     if not overwrite:
+        what = "an earlier packstream output" if manifest is not None else "what an unfinished packstream run left"
         raise PackstreamError(
-            f"--output {show_path(output)} holds an earlier packstream output ({len(names)} entries); pass --overwrite "
-            "to replace it (only the files its manifest lists), or choose an empty folder"
+            f"--output {shown} holds {what} ({len(names)} entries); pass --overwrite to replace it (only "
+            "packstream's own files), or choose an empty folder"
         )
     owned = set(manifest.files) | {MANIFEST} if manifest is not None else set()
-    remove = [n for n in names if n in owned or n.startswith(TMP_PREFIX) or (broke_stale and _own_name(n))]
+    owned |= set(journal)
+    remove = [n for n in names if n in owned or n.startswith(TMP_PREFIX) or (leftovers and _own_name(n))]
     try:
-        # The manifest goes first: from here on the folder is no complete output.
+        # The guard card first (it replaces the old card: load_dataset refuses the folder from here on), then the
+        # manifest (PackedDataset and verify refuse it), then the rest.
+        _guard(output, run_id)
         _remove(output, [n for n in remove if n == MANIFEST])
-        _remove(output, [n for n in remove if n != MANIFEST])
+        _remove(output, [n for n in remove if n not in (MANIFEST, "README.md")])
     except OSError as e:
-        raise PackstreamError(f"--output {output}: cannot remove the earlier output's files ({e}); check permissions") from None
+        raise PackstreamError(f"--output {shown}: cannot remove the earlier output's files ({e}); check permissions") from None

@@ -235,6 +235,7 @@ class JinjaTemplate:
         self.source = source
         self.kwargs = dict(special_tokens)
         self.compiled = compile_template(source)
+        self._check_ends()
         self.reasoning = self._renders("zq7reasoning", [_PROBE_USER, {
             "role": "assistant", "content": "answer", "reasoning_content": "zq7reasoning", "thinking": "zq7reasoning"}])
         call = {"type": "function", "function": {"name": "zq7call", "arguments": {"x": 1}}}
@@ -242,6 +243,21 @@ class JinjaTemplate:
         tool = {"type": "function", "function": {"name": "zq7tool", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}
         self.tools = self._renders("zq7tool", [_PROBE_USER], tools=[tool])
+
+    def _check_ends(self) -> None:
+        """A template that cannot render the smallest conversation in time would time out on every record (issue 16:
+        1,000 records took 2.8 h): that is one launch error, found by one probe."""
+        probe = [_PROBE_USER, {"role": "assistant", "content": "packstream probe answer"}]
+        try:
+            with WATCHDOG.limit(TEMPLATE_SECONDS):
+                self.render(probe, None, False, TEMPLATE_MAX_CHARS)
+        except TemplateTimeout:
+            raise PackstreamError(
+                f"the chat template did not finish rendering a two-message probe conversation in {TEMPLATE_SECONDS:g} s "
+                "(a loop that never ends?), so every record would time out; fix the template, or pass --chat-template "
+                "FILE with one that only lays out the turns") from None
+        except Rejected:  # the template refuses the probe (it wants a system turn, ...): records will tell
+            pass
 
     def _renders(self, needle: str, messages: list, tools=None) -> bool:
         """Does the template show ``needle``? If the probe itself fails, assume it does (records will tell)."""
@@ -436,6 +452,8 @@ class Renderer:
         if source is not None:
             try:
                 self.jinja = JinjaTemplate(source, self.tok.special_tokens_map)
+            except PackstreamError:  # it compiles but never ends (JinjaTemplate._check_ends)
+                raise
             except Exception as e:  # a template that does not even compile: every record would fail alike
                 raise PackstreamError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
         self.eos_text = self.tok.eos_token

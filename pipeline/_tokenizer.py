@@ -177,6 +177,32 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return tok
 
 
+def check_eos(tok, name: str) -> None:
+    """A tokenizer's ``eos_token``, when it has one, must be one token of its vocabulary that its text encodes to:
+    packstream appends that id to every example, and a template's own EOS text must tokenize to it.
+    Anything else is a PackstreamError naming the token and the fix (no EOS at all is allowed: see the warning)."""
+    eos = tok.eos_token
+    if eos is None:
+        return
+    from packers._files import show_path
+
+    backend = tok.backend_tokenizer
+    vocab_id, eos_id = backend.token_to_id(eos), tok.eos_token_id
+    where = f"tokenizer {show_path(name)}: its eos_token {eos!r}"
+    if vocab_id is None:
+        raise PackstreamError(
+            f"{where} is not in its vocabulary, so no example could end with it; set \"eos_token\" in "
+            "tokenizer_config.json to the token that ends a turn in this vocabulary, or add it to tokenizer.json's "
+            "\"added_tokens\" with \"special\": true")
+    ids = backend.encode(eos, add_special_tokens=False).ids
+    if eos_id != vocab_id or ids != [vocab_id]:
+        raise PackstreamError(
+            f"{where} is token {vocab_id} of the vocabulary, but its text encodes to {len(ids)} token(s) {ids[:8]}"
+            + (f" (and eos_token_id is {eos_id})" if eos_id != vocab_id else "")
+            + ", so an EOS a chat template writes would not be that token; add it to tokenizer.json's \"added_tokens\" "
+            "with \"special\": true, or set \"eos_token\" to a token that encodes to itself")
+
+
 def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """Name, vocabulary hash and special ids, stored in the schema metadata and the manifest."""
     tok = load_tokenizer(name, trust_remote_code)

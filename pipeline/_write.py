@@ -2,8 +2,10 @@
 
 Every file appears atomically: it is written under a temporary name in the output folder and
 renamed into place, so a reader never sees a partial shard and a retried or re-run writer
-produces the same bytes under the same name. Shard contents are deterministic: rows sorted by
-their seeded shuffle key, one fixed schema (:data:`packers.SCHEMA`) with fixed metadata.
+produces the same bytes under the same name. Shards keep their temporary (``.tmp-*``) names
+until the run commits (:func:`publish`): ``datasets`` ignores such names, so no shard of a run
+that can still fail sits where it would be loaded. Shard contents are deterministic: rows sorted
+by their seeded shuffle key, one fixed schema (:data:`packers.SCHEMA`) with fixed metadata.
 """
 
 from __future__ import annotations
@@ -171,8 +173,9 @@ class _HashingFile:
 class ShardWriter:
     """Write one shard as its record batches come (never the whole shard in memory), atomically.
 
-    The bytes go to a ``.tmp-`` sibling through a sha256; :meth:`close` renames the file into
-    place and returns what manifest.json says about it. Arrow: an uncompressed IPC *stream*,
+    The bytes go to a ``.tmp-`` sibling through a sha256; :meth:`close` finishes the file and
+    returns what manifest.json says about it, plus ``"staged"``: the temporary path, which
+    :func:`publish` renames into place when the run commits. Arrow: an uncompressed IPC *stream*,
     what ``datasets.Dataset.from_file`` memory-maps zero-copy; an empty shard still holds one
     empty record batch, so every reader sees the full schema. Parquet: zstd, a row group per batch.
     """
@@ -220,23 +223,13 @@ class ShardWriter:
         self.target_tokens += int(pc.sum(batch.column("loss_mask").values).as_py() or 0)
 
     def close(self, split: str) -> dict:
-        from apache_beam.io.filesystems import FileSystems
-
         if self.rows == 0 and isinstance(self._writer, pa.ipc.RecordBatchStreamWriter):
             self._writer.write_batch(pa.RecordBatch.from_pylist([], schema=self.schema))  # readable when empty
         self._writer.close()
         self._raw.close()
-        if "://" not in self.path:
-            import os
-
-            os.replace(self.tmp, self.path)
-        else:
-            if FileSystems.exists(self.path):
-                FileSystems.delete([self.path])
-            FileSystems.rename([self.tmp], [self.path])
         return {"name": self.name, "split": split, "rows": self.rows, "examples": self.examples,
                 "tokens": self.tokens, "target_tokens": self.target_tokens, "bytes": self._sink.size,
-                "sha256": self._sink.sha.hexdigest()}
+                "sha256": self._sink.sha.hexdigest(), "staged": self.tmp}
 
     def abort(self) -> None:
         from apache_beam.io.filesystems import FileSystems
@@ -248,6 +241,44 @@ class ShardWriter:
         try:
             FileSystems.delete([self.tmp])
         except Exception:  # noqa: BLE001
+            pass
+
+
+def publish(folder: str, shards: Sequence[dict]) -> list[dict]:
+    """The commit's first step: rename every staged shard (:meth:`ShardWriter.close`) to its final name.
+
+    Returns the manifest's shard entries (without ``"staged"``). A commit that is retried (a runner
+    retries a failed bundle) finds the shards it already renamed in place, and goes on.
+    """
+    from apache_beam.io.filesystems import FileSystems
+
+    out = []
+    for s in shards:
+        entry = {k: v for k, v in s.items() if k != "staged"}
+        staged, final = s.get("staged"), join(folder, s["name"])
+        if staged:
+            if "://" not in final:
+                import os
+
+                if os.path.exists(staged) or not os.path.exists(final):
+                    os.replace(staged, final)
+            elif FileSystems.exists(staged) or not FileSystems.exists(final):
+                if FileSystems.exists(final):
+                    FileSystems.delete([final])
+                FileSystems.rename([staged], [final])
+        out.append(entry)
+    return out
+
+
+def discard(shards: Sequence[dict]) -> None:
+    """A failed run publishes nothing: remove its staged shards (best effort; --overwrite removes any ``.tmp-*``)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    staged = [s["staged"] for s in shards if s.get("staged")]
+    for path in staged:
+        try:
+            FileSystems.delete([path])
+        except Exception:  # noqa: BLE001 - BeamIOError (an OSError) or a missing file: nothing to keep
             pass
 
 
@@ -320,8 +351,50 @@ def _size_category(rows: int) -> str:
     return "n>1T"
 
 
+GUARD_MARK = "<!-- packstream: not a complete output -->"
+"""The line that marks packstream's own "not complete" card (pipeline._output recognises its leftovers by it)."""
+GUARD_DATA = "packstream-output-not-complete-see-README.md"
+"""Where the guard card's ``data_files`` point: a name that never exists, so ``datasets.load_dataset(folder)``
+raises ``FileNotFoundError: Unable to find '.../packstream-output-not-complete-see-README.md'``."""
+
+
+def guard_card(why: str) -> str:
+    """README.md of a folder that holds no complete output: while a run writes it, or after it failed.
+
+    ``datasets.load_dataset(folder)`` reads a card's ``configs`` before anything else, and without
+    a card it infers splits from file names (``train-*``, and ``rejected.jsonl`` as data): so a
+    card is always there, and until the commit it points at a name that does not exist. Only a
+    complete run replaces it with :func:`dataset_card`.
+    """
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: "{GUARD_DATA}"
+tags:
+- packstream
+---
+{GUARD_MARK}
+
+# Not a complete packstream output
+
+{why}
+
+Nothing here is a dataset yet: `datasets.load_dataset`, `packers.PackedDataset` and `packstream verify`
+refuse this folder (its `manifest.json` is missing or says `"status": "failed"`). Fix the cause, if any,
+and run `packstream pack ... --overwrite` into this folder: it removes exactly the files packstream wrote
+here and packs again.
+"""
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
-    """The output folder's README.md, with the YAML header that datasets and the Hub read."""
+    """The output folder's README.md, with the YAML header that datasets and the Hub read.
+
+    Only a complete run's card points at data; a failed run's is :func:`guard_card` with the reason.
+    """
+    if manifest.get("status") != "complete":
+        return guard_card(f"This packstream run failed: {manifest.get('error') or 'no reason recorded'}.")
     c = manifest["counts"]
     ext = "parquet" if manifest["config"]["output_format"] == "parquet" else "arrow"
     # Only splits that hold rows: `datasets` cannot load a DatasetDict with an empty split (datasets#8401),
@@ -357,13 +430,9 @@ size_categories:
 ---
 """
     t = manifest["tokenizer"]
-    status = ""
-    if manifest.get("status") != "complete":
-        status = (f"\n**This run failed** ({manifest.get('error', 'no reason recorded')}): the files here are not a "
-                  "complete output. Fix the cause and re-run `packstream pack --overwrite`.\n")
     body = f"""
 # Packed SFT data (packstream)
-{status}
+
 Rows of at most **{manifest['config']['max_tokens']}** tokens, each holding several tokenized
 examples back to back (packed-row contract v{manifest['contract_version']}; no padding stored).
 

@@ -35,6 +35,7 @@ logging.getLogger("apache_beam.runners.portability.fn_api_runner.fn_runner").add
 logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
 
 from packers import PackstreamError
+from pipeline import _signals
 from pipeline._progress import LogFormat
 
 
@@ -83,13 +84,52 @@ EXIT_TOO_MANY_REJECTED = 3
 """The job finished but rejected more than ``--max-reject-fraction`` of the records."""
 
 
+def printable(text: str) -> str:
+    """``text`` fit for one line of a terminal: every control or other non-printable character (a newline or a
+    terminal escape in a path, a value or a file name) shown as its escape, so it cannot split or colour the line.
+
+    >>> printable("out\\nput\\x1b[31m")
+    'out\\\\nput\\\\x1b[31m'
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None, summary: "dict | None" = None) -> None:
+    """The one way a command ends with an error: one ``error:`` line (through :func:`printable`), exit ``code``."""
     if summary is not None:
         click.echo(summary_table(summary), err=True)
-    click.secho(f"error: {e}", fg="red", err=True)
+    _signals.unmute_stderr()
+    click.secho(f"error: {printable(str(e))}", fg="red", err=True)
     if reporter is not None:
         reporter.error(str(e), code)  # --log-format json: the batch log ends with an error event
     sys.exit(code)
+
+
+class _Commands(click.Group):
+    """The ``packstream`` group: every command runs with SIGINT, SIGTERM and SIGHUP handled (one line, exit
+    128 + the signal; pipeline._signals), and a click usage error's message is one printable line too."""
+
+    def main(self, *args, **kwargs):
+        with _signals.handling():
+            try:
+                return super().main(*args, **kwargs)
+            except SystemExit:
+                raise
+            except BaseException as e:
+                signum = _signals.received()
+                if signum is None:
+                    raise
+                _fail(e if isinstance(e, _signals.Interrupted) else f"interrupted by {_signals.name(signum)}",
+                      _signals.exit_code(signum))
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            e.message = printable(e.message)
+            raise
 
 
 class _NoUserErrorTracebacks(logging.Filter):
@@ -100,7 +140,7 @@ class _NoUserErrorTracebacks(logging.Filter):
         return not isinstance(exc, PackstreamError) and not isinstance(record.msg, PackstreamError)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="packstream")
 def main() -> None:
     """Pack instruction data into fixed-budget rows for FlashAttention-2 training."""
@@ -214,9 +254,13 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
         manifest = run(options, beam_args, progress=reporter)
     except TooManyRejected as e:
         _fail(e, EXIT_TOO_MANY_REJECTED, reporter, summary=e.manifest)
+    except _signals.Interrupted as e:
+        _fail(e, e.exit_code, reporter)
     except PackstreamError as e:
         _fail(e, reporter=reporter)
     except Exception as e:  # a Beam job failure wraps the worker's exception: surface user errors cleanly
+        if _signals.received() is not None:
+            raise
         msg = _user_error_in(e)
         if msg is None:
             raise
@@ -318,7 +362,8 @@ def summary_table(manifest: dict) -> str:
         out = []
         for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]):
             f = first.get(k)
-            out.append((f"  {k}", f"{v:,}" + (f"  e.g. {f['source']} at {f['position']}: {_one_line(f['detail'])}" if f else "")))
+            out.append((f"  {printable(k)}", f"{v:,}" + (
+                f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(_one_line(f['detail']))}" if f else "")))
         return out
 
     lines = [
@@ -431,7 +476,7 @@ def verify_command(folder, input_paths, with_inputs, trust_remote_code, max_prob
     except PackstreamError as e:
         _fail(e)
     for p in report.problems[:max_problems]:
-        click.echo(str(p))
+        click.echo(printable(str(p)))
     if report.count > max_problems:
         click.echo(f"... and {report.count - max_problems} more")
     click.echo(report.summary())

@@ -2,10 +2,10 @@
 
 After each kill the output folder is in one of two states, and nothing in between:
 
-* no complete manifest.json: ``packstream verify`` and ``packers.PackedDataset`` refuse the folder,
-  saying why (a lock of a killed run, or shards without a manifest); or
-* a complete manifest: every file it lists, and the manifest itself, is byte-identical to a clean
-  run's (only packstream's own ``.tmp-*`` names and the lock may be left beside them).
+* not committed: ``datasets.load_dataset``, ``packstream verify`` and ``packers.PackedDataset`` all
+  refuse the folder, saying why (the guard card, a lock of a killed run, shards without a manifest);
+* committed: every file the complete manifest lists, and the manifest itself, is byte-identical to
+  a clean run's (only packstream's own ``.tmp-*`` names and the lock may be left beside them).
 
 A rerun into the leftovers is refused without ``--overwrite`` (the killed run's lock is reported as
 stale), and with it always gives the clean run's bytes, with nothing left over. The kills come from
@@ -82,14 +82,18 @@ def _points(counts: dict[str, int]) -> list[tuple[str, int]]:
     return points
 
 
-def _refused_without_a_complete_manifest(out: Path) -> None:
+def _refused_by_every_reader(out: Path) -> None:
+    import datasets
+
     import packers
 
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code != 0, r.output
-    assert "manifest.json" in r.output, r.output
-    with pytest.raises(packers.PackstreamError, match="manifest.json"):
+    assert "manifest.json" in r.output or ".packstream.lock" in r.output, r.output
+    with pytest.raises(packers.PackstreamError, match="manifest.json|.packstream.lock"):
         packers.PackedDataset(str(out))
+    with pytest.raises(FileNotFoundError, match="packstream-output-not-complete"):  # the guard card
+        datasets.load_dataset(str(out))
 
 
 def test_sigkill_anywhere_leaves_nothing_that_passes_for_complete(inputs, clean, tmp_path):
@@ -103,17 +107,18 @@ def test_sigkill_anywhere_leaves_nothing_that_passes_for_complete(inputs, clean,
         assert r.returncode == -signal.SIGKILL, (phase, n, r.returncode, r.stderr[-2000:])
         names = sorted(os.listdir(out))
         manifest = json.loads((out / "manifest.json").read_text()) if "manifest.json" in names else None
-        if manifest is not None and manifest.get("status") == "complete":
-            got = _files(out)
-            for name in [*manifest["files"], "manifest.json"]:
-                assert got[name] == expected[name], f"{phase}#{n}: {name} is complete in name only"
+        got = _files(out)
+        committed = manifest is not None and manifest.get("status") == "complete" and all(
+            got.get(name) == expected[name] for name in [*manifest["files"], "manifest.json"])
+        if committed:
             extra = set(names) - set(manifest["files"]) - {"manifest.json"}
             assert all(x.startswith(".tmp-") or x == ".packstream.lock" for x in extra), (phase, n, extra)
         else:
-            # No commit: every shard under a final name may exist, but nothing reads the folder as an output.
-            own = (".tmp-", ".packstream.lock", "train-", "validation-", "rejected.jsonl", "README.md")
+            # No commit (a complete manifest whose card is still the guard is no commit either): every shard under
+            # a final name may exist, but no reader takes the folder for an output.
+            own = (".tmp-", ".packstream.lock", "train-", "validation-", "rejected.jsonl", "README.md", "manifest.json")
             assert all(x.startswith(own) for x in names), (phase, n, names)
-            _refused_without_a_complete_manifest(out)
+            _refused_by_every_reader(out)
         again = CliRunner().invoke(main, ["pack", str(inputs), "-o", str(out), *ARGS])
         assert again.exit_code == 2 and "--overwrite" in again.output, (phase, n, again.output)
         assert "killed run" in again.output or "earlier packstream output" in again.output, again.output

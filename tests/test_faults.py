@@ -129,7 +129,7 @@ def _fail_after_shard_written(monkeypatch, fault: FirstAttempt) -> None:
 
     def close(self, split):
         fault.calls += 1
-        result = real(self, split)  # the shard is on disk under its final name
+        result = real(self, split)  # the shard is whole on disk (staged under its .tmp- name until the commit)
         fault.fire(f"after writing shard {result['name']}")
         return result
 

@@ -430,3 +430,66 @@ def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys, monkeypa
     manifest = _job.run(PackOptions(inputs=(str(data),), output=str(tmp_path / "out"), tokenizer=str(tok)))
     assert manifest["counts"]["examples_packed"] == 1 and manifest["row_checks"]["eos_token_id"] is None
     assert "has no EOS token" in capsys.readouterr().err
+
+
+# -- issue 16, causes 12 and 20: what every record would hit alike is one launch error ------------
+
+
+def test_a_template_that_never_ends_is_one_launch_error(tmp_path, monkeypatch):
+    """The start-up probe sees the render time out: one error (exit 2) before any output, not a timeout per
+    record (1,000 records took 2.8 h)."""
+    from pipeline import _job, _render
+
+    monkeypatch.setattr(_render, "TEMPLATE_SECONDS", 0.5)
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n' * 20)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages }}"
+    out = tmp_path / "out"
+    with pytest.raises(PackstreamError, match=r"did not finish rendering a two-message probe conversation in 0.5 s"):
+        _job.run(PackOptions(inputs=(str(data),), output=str(out), chat_template=endless))
+    assert not out.exists()
+
+
+def _tokenizer_with_eos(tmp_path, eos: str):
+    import json
+    import shutil
+
+    from pipeline._tokenizer import default_tokenizer_path
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(f"{default_tokenizer_path()}/tokenizer.json", tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return tok
+
+
+@pytest.mark.parametrize("eos,words", [
+    ("<|no-such-token|>", "'<|no-such-token|>' is not in its vocabulary"),
+    ("Ġthe", "'Ġthe' is token 270 of the vocabulary, but its text encodes to 3 token(s)"),
+])
+def test_an_eos_the_vocabulary_does_not_hold_as_one_token_is_a_launch_error(tmp_path, eos, words):
+    """Such a tokenizer packed every example without an EOS (exit 0), and the warning said to set eos_token,
+    which was set: now one error names the token and the fix."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    tok = _tokenizer_with_eos(tmp_path, eos)
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["pack", str(data), "-o", str(out), "--tokenizer", str(tok)])
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert r.exit_code == 2 and len(errors) == 1 and words in errors[0], r.output
+    assert "added_tokens" in errors[0] and "no EOS token" not in r.output
+    assert not out.exists()
+
+
+def test_an_eos_that_is_one_token_of_the_vocabulary_packs(tmp_path):
+    from pipeline import _job
+
+    tok = _tokenizer_with_eos(tmp_path, "hello")  # an odd EOS, but one token that encodes to itself
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    manifest = _job.run(PackOptions(inputs=(str(data),), output=str(tmp_path / "out"), tokenizer=str(tok)))
+    assert manifest["row_checks"]["eos_token_id"] == 33310 and manifest["row_checks"]["eos_at_boundaries"]

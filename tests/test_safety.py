@@ -130,14 +130,81 @@ def test_a_stale_lock_is_reported_and_overwrite_breaks_it(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
 
 
-def test_a_live_lock_is_never_broken(tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
-    out = tmp_path / "out"
-    out.mkdir()
+def _start_ticks(pid: int) -> int:
+    """Process ``pid``'s start time in clock ticks since boot (/proc/PID/stat field 22), as the lock records it."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        pytest.skip("needs /proc (Linux)")
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def _lock(out: Path, pid: int, **extra) -> None:
+    """A lock as packstream writes it (who runs: pid, host, boot id, the process's start time, run id)."""
     import socket
 
-    (out / ".packstream.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-    user_error(cli("pack", str(src), "-o", str(out), "-q", "--overwrite"), "still going")
+    out.mkdir(exist_ok=True)
+    body = {"pid": pid, "host": socket.gethostname(), "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "pid_start": f"ticks:{_start_ticks(pid)}", "started": "2026-01-01T00:00:00Z", "run": "0123456789ab", **extra}
+    (out / ".packstream.lock").write_text(json.dumps(body))
+
+
+@pytest.fixture
+def live_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_lock_is_never_broken(tmp_path, live_pid):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    _lock(out, live_pid)
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    user_error(r, "still going", f"kill {live_pid}", f"rm {out / '.packstream.lock'}")  # how to clear a truly stale one
+    assert (out / ".packstream.lock").exists()
+
+
+# -- issue 16, cause 13: a lock names its run by more than a pid -----------------------------------
+
+
+@pytest.mark.parametrize("case", ["pid_reused", "this_process", "rebooted"])
+def test_a_lock_whose_pid_is_alive_but_another_process_is_stale(tmp_path, live_pid, case):
+    """The pid in a dead run's lock may belong to a live, unrelated process (pid reuse; pid 1 in a container),
+    or to the new run itself: the lock's start time, boot id and run id tell them apart."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    if case == "pid_reused":  # a live process, but not the one that took the lock: its start time differs
+        _lock(out, live_pid, pid_start=f"ticks:{_start_ticks(live_pid) - 1000}")
+    elif case == "this_process":  # the run restarted with the same pid (pid 1 in a container), the old run's lock
+        _lock(out, os.getpid())
+    else:  # the machine restarted since the lock was taken
+        _lock(out, live_pid, boot_id="00000000-0000-0000-0000-000000000000")
+    (out / "train-00000-of-00001.arrow").write_bytes(b"left by the killed run")
+    user_error(cli("pack", str(src), "-o", str(out), "-q"), "killed run" if case != "this_process" else "stopped left it",
+               "--overwrite")
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert not (out / ".packstream.lock").exists()
+
+
+def test_a_lock_removed_by_hand_leaves_a_folder_overwrite_still_clears(tmp_path, live_pid):
+    """The message for a live-looking lock says `rm` it; what the run left is still packstream's (its guard card)."""
+    from pipeline import _write
+
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    _lock(out, live_pid)
+    (out / "README.md").write_text(_write.guard_card("A packstream run is writing this folder."))
+    (out / "train-00000-of-00002.arrow").write_bytes(b"partial")
+    (out / ".packstream.lock").unlink()
+    user_error(cli("pack", str(src), "-o", str(out), "-q"), "unfinished packstream run", "--overwrite")
+    r = cli("pack", str(src), "-o", str(out), "-q", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "rejected.jsonl",
+                                                     "train-00000-of-00001.arrow"]
 
 
 def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
@@ -152,19 +219,28 @@ def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
     assert not (out / ".packstream.lock").exists()
 
 
-def test_an_all_rejected_run_exits_3_and_its_output_loads_as_an_empty_dataset(tmp_path):
+@pytest.mark.parametrize("records,fraction", [
+    ([{"bogus": 1}, {"answer": 2}, {"messages": []}], "0.5"),   # nothing packed
+    ([GOOD, {"bogus": 1}, {"bogus": 2}], "0.5"),                # too many rejected
+])
+def test_an_exit_3_run_publishes_no_data(tmp_path, records, fraction):
+    """Issue 16, cause 6: a failed run's card points at no data, so datasets.load_dataset refuses the folder
+    (it used to load the shards of a run that exited 3), like PackedDataset and verify."""
     import datasets
 
-    src = write_jsonl(tmp_path / "in.jsonl", [{"bogus": 1}, {"answer": 2}, {"messages": []}])
+    src = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
-    r = cli("pack", str(src), "-o", str(out))
-    assert r.exit_code == 3 and "no example was packed" in r.output, r.output
-    assert "unknown_format" in r.output and "empty_conversation" in r.output  # the summary's reasons
-    shard = next(out.glob("train-*.arrow"))
-    empty = datasets.Dataset.from_file(str(shard))
-    assert empty.num_rows == 0 and empty.features == datasets.Features.from_arrow_schema(packers.SCHEMA)
-    streamed = datasets.load_dataset(str(out), streaming=True)
-    assert list(streamed["train"]) == [] and streamed["train"].features == empty.features
+    r = cli("pack", str(src), "-o", str(out), "--max-reject-fraction", fraction)
+    assert r.exit_code == 3 and "unknown_format" in r.output, r.output  # the summary's reasons
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+    card = (out / "README.md").read_text()
+    assert "train-*" not in card and "This packstream run failed" in card
+    for streaming in (False, True):
+        with pytest.raises(FileNotFoundError, match="packstream-output-not-complete"):
+            datasets.load_dataset(str(out), streaming=streaming)
+    with pytest.raises(packers.PackstreamError, match="failed"):
+        packers.PackedDataset(str(out))
+    assert cli("verify", str(out)).exit_code == 1
 
 
 # -- 6. one error line, never a traceback ----------------------------------------------------------
@@ -303,3 +379,45 @@ def test_quiet_silences_worker_processes(tmp_path):
                            "--workers", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == "", proc.stderr[-3000:]
+
+
+# -- issue 16, causes 19 and 21: output paths, and one error line whatever a path holds --------------
+
+
+def test_a_file_url_output_keeps_its_leading_slash(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "packed"
+    r = cli("pack", str(src), "-o", f"file://{out}", "-q")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["config"]["output"] == str(out)
+
+
+@pytest.mark.parametrize("output,words", [
+    ("file://otherhost/x", ["file:///absolute/path"]),
+    ("ftp://host/folder", ["no filesystem for ftp://"]),
+])
+def test_an_output_url_packstream_cannot_write_is_one_line(tmp_path, output, words):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    user_error(cli("pack", str(src), "-o", output, "-q"), *words)
+
+
+def test_a_dangling_output_symlink_is_named_as_such(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    user_error(cli("pack", str(src), "-o", str(link), "-q"), "dangling symlink", "gone")
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("where", ["output", "input", "option"])
+def test_a_control_character_in_a_path_never_splits_the_error_line(tmp_path, where):
+    """Every message goes through the CLI's one printer, which escapes control characters: a newline (or a
+    terminal escape) in a path shows as \\n, on the one line."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    odd = "/proc/new\nline\x1b[31m"
+    args = {"output": ["pack", str(src), "-o", odd], "input": ["pack", odd + ".jsonl", "-o", str(tmp_path / "o")],
+            "option": ["pack", str(src), "-o", str(tmp_path / "o"), "--bogus\nflag"]}[where]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "\x1b[31m" not in r.output and "Traceback" not in r.output, r.output
+    lines = [line for line in r.output.splitlines() if "new" in line or "bogus" in line]
+    assert len(lines) == 1 and ("\\n" in lines[0]) and ("line" in lines[0] or "flag" in lines[0]), r.output

@@ -1,0 +1,296 @@
+"""Interruption: SIGINT, SIGTERM and SIGHUP end a command with one ``error:`` line and exit 128 + the signal.
+
+::
+
+    Ctrl-C / kill / hang-up                  the launcher (the ``packstream`` process)
+          |                                    handler: note the signal, mute every other output
+          v                                    (logging, thread tracebacks, stderr), stop the local
+    launcher ---- SIGTERM ----> workers        workers, raise Stop in the main thread
+    (handler)                  (ignore SIGINT  -> the job unwinds; pipeline._job makes the folder a
+                                and SIGHUP;       failed output (or finishes a commit that was done)
+                                die with the   -> the CLI prints one line, exits 130 / 143 / 129
+                                launcher)
+
+* :class:`Stop` is a ``BaseException``, so no ``except Exception`` in Beam, a library or our own
+  best-effort code swallows it. Beam may wrap it on the way up (``RuntimeError: ... [while running
+  'EncodeTasks']``); what counts is :func:`received`, not the type that arrives.
+* A signal that arrives inside :func:`deferred` (claiming the folder, writing the commit) is held
+  and raised when the section ends, so those steps happen whole or not at all.
+* A second signal while the first is being handled ends the process at once with the same line
+  (the run's lock then stays, and ``--overwrite`` clears what the run left, by its journal).
+* A signal the shell set to be ignored (``nohup``, ``cmd &`` in a script) stays ignored.
+* Local worker processes (``--workers N``, :mod:`pipeline._worker`) ignore SIGINT and SIGHUP (a
+  terminal sends them to the whole process group) and die with their launcher: it stops them.
+
+The test hook :func:`at` delivers a signal at a named point of a run (``PACKSTREAM_SIGNAL_AT``,
+read once at import); unset, it is one comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Iterator, Optional
+
+from packers import PackstreamError
+
+SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+"""The signals that end a command cleanly (SIGKILL cannot be caught: tests/test_crash.py covers it)."""
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention: 128 + the signal number (SIGINT 130, SIGTERM 143, SIGHUP 129)."""
+    return 128 + signum
+
+
+def name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Stop(BaseException):
+    """Raised in the main thread by the handler (never caught by ``except Exception``)."""
+
+
+class Interrupted(PackstreamError):
+    """A command stopped by a signal; the CLI prints the message and exits with :attr:`exit_code`."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = exit_code(signum)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.raised = False
+        self.deferring = 0
+        self.last_words = ""
+        self.saved_stderr: Optional[int] = None
+        self.saved_hook = None
+        self.installed: dict[int, object] = {}
+
+
+_state = _State()
+
+
+def received() -> Optional[int]:
+    """The signal this command received (None: none)."""
+    return _state.signum
+
+
+def set_last_words(text: str) -> None:
+    """What the one line says if a second signal ends the process during clean-up."""
+    _state.last_words = text
+
+
+@contextlib.contextmanager
+def handling() -> Iterator[None]:
+    """Handle :data:`SIGNALS` for the duration of a command (main thread only; restores the old handlers)."""
+    global _state
+    if threading.current_thread() is not threading.main_thread() or _state.installed:
+        yield
+        return
+    _state = _State()
+    for s in SIGNALS:
+        old = signal.getsignal(s)
+        if old is signal.SIG_IGN:  # nohup, or a background job of a script: the user chose to ignore it
+            continue
+        _state.installed[s] = old
+        signal.signal(s, _handler)
+    try:
+        yield
+    finally:
+        for s, old in _state.installed.items():
+            signal.signal(s, old)
+        _state.installed = {}
+        unmute_stderr()  # logging and thread tracebacks stay off after a signal: the process is about to exit,
+        # and Beam's threads may still be winding down
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold a signal that arrives inside the block; raise :class:`Stop` when the block ends."""
+    _state.deferring += 1
+    try:
+        yield
+    finally:
+        _state.deferring -= 1
+    if not _state.deferring and _state.signum is not None and not _state.raised:
+        _state.raised = True
+        raise Stop(_state.signum)
+
+
+def _handler(signum: int, frame) -> None:
+    if _state.signum is not None:  # again, while the first one is handled: leave now, say why
+        words = _state.last_words or f"interrupted by {name(_state.signum)}"
+        unmute_stderr()
+        os.write(2, f"error: {words}\n".encode("utf-8", "replace"))
+        os._exit(exit_code(_state.signum))
+    _state.signum = signum
+    mute()
+    stop_workers()
+    if not _state.deferring:
+        _state.raised = True
+        raise Stop(signum)
+
+
+def mute() -> None:
+    """From here on nothing but the command's last line is printed: Beam's teardown logs, the tracebacks of
+    its threads that lose their worker, gRPC's own stderr lines."""
+    logging.disable(logging.CRITICAL)
+    if _state.saved_hook is None:
+        _state.saved_hook = threading.excepthook
+        threading.excepthook = lambda args: None
+    if _state.saved_stderr is None:
+        try:
+            sys.stderr.flush()
+            _state.saved_stderr = os.dup(2)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        except (OSError, ValueError):  # no fd 2 (an embedded interpreter): logging is off already
+            _state.saved_stderr = None
+
+
+def unmute_stderr() -> None:
+    """Give stderr back, for the command's last line (logging and thread tracebacks stay off)."""
+    if _state.saved_stderr is not None:
+        try:
+            os.dup2(_state.saved_stderr, 2)
+            os.close(_state.saved_stderr)
+        except OSError:
+            pass
+        _state.saved_stderr = None
+
+
+WORKER_MODULE = "pipeline._worker"
+
+
+def worker_pids() -> list[int]:
+    """This process's local Beam workers (children running :mod:`pipeline._worker`): /proc, else psutil."""
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        entries = []
+    if entries:
+        for e in entries:
+            if not e.isdigit():
+                continue
+            try:
+                with open(f"/proc/{e}/stat", "rb") as f:
+                    stat = f.read()
+                if int(stat[stat.rindex(b")") + 2:].split()[1]) != me:
+                    continue
+                with open(f"/proc/{e}/cmdline", "rb") as f:
+                    if WORKER_MODULE.encode() in f.read():
+                        found.append(int(e))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+    try:
+        import psutil
+    except ImportError:
+        return found
+    try:
+        return [p.pid for p in psutil.Process(me).children() if WORKER_MODULE in " ".join(p.cmdline())]
+    except Exception:  # noqa: BLE001 - best effort: Beam's own teardown then waits for them
+        return found
+
+
+def stop_workers() -> None:
+    """SIGTERM the local workers (they die at once, silently): Beam's teardown would wait for their bundles."""
+    for pid in worker_pids():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+def worker_command() -> str:
+    """The shell command FnApiRunner runs per local worker: SIGINT and SIGHUP ignored from exec on (an ignored
+    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler)."""
+    import shlex
+
+    return f"trap '' INT HUP; exec {shlex.quote(sys.executable)} -m {WORKER_MODULE}"
+
+
+def worker_setup() -> None:
+    """In a local worker process: ignore the terminal's SIGINT and SIGHUP, and die with the launcher."""
+    for s in ("SIGINT", "SIGHUP"):
+        if hasattr(signal, s):
+            signal.signal(getattr(signal, s), signal.SIG_IGN)
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if sys.platform.startswith("linux"):
+        try:  # PR_SET_PDEATHSIG: a launcher killed outright (SIGKILL) takes its workers with it
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if launcher and launcher.isdigit():
+        try:
+            os.kill(int(launcher), 0)
+        except ProcessLookupError:
+            os._exit(0)  # the launcher is already gone: nothing of this run may be written any more
+        except OSError:
+            pass
+
+
+LAUNCHER_ENV = "PACKSTREAM_LAUNCHER_PID"
+"""Set by the launcher for its workers: who to stop with, and where the test hook sends a signal."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The test hook: a signal at the N-th pass through a named point (tests/test_interrupt.py).
+
+HOOK_ENV = "PACKSTREAM_SIGNAL_AT"
+"""``PHASE:N:SIGNAL:TARGET:MARKER``: at the N-th pass through point PHASE (counted per process), send
+SIGNAL (``INT``, ``TERM``, ``HUP``) to TARGET (``group``: the launcher's process group, as a terminal
+does; ``launcher``: the launcher alone, as ``kill PID`` does), once per run (MARKER: a file created
+exclusively by the first process that fires), then wait to be stopped."""
+
+PHASES = ("launch", "read", "encode", "spill", "pack", "shard_write", "commit")
+"""The named points, in the order a run passes them."""
+
+_HOOK = os.environ.get(HOOK_ENV) or None
+_passes: dict[str, int] = {}
+
+
+def at(phase: str) -> None:
+    """A named point of a run (see :data:`HOOK_ENV`); costs one comparison when the hook is unset."""
+    if _HOOK is None:
+        return
+    _fire(phase)
+
+
+def _fire(phase: str) -> None:
+    want, n, sig, target, marker = _HOOK.split(":", 4)
+    if phase != want:
+        return
+    _passes[phase] = _passes.get(phase, 0) + 1
+    if _passes[phase] != int(n):
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # another worker fired first
+    launcher = int(os.environ.get(LAUNCHER_ENV) or os.getpid())
+    signum = getattr(signal, f"SIG{sig}")
+    if target == "group":
+        os.killpg(os.getpgid(launcher), signum)
+    else:
+        os.kill(launcher, signum)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the signal takes effect here: the handler raises, or the launcher stops us
+        time.sleep(0.05)
