@@ -31,7 +31,9 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._write`, fi
                                                           with eos_token_id (a full-budget sequence is a
                                                           piece of a truncated or split example)
                       "targets_in_every_sequence": bool,  every sequence has a loss_mask 1
-                      "all_targets": bool}                every token is a target (--train-on all)
+                      "all_targets": bool,                every token is a target (--train-on all)
+                      "pairs": bool}                      every row holds preference pairs (--pairs; the
+                                                          pair columns of the row contract), else none does
     tokenizer        {"name", "vocab_sha256", "eos_token_id", "pad_token_id", ...}
     config, counts, inputs   the run's options and counts (see docs/operations.md)
 """
@@ -171,6 +173,7 @@ class RowChecks:
     eos_at_boundaries: bool
     targets_in_every_sequence: bool
     all_targets: bool
+    pairs: bool = False
 
 
 def _is_int(v: Any) -> bool:
@@ -179,6 +182,7 @@ def _is_int(v: Any) -> bool:
 
 def row_checks(m: dict[str, Any], where: str) -> RowChecks:
     """The complete manifest ``m``'s ``row_checks``, checked; ContractError names a missing or ill-typed key."""
+    _check_version(m, where)
     rc = m.get("row_checks")
     if not isinstance(rc, dict):
         raise ContractError(
@@ -191,7 +195,7 @@ def row_checks(m: dict[str, Any], where: str) -> RowChecks:
     if eos is not None and (not _is_int(eos) or eos < 0):
         raise ContractError(f"{where}: manifest.json row_checks.eos_token_id is {eos!r}, expected an integer >= 0 or null")
     flags = {}
-    for key in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets"):
+    for key in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets", "pairs"):
         if not isinstance(rc.get(key), bool):
             raise ContractError(f"{where}: manifest.json row_checks.{key} is {rc.get(key)!r}, expected true or false")
         flags[key] = rc[key]
@@ -206,14 +210,18 @@ def row_checks(m: dict[str, Any], where: str) -> RowChecks:
     return RowChecks(budget=budget, eos_token_id=eos, **flags)
 
 
-def expected_metadata(m: dict[str, Any], where: str) -> dict[str, Any]:
-    """The schema metadata (:func:`packers.read_metadata`'s keys) every shard of the complete manifest ``m``
-    must carry: contract version, budget, tokenizer name and vocabulary hash, eos/pad ids."""
+def _check_version(m: dict[str, Any], where: str) -> None:
     if m.get("contract_version") != CONTRACT_VERSION:
         raise ContractError(
             f"{where}: manifest.json contract_version is {m.get('contract_version')!r}, this packstream reads "
             f"version {CONTRACT_VERSION}; repack the data or install a matching packstream"
         )
+
+
+def expected_metadata(m: dict[str, Any], where: str) -> dict[str, Any]:
+    """The schema metadata (:func:`packers.read_metadata`'s keys) every shard of the complete manifest ``m``
+    must carry: contract version, budget, tokenizer name and vocabulary hash, eos/pad ids."""
+    _check_version(m, where)
     tok = m.get("tokenizer")
     if not isinstance(tok, dict):
         raise ContractError(f"{where}: manifest.json has no 'tokenizer' object; re-run packstream pack")

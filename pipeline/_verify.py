@@ -16,7 +16,9 @@ got). Nothing in the folder is trusted:
   :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
   implies (:func:`packers._manifest.expected_metadata`), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
-  increasing), loss_mask values only 0 or 1, and the manifest's ``row_checks``: every sequence
+  increasing), loss_mask values only 0 or 1, ``num_targets``, the pair columns (empty, or in a run of
+  pairs: whole pairs, chosen first, one prompt per pair, loss_mask exactly on the completion spans),
+  and the manifest's ``row_checks``: every sequence
   shorter than the budget ends with ``eos_token_id`` (``eos_at_boundaries``), every sequence has a
   target (``targets_in_every_sequence``), every token is one (``all_targets``).
 * **Ids and counts.** Every example id exactly once across all shards and splits, the copies and
@@ -58,6 +60,8 @@ from packers._manifest import (
     LOCK, MANIFEST, TMP_PREFIX, RowChecks, expected_metadata, is_datasets_cache, listed_shards, missing_manifest,
     parse_manifest, require_complete, row_checks, unlisted,
 )
+from packers._rowcheck import Failure, gather, check_batch
+from packers._schema import PAIR_COLUMNS
 import pipeline._read as _read
 import pipeline._rows as _rows
 import pipeline._write as _write
@@ -310,7 +314,8 @@ def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, pa
     mask_off, mask, n2 = _list_column(table, "loss_mask")
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
     ex_off, exs, n4 = _list_column(table, "example_ids")
-    nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count
+    nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS)
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
         return None
@@ -354,6 +359,7 @@ def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, pa
 
     # Sequences of the good rows.
     good = np.flatnonzero(~bad)
+    _check_targets_and_pairs(report, name, table, good, exs, ex_off, checks)
     counts = nseq[good]
     rows_of = np.repeat(good, counts)
     k_of = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -401,6 +407,30 @@ def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, pa
     report.pieces += measured["examples"]
     report.tokens += measured["tokens"]
     return measured
+
+
+_CHECK_CHUNK = 1024
+"""Rows per call of the loader's vectorized checks in :func:`_check_targets_and_pairs`."""
+
+
+def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: np.ndarray, exs: list, ex_off: np.ndarray,
+                             checks: RowChecks) -> None:
+    """``num_targets`` and the pair columns of the structurally good rows, by the loader's own vectorized checks
+    (:func:`packers._rowcheck.check_batch`; the flags verify reports itself are off): every broken row once."""
+    plain = dataclasses.replace(checks, eos_at_boundaries=False, targets_in_every_sequence=False, all_targets=False)
+    for c0 in range(0, len(good), _CHECK_CHUNK):
+        idx = good[c0:c0 + _CHECK_CHUNK]
+        while len(idx):
+            b = gather(table.take(pa.array(idx)), check=False)
+            f = check_batch(b, plain) if not isinstance(b, Failure) else b
+            if f is None:
+                break
+            row = int(idx[f.row])
+            where = f"{name} row {row}"
+            if f.sequence is not None:
+                where += f" sequence {f.sequence} ({exs[ex_off[row] + f.sequence]})"
+            report.add(where, f"check {f.check} failed: {f.detail}")
+            idx = idx[f.row + 1:]
 
 
 def _check_ids(stored: _Stored, report: Report) -> None:
