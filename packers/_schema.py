@@ -223,26 +223,27 @@ def validate_pairs(row: Mapping[str, Any]) -> None:
         raise ContractError(f"sides must alternate chosen (0), rejected (1), chosen first, got {sides[:8]}")
     covered = [0] * len(ids)
     for j in range(nseq):
-        side = Side(int(sides[j]))
-        if not pids[j]:
-            raise ContractError(f"sequence {j}: the pair id is empty")
-        if ex[j] != pids[j] + side.suffix:
-            raise ContractError(f"sequence {j}: example id {ex[j]!r} is not its pair id {pids[j]!r} + {side.suffix!r}")
         a, b = int(spans[2 * j]), int(spans[2 * j + 1])
         if not offs[j] < a < b <= offs[j + 1]:
             raise ContractError(f"sequence {j} ({ex[j]}): completion span [{a}, {b}) must lie in its tokens "
                                 f"[{offs[j]}, {offs[j + 1]}), after at least one prompt token, and hold a token")
         covered[a:b] = [1] * (b - a)
-    for j in range(0, nseq, 2):
-        if pids[j] != pids[j + 1]:
-            raise ContractError(f"sequences {j}, {j + 1}: a chosen side ({pids[j]}) is not followed by its rejected "
-                                f"side (got {pids[j + 1]})")
-        c, r = list(ids[offs[j]:spans[2 * j]]), list(ids[offs[j + 1]:spans[2 * j + 2]])
-        if c != r:
-            raise ContractError(f"pair {pids[j]}: the prompts differ (chosen {c[:16]}, rejected {r[:16]})")
-    if len(set(pids)) != nseq // 2:
-        raise ContractError(f"a pair id appears twice in the row: {pids}")
     if [int(m) for m in mask] != covered:
         t = next(i for i, (m, c) in enumerate(zip(mask, covered)) if int(m) != c)
         raise ContractError(f"loss_mask[{t}] is {int(mask[t])}, but a row of pairs trains exactly on the completion "
                             "spans")
+    for j in range(0, nseq, 2):
+        c, r = list(ids[offs[j]:spans[2 * j]]), list(ids[offs[j + 1]:spans[2 * j + 2]])
+        if c != r:
+            raise ContractError(f"pair {pids[j]}: the prompts differ (chosen {c[:16]}, rejected {r[:16]})")
+    for j in range(nseq):
+        side = Side(int(sides[j]))
+        if not pids[j]:
+            raise ContractError(f"sequence {j}: the pair id is empty")
+        if j % 2 and pids[j] != pids[j - 1]:
+            raise ContractError(f"sequences {j - 1}, {j}: a chosen side ({pids[j - 1]}) is not followed by its "
+                                f"rejected side (got {pids[j]})")
+        if ex[j] != pids[j] + side.suffix:
+            raise ContractError(f"sequence {j}: example id {ex[j]!r} is not its pair id {pids[j]!r} + {side.suffix!r}")
+    if len(set(pids)) != nseq // 2:
+        raise ContractError(f"a pair id appears twice in the row: {pids}")
