@@ -41,6 +41,13 @@ class Format(str, enum.Enum):
     TOKENS = "tokens"  #: pre-tokenized input_ids (+ labels or loss_mask)
 
 
+class Preference(str, enum.Enum):
+    """Which side of a preference pair (chosen/rejected) a record trains as SFT."""
+
+    CHOSEN = "chosen"  #: the prompt and the chosen answer
+    REJECTED = "rejected"  #: the prompt and the rejected answer
+
+
 class TrainOn(str, enum.Enum):
     """Which tokens are training targets."""
 
@@ -166,6 +173,10 @@ class FormatOptions:
         metavar="MARKER=ROLE", kind="pairs"))
     system_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--system-prompt", "A system turn for records that have none.", metavar="TEXT"))
+    preference: Optional[Preference] = dataclasses.field(default=None, metadata=cli(
+        "--preference", "Preference pairs (chosen/rejected: TRL, LLaMA-Factory ranking, OpenAI DPO, HH-RLHF "
+        "transcripts): train on the prompt and the chosen (or rejected) answer as SFT. Without it such records are "
+        "refused, never trained on half of the pair."))
     train_on: TrainOn = dataclasses.field(default=TrainOn.ASSISTANT, metadata=cli(
         "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
@@ -197,6 +208,8 @@ class FormatOptions:
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
                                ("same_role", SameRole)):
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
+        if self.preference is not None:
+            object.__setattr__(self, "preference", _enum(Preference, self.preference, "preference"))
         allowed = ROLES + ("text", "transcript")
         for field, role in self.fields:
             if role not in allowed:

@@ -168,6 +168,9 @@ CASES = [
          {1: ("non_text_content", "1 images in 'images', referred to by 1 <image> placeholders")}),
     # --- pre-tokenized: ids made by a tokenizer nobody named (this run passes no --tokenized-with), or
     # values that are no token id of any tokenizer (found before the vocabulary is consulted)
+    Case("preference_pair_without_preference", jsonl(
+        {"conversations": [{"from": "human", "value": "2+2?"}], "chosen": {"from": "gpt", "value": "4"},
+         "rejected": {"from": "gpt", "value": "5"}}, GOOD), {1: ("preference_pair", "--preference chosen")}),
     Case("pretokenized_without_tokenized_with", jsonl({"input_ids": [9707, 11, 1879]}),
          {1: ("pretokenized_unverified", "pass --tokenized-with")}),
     Case("negative_token_id", jsonl({"input_ids": [9707, -5, 1879]}), {1: ("bad_token_id", "input_ids holds -5")}),

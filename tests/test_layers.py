@@ -40,11 +40,12 @@ ALLOWED = {  # what each layer may import, besides itself
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of the two packages and their subpackages (``pipeline._formats.alpaca``)."""
     out = {}
     for pkg in ("pipeline", "packers"):
-        for path in sorted((ROOT / pkg).glob("*.py")):
-            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
-            out[name] = path
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = (pkg, *path.relative_to(ROOT / pkg).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
@@ -70,6 +71,9 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> str:
+    """A module's layer; a subpackage's modules (``pipeline._formats.detect``) share their package's."""
+    while module not in set().union(*LAYERS.values()) and "." in module:
+        module = module.rsplit(".", 1)[0]
     return next(name for name, members in LAYERS.items() if module in members)
 
 

@@ -170,7 +170,7 @@ def clone(tmp_path_factory) -> Path:
 def _expected(clone: Path) -> set[str]:
     wanted = set()
     for pkg in ("packers", "pipeline"):
-        wanted |= {str(p.relative_to(clone)) for p in (clone / pkg).glob("*.py")}
+        wanted |= {str(p.relative_to(clone)) for p in (clone / pkg).rglob("*.py")}  # subpackages too (pipeline/_formats/)
     wanted |= {str(p.relative_to(clone)) for p in (clone / "pipeline" / "data").iterdir()}
     wanted |= {str(p.relative_to(clone)) for p in (clone / "pipeline" / "templates").iterdir()}
     assert {"packers/__init__.py", "pipeline/cli.py", "pipeline/templates/chatml.jinja"} <= wanted

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline._options import PackOptions
+from pipeline._formats import detect
+from pipeline._options import FormatOptions, PackOptions
 from pipeline._preview import format_preview, inputs, preview
 from pipeline.cli import main
 from tests.conftest import GSM8K_FIELDS, shared_data
@@ -40,8 +41,7 @@ def test_preview_every_shape(shape):
         if want[0] == "rejected":
             assert it["reason"] == want[1] and want[2] in it["detail"]
             continue
-        assert it["format"] == {"nested": "fields", "transcript": "fields", "dialogue": "messages_field",
-                                "content_objects": "messages", "prompt_completion": "prompt-completion"}.get(shape, shape)
+        assert it["format"] == detect(dict(load(name))[it["position"]], FormatOptions(**opts))
         assert it["mapping"], it  # how the record's fields became turns, in words
         assert it["tokens"] == sum(len(t) for t, _ in it["spans"]) or it["tokens"] > 0
         assert it["targets"] > 0 and any(y for _, y in it["spans"])
@@ -74,8 +74,7 @@ def test_preview_text_brackets_and_colour():
 
 def test_preview_cli_every_shape_and_options(tmp_path):
     """The command, with each shape's documented options, exits 0; refusals are shown, not raised."""
-    flags = {"messages_field": "--messages-field", "roles": "--roles", "fields": "--field",
-             "tokenized_with": "--tokenized-with"}
+    flags = {k: "--field" if k == "fields" else "--" + k.replace("_", "-") for _, opts, _ in SHAPES.values() for k in opts}
     for shape, (name, opts, _) in SHAPES.items():
         args = ["preview", str(SHAPES_DIR / name), "-n", "2", "--no-color"]
         for k, v in opts.items():

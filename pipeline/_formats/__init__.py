@@ -1,0 +1,80 @@
+"""Record shapes -> normalized conversations.
+
+Every record becomes a :class:`Conversation` (or, for a message tree, one per kept path) or
+raises :class:`Rejected` with a :class:`Reason` whose detail names the value, the limit and the
+fix. Conversational shapes become a list of messages ``{"role", "content"}`` with roles
+``system | user | assistant | tool`` (assistant messages may carry ``reasoning`` and
+OpenAI-shaped ``tool_calls``; tool results ``name`` and ``tool_call_id``). Three shapes are not
+conversations: plain ``text`` (every token trained), labelled ``segments`` (trained exactly
+where labelled) and pre-tokenized ``tokens``.
+
+Shapes, in the order detection tries them (:data:`pipeline._formats.detect.ORDER`; one module
+each; ``docs/formats.md`` has the table with the options):
+
+=================  =========================================================================
+fields             any other shape, field by field: ``--field PATH=ROLE`` (and ``transcript`` strings)
+messages_field     a list of turns under any key: ``--messages-field PATH`` (``--role-key``, ``--content-key``, ``--roles``)
+tokens             ``input_ids`` (+ ``labels`` with -100, or ``loss_mask``; ``attention_mask``)
+segments           ``segments: [{text, label}]`` (template-free, Axolotl's input_output)
+messages           ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)
+preference         ``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's ``preferred_output``: with ``--preference chosen``
+sharegpt           ``conversations: [{from, value}]`` (or role/content)
+chat               ``conversation``/``dialog``/``dialogue``/``chat``: a list of turn objects (lmsys-chat; Capybara's ``[{input, output}]``)
+prompt-completion  ``prompt`` + ``completion`` (strings, or lists of messages as in TRL)
+alpaca             ``instruction`` + ``output``/``response`` (+ ``input``, ``system``, ``history``)
+text               ``text``
+=================  =========================================================================
+
+A record of no known shape is refused with a suggestion computed from its own keys.
+
+Conversation hygiene, the same for every conversational shape and run once by the driver
+(:mod:`pipeline._formats._hygiene`), each step counted in ``notes``: empty turns are dropped;
+consecutive same-role turns with the same train flag are merged (``--same-role``; turns whose
+flags differ stay apart); a first assistant turn that answers nothing is dropped, kept as
+context, or refused (``--leading-assistant``); trailing turns that are not trained (user, tool,
+or flagged 0) are trimmed, so every example ends on a target turn. Reasoning written inline in
+an assistant answer (``<think>...</think>``, or text before a ``</think>`` with no ``<think>``)
+becomes the turn's reasoning.
+
+Nothing a record holds is dropped unseen: record keys outside the detected shape are counted as
+``ignored_field:<key>``; so are (when they hold something) turn keys a turn does not read
+(``ignored_field:messages[].refusal``) and fields beside a followed ``--field``/``--messages-field``
+path (``ignored_field:conversation.system``, ``ignored_field:choices[1:]``). Two keys that hold
+different text for one slot (Alpaca ``input``/``context``, ``output``/``response``/``instances``;
+a turn's ``content``/``text``/``value``; two reasoning keys) refuse the record as ``ambiguous_field``.
+
+Layout: ``_base`` (types), ``_turns`` (turn objects, content, tool calls), ``_hygiene``,
+``_paths``, ``detect`` (ORDER, detect, suggest), ``_driver`` (normalize), and one module per shape.
+
+>>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
+>>> c.shape, c.messages
+('alpaca', [{'role': 'user', 'content': 'Add 2 and 3.'}, {'role': 'assistant', 'content': '5'}])
+>>> c = normalize({"conversations": [{"from": "gpt", "value": "Hi! Ask me anything."},
+...                                  {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}, FormatOptions())
+>>> [m["role"] for m in c.messages], c.notes
+(['user', 'assistant'], {'leading_assistant_dropped': 1})
+>>> fmt = FormatOptions(fields=(("turns", "user"), ("choices[0].turns", "assistant")))
+>>> c = normalize({"turns": ["Hi", "2+2?"], "choices": [{"turns": ["Hello", "4"]}], "category": "math"}, fmt)
+>>> [(m["role"], m["content"]) for m in c.messages], c.notes
+([('user', 'Hi'), ('assistant', 'Hello'), ('user', '2+2?'), ('assistant', '4')], {'ignored_field:category': 1})
+>>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
+Traceback (most recent call last):
+...
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
+"""
+
+from __future__ import annotations
+
+from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
+from pipeline._formats._driver import _fast, _normalize, conversations, normalize
+from pipeline._formats._hygiene import target_flags
+from pipeline._formats._paths import resolve
+from pipeline._formats._turns import ROLE_ALIASES
+from pipeline._formats.detect import ORDER, REGISTRY, detect, suggest
+from pipeline._options import FormatOptions, parse_path
+
+__all__ = [
+    "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "Reason",
+    "Rejected", "conversations", "detect", "normalize", "parse_path", "resolve", "suggest", "target_flags",
+    "_fast", "_normalize",
+]

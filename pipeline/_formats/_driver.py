@@ -1,0 +1,162 @@
+"""The driver: one record -> its conversations. The only place that runs the steps every shape shares.
+
+::
+
+    detect -> shape.read -> drafts            (pipeline._formats.detect, one module per shape)
+      each draft of turns:  system column -> inline reasoning -> hygiene -> messages -> tools column
+      the record:           ignored top-level keys, fields beside followed paths (counted once)
+      each conversation:    renderable
+
+A record yields one conversation, or several (one per kept path of a message tree): the record's
+own notes (ignored fields) are counted once, on its first conversation; each conversation carries
+the notes of its own hygiene.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Optional, Sequence
+
+from packers import InternalError
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _kind
+from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
+from pipeline._formats._paths import unused_beside_paths
+from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
+from pipeline._formats.detect import ORDER, REGISTRY, detect
+from pipeline._options import Format, FormatOptions
+
+
+def conversations(record: Any, options: FormatOptions) -> list[Conversation]:
+    """Every conversation one raw record holds (one, except message trees), or :class:`Rejected`."""
+    fast = _fast(record, options)
+    if fast is not None:
+        return [fast]
+    return _conversations(record, options)
+
+
+def normalize(record: Any, options: FormatOptions) -> Conversation:
+    """Turn one raw record into a :class:`Conversation`, or raise :class:`Rejected` (see the package docstring).
+    For a record that may hold several conversations (``--tree``), use :func:`conversations`."""
+    fast = _fast(record, options)
+    if fast is not None:
+        return fast
+    return _normalize(record, options)
+
+
+def _normalize(record: Any, options: FormatOptions) -> Conversation:
+    """The general path of :func:`normalize`: every shape and option."""
+    convs = _conversations(record, options)
+    if len(convs) != 1:
+        raise InternalError(f"normalize() got a record that holds {len(convs)} conversations; callers that read "
+                            "message trees use conversations()")
+    return convs[0]
+
+
+_FAST = tuple(s.fast for s in ORDER if s.fast is not None)
+
+
+def _fast(record: Any, o: FormatOptions) -> Optional[Conversation]:
+    """The direct path of the clean shapes most SFT data comes in (about 4x faster than the general path,
+    which is the per-record Python the encode stage runs beside the tokenizer), under options that read a
+    clean record as it stands. None: take the general path."""
+    if type(record) is not dict or not _plain(o):
+        return None
+    for fast in _FAST:
+        conv = fast(record)
+        if conv is not None:
+            return _renderable(conv)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _plain(o: FormatOptions) -> bool:
+    """Options under which a clean record reads as it stands (no mapping, aliases, keys or added turns)."""
+    return (o.format is Format.AUTO and not o.fields and o.messages_field is None and not o.roles
+            and o.role_key is None and o.content_key is None and o.system_prompt is None)
+
+
+def _conversations(record: Any, options: FormatOptions) -> list[Conversation]:
+    return read_as(REGISTRY[detect(record, options)], record, options)
+
+
+def read_as(shape: Shape, record: dict, options: FormatOptions) -> list[Conversation]:
+    """``record`` read as ``shape`` (detection done), through the steps every shape shares."""
+    ctx = Ctx(options)
+    used = shape.top_keys(record, options)
+    if not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
+        _media_check(record, skip=tuple(used))
+    drafts = shape.read(record, ctx)
+    if not drafts:
+        raise InternalError(f"shape {shape.name!r} read no draft and raised nothing")
+    convs = [_conversation(record, shape, d, ctx if len(drafts) == 1 else ctx.fork()) for d in drafts]
+    for key in record:  # the record's own notes: once, on its first conversation
+        if key not in used:
+            ctx.ignore(key)
+    if shape.follows is not None:
+        unused_beside_paths(record, shape.follows(options), ctx)
+    if len(drafts) > 1:
+        first = convs[0]
+        for k, v in ctx.notes.items():
+            if k.startswith("ignored_field:"):
+                first.notes.setdefault(k, v)
+            else:
+                first.notes[k] = first.notes.get(k, 0) + v
+    return [_renderable(c) for c in convs]
+
+
+def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Conversation:
+    conv = Conversation(shape=shape.name)
+    if draft.tokens is not None:
+        conv.tokens = draft.tokens
+    elif draft.segments is not None:
+        conv.segments = draft.segments
+    elif draft.text is not None:
+        conv.text = draft.text
+    else:
+        turns = draft.turns
+        if "system" in shape.common:
+            _system_column(record, turns, ctx)
+        _inline_reasoning(turns)
+        turns = _hygiene(turns, ctx)
+        conv.messages = [t.message() for t in turns]
+        flags = [t.train for t in turns]
+        if any(t.reasoning or t.tool_calls or t.train is not None for t in turns):
+            for what, n in (("reasoning", sum(bool(t.reasoning) for t in turns)),
+                            ("tool calls", sum(len(t.tool_calls or ()) for t in turns)),
+                            ("per-turn train flags", sum(f is not None for f in flags))):
+                if n:
+                    ctx.mapping.append(f"{what}: {n}")
+            conv.train = flags if any(f is not None for f in flags) else None
+        if draft.tools is not None:  # definitions the shape found elsewhere (OpenAI DPO: input.tools)
+            conv.tools = _tools(draft.tools, ctx)
+        else:
+            conv.tools = _tools(record.get("tools"), ctx) if "tools" in shape.common else None
+    conv.notes = ctx.notes
+    conv.mapping = tuple(ctx.mapping)
+    return conv
+
+
+# ------------------------------------------------------------------------------------------------
+# Media beside the text.
+
+
+def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
+    """LLaVA / LLaMA-Factory multimodal records: media files beside the text (``images``, ``image``, ...)."""
+    for key in MEDIA_KEYS:
+        if key in skip or key not in record:
+            continue
+        v = record[key]
+        if v in (None, "", [], {}):
+            continue
+        n = len(v) if isinstance(v, list) else 1
+        tag = "<" + key.rstrip("s") + ">"
+        try:
+            refs = json.dumps(record, ensure_ascii=False).count(tag)
+        except (TypeError, ValueError, RecursionError):
+            refs = 0
+        where = f", referred to by {refs} {tag} placeholders" if refs else ""
+        raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {n} {key} in {key!r}{where}; packstream packs "
+                                                "text only: drop these records (or the media key, if the text does "
+                                                "not depend on it)")

@@ -1,0 +1,143 @@
+"""``--field PATH=ROLE``: any shape, mapped field by field (and transcripts: one string of marked turns).
+
+Repeated in turn order. ROLE is ``system``, ``user``, ``assistant``, ``tool``, ``transcript``
+("Human: ... Assistant: ..." in one string) or ``text`` (the whole record as plain text). Strings
+keep their place; lists of equal length interleave turn by turn. What a path leaves beside it
+(``choices[0].index``, ``choices[1:]``) is counted as ignored.
+
+>>> from pipeline._formats._base import Ctx
+>>> from pipeline._options import FormatOptions
+>>> ctx = Ctx(FormatOptions(fields=(("sys", "system"), ("qs", "user"), ("as", "assistant"))))
+>>> [(t.role, t.content) for t in read({"sys": "S", "qs": ["q1", "q2"], "as": ["a1", "a2"]}, ctx)[0].turns]
+[('system', 'S'), ('user', 'q1'), ('assistant', 'a1'), ('user', 'q2'), ('assistant', 'a2')]
+>>> [(t.role, t.content) for t in _transcript("Intro.\\n\\nHuman: hi\\n\\nAssistant: hello", "t", ctx)]
+[('system', 'Intro.'), ('user', 'hi'), ('assistant', 'hello')]
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn
+from pipeline._formats._paths import resolve, top_key
+from pipeline._formats._turns import ROLE_KEYS, _content
+from pipeline._options import FormatOptions
+
+_BUILTIN_MARKERS: tuple[tuple[str, str], ...] = (
+    ("### Human:", "user"), ("### Assistant:", "assistant"), ("### System:", "system"), ("### User:", "user"),
+    ("### Human", "user"), ("### Assistant", "assistant"),
+    ("Human:", "user"), ("Assistant:", "assistant"), ("User:", "user"), ("System:", "system"),
+    ("USER:", "user"), ("ASSISTANT:", "assistant"), ("SYSTEM:", "system"), ("FUNCTION RESPONSE:", "tool"),
+)
+"""Transcript speaker markers (``--transcript-marker`` adds more): word markers match at the start of a
+line (or after whitespace, when that finds no assistant turn otherwise), ``###`` markers anywhere."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Transcripts: one string of "Human: ... Assistant: ..." turns.
+
+
+def _markers(ctx: Ctx) -> dict[str, str]:
+    markers = dict(_BUILTIN_MARKERS)
+    markers.update({m.strip(): r for m, r in ctx.o.transcript_markers})
+    return markers
+
+
+@functools.lru_cache(maxsize=32)
+def _marker_re(markers: tuple[tuple[str, str], ...], loose: bool) -> re.Pattern:
+    """Markers led by a symbol (``### Human:``, ``<|user|>``) match anywhere; word markers (``Human:``)
+    at the start of a line, or (``loose``) after any non-word character, for one-line transcripts."""
+    names = sorted((m for m, _ in markers), key=len, reverse=True)
+    symbol = "|".join(re.escape(m) for m in names if not m[0].isalnum())
+    word = "|".join(re.escape(m) for m in names if m[0].isalnum())
+    start = r"(?<![A-Za-z0-9_])" if loose else r"(?:\A|(?<=\n))[ \t]*"
+    alts = [f"(?:{start})(?P<w>{word})"] if word else []
+    alts += [f"(?P<s>{symbol})"] if symbol else []
+    return re.compile("|".join(alts))
+
+
+def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
+    text = _content(value, at, ctx, "user").text
+    markers = _markers(ctx)
+    key = tuple(sorted(markers.items()))
+    found = list(_marker_re(key, False).finditer(text))
+    if not any(markers[m.group(m.lastgroup)] == "assistant" for m in found):
+        loose = list(_marker_re(key, True).finditer(text))  # "USER: hi ASSISTANT: hello" on one line
+        if any(markers[m.group(m.lastgroup)] == "assistant" for m in loose):
+            found = loose
+    if not found:
+        given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
+        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker 'Q:=user' --transcript-marker 'A:=assistant'"
+        raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, "
+                                        f"System:, ### Human, ### Assistant{given}){hint}")
+    turns = []
+    lead = text[: found[0].start()].strip()
+    if lead:
+        turns.append(Turn("system", lead, f"{at} (text before the first marker)"))
+    for k, m in enumerate(found):
+        end = found[k + 1].start() if k + 1 < len(found) else len(text)
+        marker = m.group(m.lastgroup)
+        role = markers[marker]
+        turns.append(Turn(role, text[m.end():end].strip(), f"{at} turn {k + 1}", marker))
+    return turns
+
+
+
+def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
+    """``--field PATH=ROLE`` mappings; lists of equal length interleave, strings keep their place."""
+    fields = ctx.o.fields
+    if fields[0][1] == "text":
+        path = fields[0][0]
+        ctx.mapping.append(f"{path} -> text (every token trained)")
+        return _content(resolve(record, path), path, ctx, "text").text
+    before: list[Turn] = []
+    after: list[Turn] = []
+    columns: list[tuple[str, str, list]] = []
+    for path, role in fields:
+        value = resolve(record, path)
+        if role == "transcript":
+            (after if columns else before).extend(_transcript(value, path, ctx))
+            ctx.mapping.append(f"{path} -> transcript turns")
+        elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
+            if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
+                raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
+                                                f"read it with --messages-field {path} instead of --field")
+            columns.append((path, role, value))
+            ctx.mapping.append(f"{path}[] -> {role}")
+        else:
+            (after if columns else before).append(Turn(role, _content(value, path, ctx, role).text, path))
+            ctx.mapping.append(f"{path} -> {role}")
+    turns = before
+    if columns:
+        lengths = {p: len(v) for p, _, v in columns}
+        if len(set(lengths.values())) > 1:
+            raise Rejected(Reason.BAD_TYPE, "mapped lists must have equal lengths to interleave into turns: "
+                                            + ", ".join(f"{p} has {n}" for p, n in lengths.items()))
+        for k in range(len(columns[0][2])):
+            for path, role, value in columns:
+                turns.append(Turn(role, _content(value[k], f"{path}[{k}]", ctx, role).text, f"{path}[{k}]"))
+    return turns + after
+
+
+
+def read(record: dict, ctx: Ctx) -> list[Draft]:
+    got = _read_fields(record, ctx)
+    return [Draft(text=got) if isinstance(got, str) else Draft(turns=got)]
+
+
+def _missing(record: dict, o: FormatOptions) -> list[str]:
+    return [p for p, _ in o.fields if resolve(record, p) is MISSING]
+
+
+SHAPE = Shape(
+    name="fields",
+    claims=Claim(mapped=_missing, applies=lambda o: bool(o.fields),
+                 given=lambda o, missing: " ".join(f"--field {p}={r}" for p, r in o.fields if p in missing)),
+    reads=lambda record, o: {top_key(record, p) for p, _ in o.fields},
+    common=("tools",),
+    read=read,
+    looks_like="any other shape, field by field: ``--field PATH=ROLE`` (and ``transcript`` strings)",
+    follows=lambda o: [p for p, _ in o.fields],
+)

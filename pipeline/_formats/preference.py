@@ -1,0 +1,239 @@
+"""Preference pairs: one record, a prompt and two answers (chosen, rejected). Every layout in one module.
+
+Layouts, told apart by their keys (:func:`layout`):
+
+==================  ==========================================================================
+openai-dpo          ``input: {messages, tools?}`` + ``preferred_output`` + ``non_preferred_output``
+                    (OpenAI's DPO fine-tuning files; each output a list of messages)
+ranking             ``conversations: [{from, value}]`` + ``chosen``/``rejected`` as one turn object
+                    each (LLaMA-Factory's ranking form; a list of turns works too)
+instruction         ``instruction`` (+ ``input``/``context``, ``history``) + ``chosen``/``rejected``
+                    strings (LLaMA-Factory's Alpaca ranking form)
+prompt              ``prompt`` (or ``question``, ``query``; a string or a list of messages) +
+                    ``chosen``/``rejected`` as strings, turn objects or lists of messages (TRL's
+                    explicit prompt; Intel/orca_dpo_pairs, with ``system``). A chosen list that
+                    repeats the prompt's turns first has them read once.
+implicit            ``chosen``/``rejected`` as whole conversations that share their beginning:
+                    lists of messages (TRL's implicit prompt, UltraFeedback) or transcript strings
+                    ("Human: ... Assistant: ...", HH-RLHF); the prompt is the shared turns
+==================  ==========================================================================
+
+:func:`preference_turns` is the API for packing pairs: one record -> ``(prompt, chosen,
+rejected)`` turn lists before hygiene, the ``system`` column as the prompt's first turn; or
+:class:`Rejected` with a reason. For SFT, ``--preference chosen`` (or ``rejected``) trains the
+prompt and that side's answer; the other side is counted (``other_side_not_trained``). Without
+it a preference record is refused as ``preference_pair``: training it as SFT would silently
+train half of the pair (or, as LLaMA-Factory's ranking form read as ShareGPT did, only the history).
+
+>>> rec = {"conversations": [{"from": "human", "value": "Name a prime above 90."}],
+...        "chosen": {"from": "gpt", "value": "97"}, "rejected": {"from": "gpt", "value": "91"}}
+>>> p = preference_turns(rec)
+>>> [(t.role, t.content) for t in p.prompt], [t.content for t in p.chosen], [t.content for t in p.rejected], p.layout
+([('user', 'Name a prime above 90.')], ['97'], ['91'], 'ranking')
+>>> p = preference_turns({"chosen": "\\n\\nHuman: Hi\\n\\nAssistant: Hello!", "rejected": "\\n\\nHuman: Hi\\n\\nAssistant: Go away."})
+>>> [(t.role, t.content) for t in p.prompt], [t.content for t in p.chosen], p.layout
+([('user', 'Hi')], ['Hello!'], 'implicit')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional
+
+from pipeline._formats._base import (Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
+                                     _one_slot, _short)
+from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _tools, _turn, _turn_list)
+from pipeline._formats.alpaca import history_turns
+from pipeline._formats.fields import _transcript
+from pipeline._options import FormatOptions, Preference
+
+SIDES = {"openai-dpo": ("preferred_output", "non_preferred_output")}
+"""The keys of the two answers, where a layout names them otherwise than ``chosen``/``rejected``."""
+PROMPT_KEYS = ("prompt", "question", "query")
+"""Keys of an explicit prompt (besides ``conversations``, ``instruction`` and OpenAI's ``input``), first wins."""
+
+
+def layout(record: dict) -> Optional[str]:
+    """The preference layout of ``record`` (see the module docstring), or None when it is not a pair."""
+    if "preferred_output" in record and "non_preferred_output" in record:
+        return "openai-dpo"
+    if "chosen" not in record or "rejected" not in record:
+        return None
+    if "conversations" in record:
+        return "ranking"
+    if "instruction" in record:
+        return "instruction"
+    if any(k in record for k in PROMPT_KEYS) or isinstance(record.get("input"), str):
+        return "prompt"
+    return "implicit"
+
+
+def _prompt_key(record: dict) -> Optional[str]:
+    return next((k for k in PROMPT_KEYS if k in record), "input" if isinstance(record.get("input"), str) else None)
+
+
+def _reads(record: dict, options: FormatOptions) -> tuple[str, ...]:
+    kind = layout(record)
+    sides = SIDES.get(kind, ("chosen", "rejected"))
+    prompt = {"openai-dpo": ("input",), "ranking": ("conversations",),
+              "instruction": ("instruction", "input", "context", "history"),
+              "prompt": (_prompt_key(record),), "implicit": ()}.get(kind, ())
+    return (*prompt, *sides, "system")
+
+
+@dataclasses.dataclass
+class PreferenceTurns:
+    """One pair, before hygiene. Unpacks as ``prompt, chosen, rejected``."""
+
+    prompt: list[Turn]
+    """The shared turns: the ``system`` column first (when the record has one), then the conversation so far."""
+    chosen: list[Turn]
+    rejected: list[Turn]
+    layout: str
+    """Which layout the record is in (see the module docstring)."""
+    tools: Any = None
+    """Tool definitions as the record holds them (its ``tools``, or OpenAI's ``input.tools``); None without."""
+
+    def __iter__(self) -> Iterator[list[Turn]]:
+        return iter((self.prompt, self.chosen, self.rejected))
+
+
+def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx: Optional[Ctx] = None) -> PreferenceTurns:
+    """One preference record -> its prompt, chosen and rejected turns (before hygiene), or :class:`Rejected`.
+
+    Turn objects read as everywhere else (``--roles``, ``--role-key``, ``--content-key`` apply); an
+    answer given as a string is one assistant turn. ``ctx`` collects notes and words (a fresh one when
+    not given). To pack both sides whole, normalize the record twice with ``--preference chosen`` and
+    ``--preference rejected``: the two conversations share the prompt's tokens.
+    """
+    if not isinstance(record, dict):
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    ctx = ctx if ctx is not None else Ctx(options)
+    kind = layout(record)
+    if kind is None:
+        raise Rejected(Reason.MISSING_FIELD, f"a preference pair needs chosen and rejected (or OpenAI's preferred_output "
+                                             f"and non_preferred_output); the record has keys [{_keys(record)}]")
+    tools = record.get("tools")
+    if kind == "openai-dpo":
+        prompt, tools = _openai_input(record, ctx)
+    elif kind == "ranking":
+        prompt = _turn_list(record["conversations"], "conversations", ctx)
+        ctx.mapping.append("conversations[] -> prompt")
+    elif kind == "instruction":
+        prompt = _instruction(record, ctx)
+    elif kind == "prompt":
+        prompt = _explicit_prompt(record, ctx)
+    else:
+        prompt = []
+    a, b = SIDES.get(kind, ("chosen", "rejected"))
+    chosen = _side(record[a], a, prompt, ctx, implicit=kind == "implicit")
+    rejected = _side(record[b], b, prompt, ctx, implicit=kind == "implicit")
+    if kind == "implicit":
+        prompt, chosen, rejected = _shared_prefix(chosen, rejected)
+        ctx.mapping.append(f"{a}/{b}: the shared {len(prompt)} turns are the prompt")
+    _system_column(record, prompt, ctx)
+    return PreferenceTurns(prompt, chosen, rejected, kind, tools)
+
+
+def _openai_input(record: dict, ctx: Ctx) -> tuple[list[Turn], Any]:
+    inp = record.get("input")
+    if not isinstance(inp, dict) or "messages" not in inp:
+        got = f"an object with keys [{_keys(inp)}]" if isinstance(inp, dict) else _kind(inp)
+        raise Rejected(Reason.MISSING_FIELD, f"input is {got}; OpenAI's DPO layout has the prompt under input.messages")
+    prompt = _turn_list(inp["messages"], "input.messages", ctx)
+    _count_unread(inp, {"messages", "tools"}, "input", ctx)  # parallel_tool_calls and the like: counted
+    ctx.mapping.append("input.messages[] -> prompt")
+    return prompt, inp.get("tools") if not _blank(inp.get("tools")) else record.get("tools")
+
+
+def _instruction(record: dict, ctx: Ctx) -> list[Turn]:
+    turns = history_turns(record, ctx)
+    instruction = _content(record["instruction"], "instruction", ctx, "user").text
+    key, other = _one_slot(record, ("input", "context"))
+    if other is not None:
+        raise Rejected(Reason.AMBIGUOUS_FIELD, f"input and context both hold something ({_short(record['input'])} vs "
+                                               f"{_short(record['context'])}), and the prompt has one input; keep one "
+                                               "of them in the data")
+    inp = _content(record[key], key, ctx, "user", allow_null=True).text if key else ""
+    turns.append(Turn("user", instruction + "\n\n" + inp if inp.strip() else instruction, "instruction"))
+    ctx.mapping.append(f"instruction{'+' + key if key and inp.strip() else ''} -> prompt")
+    return turns
+
+
+def _explicit_prompt(record: dict, ctx: Ctx) -> list[Turn]:
+    key = _prompt_key(record)
+    value = record[key]
+    if isinstance(value, list) and any(isinstance(m, dict) for m in value):
+        ctx.mapping.append(f"{key}[] -> prompt")
+        return _turn_list(value, key, ctx)
+    ctx.mapping.append(f"{key} -> prompt")
+    return [Turn("user", _content(value, key, ctx, "user").text, key)]
+
+
+def _side(value: Any, key: str, prompt: list[Turn], ctx: Ctx, implicit: bool) -> list[Turn]:
+    """One answer: a string, a turn object, or a list of turns (which may repeat the prompt first)."""
+    if isinstance(value, str) and implicit:
+        try:
+            turns = _transcript(value, key, ctx)  # HH-RLHF: the whole conversation in one marked string
+        except Rejected:
+            raise Rejected(Reason.MISSING_FIELD, f"{key} is a string without speaker markers and the record has no "
+                                                 f"prompt ({', '.join(PROMPT_KEYS)}, instruction or conversations); "
+                                                 "a transcript's own markers are named with --transcript-marker "
+                                                 "MARKER=ROLE") from None
+    elif isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        turns = [Turn("assistant", _content(value, key, ctx, "assistant").text, key)]
+    elif isinstance(value, dict) and any(k in value for k in ROLE_KEYS + ((ctx.o.role_key,) if ctx.o.role_key else ())):
+        turns = [_turn(value, key, ctx, where=key, one=True)]
+    elif isinstance(value, list):
+        turns = _turn_list(value, key, ctx)
+        n = len(prompt)
+        if n and len(turns) > n and all(_same_turn(a, b) for a, b in zip(turns, prompt)):
+            turns = turns[n:]  # the answer repeats the prompt's turns first (argilla, orpo-dpo-mix): read once
+    else:
+        raise Rejected(Reason.BAD_TYPE, f"{key} is {_kind(value)}, expected the answer: a string, a turn object "
+                                        "{role, content} or a list of turns")
+    return turns
+
+
+def _same_turn(a: Turn, b: Turn) -> bool:
+    return (a.role, a.content.strip(), a.reasoning, a.tool_calls) == (b.role, b.content.strip(), b.reasoning, b.tool_calls)
+
+
+def _shared_prefix(chosen: list[Turn], rejected: list[Turn]) -> tuple[list[Turn], list[Turn], list[Turn]]:
+    """TRL's implicit prompt: the turns both sides begin with. Identical sides keep their last turn as the answer."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and _same_turn(chosen[n], rejected[n]):
+        n += 1
+    if n == len(chosen) or n == len(rejected):
+        n = max(0, min(len(chosen), len(rejected)) - 1)
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def read(record: dict, ctx: Ctx) -> list[Draft]:
+    kind = layout(record)
+    side = ctx.o.preference
+    if side is None:
+        a, b = SIDES.get(kind, ("chosen", "rejected"))
+        raise Rejected(Reason.PREFERENCE_PAIR, f"the record is a preference pair ({kind} layout: {a} and {b}); train the "
+                                               f"chosen answer as SFT with --preference chosen, or pack both sides as "
+                                               "pairs with --pairs")
+    pair = preference_turns(record, ctx.o, ctx)
+    ctx.note("other_side_not_trained")
+    answer = pair.chosen if side is Preference.CHOSEN else pair.rejected
+    keys = SIDES.get(kind, ("chosen", "rejected"))
+    used, left = (keys if side is Preference.CHOSEN else keys[::-1])
+    ctx.mapping.insert(0, f"a preference pair ({kind} layout): the prompt and {used} (--preference {side.value}); "
+                          f"{left} is not trained")
+    return [Draft(turns=pair.prompt + answer, tools=pair.tools)]
+
+
+SHAPE = Shape(
+    name="preference",
+    claims=Claim(needs=(Need("chosen", lambda r: layout(r) is not None),)),
+    reads=_reads,
+    common=("tools",),
+    read=read,
+    looks_like="``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's "
+               "``preferred_output``: with ``--preference chosen``",
+    keys="chosen/rejected",
+)

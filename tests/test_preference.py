@@ -1,0 +1,167 @@
+"""Preference pairs: every layout gives the same prompt, chosen and rejected turns (pipeline._formats.preference).
+
+* A property test: generated pairs (a conversation so far, two different answers) written in every
+  layout (LLaMA-Factory ranking, OpenAI DPO, TRL explicit and implicit prompts, HH-RLHF
+  transcripts, Alpaca-style ranking, Orca-style system + question) come back from
+  :func:`preference_turns` as the same three turn lists.
+* For SFT, ``--preference chosen|rejected`` trains the prompt and that answer; without it a pair is
+  refused as ``preference_pair`` and the detail names the option, which then packs it. (Before,
+  LLaMA-Factory's ranking form was read as ShareGPT and trained only the history.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline._formats import Reason, Rejected, normalize
+from pipeline._formats.preference import layout, preference_turns
+from pipeline._options import FormatOptions
+from tests.test_formats import SHAPES, load
+
+CHOSEN, REJECTED = FormatOptions(preference="chosen"), FormatOptions(preference="rejected")
+
+words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ,.?!éß中0123456789", min_size=1, max_size=30).map(str.strip).filter(bool)
+
+
+@st.composite
+def pairs(draw):
+    """(system or None, earlier exchanges [(q, a)], the last question, chosen answer, rejected answer)."""
+    system = draw(st.one_of(st.none(), words))
+    history = draw(st.lists(st.tuples(words, words), max_size=2))
+    q, chosen = draw(words), draw(words)
+    rejected = draw(words.filter(lambda r: r != chosen))
+    return system, history, q, chosen, rejected
+
+
+def _msgs(system, history, q, role="role", content="content", user="user", assistant="assistant", sys="system"):
+    out = [{role: sys, content: system}] if system else []
+    for a, b in history:
+        out += [{role: user, content: a}, {role: assistant, content: b}]
+    return out + [{role: user, content: q}]
+
+
+def write(kind: str, system, history, q, chosen, rejected) -> dict:
+    """The pair in one layout."""
+    if kind == "ranking":
+        return {**({"system": system} if system else {}),
+                "conversations": _msgs(None, history, q, "from", "value", "human", "gpt"),
+                "chosen": {"from": "gpt", "value": chosen}, "rejected": {"from": "gpt", "value": rejected}}
+    if kind == "openai-dpo":
+        return {"input": {"messages": _msgs(system, history, q)},
+                "preferred_output": [{"role": "assistant", "content": chosen}],
+                "non_preferred_output": [{"role": "assistant", "content": rejected}]}
+    if kind == "trl-conversational":
+        return {"prompt": _msgs(system, history, q), "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}]}
+    if kind == "trl-implicit":
+        p = _msgs(system, history, q)
+        return {"chosen": p + [{"role": "assistant", "content": chosen}],
+                "rejected": p + [{"role": "assistant", "content": rejected}]}
+    if kind == "trl-repeated-prompt":  # argilla: the prompt as text, each side the whole conversation
+        p = _msgs(system, history, q)
+        return {"prompt": q, "chosen": p + [{"role": "assistant", "content": chosen}],
+                "rejected": p + [{"role": "assistant", "content": rejected}]}
+    if kind == "hh":
+        text = "".join(f"\n\nHuman: {a}\n\nAssistant: {b}" for a, b in history) + f"\n\nHuman: {q}\n\nAssistant: "
+        return {**({"system": system} if system else {}), "chosen": text + chosen, "rejected": text + rejected}
+    if kind == "instruction":
+        return {**({"system": system} if system else {}), "history": [[a, b] for a, b in history],
+                "instruction": q, "chosen": chosen, "rejected": rejected}
+    if kind == "orca":
+        return {**({"system": system} if system else {}), "question": q, "chosen": chosen, "rejected": rejected}
+    raise AssertionError(kind)
+
+
+SINGLE_TURN = {"orca", "trl-repeated-prompt"}  # layouts whose prompt is one question (history goes elsewhere or nowhere)
+KINDS = ["ranking", "openai-dpo", "trl-conversational", "trl-implicit", "trl-repeated-prompt", "hh", "instruction", "orca"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=pairs(), kind=st.sampled_from(KINDS))
+def test_every_layout_gives_the_same_prompt_and_answers(pair, kind):
+    system, history, q, chosen, rejected = pair
+    if kind in SINGLE_TURN:
+        history = []
+    if kind == "trl-repeated-prompt":
+        system = None
+    rec = write(kind, system, history, q, chosen, rejected)
+    p = preference_turns(rec)
+    want = ([("system", system)] if system else []) + [t for a, b in history for t in (("user", a), ("assistant", b))]
+    want.append(("user", q))
+    assert [(t.role, t.content) for t in p.prompt] == want, (kind, rec)
+    assert [(t.role, t.content) for t in p.chosen] == [("assistant", chosen)]
+    assert [(t.role, t.content) for t in p.rejected] == [("assistant", rejected)]
+    prompt, c, r = p  # unpacks as the three lists
+    assert (prompt, c, r) == (p.prompt, p.chosen, p.rejected)
+    # SFT: the prompt and one side, the other counted; without --preference, refused and told how.
+    for options, answer in ((CHOSEN, chosen), (REJECTED, rejected)):
+        conv = normalize(rec, options)
+        assert [(m["role"], m["content"]) for m in conv.messages] == want + [("assistant", answer)]
+        assert conv.notes.get("other_side_not_trained") == 1
+    with pytest.raises(Rejected) as e:
+        normalize(rec, FormatOptions())
+    assert e.value.reason is Reason.PREFERENCE_PAIR and "--preference chosen" in e.value.detail
+
+
+def _fixture_pairs():
+    for key, (name, opts, _) in SHAPES.items():
+        if opts.get("preference"):
+            for pos, rec in load(name):
+                yield f"{key}@{pos}", rec
+
+
+@pytest.mark.parametrize("name,rec", list(_fixture_pairs()))
+def test_a_pair_without_preference_is_refused_and_the_named_option_packs_it(name, rec):
+    """Before, the ranking form was read as ShareGPT (only the history trained, chosen ignored) and OpenAI's DPO
+    form was told to use --messages-field preferred_output, which refused every record."""
+    with pytest.raises(Rejected) as e:
+        normalize(rec, FormatOptions())
+    assert e.value.reason is Reason.PREFERENCE_PAIR
+    assert "--preference chosen" in e.value.detail and f"{layout(rec)} layout" in e.value.detail
+    conv = normalize(rec, CHOSEN)
+    assert conv.messages[-1]["role"] == "assistant" and "ignored_field:chosen" not in conv.notes
+
+
+def test_the_rejected_side_and_the_pair_api_on_ranking_records():
+    rec = dict(load("preference_ranking.json"))[1]
+    prompt, chosen, rejected = preference_turns(rec)
+    assert [t.role for t in prompt] == ["system", "user", "assistant", "user"]
+    assert chosen[0].content.startswith("Use a parameterised query") and rejected[0].content.startswith("Escape the quotes")
+    conv = normalize(rec, REJECTED)
+    assert conv.messages[-1]["content"] == rejected[0].content and conv.notes == {"other_side_not_trained": 1}
+
+
+def test_openai_dpo_tools_and_calls_come_from_the_record():
+    rec = dict(load("preference_openai_dpo.jsonl"))[3]
+    p = preference_turns(rec)
+    assert p.layout == "openai-dpo" and p.tools == rec["input"]["tools"]
+    assert p.chosen[0].tool_calls == [{"type": "function", "id": "call_1",
+                                       "function": {"name": "get_order_status", "arguments": {"order_id": "A-1043"}}}]
+    assert normalize(rec, CHOSEN).tools == rec["input"]["tools"]
+
+
+def test_pairs_that_cannot_be_split_say_why():
+    with pytest.raises(Rejected, match="missing_field: chosen is a string without speaker markers and the record has no prompt"):
+        preference_turns({"chosen": "Paris.", "rejected": "Lyon."})
+    with pytest.raises(Rejected, match="missing_field: input is str; OpenAI's DPO layout has the prompt under input.messages"):
+        preference_turns({"input": "hi", "preferred_output": [], "non_preferred_output": []})
+    with pytest.raises(Rejected, match="bad_type: rejected is null"):
+        preference_turns({"prompt": "Capital of France?", "chosen": "Paris.", "rejected": None})
+    # Identical sides: the last turn is the answer of both (nothing to learn from, but nothing lost either).
+    same = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    p = preference_turns({"chosen": same, "rejected": json.loads(json.dumps(same))})
+    assert [t.content for t in p.prompt] == ["hi"] and [t.content for t in p.chosen] == ["hello"]
+
+
+def test_other_records_are_not_pairs():
+    assert layout({"messages": [], "chosen": "x"}) is None
+    # ultrafeedback_binarized has messages beside chosen/rejected: messages wins (ORDER), the pair is counted.
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+           "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+           "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}
+    conv = normalize(rec, FormatOptions())
+    assert conv.shape == "messages" and {"ignored_field:chosen", "ignored_field:rejected"} <= set(conv.notes)
