@@ -424,6 +424,11 @@ class PackOptions(FormatOptions):
             raise PackstreamError(f"--max-per-row {self.max_per_row} is less than one pair (2 sequences) with --pairs; "
                                   "use at least 2")
         for spec in self.datasets():
+            if spec.format.preference is not None:
+                raise PackstreamError(
+                    f"data set {spec.name!r}: --preference {spec.format.preference.value} trains one side of each pair "
+                    "as SFT, --pairs packs both sides as pairs; give one of them"
+                )
             if spec.format.train_on is not TrainOn.ASSISTANT or spec.format.mask_reasoning:
                 raise PackstreamError(
                     f"data set {spec.name!r}: --pairs trains on each side's whole completion (what DPO scores); "

@@ -683,7 +683,17 @@ def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead:
         lengths = batch.lengths
         for i, eid in enumerate(batch.ids):
             stats: dict[str, int] = {}
-            if lengths[i] <= budget:
+            if options.pairs:  # the job's rules for pairs, on this pair alone: two sides, or a dead letter
+                rejected = []
+                result, _ = _rows.plan_pairs(batch.take([i]), options, rejected, stats)
+                if rejected:
+                    candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i],
+                                                           rejected[0]["reason"], stats))
+                    continue
+                cut = int(batch.cuts[i])
+                spans = [(packers.Side(side).suffix, (0 if side == 0 else cut), (0 if side == 0 else cut) + int(n))
+                         for side, n in zip(result.order.tolist(), result.stops.tolist())]
+            elif lengths[i] <= budget:
                 spans = [(-1, 0, int(lengths[i]))]
             else:  # the job's --long rules, on this example alone
                 rejected: list[dict] = []
@@ -696,7 +706,7 @@ def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead:
             o = int(batch.offsets[i])
             out = []
             for part, a, b in spans:
-                pid = eid if part < 0 else f"{eid}#{part}"
+                pid = eid + part if isinstance(part, str) else eid if part < 0 else f"{eid}#{part}"
                 ids, mask = batch.input_ids[o + a:o + b], batch.loss_mask[o + a:o + b]
                 d = piece_digest(ids, mask)
                 if pid in stored.digest and stored.digest[pid] != d and len(details) < _MISMATCH_DETAILS:
