@@ -1,0 +1,136 @@
+"""``packstream pack --pairs`` end to end: every preference layout in one run, round-tripped.
+
+Each record of a generated mix (TRL explicit prompts as strings and message lists, TRL implicit
+prompts, LLaMA-Factory's ranking form, OpenAI DPO; plus a pair whose sides differ before their
+answers, a record that is not a pair, a pair too long for the budget and a repeated id) is packed,
+dead-lettered with its reason, or dropped for length, exactly once; the counts reconcile; every row
+follows the contract (sides adjacent, chosen first, one prompt per pair, the mask exactly on the
+completions); decoding a side's completion gives its answer; verify --inputs re-derives it all.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import packers
+from pipeline import PackOptions, run
+from pipeline._tokenizer import load_tokenizer
+from pipeline._verify import verify
+from tests.test_pipeline import _rows
+
+WORDS = "alpha beta gamma delta prime river stone cloud seven ninety quiet answer".split()
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def layouts(rng: random.Random, i: int) -> tuple[dict, str, str, str]:
+    """A pair in one of the layouts: (record, question, chosen answer, rejected answer)."""
+    q, c, r = _text(rng, rng.randint(1, 12)), _text(rng, rng.randint(1, 30)), _text(rng, rng.randint(1, 30))
+    kind = i % 5
+    if kind == 0:
+        rec = {"prompt": q, "chosen": c, "rejected": r}
+    elif kind == 1:
+        rec = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": c}],
+               "rejected": [{"role": "assistant", "content": r}]}
+    elif kind == 2:
+        user = {"role": "user", "content": q}
+        rec = {"chosen": [user, {"role": "assistant", "content": c}], "rejected": [user, {"role": "assistant", "content": r}]}
+    elif kind == 3:
+        rec = {"conversations": [{"from": "human", "value": q}], "chosen": {"from": "gpt", "value": c},
+               "rejected": {"from": "gpt", "value": r}}
+    else:
+        rec = {"input": {"messages": [{"role": "user", "content": q}]},
+               "preferred_output": [{"role": "assistant", "content": c}],
+               "non_preferred_output": [{"role": "assistant", "content": r}]}
+    return rec, q, c, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("long", ["drop", "truncate"])
+def test_pack_pairs_round_trip(tmp_path, long):
+    rng = random.Random(3)
+    records, answers = [], {}
+    for i in range(60):
+        rec, q, c, r = layouts(rng, i)
+        rec["id"] = f"p{i}"
+        records.append(rec)
+        answers[f"p{i}"] = (c, r)
+    records.append({"id": "differ", "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                    "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]})
+    records.append({"id": "sft", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    records.append({"id": "long", "prompt": "short", "chosen": _text(rng, 400), "rejected": _text(rng, 300)})
+    records.append(dict(records[0]))  # id p0 again
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    options = PackOptions(inputs=(str(path),), output=str(tmp_path / "out"), pairs=True, max_tokens=512, long=long)
+    m = run(options)
+    c = m["counts"]
+    assert m["row_checks"]["pairs"] is True and m["contract_version"] == packers.CONTRACT_VERSION
+    assert c["rejected_by_reason"] == {"duplicate_id": 1, "not_a_pair": 1, "pair_prompt_mismatch": 1}
+    packed = 60 + (long == "truncate")  # "long" is dropped, or truncated to fit
+    assert c["examples_packed"] == packed and c["pieces"] == 2 * packed
+    assert c["dropped_too_long"] == (long == "drop") and c["truncated_examples"] == (long == "truncate")
+    assert c["records_read"] == c["examples_packed"] + c["rejected"] + c["dropped_too_long"] == len(records)
+
+    tok = load_tokenizer(options.tokenizer)
+    eos = tok.eos_token
+    seen = set()
+    for row in _rows(options.output):
+        packers.validate_row(row, options.max_tokens)
+        offs, spans, ids = row["seq_offsets"], row["completion_spans"], row["input_ids"]
+        for j, pid in enumerate(row["pair_ids"]):
+            seen.add(pid.rsplit(":", 1)[1])
+            if pid.endswith(":long"):
+                continue
+            completion = tok.decode(ids[spans[2 * j]:spans[2 * j + 1]])
+            want = answers[pid.rsplit(":", 1)[1]][j % 2]
+            assert completion.startswith(want) and completion.endswith(eos), (completion, want)
+    assert seen == set(answers) | ({"long"} if long == "truncate" else set())
+
+    report = verify(options.output, inputs=(), announce=lambda _: None)
+    assert report.ok, [str(p) for p in report.problems[:5]]
+
+
+def test_prompts_that_tokenize_differently_are_dead_lettered(monkeypatch):
+    """The prompt's tokens are compared, not just its messages: a template whose rendering is not a function of
+    the messages alone (a date from strftime_now, read at each call) could give the two sides different prompts."""
+    from pipeline._encode import Encoder
+
+    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
+    real = encoder.renderer.segments
+    calls = []
+
+    def dated(conv, fmt):  # the second rendering of every record happens "a day later"
+        segs = real(conv, fmt)
+        calls.append(1)
+        return [("Today: 2 Jan\n" + segs[0][0], segs[0][1])] + segs[1:] if len(calls) % 2 == 0 else segs
+
+    monkeypatch.setattr(encoder.renderer, "segments", dated)
+    enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "q", "chosen": "yes", "rejected": "no"})])
+    assert not len(enc.batch) and [r["reason"] for r in enc.rejected] == ["pair_prompt_mismatch"]
+    assert "tokenize differently" in enc.rejected[0]["detail"] and "Today" in enc.rejected[0]["detail"]
+    monkeypatch.setattr(encoder.renderer, "segments", real)
+    enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "q", "chosen": "yes", "rejected": "no"})])
+    assert len(enc.batch) == 1 and not enc.rejected
+
+
+def test_encoder_pair_example():
+    """One pair becomes one example: chosen tokens then rejected, the completion (answer, end of turn, EOS) the target."""
+    from pipeline._encode import Encoder
+
+    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
+    tok = encoder.renderer.tok
+    enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "Name a prime.", "chosen": "97", "rejected": "91, no: 7 x 13"})])
+    b = enc.batch
+    cut = int(b.cuts[0])
+    sides = [(b.input_ids[:cut], b.loss_mask[:cut]), (b.input_ids[cut:], b.loss_mask[cut:])]
+    prompt = "<|im_start|>user\nName a prime.<|im_end|>\n<|im_start|>assistant\n"
+    for (ids, mask), answer in zip(sides, ("97", "91, no: 7 x 13")):
+        assert tok.decode(ids[mask == 0]) == prompt
+        assert tok.decode(ids[mask == 1]) == answer + "<|im_end|>" + tok.eos_token
+        assert mask.tolist() == sorted(mask.tolist())  # prompt, then completion: one span
