@@ -139,3 +139,23 @@ def test_sequence_logps_refuses_other_shapes():
     assert lp.tokens.tolist() == [len(c) for p in PAIRS for c in (p.chosen, p.rejected)]
     with pytest.raises(PackstreamError, match="holds no preference pairs"):
         lp.chosen
+
+
+@pytest.mark.parametrize("loss", ["dpo", "orpo", "simpo"])
+def test_dpo_example_trains(tmp_path, loss):
+    """examples/dpo.py on a folder of packed pairs (written by tests/_shards.py): the loss falls."""
+    import importlib.util
+    from pathlib import Path
+
+    from tests._shards import write_shards
+
+    pairs = random_pairs(48, seed=5, max_prompt=6, max_completion=10, vocab=64)
+    rows = [make_pair_row(pairs[i:i + 3]) for i in range(0, len(pairs), 3)]
+    write_shards(tmp_path / "pairs", rows, budget=96, eos_token_id=None)
+    path = Path(__file__).resolve().parents[1] / "examples" / "dpo.py"
+    spec = importlib.util.spec_from_file_location("dpo_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main([str(tmp_path / "pairs"), "--loss", loss, "--steps", "12", "--pairs-per-step", "6",
+                       "--vocab", "64", "--lr", "1e-2", "--threads", "1"])
+    assert out["last"] < out["first"], out["history"]
