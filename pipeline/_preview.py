@@ -14,6 +14,7 @@ Like Axolotl's ``preprocess --debug``, without a training config.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import json
@@ -22,7 +23,7 @@ from typing import Any, Iterator
 
 from packers import PackstreamError
 from pipeline._formats import Rejected, detect, normalize
-from pipeline._options import PackOptions
+from pipeline._options import PackOptions, Preference
 
 _HF_MARKERS = ("state.json", "dataset_dict.json")
 
@@ -149,7 +150,8 @@ def preview(options: PackOptions, n: int) -> list[dict]:
 
     Each item: ``source``, ``position``, ``dataset``; then either ``reason`` and ``detail``, or
     ``format``, ``mapping`` (words), ``notes``, ``spans`` (``[(text, is_target), ...]`` decoded
-    from the tokens), ``tokens`` and ``targets`` (counts). ``format`` is set for refused records
+    from the tokens), ``tokens`` and ``targets`` (counts); with ``--pairs``, ``sides``: the spans of
+    the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
     from pipeline._encode import Encoder
@@ -166,9 +168,16 @@ def preview(options: PackOptions, n: int) -> list[dict]:
             if not isinstance(record, Rejected):
                 try:
                     item["format"] = detect(record, fmt)
-                    conv = normalize(record, fmt)
+                    # --pairs reads each side as --preference does; the mapping is the chosen side's
+                    conv = normalize(record, dataclasses.replace(fmt, preference=Preference.CHOSEN) if options.pairs
+                                     else fmt)
                     item["mapping"] = list(conv.mapping)
                     item["notes"] = dict(conv.notes)
+                    if options.pairs:  # both sides are packed: say so, not what --preference chosen would do
+                        item["mapping"] = ["a preference pair: the shared prompt, then the chosen and the rejected "
+                                           "answer, each a sequence (--pairs)"] + [
+                            m for m in item["mapping"] if not m.startswith("a preference pair")]
+                        item["notes"].pop("other_side_not_trained", None)
                 except Rejected:
                     pass
             encoded = encoder.encode([(f.dataset, f.source, position, record)])
@@ -181,6 +190,10 @@ def preview(options: PackOptions, n: int) -> list[dict]:
             ids, mask = _example(batch, a, b)
             item["tokens"], item["targets"] = len(ids), int(sum(mask))
             item["spans"] = [(tok.decode(run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
+            if batch.cuts is not None:  # a pair: its chosen and rejected sides, each on its own
+                cut = int(batch.cuts[0])
+                item["sides"] = [[(tok.decode(r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
+                                 for x, y in ((0, cut), (cut, len(ids)))]
     return items
 
 
@@ -226,9 +239,12 @@ def format_preview(items: list[dict], color: bool) -> str:
         notes = it.get("notes") or {}
         if notes:
             out.append("   notes: " + ", ".join(f"{k} {v}" for k, v in sorted(notes.items())))
-        text = "".join(c(_GREEN, t) if y else c(_DIM, t) for t, y in it["spans"]) if color else \
-            "".join(f"[[{t}]]" if y else t for t, y in it["spans"])
-        out.append(text)
+        for k, spans in enumerate(it.get("sides") or [it["spans"]]):
+            if "sides" in it:
+                out.append(c(_BOLD, "   chosen:" if k == 0 else "   rejected:"))
+            text = "".join(c(_GREEN, t) if y else c(_DIM, t) for t, y in spans) if color else \
+                "".join(f"[[{t}]]" if y else t for t, y in spans)
+            out.append(text)
         out.append("")
     if not color:
         out.append("[[...]]: training targets (loss mask 1)")

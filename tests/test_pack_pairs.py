@@ -134,3 +134,16 @@ def test_encoder_pair_example():
         assert tok.decode(ids[mask == 0]) == prompt
         assert tok.decode(ids[mask == 1]) == answer + "<|im_end|>" + tok.eos_token
         assert mask.tolist() == sorted(mask.tolist())  # prompt, then completion: one span
+
+
+def test_preview_shows_both_sides():
+    from pipeline._preview import format_preview, preview
+
+    items = preview(PackOptions(inputs=("tests/shapes/preference_trl.jsonl",), pairs=True), n=2)
+    for it in items:
+        chosen, rejected = it["sides"]
+        assert [y for _, y in chosen] == [False, True] and [y for _, y in rejected] == [False, True]
+        assert chosen[0][0] == rejected[0][0]  # one prompt
+        assert "--pairs" in it["mapping"][0] and "other_side_not_trained" not in it["notes"]
+    out = format_preview(items, color=False)
+    assert out.count("   chosen:") == 2 and out.count("   rejected:") == 2
