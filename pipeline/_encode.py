@@ -178,9 +178,11 @@ class Encoder:
         n = min(n, len(c.messages) - 1, len(r.messages) - 1)  # identical sides: the last turn is the answer
         roles = [conv.messages[n]["role"] if n >= 0 else None for conv in convs]
         if n < 0 or roles != ["assistant", "assistant"]:
+            at = (f"at messages[{n}], a {roles[0]} turn" if roles[0] == roles[1] else
+                  f"at messages[{n}], a {roles[0]} turn on the chosen side and a {roles[1]} turn on the rejected side")
             raise Rejected(Reason.PAIR_PROMPT_MISMATCH, (
-                f"the two sides differ before their answers: messages[{n}] is a {roles[0]} turn on the chosen side and "
-                f"a {roles[1]} turn on the rejected side; a pair is one prompt, then two assistant answers"))
+                f"the two sides differ before their answers ({at}); a pair is one prompt (the same messages on both "
+                "sides), then two assistant answers"))
         sides = []
         train = dataclasses.replace(fmt, train_on=TrainOn.ASSISTANT, mask_reasoning=False)
         for conv in convs:
