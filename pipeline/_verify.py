@@ -430,7 +430,7 @@ def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: n
             if f.sequence is not None:
                 where += f" sequence {f.sequence} ({exs[ex_off[row] + f.sequence]})"
             report.add(where, f"check {f.check} failed: {f.detail}")
-            idx = idx[f.row + 1:]
+            idx = np.delete(idx, f.row)  # a row's first failure only; the others are checked again without it
 
 
 def _check_ids(stored: _Stored, report: Report) -> None:
