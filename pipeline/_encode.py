@@ -36,8 +36,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pipeline import _rows
-from pipeline._formats import Conversation, Reason, Rejected, normalize
-from pipeline._options import FormatOptions, PackOptions, Preference, TrainOn
+from pipeline._formats import Conversation, Reason, Rejected, normalize, pair_conversations
+from pipeline._options import FormatOptions, PackOptions, TrainOn
 from pipeline._render import Renderer
 
 Item = tuple[int, str, int, Any]
@@ -162,13 +162,8 @@ class Encoder:
     def prepare_pair(self, record: Any, fmt: FormatOptions) -> tuple[tuple[list, list], dict[str, int]]:
         """One preference record -> the segments of its chosen and rejected sides (prompt: context; the answer and
         everything after it: target), and its normalization notes (counted once); or :class:`Rejected`."""
-        convs = [normalize(record, dataclasses.replace(fmt, preference=side))
-                 for side in (Preference.CHOSEN, Preference.REJECTED)]
+        convs = pair_conversations(record, fmt)
         c, r = convs
-        if c.shape != "preference":
-            raise Rejected(Reason.NOT_A_PAIR, f"--pairs packs preference pairs (chosen/rejected, OpenAI's preferred_output/"
-                                              f"non_preferred_output; see docs/formats.md), and this record reads as "
-                                              f"{c.shape or 'another shape'}; pack it without --pairs")
         if c.tools != r.tools:
             raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the two sides carry different tool definitions; a pair shares "
                                                         "its prompt")

@@ -14,7 +14,6 @@ Like Axolotl's ``preprocess --debug``, without a training config.
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import itertools
 import json
@@ -22,8 +21,8 @@ import os
 from typing import Any, Iterator
 
 from packers import PackstreamError
-from pipeline._formats import Rejected, detect, normalize
-from pipeline._options import PackOptions, Preference
+from pipeline._formats import Rejected, detect, normalize, pair_conversations
+from pipeline._options import PackOptions
 
 _HF_MARKERS = ("state.json", "dataset_dict.json")
 
@@ -169,8 +168,7 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                 try:
                     item["format"] = detect(record, fmt)
                     # --pairs reads each side as --preference does; the mapping is the chosen side's
-                    conv = normalize(record, dataclasses.replace(fmt, preference=Preference.CHOSEN) if options.pairs
-                                     else fmt)
+                    conv = pair_conversations(record, fmt)[0] if options.pairs else normalize(record, fmt)
                     item["mapping"] = list(conv.mapping)
                     item["notes"] = dict(conv.notes)
                     if options.pairs:  # both sides are packed: say so, not what --preference chosen would do

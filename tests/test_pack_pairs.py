@@ -147,3 +147,68 @@ def test_preview_shows_both_sides():
         assert "--pairs" in it["mapping"][0] and "other_side_not_trained" not in it["notes"]
     out = format_preview(items, color=False)
     assert out.count("   chosen:") == 2 and out.count("   rejected:") == 2
+
+
+# The record schemas of public preference sets (field names and nesting as they are published; the text here is
+# made up): each packs with --pairs and nothing else, and its packed log-probs equal the unpacked ones.
+Q, A, B = "How many legs does a spider have?", "Eight.", "Six, like an insect."
+U = {"role": "user", "content": Q}
+PUBLIC = {
+    "HuggingFaceH4/ultrafeedback_binarized": {  # a `messages` copy of the chosen side beside the pair
+        "prompt": Q, "prompt_id": "9f1c", "chosen": [U, {"role": "assistant", "content": A}],
+        "rejected": [U, {"role": "assistant", "content": B}], "messages": [U, {"role": "assistant", "content": A}],
+        "score_chosen": 9.0, "score_rejected": 4.0},
+    "trl-lib/ultrafeedback_binarized": {  # implicit prompt
+        "chosen": [U, {"role": "assistant", "content": A}], "rejected": [U, {"role": "assistant", "content": B}],
+        "score_chosen": 9.0, "score_rejected": 4.0},
+    "Anthropic/hh-rlhf": {"chosen": f"\n\nHuman: {Q}\n\nAssistant: {A}", "rejected": f"\n\nHuman: {Q}\n\nAssistant: {B}"},
+    "Intel/orca_dpo_pairs": {"system": "You are a helpful assistant.", "question": Q, "chosen": A, "rejected": B},
+    "trl-lib explicit prompt (conversational)": {
+        "prompt": [U], "chosen": [{"role": "assistant", "content": A}], "rejected": [{"role": "assistant", "content": B}]},
+    "llamafactory dpo_en_demo": {"conversations": [{"from": "human", "value": Q}],
+                                 "chosen": {"from": "gpt", "value": A}, "rejected": {"from": "gpt", "value": B}},
+    "OpenAI DPO": {"input": {"messages": [U], "tools": [], "parallel_tool_calls": True},
+                   "preferred_output": [{"role": "assistant", "content": A}],
+                   "non_preferred_output": [{"role": "assistant", "content": B}]},
+}
+
+
+def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked():
+    import pyarrow as pa
+    import torch
+
+    from packers import Collator, sequence_logps
+    from pipeline import _rows
+    from pipeline._encode import Encoder
+    from tests._shards import Example, compact_vocab
+    from tests.test_exactness import tiny_model
+
+    options = PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=512)
+    encoder = Encoder(options)
+    tok = encoder.renderer.tok
+    enc = encoder.encode([(0, "public.jsonl", i, r) for i, r in enumerate(PUBLIC.values())])
+    assert not enc.rejected and len(enc.batch) == len(PUBLIC), enc.rejected
+    b = enc.batch
+    for i in range(len(b)):
+        a, z, cut = int(b.offsets[i]), int(b.offsets[i + 1]), int(b.cuts[i])
+        for (x, y), answer in (((a, a + cut), A), ((a + cut, z), B)):
+            ids, mask = b.input_ids[x:y], b.loss_mask[x:y]
+            assert Q in tok.decode(ids[mask == 0]) and tok.decode(ids[mask == 1]).startswith(answer), list(PUBLIC)[i]
+    rows = pa.Table.from_batches([_rows.pack_group(b, options, encoder.eos_id).batch]).to_pylist()
+    # token ids folded into the tiny model's vocabulary (97): ids seen, most frequent first
+    fold = compact_vocab([Example("all", [t for r in rows for t in r["input_ids"]], [])], 97)
+    for r in rows:
+        r["input_ids"] = [fold.get(t, 96) for t in r["input_ids"]]
+    model = tiny_model("qwen2", "sdpa").eval()
+    batch = Collator()(rows)
+    with torch.no_grad():
+        lp = sequence_logps(model(**batch).logits, batch)
+        cu = batch["cu_seq_lens_q"].tolist()
+        comp = batch["completion_mask"][0]
+        for s in range(len(cu) - 1):
+            ids = batch["input_ids"][:, cu[s]:cu[s + 1]]
+            alone = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            at = torch.nonzero(comp[cu[s] + 1:cu[s + 1]])[:, 0]
+            want = alone[at].gather(1, ids[0, at + 1, None])[:, 0].sum()
+            assert abs(float(lp.sum[s]) - float(want)) <= 1e-5
+    assert len(lp.chosen) == len(PUBLIC)

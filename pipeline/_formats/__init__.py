@@ -66,7 +66,7 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 from __future__ import annotations
 
 from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
-from pipeline._formats._driver import _fast, _normalize, conversations, normalize
+from pipeline._formats._driver import _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._hygiene import target_flags
 from pipeline._formats._paths import resolve
 from pipeline._formats._turns import ROLE_ALIASES
@@ -75,6 +75,7 @@ from pipeline._options import FormatOptions, parse_path
 
 __all__ = [
     "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "Reason",
-    "Rejected", "conversations", "detect", "normalize", "parse_path", "resolve", "suggest", "target_flags",
+    "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path", "resolve", "suggest",
+    "target_flags",
     "_fast", "_normalize",
 ]
