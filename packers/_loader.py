@@ -33,9 +33,10 @@ import enum
 import hashlib
 import os
 import posixpath
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -44,24 +45,24 @@ import torch
 import torch.utils.data
 
 from packers._errors import ContractError, InternalError, PackstreamError
+from packers._files import check_regular, open_checked, show_path
 from packers._manifest import (
     LOCK,
     MANIFEST,
     SHARD_NAME,
     SPLITS,
     TMP_PREFIX,
+    Manifest,
     RowChecks,
-    expected_metadata,
+    ShardEntry,
     is_datasets_cache,
-    listed_shards,
+    load_manifest,
+    metadata_mismatch,
     missing_manifest,
-    parse_manifest,
     require_complete,
-    row_checks,
-    unlisted,
 )
-from packers._rowcheck import Batch, Failure, gather, check_batch
-from packers._schema import SCHEMA, read_metadata
+from packers._rowcheck import Batch, Failure, check_batch, gather
+from packers._schema import PLACE_KEYS, SCHEMA, read_metadata
 
 
 class BatchBy(str, enum.Enum):
@@ -91,10 +92,29 @@ class _Sampling:
     instead of repeating micro-batches from the epoch's start."""
 
     def __post_init__(self) -> None:
+        if not _is_count(self.seed):
+            raise PackstreamError(f"seed={_short(self.seed)} must be an integer >= 0 (numpy's generators take "
+                                  "non-negative seeds); use e.g. seed=0")
         if self.batch_size < 1:
             raise PackstreamError(f"batch_size={self.batch_size} must be >= 1")
         if not 0 <= self.rank < self.world_size:
             raise PackstreamError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+
+
+def _is_count(v: Any) -> bool:
+    """An integer >= 0 (Python or numpy; not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """``"seed -5 vs 3, world_size 2 vs 1"``: the keys whose saved and current values differ ('' if none)."""
+    return ", ".join(f"{k} {_short(saved[k])} vs {_short(current[k])}" for k in keys
+                     if saved[k] != current[k] or type(saved[k]) is not type(current[k]))
 
 
 def _micro_batches(order: np.ndarray, units: np.ndarray | None, s: _Sampling, budget: int) -> list[np.ndarray]:
@@ -151,8 +171,8 @@ def _sha256(f: Any) -> str:
     return h.hexdigest()
 
 
-def _sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
+def _sha256_file(path: str, what: str = "shard") -> str:
+    with open_checked(path, what=what) as f:
         return _sha256(f)
 
 
@@ -179,18 +199,23 @@ def _locate(path: str | os.PathLike | Sequence[str | os.PathLike], storage_optio
         raise PackstreamError("PackedDataset got an empty list of paths; pass the --output folder of packstream pack")
     found: list[tuple[Any, str, str | None]] = []
     for p in paths:
-        fs, root = fsspec.core.url_to_fs(os.fspath(p), **(storage_options or {}))
+        if not isinstance(p, (str, os.PathLike)):
+            raise PackstreamError(f"PackedDataset path {p!r:.80} is a {type(p).__name__}; pass a folder or file path")
+        try:
+            fs, root = fsspec.core.url_to_fs(os.fspath(p), **(storage_options or {}))
+        except (ValueError, ImportError) as e:  # an unknown protocol, or its filesystem not installed
+            raise PackstreamError(f"{show_path(os.fspath(p))}: {e}; pass a local folder or an fsspec URL") from None
         root = root.rstrip("/") or "/"
         if fs.isdir(root):
             found.append((fs, root, None))
         elif fs.exists(root):
             found.append((fs, posixpath.dirname(root), posixpath.basename(root)))
         else:
-            raise PackstreamError(f"{os.fspath(p)} does not exist; pass the --output folder of packstream pack")
+            raise PackstreamError(f"{show_path(os.fspath(p))} does not exist; pass the --output folder of packstream pack")
     fs, root = found[0][0], found[0][1]
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     local = "file" in protocols
-    where = root if local else fs.unstrip_protocol(root)
+    where = show_path(root if local else fs.unstrip_protocol(root))
     folders = sorted({r for _, r, _ in found})
     if len(folders) > 1:
         raise PackstreamError(
@@ -212,19 +237,25 @@ def _locate(path: str | os.PathLike | Sequence[str | os.PathLike], storage_optio
     return _Folder(fs, root, where, local, tuple(names))
 
 
-def _read_manifest(folder: _Folder) -> tuple[dict[str, Any], list[str]]:
-    """The folder's complete manifest and its file names; refuses a folder that is not a finished run's."""
-    names = sorted(posixpath.basename(p.rstrip("/")) for p in folder.fs.ls(folder.root, detail=False))
+def _read_manifest(folder: _Folder) -> tuple[Manifest, list[str]]:
+    """The folder's complete, checked manifest and its file names; refuses a folder that is not a finished
+    run's (read through the checked open: a FIFO, a device or a huge file is one refusal, not a hang)."""
+    try:
+        names = sorted(posixpath.basename(p.rstrip("/")) for p in folder.fs.ls(folder.root, detail=False))
+    except OSError as e:
+        raise PackstreamError(f"{folder.where} cannot be listed: {e.strerror or e}; check its permissions") from None
     if MANIFEST not in names:
         raise missing_manifest(folder.where, names)
-    m = require_complete(parse_manifest(folder.fs.cat_file(folder.join(MANIFEST)), folder.where), folder.where)
+    path = folder.join(MANIFEST) if folder.local else folder.fs.unstrip_protocol(folder.join(MANIFEST))
+    opener = None if folder.local else (lambda p: folder.fs.open(p, "rb"))
+    m = require_complete(load_manifest(path, folder.where, opener=opener), folder.where)
     if LOCK in names:
         raise ContractError(
             f"{folder.where}: {LOCK} is present: a packstream run (pack --overwrite) is rewriting this folder, so its "
             f"files may not be the ones {MANIFEST} lists. Wait for the run to finish; if none is running (it was "
             f"killed), re-run packstream pack --overwrite"
         )
-    stray = [n for n in unlisted(names, m) if not is_datasets_cache(n)]
+    stray = [n for n in m.unlisted(names) if not is_datasets_cache(n)]
     if stray:
         n = stray[0]
         why = (
@@ -234,89 +265,149 @@ def _read_manifest(folder: _Folder) -> tuple[dict[str, Any], list[str]]:
         )
         more = f" (and {len(stray) - 1} more: {stray[1:4]})" if len(stray) > 1 else ""
         raise ContractError(
-            f"{folder.where}: {n}: not listed in {MANIFEST}{more}; it is {why}. PackedDataset reads exactly the "
-            f"listed shards and refuses a folder that holds others: remove it, or re-run packstream pack --overwrite"
+            f"{folder.where}: {show_path(n)}: not listed in {MANIFEST}{more}; it is {why}. PackedDataset reads exactly "
+            f"the listed shards and refuses a folder that holds others: remove it, or re-run packstream pack --overwrite"
         )
     return m, names
 
 
-def _select(folder: _Folder, m: dict[str, Any], split: str) -> list[dict[str, Any]]:
+def _select(folder: _Folder, m: Manifest, split: str) -> list[ShardEntry]:
     """The manifest entries to open: every shard of ``split``, or the files asked for (which must be listed)."""
     if folder.files is None:
-        entries = listed_shards(m, split)
+        entries = m.listed(split)
         if not entries:
-            have = sorted({s.get("split", "train") for s in m["shards"]})
+            have = sorted({s.split for s in m.shards})
             hint = (f"; it lists {have} shards: pass split={have[0]!r}" if have
                     else "; the run packed no rows (see the counts in manifest.json and rejected.jsonl)")
             raise ContractError(f"{folder.where}: {MANIFEST} lists no {split!r} shards{hint}")
         return entries
-    by_name = {s["name"]: s for s in m["shards"]}
+    by_name = {s.name: s for s in m.shards}
     entries = []
     for n in folder.files:
         s = by_name.get(n)
         if s is None:
             raise ContractError(
-                f"{folder.where}/{n}: not a shard listed in {MANIFEST}; pass the folder, or shard files it lists "
-                f"({sorted(by_name)[:3]}{' ...' if len(by_name) > 3 else ''})"
+                f"{folder.where}/{show_path(n)}: not a shard listed in {MANIFEST}; pass the folder, or shard files it "
+                f"lists ({sorted(by_name)[:3]}{' ...' if len(by_name) > 3 else ''})"
             )
-        if s.get("split", "train") != split:
+        if s.split != split:
             raise PackstreamError(
-                f"{folder.where}/{n}: a {s.get('split', 'train')!r} shard, and this PackedDataset reads split={split!r}; "
-                f"pass split={s.get('split', 'train')!r}"
+                f"{folder.where}/{n}: a {s.split!r} shard, and this PackedDataset reads split={split!r}; pass split={s.split!r}"
             )
         entries.append(s)
-    return sorted(entries, key=lambda s: s["name"])
+    return sorted(entries, key=lambda s: s.name)
 
 
-def _fetch_shard(folder: _Folder, s: dict[str, Any], names: list[str], cache_dir: str | None) -> tuple[str, bool]:
-    """A local, size-checked path for the listed shard ``s``; remote shards are copied into a cache (and hashed
-    on the way: the copy is checked against the manifest's sha256). Returns (path, sha256 already checked)."""
-    name = s["name"]
-    at = f"{folder.where}/{name}"
-    if name not in names:
+# -- the cache of remote shards --------------------------------------------------------------------------
+
+_HASHED: dict[tuple[int, int, int, int, int], str] = {}
+"""sha256 of cached copies hashed in this process, keyed by their (device, inode, size, mtime, ctime): any
+write to a file changes its ctime, which no user call can set back, so an entry is the file's current hash."""
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/packstream/shards`` (``~/.cache/packstream/shards``): where remote shards are copied."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packstream", "shards")
+
+
+def _private_dir(path: str, what: str) -> str:
+    """``path`` as a folder only this user can write: created with mode 0700 if absent; an existing one must
+    be a folder owned by this user that neither group nor others can write (else anyone could swap a copy)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        raise PackstreamError(f"{what} {show_path(path)} cannot be created: {e.strerror or e}; pass cache_dir= a "
+                              "folder of yours") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackstreamError(f"{what} {show_path(path)} is not a folder; pass cache_dir= a folder of yours")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise PackstreamError(
+            f"{what} {show_path(path)} belongs to user id {st.st_uid}, not to you (id {os.geteuid()}): whoever owns "
+            "it could change the shards you train on; pass cache_dir= a folder of yours"
+        )
+    if st.st_mode & 0o022:
+        raise PackstreamError(
+            f"{what} {show_path(path)} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): anyone who can write there could change the shards you train on; "
+            f"chmod 700 it, or pass cache_dir= a private folder"
+        )
+    return path
+
+
+def _cached_sha256(path: str) -> str | None:
+    """sha256 of the cached copy at ``path`` (hashed once per process while the file is unchanged); None if it
+    is not a regular file of this user's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+        return None
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = _sha256_file(path, "cached shard")
+    return _HASHED[key]
+
+
+def _remember(path: str, sha: str) -> None:
+    st = os.stat(path)
+    _HASHED[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = sha
+
+
+def _fetch_shard(folder: _Folder, s: ShardEntry, names: list[str], cache_dir: str | None) -> tuple[str, bool]:
+    """A local, size-checked regular file for the listed shard ``s``. Remote shards are copied into a private
+    cache (hashed on the way), and a copy already there is used only if its sha256 is the manifest's.
+    Returns (path, sha256 already checked)."""
+    at = f"{folder.where}/{s.name}"
+    if s.name not in names:
         raise ContractError(
-            f"{at}: listed in {MANIFEST} but missing from the folder ({s['rows']} rows lost); copy the whole output "
+            f"{at}: listed in {MANIFEST} but missing from the folder ({s.rows} rows lost); copy the whole output "
             "folder, or re-run packstream pack"
         )
-    if name.endswith(".parquet"):
+    if s.ext == "parquet":
         raise PackstreamError(
             f"{at}: Parquet shards cannot be memory-mapped; pack with --output-format arrow (the default), or read "
             "them with datasets.load_dataset('parquet', ...) and packers.Collator"
         )
-    size = int(folder.fs.size(folder.join(name)))
-    if size != s["bytes"]:
+    if folder.local:
+        size = check_regular(folder.join(s.name), "shard").st_size  # a FIFO or a device is refused, never opened
+    else:
+        size = int(folder.fs.size(folder.join(s.name)))
+    if size != s.bytes:
         raise ContractError(
-            f"{at}: {size:,} bytes, {MANIFEST} says {s['bytes']:,}: the shard was changed after the run wrote it (rows "
+            f"{at}: {size:,} bytes, {MANIFEST} says {s.bytes:,}: the shard was changed after the run wrote it (rows "
             "removed or added, truncated, or replaced by another run's shard); restore the folder or re-run packstream pack"
         )
     if folder.local:
-        return folder.join(name), False
-    # Memory-mapping needs a local file: copy once into a cache keyed by the folder's URL. A copy is reused
-    # only if it is the manifest's (same size, and the sha256 recorded beside it is the manifest's).
-    cache = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "packstream-cache"),
-                         hashlib.sha256(folder.where.encode()).hexdigest()[:16])
-    os.makedirs(cache, exist_ok=True)
-    dst, stamp = os.path.join(cache, name), os.path.join(cache, name + ".sha256")
-    if os.path.exists(dst) and os.path.getsize(dst) == size and os.path.exists(stamp):
-        with open(stamp) as f:
-            if f.read().strip() == s["sha256"]:
-                return dst, False
-    part = f"{dst}.{os.getpid()}.part"  # several ranks of one host may copy at once
+        return folder.join(s.name), False
+    # Memory-mapping needs a local file: copy once into a private cache keyed by the folder's URL (see
+    # docs/loader.md, "Remote folders"). A copy there is reused only if it hashes to the manifest's sha256.
+    root = _private_dir(cache_dir or default_cache_dir(), "cache_dir")
+    cache = _private_dir(os.path.join(root, hashlib.sha256(folder.where.encode()).hexdigest()[:16]), "cache_dir")
+    dst = os.path.join(cache, s.name)
+    if os.path.exists(dst) and os.path.getsize(dst) == s.bytes and _cached_sha256(dst) == s.sha256:
+        return dst, True
+    fd, part = tempfile.mkstemp(prefix=f".{s.name}.", suffix=".part", dir=cache)  # several ranks may copy at once
     h = hashlib.sha256()
-    with folder.fs.open(folder.join(name), "rb") as src, open(part, "wb") as out:
-        while chunk := src.read(_HASH_CHUNK):
-            h.update(chunk)
-            out.write(chunk)
-    if h.hexdigest() != s["sha256"]:
-        os.remove(part)
-        raise ContractError(
-            f"{at}: sha256 of the copy is {h.hexdigest()[:16]}…, {MANIFEST} says {s['sha256'][:16]}…: the shard's "
-            "bytes changed after the run wrote it (or the copy was corrupted); restore the folder or re-run packstream pack"
-        )
-    os.replace(part, dst)
-    with open(stamp + f".{os.getpid()}", "w") as f:
-        f.write(s["sha256"])
-    os.replace(stamp + f".{os.getpid()}", stamp)
+    try:
+        with folder.fs.open(folder.join(s.name), "rb") as src, os.fdopen(fd, "wb") as out:
+            while chunk := src.read(_HASH_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        if h.hexdigest() != s.sha256:
+            raise ContractError(
+                f"{at}: sha256 of the copy is {h.hexdigest()[:16]}…, {MANIFEST} says {s.sha256[:16]}…: the shard's "
+                "bytes changed after the run wrote it (or the copy was corrupted); restore the folder or re-run "
+                "packstream pack"
+            )
+        os.replace(part, dst)
+    except BaseException:
+        if os.path.exists(part):
+            os.remove(part)
+        raise
+    _remember(dst, s.sha256)
     return dst, True
 
 
@@ -334,12 +425,13 @@ def _read_schema(path: str, at: str) -> pa.Schema:
 @dataclass(frozen=True)
 class _Opened:
     rows: Any  # datasets.Dataset over the shards, in name order
-    metadata: dict[str, Any]  # the shards' schema metadata (all equal)
-    manifest: dict[str, Any]
+    metadata: dict[str, Any]  # the shards' schema metadata (equal but for each shard's place)
+    manifest: Manifest
     checks: RowChecks
     where: str
     names: tuple[str, ...]  # the opened shards' names
     starts: np.ndarray  # global index of each shard's first row, plus the total
+    data_sha256: str  # sha256 over the opened shards' names and manifest sha256s: what a resume state is tied to
 
 
 def open_rows(
@@ -352,26 +444,25 @@ def open_rows(
 ) -> _Opened:
     """Open the shards a complete manifest lists as one memory-mapped ``datasets.Dataset`` (zero-copy).
 
-    Checks each shard's size, schema, schema metadata and row count against ``manifest.json`` (and its
-    sha256 with ``verify``); every refusal is a :class:`ContractError`/:class:`PackstreamError` naming
-    the folder or shard, what differs, and the fix.
+    Checks each shard's size, schema, schema metadata (run id, split, index and count included) and row
+    count against ``manifest.json`` (and its sha256 with ``verify``); every refusal is a
+    :class:`ContractError`/:class:`PackstreamError` naming the folder or shard, what differs, and the fix.
     """
     import datasets
 
     if split not in SPLITS:
-        raise PackstreamError(f"split={split!r}; use one of {list(SPLITS)}")
+        raise PackstreamError(f"split={split!r:.80}; use one of {list(SPLITS)}")
     folder = _locate(path, storage_options)
     m, names = _read_manifest(folder)
-    checks, expect = row_checks(m, folder.where), expected_metadata(m, folder.where)
     parts, counts, opened, meta0 = [], [0], [], None
     for s in _select(folder, m, split):
-        at = f"{folder.where}/{s['name']}"
+        at = f"{folder.where}/{s.name}"
         local, hashed = _fetch_shard(folder, s, names, cache_dir)
         if verify and not hashed:
             got = _sha256_file(local)
-            if got != s["sha256"]:
+            if got != s.sha256:
                 raise ContractError(
-                    f"{at}: check sha256 failed: the file hashes to {got[:16]}…, {MANIFEST} says {s['sha256'][:16]}…: its "
+                    f"{at}: check sha256 failed: the file hashes to {got[:16]}…, {MANIFEST} says {s.sha256[:16]}…: its "
                     "bytes changed after the run wrote it (a token, a mask or an offset edited); restore the folder "
                     "or re-run packstream pack"
                 )
@@ -382,12 +473,14 @@ def open_rows(
             meta = read_metadata(schema)
         except ValueError as e:  # ContractError, or metadata that is not UTF-8 JSON
             raise ContractError(f"{at}: schema metadata unreadable: {e}") from None
-        for key, want in expect.items():
-            if meta.get(key) != want:
-                raise ContractError(
-                    f"{at}: schema metadata {key} is {meta.get(key)!r}, {MANIFEST} says {want!r}: the shard is not "
-                    "this run's; restore the folder or re-run packstream pack"
-                )
+        wrong = metadata_mismatch(meta, m, s)
+        if wrong is not None:
+            key, what = wrong
+            whose = ("another shard's file (a copy listed twice, or renamed), or another run's" if key in PLACE_KEYS
+                     else "not this run's")
+            raise ContractError(
+                f"{at}: schema metadata {key} {what}: the shard is {whose}; restore the folder or re-run packstream pack"
+            )
         try:
             part = datasets.Dataset.from_file(local)
             table = part.data.table
@@ -399,24 +492,23 @@ def open_rows(
                 f"{at}: not a valid Arrow file ({e}); it was damaged after the run wrote it: restore the folder or "
                 "re-run packstream pack"
             ) from None
-        measured = {"rows": part.num_rows}
-        if isinstance(s.get("tokens"), int):  # cheap: one int32 column, and the offsets of another
-            measured["tokens"] = int(pc.sum(table.column("num_tokens")).as_py() or 0)
-        if isinstance(s.get("examples"), int):
-            measured["examples"] = int(pc.sum(pc.list_value_length(table.column("example_ids"))).as_py() or 0)
+        measured = {"rows": part.num_rows,  # cheap: one int32 column, and the offsets of another
+                    "tokens": int(pc.sum(table.column("num_tokens")).as_py() or 0),
+                    "examples": int(pc.sum(pc.list_value_length(table.column("example_ids"))).as_py() or 0)}
         for key, got in measured.items():
-            if got != s[key]:
+            if got != getattr(s, key):
                 raise ContractError(
-                    f"{at}: {got:,} {key}, {MANIFEST} says {s[key]:,}: the shard is not the one the run wrote; "
+                    f"{at}: {got:,} {key}, {MANIFEST} says {getattr(s, key):,}: the shard is not the one the run wrote; "
                     "restore the folder or re-run packstream pack"
                 )
         parts.append(part)
         counts.append(part.num_rows)
-        opened.append(s["name"])
+        opened.append(s)
         meta0 = meta0 or meta
     rows = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return _Opened(rows=rows, metadata=meta0, manifest=m, checks=checks, where=folder.where, names=tuple(opened),
-                   starts=np.cumsum(counts).astype(np.int64))
+    data = hashlib.sha256("".join(f"{s.name} {s.sha256}\n" for s in opened).encode()).hexdigest()
+    return _Opened(rows=rows, metadata=meta0, manifest=m, checks=m.row_checks, where=folder.where,
+                   names=tuple(s.name for s in opened), starts=np.cumsum(counts).astype(np.int64), data_sha256=data)
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -479,7 +571,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
             drop_last=drop_last,
         )
         opened = open_rows(path, split=split, verify=verify, cache_dir=cache_dir, storage_options=storage_options)
-        self.rows, self.metadata, self.manifest = opened.rows, opened.metadata, opened.manifest
+        self.rows, self.metadata = opened.rows, opened.metadata
+        self.manifest: Manifest = opened.manifest
+        self._data_sha256 = opened.data_sha256
         self.split: str = split
         self.shards: tuple[str, ...] = opened.names
         self._where, self._starts, self._checks = opened.where, opened.starts, opened.checks
@@ -607,25 +701,55 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return self._position
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the iteration is, plus what shaped its plan; plain Python values."""
+        """Where the iteration is, what shaped its plan, and which data it is over; plain Python values.
+
+        ``run_id``, ``split`` and ``data_sha256`` (sha256 over the opened shards' names and their
+        manifest sha256s) tie the state to the data: it resumes only a dataset over the same shards."""
         s = asdict(self.sampling)
         s["batch_by"] = self.sampling.batch_by.value
-        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows), **s}
+        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows), **s,
+                "run_id": self.manifest.run_id, "split": self.split, "data_sha256": self._data_sha256}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``; the plan options and the data must match the saved ones.
+        """Resume at ``state``; the data, the plan options and the world size must match the saved ones, and
+        ``(epoch, position)`` must be a place in this plan (0 <= position <= the epoch's steps).
 
         Every rank is at the same (epoch, position), so one rank's state (say rank 0's) resumes all.
         """
+        if not isinstance(state, Mapping):
+            raise PackstreamError(f"cannot resume: the state is a {type(state).__name__}, expected the dict "
+                                  "PackedDataset.state_dict() returns")
         mine = self.state_dict()
+        lacking = [k for k in mine if k not in state]
+        if lacking:
+            raise PackstreamError(
+                f"cannot resume: the state lacks {lacking}; it was saved by an older packstream or is not a "
+                "PackedDataset state. Start the epoch afresh (set_epoch) instead of loading it"
+            )
+        data = _differences(state, mine, ("run_id", "split", "data_sha256", "num_rows"))
+        if data:
+            raise PackstreamError(
+                f"cannot resume: the state was saved over other data (saved vs current: {data}); a state resumes only "
+                f"the folder and split it was saved on ({self._where}, split {self.split!r} here)"
+            )
         same = ("epoch", "position", "rank")
-        diff = {k: (state.get(k), mine[k]) for k in mine if k not in same and state.get(k) != mine[k]}
+        diff = _differences(state, mine, [k for k in mine if k not in same])
         if diff:
             raise PackstreamError(
-                f"cannot resume: saved vs current {diff}; the plan depends on these, so resume with the same "
+                f"cannot resume: saved vs current: {diff}; the plan depends on these, so resume with the same "
                 "data, world size and batching options"
             )
-        self.epoch, self._position = int(state["epoch"]), int(state["position"])
+        epoch, position = state["epoch"], state["position"]
+        if not _is_count(epoch):
+            raise PackstreamError(f"cannot resume: epoch is {_short(epoch)}, expected an integer >= 0")
+        if not _is_count(position):
+            raise PackstreamError(f"cannot resume: position is {_short(position)}, expected an integer >= 0 (the "
+                                  "steps of the epoch already taken)")
+        steps = len(self._plan(int(epoch)))
+        if position > steps:
+            raise PackstreamError(f"cannot resume: position {int(position)} is past the end of epoch {int(epoch)}, "
+                                  f"which has {steps} steps on each rank; the state is not this dataset's")
+        self.epoch, self._position = int(epoch), int(position)
 
     def dataloader(self, **kwargs: Any) -> "PackedLoader":
         """A ``torch.utils.data.DataLoader`` over this dataset that keeps its position exact with workers.

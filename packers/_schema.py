@@ -54,9 +54,14 @@ Columns (see :data:`SCHEMA`):
   exactly on the completions; the two sides of a pair hold the same prompt tokens before them.
 
 A row holds pairs or plain examples, never both (a run is ``--pairs`` or not; the manifest's
-``row_checks.pairs`` says which). Schema metadata (bytes keys and values, see
-:func:`schema_metadata`): the contract version, the token budget, the tokenizer's name and a hash
-of its vocabulary, and the pad/eos ids.
+``row_checks.pairs`` says which).
+
+Schema metadata (bytes keys and values, see :func:`schema_metadata`): the contract version,
+the token budget, the tokenizer's name and a hash of its vocabulary, the pad/eos ids, and where
+the shard belongs: the ``run_id`` of the run that wrote it (``manifest.json`` has the same), its
+``split``, and its place ``shard_index`` of ``shard_count`` in that split. A reader holds these
+against the manifest's entry for the file, so a shard listed twice, renamed, moved to another
+split or taken from another run is refused without reading a row (:mod:`packers._manifest`).
 
 Version history: 1, the first five columns; 2 (this), ``num_targets`` and the pair columns. A
 version 1 folder is refused with "repack" (:func:`read_metadata`).
@@ -129,6 +134,10 @@ class Side(enum.IntEnum):
 
 
 _META_PREFIX = "packstream."
+PLACE_KEYS = ("run_id", "split", "shard_index", "shard_count")
+"""The metadata keys that say where one shard belongs (the rest are the same on every shard of a run)."""
+_MAX_META_BYTES = 1 << 16
+"""A packstream metadata value is a short JSON scalar; anything longer is not one packstream wrote."""
 
 
 def schema_metadata(
@@ -138,8 +147,9 @@ def schema_metadata(
     vocab_sha256: str,
     pad_token_id: int | None,
     eos_token_id: int | None,
+    run_id: str,
 ) -> dict[bytes, bytes]:
-    """The metadata stored on every shard's schema."""
+    """The metadata every shard of one run carries; :func:`place_metadata` adds the shard's own place."""
     values = {
         "contract_version": CONTRACT_VERSION,
         "budget": budget,
@@ -147,18 +157,34 @@ def schema_metadata(
         "tokenizer_vocab_sha256": vocab_sha256,
         "pad_token_id": pad_token_id,
         "eos_token_id": eos_token_id,
+        "run_id": run_id,
     }
     return {(_META_PREFIX + k).encode(): json.dumps(v).encode() for k, v in values.items()}
 
 
+def place_metadata(metadata: Mapping[bytes, bytes], *, split: str, shard_index: int,
+                   shard_count: int) -> dict[bytes, bytes]:
+    """``metadata`` (a run's :func:`schema_metadata`) plus one shard's place: ``split``, ``shard_index`` of
+    ``shard_count``. The writer calls it for each shard it opens; the values equal the shard's name
+    (``train-00003-of-00008.arrow``: train, 3, 8) and its manifest entry."""
+    place = {"split": split, "shard_index": shard_index, "shard_count": shard_count}
+    return {**metadata, **{(_META_PREFIX + k).encode(): json.dumps(v).encode() for k, v in place.items()}}
+
+
 def read_metadata(schema: pa.Schema) -> dict[str, Any]:
-    """Decode :func:`schema_metadata` from a shard's schema; raises ContractError if absent."""
+    """Decode :func:`schema_metadata` from a shard's schema; raises ContractError if absent or unreadable."""
     meta = schema.metadata or {}
-    out = {
-        k.decode()[len(_META_PREFIX):]: json.loads(v)
-        for k, v in meta.items()
-        if k.decode(errors="replace").startswith(_META_PREFIX)
-    }
+    out = {}
+    for k, v in meta.items():
+        key = k.decode(errors="replace")
+        if not key.startswith(_META_PREFIX):
+            continue
+        if len(v) > _MAX_META_BYTES:
+            raise ContractError(f"schema metadata {key} holds {len(v):,} bytes; packstream writes short JSON values")
+        try:
+            out[key[len(_META_PREFIX):]] = json.loads(v)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or an integer too long to convert
+            raise ContractError(f"schema metadata {key} is not JSON ({str(e)[:80]})") from None
     if "contract_version" not in out:
         raise ContractError("not a packstream shard: schema metadata has no packstream.contract_version")
     if out["contract_version"] != CONTRACT_VERSION:

@@ -304,7 +304,7 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
 
     schema = pa.schema(packers.SCHEMA, metadata=packers.schema_metadata(
         budget=options.max_tokens, tokenizer=identity["name"], vocab_sha256=identity["vocab_sha256"],
-        pad_token_id=identity["pad_token_id"], eos_token_id=identity["eos_token_id"]))
+        pad_token_id=identity["pad_token_id"], eos_token_id=identity["eos_token_id"], run_id="0" * 16))
     fmt = options.output_format.value
     ext = "parquet" if fmt == "parquet" else "arrow"
     with tempfile.TemporaryDirectory(prefix="packstream-estimate-") as tmp:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
+import stat
 from typing import Any, Optional
 
 import numpy as np
@@ -35,9 +36,9 @@ import pyarrow.compute as pc
 
 import packers
 from packers import ContractError, PackstreamError
+from packers._files import check_regular, load_json, read_checked, show_path
 from packers._manifest import (
-    LOCK, MANIFEST, SPLITS, TMP_PREFIX, is_datasets_cache, listed_shards, missing_manifest, parse_manifest,
-    require_complete, unlisted,
+    LOCK, MANIFEST, SPLITS, TMP_PREFIX, Manifest, ShardEntry, is_datasets_cache, missing_manifest, require_complete,
 )
 import pipeline._write as _write
 
@@ -95,29 +96,31 @@ def _list(folder: str) -> list[str]:
     return sorted(os.listdir(folder))
 
 
-def load_manifest(folder: str) -> tuple[dict, list[str]]:
-    """The complete manifest of ``folder`` and the folder's file names; PackstreamError if there is none."""
+def load_manifest(folder: str) -> tuple[Manifest, list[str]]:
+    """The complete, checked manifest of ``folder`` and the folder's file names; PackstreamError if there is
+    none, or it cannot be trusted (see :mod:`packers._manifest`)."""
     try:
         names = _list(folder)
     except (OSError, ValueError) as e:
-        raise PackstreamError(f"{folder} cannot be listed ({e}); pass the --output folder of packstream pack") from None
+        raise PackstreamError(f"{show_path(folder)} cannot be listed ({e}); pass the --output folder of packstream "
+                              "pack") from None
     if MANIFEST not in names:
         raise missing_manifest(folder, names)
-    m = parse_manifest(_write.read_bytes(_write.join(folder, MANIFEST)), folder)
-    return require_complete(m, folder), names
+    return require_complete(_write.read_manifest(folder), folder), names
 
 
 class _Shard:
     """What inspect reads of one shard: per-row tokens and sequences, sequence lengths, targets, examples."""
 
-    def __init__(self, folder: str, entry: dict):
-        name = entry["name"]
+    def __init__(self, folder: str, entry: ShardEntry):
+        name = entry.name
         path = _write.join(folder, name)
         if "://" not in path:
+            self.bytes = check_regular(path, "shard").st_size  # a FIFO or a device is refused, never mapped
             source: Any = pa.memory_map(path)  # zero-copy: only the columns read are touched
-            self.bytes = os.path.getsize(path)
         else:
-            data = _write.read_bytes(path)
+            data = _write.read_bytes(path, what="shard", limit=entry.bytes,
+                                     fix="larger than manifest.json says: run packstream verify on the folder")
             source, self.bytes = pa.BufferReader(data), len(data)
         columns = ["num_tokens", "seq_offsets", "loss_mask", "example_ids"]
         try:
@@ -129,9 +132,13 @@ class _Shard:
             else:
                 reader = pa.ipc.open_stream(source)
                 self.schema, table = reader.schema, reader.read_all().select(columns)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise PackstreamError(f"{path} cannot be read ({e}); run packstream verify on the folder") from None
-        self.name, self.split = name, entry.get("split", "train")
+            if not self.schema.remove_metadata().equals(packers.SCHEMA):
+                raise PackstreamError(f"{show_path(path)}: its schema is not packers.SCHEMA; run packstream verify on "
+                                      "the folder")
+        except (pa.ArrowException, OSError, KeyError) as e:
+            raise PackstreamError(f"{show_path(path)} cannot be read ({_one_line(e)}); run packstream verify on the "
+                                  "folder") from None
+        self.name, self.split = name, entry.split
         self.num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
         offsets = table.column("seq_offsets").combine_chunks()
         starts = offsets.offsets.to_numpy().astype(np.int64)
@@ -174,25 +181,30 @@ def _totals(shards: list[_Shard], budget: int) -> dict[str, Any]:
     }
 
 
-def _disagreements(m: dict, shards: list[_Shard], totals: dict, splits: dict) -> list[str]:
+def _one_line(e: Exception, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _disagreements(m: Manifest, shards: list[_Shard], totals: dict, splits: dict) -> list[str]:
     """Where the shards and manifest.json disagree (packstream verify checks everything; this is the cheap part)."""
     out = []
-    c = m.get("counts", {})
+    c = m.counts
     for key, got in (("rows", totals["rows"]), ("tokens", totals["tokens"]), ("target_tokens", totals["target_tokens"]),
                      ("pieces", totals["examples"]), ("examples_packed", totals["examples_packed"])):
-        if c.get(key) != got:
-            out.append(f"manifest.json counts.{key} is {c.get(key)!r}, the shards hold {got}")
-    for split, want in (c.get("splits") or {}).items():
+        if getattr(c, key) != got:
+            out.append(f"manifest.json counts.{key} is {getattr(c, key)!r}, the shards hold {got}")
+    for split, want in c.splits.items():
         for key in ("rows", "tokens"):
             got = splits.get(split, {}).get(key, 0)
-            if want.get(key) != got:
-                out.append(f"manifest.json counts.splits.{split}.{key} is {want.get(key)!r}, the shards hold {got}")
-    entries = {e["name"]: e for e in m["shards"]}
+            if getattr(want, key) != got:
+                out.append(f"manifest.json counts.splits.{split}.{key} is {getattr(want, key)!r}, the shards hold {got}")
+    entries = {e.name: e for e in m.shards}
     for s in shards:
         e = entries[s.name]
         for key, got in (("rows", len(s.num_tokens)), ("bytes", s.bytes)):
-            if e.get(key) != got:
-                out.append(f"{s.name}: manifest.json says {key} {e.get(key)!r}, the file has {got}")
+            if getattr(e, key) != got:
+                out.append(f"{s.name}: manifest.json says {key} {getattr(e, key)!r}, the file has {got}")
     return out
 
 
@@ -203,17 +215,22 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
     a failed run, a listed shard that cannot be read)."""
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and not os.path.isdir(folder):
-        raise PackstreamError(f"{folder} is not a folder; pass the --output folder of packstream pack")
+        raise PackstreamError(f"{show_path(folder)} is not a folder; pass the --output folder of packstream pack")
+    if plots_dir is not None:
+        _check_plots_dir(plots_dir)  # before the work: a folder inspect may not write into fails at once
     try:
         m, names = load_manifest(folder)
-        entries = listed_shards(m)
+        entries = m.listed()
         if not entries:
-            raise PackstreamError(f"{folder}: manifest.json lists no shards; the run packed nothing")
+            raise PackstreamError(f"{show_path(folder)}: manifest.json lists no shards; the run packed nothing")
         shards = [_Shard(folder, e) for e in entries]
         meta = packers.read_metadata(shards[0].schema)
     except ContractError as e:
         raise PackstreamError(str(e)) from None
-    budget = int(meta["budget"])
+    budget = m.row_checks.budget
+    if meta.get("budget") != budget:
+        raise PackstreamError(f"{show_path(folder)}/{shards[0].name}: schema metadata budget is {meta.get('budget')!r:.40}, "
+                              f"{MANIFEST} says {budget}; run packstream verify on the folder")
     totals = _totals(shards, budget)
     splits = {sp: _totals([s for s in shards if s.split == sp], budget) for sp in SPLITS
               if any(s.split == sp for s in shards)}
@@ -223,17 +240,17 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
     rows, tokens = totals["rows"], totals["tokens"]
     lower = math.ceil(tokens / budget) if tokens else 0
     warnings = _disagreements(m, shards, totals, splits)
-    warnings += [f"{n}: a shard-like file manifest.json does not list (a stray file or another run's shard); not read"
-                 for n in unlisted(names, m) if not is_datasets_cache(n)]
-    warnings += [f"{n}: left by an interrupted run; packstream pack --overwrite removes it"
+    warnings += [f"{show_path(n)}: a shard-like file manifest.json does not list (a stray file or another run's shard); "
+                 "not read" for n in m.unlisted(names) if not is_datasets_cache(n)]
+    warnings += [f"{show_path(n)}: left by an interrupted run; packstream pack --overwrite removes it"
                  for n in names if n.startswith(TMP_PREFIX) or n == LOCK]
-    c = m.get("counts", {})
+    c = m.counts
     report = {
         "schema_version": SCHEMA_VERSION,
         "path": folder,
         "format": "parquet" if shards[0].name.endswith(".parquet") else "arrow",
         "budget": budget,
-        "tokenizer": str(meta.get("tokenizer", "")),
+        "tokenizer": m.tokenizer.name,
         **totals,
         "lower_bound": lower,
         "rows_over_lower_bound": rows / lower - 1 if lower else 0.0,
@@ -245,18 +262,18 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         "example_length": _percentiles(lengths),
         "row_tokens": _percentiles(num_tokens),
         "splits": splits,
-        "records_read": int(c.get("records_read", 0)),
-        "not_sampled": int(c.get("not_sampled", 0)),
-        "repeated_copies": int(c.get("repeated_copies", 0)),
-        "rejected": int(c.get("rejected", 0)),
-        "rejected_by_reason": {k: int(v) for k, v in sorted((c.get("rejected_by_reason") or {}).items())},
-        "dropped_too_long": int(c.get("dropped_too_long", 0)),
-        "truncated_examples": int(c.get("truncated_examples", 0)),
-        "split_examples": int(c.get("split_examples", 0)),
+        "records_read": c.records_read,
+        "not_sampled": c.not_sampled,
+        "repeated_copies": c.repeated_copies,
+        "rejected": c.rejected,
+        "rejected_by_reason": dict(sorted(c.rejected_by_reason.items())),
+        "dropped_too_long": c.dropped_too_long,
+        "truncated_examples": c.truncated_examples,
+        "split_examples": c.split_examples,
         "consistent": not warnings,
         "warnings": warnings,
         "plots": {},
-        "pairs": _pairs(lengths, per_row) if (m.get("row_checks") or {}).get("pairs") else {},
+        "pairs": _pairs(lengths, per_row) if m.row_checks.pairs else {},
     }
     if plots_dir is not None:
         report["plots"] = write_plots(plots_dir, lengths, num_tokens, per_row, budget)
@@ -277,21 +294,97 @@ def _pairs(lengths: np.ndarray, per_row: np.ndarray) -> dict[str, Any]:
     }
 
 
+PLOTS_MARK = ".packstream-inspect.json"
+"""The file that marks a plots folder as inspect's, with the sha256 of each PNG it wrote there."""
+
+
+def _plot_files(out: str) -> dict[str, str]:
+    """The PNGs inspect wrote into ``out`` (name -> sha256, from its mark); {} for a new or empty folder.
+
+    inspect writes only into a folder of its own: one it creates (and marks), or an empty one. A path
+    that exists and is not a folder, a folder holding files it did not write, a PNG changed since it
+    wrote it (or replaced by a user's file of that name, or a link) is refused, never overwritten."""
+    fix = "pass --plots-dir a new or empty folder, or --no-plots"
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise PackstreamError(f"--plots-dir {show_path(out)} cannot be used: {e.strerror or e}; {fix}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackstreamError(f"--plots-dir {show_path(out)} exists and is not a folder (inspect writes its PNGs into "
+                              f"a folder of its own); {fix}")
+    names = sorted(os.listdir(out))
+    if PLOTS_MARK not in names:
+        if names:
+            raise PackstreamError(f"--plots-dir {show_path(out)} holds files inspect did not write ({len(names)}, e.g. "
+                                  f"{show_path(names[0])}); inspect never overwrites them: {fix}")
+        return {}
+    try:
+        mark = load_json(read_checked(os.path.join(out, PLOTS_MARK), what=PLOTS_MARK, limit=1 << 16), what=PLOTS_MARK)
+        plots = mark["plots"]
+        if not isinstance(plots, dict) or not all(isinstance(v, str) for v in plots.values()):
+            raise TypeError
+    except (PackstreamError, KeyError, TypeError):
+        raise PackstreamError(f"--plots-dir {show_path(out)}: {PLOTS_MARK} is not the mark inspect writes; {fix}") from None
+    for name in PLOTS:
+        path = os.path.join(out, f"{name}.png")
+        if not os.path.lexists(path):
+            continue
+        st = os.lstat(path)
+        mine = stat.S_ISREG(st.st_mode) and plots.get(f"{name}.png") == _file_sha256(path)
+        if not mine:
+            raise PackstreamError(f"{show_path(path)} is not the plot inspect wrote there (changed since, or another "
+                                  f"file of that name); inspect never overwrites it: move it away, or {fix}")
+    return dict(plots)
+
+
+def _check_plots_dir(out: str) -> None:
+    _plot_files(out)
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_plots(out: str, lengths: np.ndarray, num_tokens: np.ndarray, per_row: np.ndarray, budget: int) -> dict[str, str]:
-    """Draw the three PNGs into local folder ``out``; returns name -> path."""
+    """Draw the three PNGs into the local folder ``out``, which inspect owns (see :func:`_plot_files`: created
+    and marked here, or marked earlier by inspect); returns name -> path."""
+    import json
+    import uuid
+
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    os.makedirs(out, exist_ok=True)
+    written = _plot_files(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise PackstreamError(f"--plots-dir {show_path(out)} cannot be created: {e.strerror or e}") from None
     paths = {}
+
+    def mark() -> None:
+        tmp = os.path.join(out, f".tmp-{PLOTS_MARK}.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump({"written_by": "packstream inspect", "plots": written}, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out, PLOTS_MARK))
+
+    mark()  # the folder is inspect's before any PNG is in it
 
     def save(fig, name: str) -> None:
         path = os.path.join(out, f"{name}.png")
+        tmp = os.path.join(out, f".tmp-{name}.{uuid.uuid4().hex}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(tmp, dpi=100)
         plt.close(fig)
+        written[f"{name}.png"] = _file_sha256(tmp)
+        mark()
+        os.replace(tmp, path)  # replaces a name, never writes through a link
         paths[name] = path
 
     fig, ax = plt.subplots(figsize=(8, 4.5))

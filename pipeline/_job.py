@@ -43,7 +43,7 @@ import numpy as np
 
 import packers
 from packers import InternalError, PackstreamError
-from packers._manifest import MANIFEST, Status, parse_manifest
+from packers._manifest import MANIFEST, Status
 from pipeline import _output, _progress, _read, _rows, _spill, _write
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
@@ -74,6 +74,8 @@ class Plan:
     """Output shards per split."""
     schema_metadata: dict
     eos_id: Optional[int]
+    run_digest: str = ""
+    """The manifest's ``run_id`` (:func:`pipeline._write.run_digest`), also in every shard's schema metadata."""
 
     def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
         """(split, group, shard) of an example: stable hashes of its id."""
@@ -358,8 +360,8 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
         "contract_version": packers.CONTRACT_VERSION,
         "config": o.to_dict(),
         "tokenizer": identity,
-        "inputs": [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset}
-                   for f in files],
+        "run_id": plan.run_digest,
+        "inputs": _input_entries(files),
         "inputs_read_once": list(notes),
         "counts": counts,
         "shards": shards,
@@ -498,10 +500,17 @@ def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict
     weights = [d.weight for d in options.datasets()]
     records = sum(_expected_records(f) * weights[f.dataset] for f in files)
     groups, shards = _write.shard_layout(options, records, sum(_size(f) for f in files))
+    digest = _write.run_digest(options.to_dict(), _input_entries(files), identity)
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
-                                   eos_token_id=identity["eos_token_id"])
-    return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"])
+                                   eos_token_id=identity["eos_token_id"], run_id=digest)
+    return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"],
+                run_digest=digest)
+
+
+def _input_entries(files: Sequence[_read.InputFile]) -> list[dict]:
+    """The manifest's ``inputs``."""
+    return [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset} for f in files]
 
 
 def _expected_records(f: _read.InputFile) -> int:
@@ -790,7 +799,7 @@ def _read_outcome(path: str) -> Optional[dict]:
 
 def _read_manifest(output: str, outcome_path: str) -> dict:
     try:
-        return parse_manifest(_write.read_bytes(_write.join(output, MANIFEST)), output)
+        return _write.read_manifest(output).raw
     except (OSError, PackstreamError) as e:
         outcome = _read_outcome(outcome_path)
         if outcome:

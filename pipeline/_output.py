@@ -27,6 +27,7 @@ import time
 from typing import Optional, Sequence
 
 from packers import PackstreamError
+from packers._files import show_path
 from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
 from pipeline._write import join
 
@@ -272,24 +273,30 @@ def _clear(output: str, overwrite: bool, broke_stale: bool) -> None:
         return
     manifest = None
     if MANIFEST in names:
-        from packers._manifest import parse_manifest
-        from pipeline._write import read_bytes
+        from pipeline._write import read_manifest
 
-        try:
-            manifest = parse_manifest(read_bytes(join(output, MANIFEST)), output)
-        except Exception:  # noqa: BLE001 - a damaged manifest proves nothing about ownership
-            manifest = None
+        try:  # the one typed reader, through the checked open: a FIFO, /dev/zero or a huge file is one line
+            manifest = read_manifest(output, files_only=True)  # which files a run wrote: all --overwrite needs
+        except PackstreamError as e:
+            if not broke_stale:
+                raise PackstreamError(
+                    f"--output {show_path(output)}: its {MANIFEST} cannot be trusted ({e}); --overwrite removes only "
+                    "the files a valid manifest lists, so it leaves this folder alone: remove the folder yourself, or "
+                    "choose another --output"
+                ) from None
+            manifest = None  # a killed run's leftovers: only packstream's own names go (below)
     if manifest is None and not broke_stale:
         raise PackstreamError(
-            f"--output {output} holds files packstream did not write ({len(names)} entries, e.g. {names[0]}; no "
-            f"packstream {MANIFEST}); packstream owns its output folder: choose an empty or new folder"
+            f"--output {show_path(output)} holds files packstream did not write ({len(names)} entries, e.g. "
+            f"{show_path(names[0])}; no packstream {MANIFEST}); packstream owns its output folder: choose an empty or "
+            "new folder"
         )
     if not overwrite:
         raise PackstreamError(
-            f"--output {output} holds an earlier packstream output ({len(names)} entries); pass --overwrite to "
-            "replace it (only the files its manifest lists), or choose an empty folder"
+            f"--output {show_path(output)} holds an earlier packstream output ({len(names)} entries); pass --overwrite "
+            "to replace it (only the files its manifest lists), or choose an empty folder"
         )
-    owned = set(manifest.get("files", [])) | {MANIFEST} if manifest is not None else set()
+    owned = set(manifest.files) | {MANIFEST} if manifest is not None else set()
     remove = [n for n in names if n in owned or n.startswith(TMP_PREFIX) or (broke_stale and _own_name(n))]
     try:
         # The manifest goes first: from here on the folder is no complete output.

@@ -4,9 +4,11 @@ Pure functions that fill a :class:`Report` with :class:`Problem` s, each naming 
 row, sequence, example id, input record, or the manifest key) and what (the check, expected vs
 got). Nothing in the folder is trusted:
 
-* **The manifest.** Only a complete ``manifest.json`` is read (:mod:`packers._manifest`): a folder
-  without one (a run still writing, a killed run, not packstream's) or with ``"status": "failed"``
-  is a problem that says so, and nothing else is opened.
+* **The manifest.** Only a complete ``manifest.json`` is read, through the checked open and the typed
+  reader (:mod:`packers._manifest`): a folder without one (a run still writing, a killed run, not
+  packstream's), with ``"status": "failed"``, or with one that is not a regular file, too big, too
+  deep or of the wrong types is a problem that says so, and nothing else is opened. Every place the
+  manifest contradicts itself (:func:`packers._manifest.inconsistencies`) is a problem of its own.
 * **Files.** Exactly the shards the manifest lists are opened (train and validation), only by
   the names the contract allows, only inside the folder. Every other ``*.arrow``/``*.parquet``
   is reported by name (a stray copy, another run's shard), and so are ``.tmp-*`` leftovers and
@@ -14,7 +16,8 @@ got). Nothing in the folder is trusted:
   every file the manifest lists must exist.
 * **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema equals
   :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
-  implies (:func:`packers._manifest.expected_metadata`), and no column holds nulls.
+  implies (:func:`packers._manifest.expected_metadata`: the run's, and the shard's own run id, split,
+  index and count), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
   increasing), loss_mask values only 0 or 1, ``num_targets``, the pair columns (empty, or in a run of
   pairs: whole pairs, chosen first, one prompt per pair, loss_mask exactly on the completion spans),
@@ -43,10 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -56,9 +56,10 @@ import pyarrow as pa
 
 import packers
 from packers import ContractError, InternalError, PackstreamError
+from packers._files import load_json, show_path
 from packers._manifest import (
-    LOCK, MANIFEST, TMP_PREFIX, RowChecks, expected_metadata, is_datasets_cache, listed_shards, missing_manifest,
-    parse_manifest, require_complete, row_checks, unlisted,
+    LOCK, MANIFEST, MAX_DEAD_LETTER_BYTES, TMP_PREFIX, Manifest, RowChecks, ShardEntry, expected_metadata,
+    inconsistencies, is_datasets_cache, missing_manifest, require_complete,
 )
 from packers._rowcheck import Failure, gather, check_batch
 from packers._schema import PAIR_COLUMNS
@@ -145,56 +146,45 @@ def _list(folder: str) -> list[str]:
     return sorted(os.listdir(folder))
 
 
-def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[dict]:
-    """The complete manifest, or None with the problem that says why the folder cannot be trusted."""
+def _load_manifest(folder: str, names: list[str], report: Report) -> Optional[Manifest]:
+    """The complete manifest, or None with the problem that says why the folder cannot be trusted. Its types
+    and ranges are checked first (a manifest that fails is the one problem reported: nothing else can be read
+    against it); then every place it contradicts itself is a problem of its own, and the checks go on."""
     if MANIFEST not in names:
         report.add(MANIFEST, f"missing: {missing_manifest(folder, names)}")
         return None
     try:
-        m = parse_manifest(_write.read_bytes(_path(folder, MANIFEST)), folder)
-        require_complete(m, folder)
-    except ContractError as e:
+        m = require_complete(_write.read_manifest(folder, consistent=False), folder)
+    except PackstreamError as e:  # ContractError, or the checked open's refusal (a FIFO, a device, too big)
         report.add(MANIFEST, str(e))
         return None
-    for key in ("config", "counts", "tokenizer", "inputs"):
-        if not isinstance(m.get(key), (dict, list)):
-            report.add(MANIFEST, f"lacks {key!r}; it was not written by a finished packstream run")
-            return None
+    for key, what in inconsistencies(m):
+        report.add(f"{MANIFEST} {key}", what)
     return m
 
 
-def _check_files(folder: str, names: list[str], m: dict, report: Report) -> list[dict]:
+def _check_files(folder: str, names: list[str], m: Manifest, report: Report) -> list[ShardEntry]:
     """Leftovers, unlisted shard-like files, listed files that are missing; returns the listed shards present."""
     present = set(names)
     for n in names:
         if n.startswith(TMP_PREFIX):
-            report.add(n, "temporary file left by an interrupted write; packstream pack --overwrite removes it")
+            report.add(show_path(n), "temporary file left by an interrupted write; packstream pack --overwrite removes it")
         elif n == LOCK:
             report.add(n, "run lock left in a folder whose manifest is complete: a run is writing here now, or was "
                           "killed; packstream pack --overwrite breaks it")
-    for n in unlisted(names, m):
+    for n in m.unlisted(names):
         if not is_datasets_cache(n):
-            report.add(n, "shard-like file not listed in manifest.json (a stray copy, or a shard of another run); "
-                          "not opened: remove it")
-    for n in m.get("files", []):
-        if n not in present and n != MANIFEST:
+            report.add(show_path(n), "shard-like file not listed in manifest.json (a stray copy, or a shard of another "
+                                     "run); not opened: remove it")
+    for n in m.files:
+        if n not in present:
             report.add(n, "listed in manifest.json files but missing from the folder")
-    entries = listed_shards(m)
-    # One run's shards of a split all say the same -of-NNNNN and number 0..N-1.
-    for split in sorted({e.get("split", "train") for e in entries}):
-        mine = [e["name"] for e in entries if e.get("split", "train") == split]
-        counts = sorted({int(n.split("-of-")[1].split(".")[0]) for n in mine})
-        indices = sorted(int(n.split("-")[1]) for n in mine)
-        if len(counts) > 1:
-            report.add(f"manifest.json shards ({split})", f"shards of different runs mixed: -of- counts {counts}")
-        elif indices != list(range(counts[0])):
-            report.add(f"manifest.json shards ({split})", f"indices {indices}, expected 0..{counts[0] - 1}")
     out = []
-    for e in entries:
-        if e["name"] in present:
+    for e in m.listed():
+        if e.name in present:
             out.append(e)
-        elif e["name"] not in m.get("files", []):
-            report.add(e["name"], "listed in manifest.json shards but missing from the folder")
+        elif e.name not in m.files:
+            report.add(e.name, "listed in manifest.json shards but missing from the folder")
     return out
 
 
@@ -248,17 +238,22 @@ def _piece_base(eid: str) -> str:
     return eid.rsplit("#", 1)[0] if "#" in eid else eid
 
 
-def _open_shard(folder: str, name: str) -> tuple[int, str, Callable[[], tuple[pa.Schema, pa.Table]]]:
-    """(bytes, sha256, a function that parses the shard). Local files are hashed in blocks and memory-mapped."""
+def _open_shard(folder: str, name: str, limit: int) -> tuple[int, str, Callable[[], tuple[pa.Schema, pa.Table]]]:
+    """(bytes, sha256, a function that parses the shard). Local files are opened through the checked open (a
+    FIFO or a device is refused, never read), hashed in blocks and memory-mapped; a remote one is read whole,
+    at most ``limit`` bytes (its manifest size). PackstreamError when it cannot be read."""
+    from packers._files import open_checked
+
     path = _path(folder, name)
     ext = name.rsplit(".", 1)[-1]
     if not _is_remote(folder):
-        with open(path, "rb") as f:
+        with open_checked(path, what="shard") as f:
             sha = hashlib.file_digest(f, "sha256").hexdigest()
-        size = os.path.getsize(path)
+            size = os.fstat(f.fileno()).st_size
         source: Any = path
     else:
-        data = _write.read_bytes(path)
+        data = _write.read_bytes(path, what="shard", limit=limit,
+                                 fix="larger than manifest.json says: the shard was changed after the run wrote it")
         size, sha, source = len(data), hashlib.sha256(data).hexdigest(), pa.py_buffer(data)
 
     def parse() -> tuple[pa.Schema, pa.Table]:
@@ -284,15 +279,15 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, Any, int]:
     return offsets - offsets[0], values, nulls
 
 
-def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, parse, *, checks: RowChecks,
+def check_shard(report: Report, index: int, entry: ShardEntry, size: int, sha: str, parse, *, checks: RowChecks,
                 expect_meta: dict[str, Any], stored: _Stored, keep_digests: bool) -> Optional[dict[str, int]]:
-    """Check one listed shard: bytes and sha256, schema and metadata, every row and sequence; record its
-    sequences in ``stored``. Returns what it measured (rows, examples, tokens, target_tokens), or None when
-    the shard cannot be read."""
-    name = entry["name"]
+    """Check one listed shard: bytes and sha256, schema and metadata (its place included: run id, split,
+    index, count), every row and sequence; record its sequences in ``stored``. Returns what it measured (rows,
+    examples, tokens, target_tokens), or None when the shard cannot be read."""
+    name = entry.name
     for key, got in (("bytes", size), ("sha256", sha)):
-        if entry.get(key) != got:
-            report.add(name, f"check {key} failed: the file has {got!r}, manifest.json says {entry.get(key)!r}")
+        if getattr(entry, key) != got:
+            report.add(name, f"check {key} failed: the file has {got!r}, manifest.json says {getattr(entry, key)!r}")
     try:
         schema, table = parse()
     except (pa.ArrowInvalid, OSError, ValueError) as e:
@@ -308,8 +303,10 @@ def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, pa
         report.add(f"{name} schema metadata", str(e))
         meta = {}
     for key, want in expect_meta.items():
-        if key in meta and meta[key] != want:
-            report.add(f"{name} schema metadata {key}", f"is {meta[key]!r}, manifest.json says {want!r}")
+        got = meta.get(key, "missing")
+        if meta and (got != want or type(got) is not type(want)):
+            report.add(f"{name} schema metadata {key}", f"is {got if key not in meta else _short(got)}, manifest.json "
+                                                        f"says {want!r}")
     tok_off, tok, n1 = _list_column(table, "input_ids")
     mask_off, mask, n2 = _list_column(table, "loss_mask")
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
@@ -401,8 +398,8 @@ def check_shard(report: Report, index: int, entry: dict, size: int, sha: str, pa
     measured = {"rows": nrows, "examples": int(ex_off[-1]) if nrows else 0, "tokens": int(num.sum()),
                 "target_tokens": int(mask.sum()) if len(mask) else 0}
     for key, got in measured.items():
-        if entry.get(key) != got:
-            report.add(name, f"check {key} failed: the shard holds {got}, manifest.json says {entry.get(key)!r}")
+        if getattr(entry, key) != got:
+            report.add(name, f"check {key} failed: the shard holds {got}, manifest.json says {getattr(entry, key)!r}")
     report.rows += nrows
     report.pieces += measured["examples"]
     report.tokens += measured["tokens"]
@@ -461,47 +458,51 @@ class _Dead:
     """(source, position, example_id) -> the dead letter."""
     by_reason: dict[str, int]
     first: dict[str, dict]
+    read: bool = True
+    """False when rejected.jsonl could not be read to its end: nothing is compared with its counts then."""
 
 
-def _check_dead_letters(folder: str, names: list[str], m: dict, stored: _Stored, report: Report) -> _Dead:
+def _check_dead_letters(folder: str, names: list[str], m: Manifest, stored: _Stored, report: Report) -> _Dead:
     dead = _Dead({}, {}, {})
-    fname = m.get("rejected_file", "rejected.jsonl")
-    if not isinstance(fname, str) or not re.fullmatch(r"[\w.-]+", fname) or fname.startswith("."):
-        report.add("manifest.json rejected_file", f"{fname!r} is not a plain file name; not opened")
-        return dead
+    fname = m.rejected_file
     if fname not in names:
         report.add(fname, "missing")
+        dead.read = False
         return dead
     prev = None
     lines = 0
-    for lineno, line in enumerate(_write.read_bytes(_path(folder, fname)).decode("utf-8", "replace").splitlines(), 1):
-        lines += 1
-        at = f"{fname} line {lineno}"
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            report.add(at, f"is not JSON: {e}")
-            continue
-        if not isinstance(rec, dict):
-            report.add(at, "is not a JSON object")
-            continue
-        bad = [k for k, t in (("source", str), ("position", int), ("reason", str), ("detail", str))
-               if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
-        if bad or not isinstance(rec.get("example_id", ""), str):
-            report.add(at, f"field(s) {', '.join(bad) or 'example_id'} missing or of the wrong type")
-            continue
-        if rec["reason"] not in REASONS:
-            report.add(at, f"unknown reason {rec['reason']!r}")
-        key = (rec["source"], rec["position"], rec.get("example_id"))
-        if key in dead.by_key:
-            report.add(at, f"{_record(key)} is dead-lettered twice")
-        dead.by_key[key] = rec
-        dead.by_reason[rec["reason"]] = dead.by_reason.get(rec["reason"], 0) + 1
-        dead.first.setdefault(rec["reason"], rec)
-        order = _rows.reject_sort_key(rec)
-        if prev is not None and order < prev:
-            report.add(at, "out of order: rejected.jsonl is sorted by source, position, reason and id")
-        prev = order
+    try:  # one line at a time through the checked open: a big file costs one line of memory, a FIFO none
+        for lineno, line in _write.read_lines(_path(folder, fname), what=fname, line_limit=MAX_DEAD_LETTER_BYTES):
+            lines += 1
+            at = f"{fname} line {lineno}"
+            try:
+                rec = load_json(line, what=at)
+            except PackstreamError as e:
+                report.add(at, str(e)[len(at) + 2:])
+                continue
+            if not isinstance(rec, dict):
+                report.add(at, "is not a JSON object")
+                continue
+            bad = [k for k, t in (("source", str), ("position", int), ("reason", str), ("detail", str))
+                   if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
+            if bad or not isinstance(rec.get("example_id", ""), str):
+                report.add(at, f"field(s) {', '.join(bad) or 'example_id'} missing or of the wrong type")
+                continue
+            if rec["reason"] not in REASONS:
+                report.add(at, f"unknown reason {_short(rec['reason'])}")
+            key = (rec["source"], rec["position"], rec.get("example_id"))
+            if key in dead.by_key:
+                report.add(at, f"{_record(key)} is dead-lettered twice")
+            dead.by_key[key] = rec
+            dead.by_reason[rec["reason"]] = dead.by_reason.get(rec["reason"], 0) + 1
+            dead.first.setdefault(rec["reason"], rec)
+            order = _rows.reject_sort_key(rec)
+            if prev is not None and order < prev:
+                report.add(at, "out of order: rejected.jsonl is sorted by source, position, reason and id")
+            prev = order
+    except PackstreamError as e:
+        report.add(fname, f"cannot be read: {e}")
+        dead.read = False
     report.dead_letters = lines
     # A too_long example is not packed; a duplicate_id names an example that was kept: packed, or dead-lettered.
     packed = {_piece_base(e) for e in stored.loc}
@@ -518,16 +519,23 @@ def _check_dead_letters(folder: str, names: list[str], m: dict, stored: _Stored,
 
 def _record(key: tuple) -> str:
     source, position, eid = key
-    return f"{source}:{position}" + (f" ({eid})" if eid else "")
+    return show_path(f"{source}:{position}" + (f" ({eid})" if eid else ""))
 
 
-def _check_counts(m: dict, measured: dict[str, dict], stored: _Stored, dead: _Dead, complete: bool,
+def _short(v: Any, limit: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _check_counts(m: Manifest, measured: dict[str, dict], stored: _Stored, dead: _Dead, complete: bool,
                   report: Report) -> None:
-    c = m["counts"]
+    """The manifest's counts against what the files hold (that they reconcile among themselves and with the
+    shard entries is :func:`packers._manifest.inconsistencies`, reported with the manifest)."""
+    c = m.counts
 
     def expect(key: str, got: Any, holder: str = "the files hold") -> None:
-        if c.get(key) != got:
-            report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, {holder} {got!r}")
+        if getattr(c, key) != got:
+            report.add(f"manifest.json counts.{key}", f"says {getattr(c, key)!r}, {holder} {got!r}")
 
     if complete:  # every listed shard was read
         rows = sum(x["rows"] for x in measured.values())
@@ -537,40 +545,26 @@ def _check_counts(m: dict, measured: dict[str, dict], stored: _Stored, dead: _De
         expect("target_tokens", sum(x["target_tokens"] for x in measured.values()))
         expect("pieces", sum(x["examples"] for x in measured.values()))
         expect("examples_packed", len({_piece_base(e) for e in stored.loc}), "the shards hold (distinct examples)")
-        budget = m["row_checks"]["budget"]
-        expect("lower_bound", math.ceil(tokens / budget) if tokens else 0, "ceil(tokens / budget) is")
-        fill = tokens / (rows * budget) if rows else 0.0
-        if not math.isclose(c.get("fill", -1), fill, rel_tol=1e-9, abs_tol=1e-12):
-            report.add("manifest.json counts.fill", f"says {c.get('fill')!r}, tokens / (rows * budget) is {fill!r}")
         splits = {}
         for name, x in measured.items():
             s = splits.setdefault(stored.splits[stored.names.index(name)], {"rows": 0, "tokens": 0})
             s["rows"] += x["rows"]
             s["tokens"] += x["tokens"]
-        if (c.get("splits") or {}) != splits:
-            report.add("manifest.json counts.splits", f"says {c.get('splits')!r}, the shards hold {splits!r}")
+        said = {sp: {"rows": v.rows, "tokens": v.tokens} for sp, v in c.splits.items()}
+        if said != splits:
+            report.add("manifest.json counts.splits", f"says {said!r}, the shards hold {splits!r}")
+    if not dead.read:
+        return
     by_reason = dict(dead.by_reason)
     expect("dropped_too_long", by_reason.pop(Reason.TOO_LONG.value, 0), "rejected.jsonl holds")
     expect("rejected", sum(by_reason.values()), "rejected.jsonl holds")
-    if c.get("rejected_by_reason") != dict(sorted(by_reason.items())):
+    if dict(c.rejected_by_reason) != dict(sorted(by_reason.items())):
         report.add("manifest.json counts.rejected_by_reason",
-                   f"says {c.get('rejected_by_reason')!r}, rejected.jsonl holds {dict(sorted(by_reason.items()))!r}")
-    first = {r: {k: x[k] for k in ("source", "position", "detail")} for r, x in dead.first.items()}
-    if (c.get("first_rejected") or {}) != first:
+                   f"says {dict(c.rejected_by_reason)!r}, rejected.jsonl holds {dict(sorted(by_reason.items()))!r}")
+    first = {r: (x["source"], x["position"], x["detail"]) for r, x in dead.first.items()}
+    if {r: (x.source, x.position, x.detail) for r, x in c.first_rejected.items()} != first:
         report.add("manifest.json counts.first_rejected", "differs from the first dead letter of each reason in "
                                                           "rejected.jsonl")
-    keys = ("records_read", "repeated_copies", "examples_packed", "rejected", "dropped_too_long", "not_sampled")
-    if all(isinstance(c.get(k), int) for k in keys):
-        given = c["records_read"] + c["repeated_copies"]
-        accounted = c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
-        if given != accounted:
-            report.add("manifest.json counts", (
-                f"do not reconcile: records_read {c['records_read']} + repeated_copies {c['repeated_copies']} = "
-                f"{given}, but examples_packed {c['examples_packed']} + rejected {c['rejected']} + dropped_too_long "
-                f"{c['dropped_too_long']} + not_sampled {c['not_sampled']} = {accounted}"))
-    else:
-        lacking = [k for k in keys if not isinstance(c.get(k), int)]
-        report.add("manifest.json counts", f"lack integer {', '.join(lacking)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +594,7 @@ def options_from_config(config: dict, inputs: Sequence[str], output: str,
         kw.update(config=specs, inputs=() if specs else tuple(inputs) or tuple(config.get("inputs") or ()),
                   output=output, trust_remote_code=trust_remote_code)
         return PackOptions(**kw)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PackstreamError(f"manifest.json config cannot be read back into options ({type(e).__name__}: {e}); "
                               "it was written by another packstream version: verify with that version") from None
 
@@ -611,15 +605,15 @@ class _InputPlan:
     files: list
 
 
-def _prepare_inputs(folder: str, m: dict, inputs: Sequence[str], trust_remote_code: bool,
+def _prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote_code: bool,
                     announce: Callable[[str], None], report: Report) -> Optional[_InputPlan]:
     """Options and inputs of the run, and its tokenizer (loaded here, before the shards are read, so a
     tokenizer that cannot be loaded fails at once). None, with a problem, when the inputs differ."""
     from pipeline._tokenizer import tokenizer_identity
 
-    options = options_from_config(m["config"], inputs, folder, trust_remote_code)
+    options = options_from_config(m.config, inputs, folder, trust_remote_code)
     files, _ = _read.expand_datasets(options.datasets())  # PackstreamError: the inputs cannot be read
-    want = sorted({i.get("source") for i in m["inputs"] if isinstance(i, dict)})
+    want = sorted({i.source for i in m.inputs})
     got = sorted({f.source for f in files})
     if want != got:
         report.add("inputs", f"resolve to sources {got}, the manifest has {want}; pass the same inputs as the pack run")
@@ -634,9 +628,9 @@ def _prepare_inputs(folder: str, m: dict, inputs: Sequence[str], trust_remote_co
         hint = "" if trust_remote_code else ("; verify never runs a tokenizer's own code unless you pass "
                                              "--trust-remote-code (whatever manifest.json says)")
         raise PackstreamError(f"{e}{hint}") from None
-    if identity["vocab_sha256"] != m["tokenizer"].get("vocab_sha256"):
+    if identity["vocab_sha256"] != m.tokenizer.vocab_sha256:
         report.add("tokenizer", f"{name!r} here has vocab sha256 {identity['vocab_sha256'][:16]}…, the run used "
-                                f"{str(m['tokenizer'].get('vocab_sha256'))[:16]}…; cannot re-tokenize")
+                                f"{m.tokenizer.vocab_sha256[:16]}…; cannot re-tokenize")
         return None
     return _InputPlan(options, files)
 
@@ -662,7 +656,7 @@ def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: 
                 yield chunk
 
 
-def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead: _Dead, report: Report) -> None:
+def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, dead: _Dead, report: Report) -> None:
     """Every input record: packed with the same tokens, dead-lettered for the same reason, or not sampled."""
     from pipeline._encode import Encoder, add_counts
 
@@ -767,15 +761,15 @@ def _check_inputs(folder: str, m: dict, plan: _InputPlan, stored: _Stored, dead:
         report.add(f"rejected.jsonl {_record(key)}",
                    f"dead letter ({dead.by_key[key]['reason']}) for a record the inputs pack fine or do not have")
     # Counts re-derived from the inputs.
-    c = m["counts"]
+    c = m.counts
     for key, got in (("records_read", counts["records_read"]), ("not_sampled", counts.get("not_sampled", 0)),
                      ("repeated_copies", counts.get("repeated_copies", 0)),
                      ("examples_packed", totals.get("examples_packed", 0)),
                      ("truncated_examples", totals.get("truncated_examples", 0)),
                      ("split_examples", totals.get("split_examples", 0)),
                      ("no_target_pieces", totals.get("no_target_pieces", 0))):
-        if c.get(key) != got:
-            report.add(f"manifest.json counts.{key}", f"says {c.get(key)!r}, re-reading the inputs gives {got}")
+        if getattr(c, key) != got:
+            report.add(f"manifest.json counts.{key}", f"says {getattr(c, key)!r}, re-reading the inputs gives {got}")
 
 
 def _explain(folder: str, stored: _Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],
@@ -789,7 +783,7 @@ def _explain(folder: str, stored: _Stored, pid: str, want: Optional[np.ndarray],
         return
     shard, row, k = loc >> _SHIFT_SHARD, (loc >> _SHIFT_ROW) & ((1 << 40) - 1), loc & ((1 << _SHIFT_ROW) - 1)
     if shard not in tables:
-        tables[shard] = _open_shard(folder, stored.names[shard])[2]()[1]
+        tables[shard] = _open_shard(folder, stored.names[shard], 1 << 62)[2]()[1]  # read once already
     r = tables[shard].slice(row, 1).to_pylist()[0]
     a, b = r["seq_offsets"][k], r["seq_offsets"][k + 1]
     got = np.array([r["input_ids"][a:b], r["loss_mask"][a:b]], dtype=np.int64)
@@ -833,13 +827,7 @@ def verify(folder: str, inputs: Optional[Sequence[str]] = None, *, trust_remote_
             report.add("inputs", "not reconciled: the folder has no complete manifest.json")
         report.elapsed_s = time.time() - started
         return report
-    try:
-        checks = row_checks(m, folder)
-        expect_meta = expected_metadata(m, folder)
-    except ContractError as e:
-        report.add(MANIFEST, str(e))
-        report.elapsed_s = time.time() - started
-        return report
+    checks = m.row_checks
     plan = None
     if inputs is not None:
         plan = _prepare_inputs(folder, m, inputs, trust_remote_code, announce or _stderr, report)
@@ -849,21 +837,24 @@ def verify(folder: str, inputs: Optional[Sequence[str]] = None, *, trust_remote_
     measured: dict[str, dict] = {}
     for e in entries:
         try:
-            size, sha, parse = _open_shard(folder, e["name"])
+            size, sha, parse = _open_shard(folder, e.name, e.bytes)
         except OSError as err:
-            report.add(e["name"], f"cannot be read: {err}")
+            report.add(e.name, f"cannot be read: {err}")
+            continue
+        except PackstreamError as err:  # the checked open: a FIFO, a device, a folder, bigger than listed
+            report.add(e.name, f"cannot be read: {err}")
             continue
         index = len(stored.names)
-        stored.names.append(e["name"])
-        stored.splits.append(e.get("split", "train"))
-        got = check_shard(report, index, e, size, sha, parse, checks=checks, expect_meta=expect_meta, stored=stored,
-                          keep_digests=plan is not None)
+        stored.names.append(e.name)
+        stored.splits.append(e.split)
+        got = check_shard(report, index, e, size, sha, parse, checks=checks, expect_meta=expected_metadata(m, e),
+                          stored=stored, keep_digests=plan is not None)
         report.shards += 1
         if got is not None:
-            measured[e["name"]] = got
+            measured[e.name] = got
     _check_ids(stored, report)
     dead = _check_dead_letters(folder, names, m, stored, report)
-    _check_counts(m, measured, stored, dead, complete=len(measured) == len(listed_shards(m)), report=report)
+    _check_counts(m, measured, stored, dead, complete=len(measured) == len(m.shards), report=report)
     if plan is not None:
         _check_inputs(folder, m, plan, stored, dead, report)
     report.elapsed_s = time.time() - started

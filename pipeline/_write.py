@@ -13,11 +13,12 @@ import json
 import math
 import posixpath
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import pyarrow as pa
 
 import packers
+from packers import PackstreamError
 from packers._manifest import shard_name  # noqa: F401 - the writers' name for shards
 from pipeline._rows import reject_sort_key
 
@@ -57,18 +58,61 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
     return groups, shards
 
 
+def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:
+    """The manifest's ``run_id`` (16 hex digits), which every shard also carries in its schema metadata: a
+    digest of what decides the run's bytes (``config`` without the output folder, ``inputs``, ``tokenizer``,
+    the contract version). A rerun of the same run, into any folder, gets the same id and the same bytes;
+    readers use it to tell this run's shards and resume states from another run's."""
+    recipe = {"contract_version": packers.CONTRACT_VERSION, "tokenizer": tokenizer, "inputs": inputs,
+              "config": {k: v for k, v in config.items() if k != "output"}}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def join(folder: str, name: str) -> str:
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.join(folder, name) if "://" in folder else posixpath.join(folder, name)
 
 
-def read_bytes(path: str) -> bytes:
-    """A whole file's bytes, local or remote (no decompression)."""
+def beam_open(path: str):
+    """A remote file (gs://, s3://, ...) as a binary stream through Beam's FileSystems, uncompressed: the
+    ``opener`` the checked open (:mod:`packers._files`) uses for anything that is not a local path."""
     from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(path, compression_type="uncompressed") as f:
-        return f.read()
+    return FileSystems.open(path, compression_type="uncompressed")
+
+
+def read_bytes(path: str, *, what: str, limit: int, fix: str = "") -> bytes:
+    """A whole file's bytes, local or remote (no decompression), through the checked open: a regular file of
+    at most ``limit`` bytes, else one PackstreamError line (:func:`packers._files.read_checked`)."""
+    from packers._files import read_checked
+
+    return read_checked(path, what=what, limit=limit, fix=fix, opener=beam_open)
+
+
+def read_lines(path: str, *, what: str, line_limit: int) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of a local or remote JSON-lines file, read one line at a time through the
+    checked open (a FIFO or a device is refused, never read): memory stays one line, and a line longer than
+    ``line_limit`` bytes (``/dev/zero``'s endless line, a damaged file) is one PackstreamError line."""
+    from packers._files import open_checked, show_path
+
+    with open_checked(path, what=what, opener=beam_open) as f:
+        number = 0
+        while line := f.readline(line_limit + 1):
+            number += 1
+            if len(line) > line_limit:
+                raise PackstreamError(f"{what} {show_path(path)} line {number} is longer than {line_limit:,} bytes; "
+                                      "this is not a file packstream wrote: restore the folder or re-run packstream pack")
+            yield number, line
+
+
+def read_manifest(folder: str, *, consistent: bool = True, files_only: bool = False):
+    """The checked :class:`packers._manifest.Manifest` of the local or remote output ``folder`` (see
+    :func:`packers._manifest.load_manifest`)."""
+    from packers._manifest import MANIFEST, load_manifest
+
+    return load_manifest(join(folder, MANIFEST), folder, opener=beam_open, consistent=consistent,
+                         files_only=files_only)
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -136,6 +180,15 @@ class ShardWriter:
     def __init__(self, folder: str, name: str, schema: pa.Schema, output_format: str):
         from apache_beam.io.filesystems import FileSystems
 
+        from packers._manifest import shard_place
+        from packers._schema import place_metadata
+
+        place = shard_place(name)
+        if place is None:
+            raise packers.InternalError(f"{name!r} is not a shard name (packers._manifest.shard_name makes them)")
+        # Each shard carries its own place (run id, split, index, count): readers hold it against the manifest.
+        schema = schema.with_metadata(place_metadata(schema.metadata, split=place[0], shard_index=place[1],
+                                                     shard_count=place[2]))
         self.path, self.name, self.schema = join(folder, name), name, schema
         self.tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
         self._raw = FileSystems.create(self.tmp, mime_type="application/octet-stream",

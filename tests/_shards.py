@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from packers import CONTRACT_VERSION, read_metadata, shard_schema
-from packers._schema import Side, count_targets
-from packers._manifest import MANIFEST, SHARD_NAME, Status
+from packers._manifest import MANIFEST, REJECTED, SHARD_NAME, Status, shard_place
+from packers._schema import Side, count_targets, place_metadata
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """``../shared/data`` from the repository root (absent in some checkouts: tests skip then)."""
@@ -151,21 +151,28 @@ def write_shards(
     eos_token_id: int | None = 1,
     tokenizer: str = "test-tokenizer",
     vocab_sha256: str = "0" * 64,
+    run_id: str | None = None,
 ) -> list[Path]:
     """Write ``rows`` as ``num_shards`` ``split`` stream files (contiguous slices) under ``folder``, then the
-    folder's manifest (:func:`write_manifest`, over every shard there); returns the shard paths."""
+    folder's manifest (:func:`write_manifest`, over every shard there); returns the shard paths.
+
+    ``run_id`` (16 hex digits) defaults to a hash of the folder's path: shards written into one folder by
+    several calls belong to one run, and two folders are two runs."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
     schema = shard_schema(
-        budget=budget, tokenizer=tokenizer, vocab_sha256=vocab_sha256, pad_token_id=pad_token_id, eos_token_id=eos_token_id
+        budget=budget, tokenizer=tokenizer, vocab_sha256=vocab_sha256, pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id, run_id=run_id,
     )
     bounds = np.linspace(0, len(rows), num_shards + 1).astype(int)
     paths = []
     for k in range(num_shards):
         part = rows[bounds[k] : bounds[k + 1]]
-        table = pa.Table.from_pylist([v2_row(r) for r in part], schema=schema)
+        placed = schema.with_metadata(place_metadata(schema.metadata, split=split, shard_index=k, shard_count=num_shards))
+        table = pa.Table.from_pylist([v2_row(r) for r in part], schema=placed)
         path = folder / f"{split}-{k:05d}-of-{num_shards:05d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, placed) as writer:
             writer.write_table(table)
         paths.append(path)
     write_manifest(folder)
@@ -186,14 +193,16 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
 
     Shard entries (rows, examples, tokens, target_tokens, bytes, sha256) and ``row_checks`` are measured
     from the files, so the manifest is honest about what the rows satisfy: ``eos_at_boundaries`` only if
-    every sequence shorter than the budget ends with the eos id, and so on. Tokenizer and budget come from
-    the shards' schema metadata. ``extra`` overrides top-level keys (e.g. ``error=`` for a failed run).
+    every sequence shorter than the budget ends with the eos id, and so on. Tokenizer, budget and run id
+    come from the shards' schema metadata; the counts are those of a run that packed every example once
+    and rejected none (an empty ``rejected.jsonl`` is written too). ``extra`` overrides top-level keys
+    (e.g. ``error=`` for a failed run).
     """
     folder = Path(folder)
-    shards, meta, seqs = [], {}, {"eos": True, "targets": True, "all": True, "pairs": True}
+    shards, meta, seqs, packed = [], {}, {"eos": True, "targets": True, "all": True, "pairs": True}, set()
     for path in sorted(p for p in folder.iterdir() if SHARD_NAME.match(p.name)):
         table = _read_shard(path)
-        meta = read_metadata(table.schema) if path.suffix == ".arrow" else meta
+        meta = read_metadata(table.schema)
         data = path.read_bytes()
         rows = table.to_pylist()
         for r in rows:
@@ -203,9 +212,10 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
                 seqs["targets"] &= any(mask[a:z])
             seqs["all"] &= all(mask)
             seqs["pairs"] &= bool(r["sides"])
+            packed.update(i.split("#")[0] for i in r["example_ids"])
         shards.append({
             "name": path.name,
-            "split": SHARD_NAME.match(path.name).group(1),
+            "split": shard_place(path.name)[0],
             "rows": len(rows),
             "examples": sum(len(r["example_ids"]) for r in rows),
             "tokens": sum(len(r["input_ids"]) for r in rows),
@@ -214,11 +224,20 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
             "sha256": hashlib.sha256(data).hexdigest(),
         })
     budget = meta.get("budget", 1)
+    counts = recount({"records_read": len(packed), "not_sampled": 0, "repeated_copies": 0,
+                      "examples_packed": len(packed), "rejected": 0, "rejected_by_reason": {}, "first_rejected": {},
+                      "dropped_too_long": 0, "truncated_examples": 0, "split_examples": 0, "no_target_pieces": 0},
+                     shards, budget)
+    (folder / REJECTED).touch()
     manifest = {
         "status": status,
         "contract_version": CONTRACT_VERSION,
+        "run_id": meta.get("run_id", "0" * 16),
         "shards": shards,
-        "files": [s["name"] for s in shards],
+        "files": [s["name"] for s in shards] + [REJECTED],
+        "rejected_file": REJECTED,
+        "counts": counts,
+        "inputs": [],
         "row_checks": {
             "budget": budget,
             "eos_token_id": meta.get("eos_token_id"),
@@ -238,6 +257,21 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def recount(counts: dict, shards: Sequence[dict], budget: int) -> dict:
+    """``counts`` with what follows from the shard entries (rows, tokens, targets, pieces, lower bound, fill,
+    per split) made to agree with them, as the writer derives them."""
+    rows, tokens = sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards)
+    return {
+        **counts,
+        "pieces": sum(s["examples"] for s in shards), "rows": rows, "tokens": tokens,
+        "target_tokens": sum(s["target_tokens"] for s in shards), "lower_bound": -(-tokens // budget),
+        "fill": tokens / (rows * budget) if rows else 0.0,
+        "splits": {sp: {"rows": sum(s["rows"] for s in shards if s["split"] == sp),
+                        "tokens": sum(s["tokens"] for s in shards if s["split"] == sp)}
+                   for sp in sorted({s["split"] for s in shards})},
+    }
 
 
 def load_tokenizer():

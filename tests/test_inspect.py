@@ -19,8 +19,9 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
+from packers import PackstreamError
 from pipeline import OutputFormat, PackOptions, run
-from pipeline._inspect import PERCENTILES, PLOTS, REPORT_KEYS, SCHEMA_VERSION, inspect
+from pipeline._inspect import PERCENTILES, PLOTS, PLOTS_MARK, REPORT_KEYS, SCHEMA_VERSION, inspect
 from pipeline.cli import bundled_sample, main
 
 BUDGET = 256
@@ -169,7 +170,7 @@ def test_table_and_default_plots_dir(packed):
                   "example length", "p50", "records read", "rejected", "dropped (> 256 tokens)", "  train",
                   "  validation", "plot example_lengths", "KiB"):
         assert label in r.stdout, label
-    assert sorted(os.listdir(packed + "-inspect")) == sorted(f"{p}.png" for p in PLOTS)
+    assert sorted(os.listdir(packed + "-inspect")) == sorted([PLOTS_MARK] + [f"{p}.png" for p in PLOTS])
 
 
 def test_rejected_is_counted_like_packs_summary_and_parquet(tmp_path):
@@ -198,15 +199,22 @@ def test_disagreements_and_unlisted_files_are_warned_about(packed, tmp_path):
     folder = tmp_path / "out"
     shutil.copytree(packed, folder)
     m = json.loads((folder / "manifest.json").read_text())
-    m["counts"]["rows"] += 1
-    (folder / "manifest.json").write_text(json.dumps(m))
     first = m["shards"][0]["name"]
     shutil.copy(folder / first, folder / "backup-00000-of-00003.arrow")
+    table = pa.ipc.open_stream((folder / first).read_bytes()).read_all()
+    with pa.OSFile(str(folder / first), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table.slice(1))  # a row removed: the file no longer holds what its entry says
     report = inspect(str(folder))
     assert report["consistent"] is False
+    assert any(w.startswith(f"{first}: manifest.json says rows") for w in report["warnings"])
     assert any("counts.rows" in w for w in report["warnings"])
     assert any(w.startswith("backup-00000-of-00003.arrow") for w in report["warnings"])
-    assert report["rows"] == truth(packed)["total"]["rows"]  # the stray copy is not read
+    assert report["rows"] == truth(packed)["total"]["rows"] - 1  # the stray copy is not read
+
+    m["counts"]["rows"] += 1  # a manifest that contradicts itself is refused, in one line
+    (folder / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["inspect", str(folder), "--no-plots"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "manifest.json counts.rows says" in r.output, r.output
 
 
 def test_only_a_complete_manifest_is_read(packed, tmp_path):
@@ -231,3 +239,49 @@ def test_only_a_complete_manifest_is_read(packed, tmp_path):
     (tmp_path / "empty").mkdir()
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "empty")])
     assert r.exit_code == 2 and "no manifest.json" in r.output
+
+
+# -- issue 16, cause 4: inspect writes only into a plots folder of its own ----------------------------------
+
+
+def test_plots_never_overwrite_a_users_file(packed, tmp_path):
+    plots = tmp_path / "mine"
+    plots.mkdir()
+    (plots / "row_fill.png").write_bytes(b"the user's own figure")
+    r = CliRunner().invoke(main, ["inspect", packed, "--plots-dir", str(plots)])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "holds files inspect did not write" in errors[0], r.output
+    assert (plots / "row_fill.png").read_bytes() == b"the user's own figure"
+    assert sorted(os.listdir(plots)) == ["row_fill.png"]
+
+
+def test_plots_dir_that_is_a_file_is_one_error_line(packed, tmp_path):
+    target = tmp_path / "out-inspect"
+    target.write_bytes(b"notes")
+    r = CliRunner().invoke(main, ["inspect", packed, "--plots-dir", str(target)])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "exists and is not a folder" in errors[0], r.output
+    assert "Traceback" not in r.output and target.read_bytes() == b"notes"
+
+
+def test_inspect_rewrites_its_own_plots_and_nothing_else(packed, tmp_path):
+    plots = tmp_path / "plots"
+    first = inspect(packed, str(plots))["plots"]
+    mark = json.loads((plots / PLOTS_MARK).read_text())
+    assert set(mark["plots"]) == {f"{p}.png" for p in PLOTS}
+    assert inspect(packed, str(plots))["plots"] == first  # its own folder: rewritten in place
+    (plots / "notes.txt").write_text("mine")  # a user's file beside inspect's: left alone
+    inspect(packed, str(plots))
+    assert (plots / "notes.txt").read_text() == "mine"
+    (plots / "example_lengths.png").write_bytes(b"edited by the user")  # one of its names, changed since
+    with pytest.raises(PackstreamError, match=r"example_lengths.png is not the plot inspect wrote there"):
+        inspect(packed, str(plots))
+    assert (plots / "example_lengths.png").read_bytes() == b"edited by the user"
+    (plots / "example_lengths.png").unlink()
+    (plots / "example_lengths.png").symlink_to(tmp_path / "elsewhere.png")  # a link: never written through
+    with pytest.raises(PackstreamError, match=r"example_lengths.png is not the plot inspect wrote there"):
+        inspect(packed, str(plots))
+    assert not (tmp_path / "elsewhere.png").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert set(inspect(packed, str(empty))["plots"]) == set(PLOTS)  # an empty folder becomes inspect's

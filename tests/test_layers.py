@@ -5,7 +5,7 @@ only the layers below it, packing needs no torch, training needs no pipeline.
     Job      the Beam composites and progress       Tools   verify, inspect, estimate, preview
     Encode   one stage: records -> encoded examples + typed rejections
     Stages   read, formats, render, rows, write, options, spill, tokenizer, output
-    Core     packers: pack, stats, schema, errors, manifest     Loader   packers: collate, dataset, attention
+    Core     packers: pack, stats, schema, errors, manifest, files     Loader   packers: collate, dataset, attention
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 """
@@ -24,7 +24,7 @@ LAYERS = {
     "encode": {"pipeline._encode"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output"},
-    "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest",
+    "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers._files",
              "packers._rowcheck", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps"},
 }

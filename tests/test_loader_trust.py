@@ -22,6 +22,7 @@ held-out check): each must end the same way.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import pytest
 from packers import ContractError, PackedDataset, PackstreamError
 from packers._rowcheck import Batch, gather, check_batch
 from packers._manifest import RowChecks
-from tests._shards import Example, pack_first_fit, write_manifest, write_shards
+from tests._shards import Example, pack_first_fit, recount, write_manifest, write_shards
 
 BUDGET = 64
 EOS = 1
@@ -97,6 +98,8 @@ def reseal(folder: Path) -> None:
         t = read(folder / s["name"])
         s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), rows=t.num_rows,
                  tokens=sum(t.column("num_tokens").to_pylist()), examples=sum(len(x or []) for x in t.column("example_ids").to_pylist()))
+        s["target_tokens"] = min(s["target_tokens"], s["tokens"])
+    m["counts"] = recount(m["counts"], m["shards"], m["row_checks"]["budget"])
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
@@ -317,7 +320,7 @@ def test_malformed_manifest_is_refused(run, edit, message):
     with pytest.raises(ContractError, match=message):
         PackedDataset(run)
     (run / "manifest.json").write_text("{not json")
-    with pytest.raises(ContractError, match="manifest.json is not valid JSON"):
+    with pytest.raises(ContractError, match="manifest.json: not valid JSON"):
         PackedDataset(run)
 
 
@@ -451,3 +454,131 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
         with pytest.raises(ContractError, match=rf"{SHARD}: check sha256 failed"):
             PackedDataset(base, verify=True)
     assert refused > 30  # most damage is caught without verify=True too (measured: ~60 of 100)
+
+
+# -- issue 16: resume states are tied to the data and range-checked (cause 7) --------------------------------
+
+
+def test_a_state_resumes_only_its_own_data(run, tmp_path):
+    """A state saved on one folder must not resume another with the same row count: the batches would be the
+    same indices of other rows. The state carries the run id, the split and a digest of the shards opened."""
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    next(iter(ds))
+    state = ds.state_dict()
+    assert state["run_id"] == ds.manifest.run_id and state["split"] == "train" and len(state["data_sha256"]) == 64
+    twin = tmp_path / "twin"  # another run of other examples, packed to the same number of rows
+    rows = make_run(run.parent / "scratch", seed=0)
+    other = [{**r, "example_ids": [f"other:{i}:{k}" for k in range(len(r["example_ids"]))]} for i, r in enumerate(rows)]
+    write_shards(twin, other, budget=BUDGET, num_shards=3, eos_token_id=EOS)
+    theirs = PackedDataset(twin, batch_size=4, seed=3)
+    assert len(theirs.rows) == len(ds.rows)  # what the old check compared, and all it compared
+    with pytest.raises(PackstreamError, match=r"cannot resume: the state was saved over other data \(saved vs current: run_id '[0-9a-f]{16}' vs "):
+        theirs.load_state_dict(state)
+    one = PackedDataset(run / "train-00000-of-00003.arrow", batch_size=4, seed=3)
+    with pytest.raises(PackstreamError, match=r"saved over other data \(saved vs current: data_sha256 '[0-9a-f]{16}"):
+        one.load_state_dict({**state, "num_rows": len(one.rows)})  # fewer shards of the same run
+    fresh = PackedDataset(run, batch_size=4, seed=3)
+    fresh.load_state_dict(state)
+    assert (fresh.epoch, fresh.position) == (0, 1)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"position": -3}, r"position is -3, expected an integer >= 0"),
+    ({"position": 10**6}, r"position 1000000 is past the end of epoch 0, which has \d+ steps"),
+    ({"position": 1.5}, r"position is 1.5, expected an integer >= 0"),
+    ({"position": True}, r"position is True"),
+    ({"epoch": -1}, r"epoch is -1, expected an integer >= 0"),
+    ({"epoch": "2"}, r"epoch is '2'"),
+    ({"seed": -5}, r"saved vs current: seed -5 vs 3;"),
+    ({"world_size": 2}, r"saved vs current: world_size 2 vs 1;"),
+], ids=["negative", "past-the-epoch", "float", "bool", "negative-epoch", "string-epoch", "seed", "world"])
+def test_a_state_out_of_range_is_refused(run, edit, message):
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    state = {**ds.state_dict(), **edit}
+    with pytest.raises(PackstreamError, match=message):
+        ds.load_state_dict(state)
+    assert (ds.epoch, ds.position) == (0, 0)  # nothing half-applied
+
+
+def test_a_position_of_minus_3_no_longer_adds_batches(run):
+    """The issue's case: position -3 made a 6-step epoch yield 9 batches."""
+    ds = PackedDataset(run, batch_size=4, seed=3)
+    steps = len(ds)
+    with pytest.raises(PackstreamError, match="position is -3"):
+        ds.load_state_dict({**ds.state_dict(), "position": -3})
+    assert sum(1 for _ in ds) == steps
+
+
+@pytest.mark.parametrize("state,message", [
+    ([1, 2], "the state is a list"),
+    ({"epoch": 0, "position": 0}, r"the state lacks \["),
+])
+def test_a_state_that_is_not_ours_is_refused(run, state, message):
+    with pytest.raises(PackstreamError, match=message):
+        PackedDataset(run).load_state_dict(state)
+
+
+# -- issue 16: a negative seed is refused when the dataset is made (cause 17) ---------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "0", True, None])
+def test_a_bad_seed_is_refused_at_construction(run, seed):
+    with pytest.raises(PackstreamError, match=r"seed=.* must be an integer >= 0"):
+        PackedDataset(run, seed=seed)
+
+
+def test_a_big_seed_works(run):
+    ds = PackedDataset(run, seed=2**70)
+    assert sum(1 for _ in ds) == len(ds)
+
+
+# -- issue 16: cached copies of remote shards are checked, and private (cause 8) ------------------------------
+
+
+def _remote(run: Path, name: str):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for p in run.iterdir():
+        fs.pipe(f"/{name}/{p.name}", p.read_bytes())
+    return fs
+
+
+def test_a_cached_copy_edited_to_the_same_size_is_not_served(run, tmp_path):
+    fs = _remote(run, "cache-check")
+    cache = tmp_path / "cache"
+    ds = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    good = ds.rows[:]
+    copy = Path(next(f["filename"] for f in ds.rows.cache_files if f["filename"].endswith(SHARD)))
+    del ds
+    rewrite(copy, lambda rows: rows[2]["input_ids"].__setitem__(1, rows[2]["input_ids"][1] + 1))  # one token, same size
+    assert copy.stat().st_size == (run / SHARD).stat().st_size
+    again = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    assert again.rows[:] == good  # the edited copy was hashed, found wrong, and fetched again
+    assert pa.ipc.open_stream(copy.read_bytes()).read_all().to_pylist() == read(run / SHARD).to_pylist()
+    fs.rm("/cache-check", recursive=True)
+
+
+def test_the_cache_is_private(run, tmp_path, monkeypatch):
+    fs = _remote(run, "cache-private")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ds = PackedDataset("memory://cache-private")  # the default: under the user's cache home
+    root = tmp_path / "xdg" / "packstream" / "shards"
+    assert all(f["filename"].startswith(str(root)) for f in ds.rows.cache_files)
+    for d in (root, Path(ds.rows.cache_files[0]["filename"]).parent):
+        assert d.stat().st_mode & 0o777 == 0o700, oct(d.stat().st_mode)
+    open_to_all = tmp_path / "shared-cache"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(PackstreamError, match=r"shared-cache is writable by others \(mode 0777\).*chmod 700"):
+        PackedDataset("memory://cache-private", cache_dir=str(open_to_all))
+    open_to_all.chmod(0o770)
+    with pytest.raises(PackstreamError, match="is writable by its group"):
+        PackedDataset("memory://cache-private", cache_dir=str(open_to_all))
+    if os.geteuid() == 0:  # root can make a folder that belongs to someone else
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(PackstreamError, match=r"theirs belongs to user id 65534, not to you"):
+            PackedDataset("memory://cache-private", cache_dir=str(theirs))
+    fs.rm("/cache-private", recursive=True)

@@ -82,7 +82,7 @@ def test_pack_pairs_round_trip(tmp_path, long):
     seen = set()
     for row in _rows(options.output):
         packers.validate_row(row, options.max_tokens)
-        offs, spans, ids = row["seq_offsets"], row["completion_spans"], row["input_ids"]
+        spans, ids = row["completion_spans"], row["input_ids"]
         for j, pid in enumerate(row["pair_ids"]):
             seen.add(pid.rsplit(":", 1)[1])
             if pid.endswith(":long"):

@@ -349,7 +349,7 @@ def test_manifest_cannot_point_outside_the_folder(copy, tmp_path):
     m["shards"][0]["name"] = shard_paths(out)[0].name
     m["rejected_file"] = "../../etc/passwd"
     _save_manifest(out, m)
-    _only(problems(out), "rejected_file", "not a plain file name; not opened")
+    _only(problems(out), "rejected_file is '../../etc/passwd', not a plain file name", "not opened")
 
 
 # ------------------------------------------------------------------------------------------------
