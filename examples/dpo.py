@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
     if args.make_demo:
         make_demo(Path(args.pairs), args.make_demo, args.budget)
     ds = PackedDataset(args.pairs, batch_by="examples", batch_size=2 * args.pairs_per_step, seed=0)
-    if not ds.manifest["row_checks"].get("pairs"):
+    if not ds.manifest.row_checks.pairs:
         sys.exit(f"{args.pairs} holds no preference pairs; pack it with packstream pack --pairs")
     collate = FoldThenCollate(VocabFold(ds, args.vocab), Collator())
     policy = tiny_llama(args.vocab, ds.budget, args.attn).train()
