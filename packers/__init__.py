@@ -1,12 +1,12 @@
 """packstream's packing core, packed-row contract and training-time loader.
 
 Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``,
-``register_varlen_attention``, ``check_packing_safe``) import torch on first use.
+``register_varlen_attention``, ``check_packing_safe``, ``sequence_logps``) import torch on first use.
 """
 
 from packers._errors import ContractError, InternalError, PackstreamError
-from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
-from packers._schema import CONTRACT_VERSION, SCHEMA, read_metadata, schema_metadata, shard_schema, validate_row
+from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_pairs, pack_stream
+from packers._schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
 from packers._stats import PackStats, pack_stats
 
 _TORCH_NAMES = {
@@ -18,6 +18,8 @@ _TORCH_NAMES = {
     "register_varlen_attention": "packers._attention",
     "check_packing_safe": "packers._attention",
     "install_packing_guard": "packers._attention",
+    "sequence_logps": "packers._logps",
+    "SequenceLogps": "packers._logps",
 }
 
 __all__ = [
@@ -29,8 +31,10 @@ __all__ = [
     "PackResult",
     "PackStats",
     "PackstreamError",
+    "Side",
     "Strategy",
     "pack",
+    "pack_pairs",
     "pack_stats",
     "pack_stream",
     "read_metadata",

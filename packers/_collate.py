@@ -45,6 +45,26 @@ other (max logit error about 0.2-0.8). Passing ``use_cache=False`` in the batch 
 >>> f = Collator(fixed_shape=True, budget=8)(rows)
 >>> f["input_ids"].shape, f["cu_seq_lens_q"].tolist(), f["max_length_q"]
 (torch.Size([1, 16]), [0, 4, 6, 8, 13, 16], 8)
+
+Rows of preference pairs (``packstream pack --pairs``, see :mod:`packers._schema`) also give what a
+DPO-style loss needs: which tokens are completions, and which sequences make a pair. One row, two
+pairs (``p`` prompt, ``c`` completion)::
+
+    input_ids        [ 5  9 41 17 | 5  9 30 | 5 62  1 | 5 18 ]
+                       p  p  c  c   p  p  c   p  c  c   p  c
+    sides            chosen        rejected   chosen    rejected
+    completion_mask  [[F  F  T  T   F  F  T   F  T  T   F  T]]    [1, T] bool
+    pair_index       [[0, 1], [2, 3]]                              [P, 2] int64: (chosen, rejected) sequences
+    cu_seq_lens_q    [0, 4, 7, 10, 12]
+
+:func:`packers.sequence_logps` turns a model's logits on such a batch into each sequence's
+completion log-probability, as (chosen, rejected) pairs.
+
+>>> pair_row = {"input_ids": [5, 9, 41, 17, 5, 9, 30, 5, 62, 1, 5, 18], "loss_mask": [0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1],
+...             "seq_offsets": [0, 4, 7, 10, 12], "sides": [0, 1, 0, 1], "completion_spans": [2, 4, 6, 7, 8, 10, 11, 12]}
+>>> p = Collator()([pair_row])
+>>> p["pair_index"].tolist(), p["completion_mask"].int().tolist()
+([[0, 1], [2, 3]], [[0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1]])
 """
 
 from __future__ import annotations
@@ -86,6 +106,11 @@ class PackedBatch(TypedDict, total=False):
     """``[1, T]`` int32: index of each token's sequence. Only with ``return_seq_idx``."""
     use_cache: bool
     """Always ``False`` (unless ``disable_cache=False``): see the module docstring."""
+    completion_mask: torch.Tensor
+    """``[1, T]`` bool: the completion tokens of each sequence (rows of preference pairs only)."""
+    pair_index: torch.Tensor
+    """``[P, 2]`` int64: the sequence indices (as in ``cu_seq_lens``) of each pair's chosen and rejected
+    sides (rows of preference pairs only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +118,10 @@ class Collator:
     """Collate packed rows (dicts with ``input_ids``, ``loss_mask``, ``seq_offsets``) into a :class:`PackedBatch`.
 
     Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
-    :class:`packers.PackedDataset` yields) or CPU tensors. Other keys (``example_ids``,
-    ``num_tokens``) are ignored.
+    :class:`packers.PackedDataset` yields) or CPU tensors. Rows whose ``sides`` and
+    ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
+    holds rows of pairs or rows without, not both. Other keys (``example_ids``, ``num_tokens``,
+    ``num_targets``, ``pair_ids``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -124,6 +151,9 @@ class Collator:
         if len(rows) == 0:
             raise PackstreamError("Collator got an empty list of rows")
         ids_parts, mask_parts, len_parts = [], [], []
+        pairs = _has_pairs(rows[0])
+        span_parts, side_parts = [], []  # spans as batch token offsets; sides with -1 for padding sequences
+        at = 0
         for i, row in enumerate(rows):
             ids = np.asarray(row["input_ids"], dtype=np.int64)
             mask = np.asarray(row["loss_mask"], dtype=bool)
@@ -131,14 +161,29 @@ class Collator:
             n = ids.shape[0]
             if self.validate:
                 _check_row(i, n, mask, offs, self.budget)
+            if _has_pairs(row) != pairs:
+                raise PackstreamError(
+                    f"row 0 {'holds' if pairs else 'holds no'} preference pairs, row {i} {'does not' if pairs else 'does'}; "
+                    "collate rows of one packstream run (pairs or not)"
+                )
+            if pairs:
+                sides = np.asarray(row["sides"], dtype=np.int64)
+                spans = np.asarray(row["completion_spans"], dtype=np.int64).reshape(-1, 2)
+                if self.validate:
+                    _check_pairs(i, offs, sides, spans)
+                span_parts.append(spans + at)
+                side_parts.append(sides)
             ids_parts.append(ids)
             mask_parts.append(mask)
             len_parts.append(np.diff(offs))
+            at += n
             if self.fixed_shape and n < self.budget:
                 pad = self.budget - n
                 ids_parts.append(np.full(pad, self.pad_token_id, dtype=np.int64))
                 mask_parts.append(np.zeros(pad, dtype=bool))
                 len_parts.append(np.array([pad], dtype=np.int64))
+                side_parts.append(np.array([-1], dtype=np.int64))
+                at += pad
 
         input_ids = np.concatenate(ids_parts)
         if input_ids.shape[0] == 0:
@@ -167,7 +212,34 @@ class Collator:
             batch["seq_idx"] = torch.from_numpy(seq_idx)[None]
         if self.disable_cache:
             batch["use_cache"] = False
+        if pairs:
+            spans = np.concatenate(span_parts)
+            edges = np.zeros(input_ids.shape[0] + 1, dtype=np.int64)
+            np.add.at(edges, spans[:, 0], 1)
+            np.add.at(edges, spans[:, 1], -1)
+            batch["completion_mask"] = torch.from_numpy(np.cumsum(edges[:-1]) > 0)[None]
+            sides = np.concatenate(side_parts)
+            chosen = np.flatnonzero(sides == 0)
+            batch["pair_index"] = torch.from_numpy(np.stack([chosen, chosen + 1], axis=1))
         return batch  # type: ignore[return-value]
+
+
+def _has_pairs(row: Mapping[str, Any]) -> bool:
+    sides = row.get("sides")
+    return sides is not None and len(sides) > 0
+
+
+def _check_pairs(i: int, offs: np.ndarray, sides: np.ndarray, spans: np.ndarray) -> None:
+    """The pair columns' shape (the loader's and verify's checks go further): one side and one span per
+    sequence, sides alternating chosen (0), rejected (1), each span inside its sequence after its first token."""
+    nseq = offs.shape[0] - 1
+    if sides.shape[0] != nseq or spans.shape[0] != nseq:
+        raise ContractError(f"row {i}: {sides.shape[0]} sides and {spans.shape[0]} completion spans for {nseq} sequences")
+    if nseq % 2 or (sides != np.arange(nseq) % 2).any():
+        raise ContractError(f"row {i}: sides must alternate chosen (0), rejected (1), got {sides.tolist()[:8]}")
+    if ((spans[:, 0] <= offs[:-1]) | (spans[:, 1] <= spans[:, 0]) | (spans[:, 1] > offs[1:])).any():
+        raise ContractError(f"row {i}: a completion span lies outside its sequence (after its first token): "
+                            f"{spans.tolist()[:4]}, seq_offsets {offs.tolist()[:5]}")
 
 
 def _check_row(i: int, n: int, mask: np.ndarray, offs: np.ndarray, budget: int | None) -> None:

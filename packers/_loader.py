@@ -61,6 +61,7 @@ from packers._manifest import (
     missing_manifest,
     require_complete,
 )
+from packers._rowcheck import Batch, Failure, check_batch, gather
 from packers._schema import PLACE_KEYS, SCHEMA, read_metadata
 
 
@@ -510,145 +511,6 @@ def open_rows(
                    names=tuple(s.name for s in opened), starts=np.cumsum(counts).astype(np.int64), data_sha256=data)
 
 
-# -- reading: every gathered batch is checked against the contract and the manifest's row_checks ----------
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """A gathered batch of rows as flat numpy arrays: ``values[name]`` back to back, ``lengths[name]`` per row."""
-
-    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets
-    lengths: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets
-    num_tokens: np.ndarray
-    example_ids: Any  # the gathered example_ids (a ChunkedArray of lists)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """The first broken row of a batch: its index in the batch, the sequence (if the check is per sequence)."""
-
-    row: int
-    check: str
-    detail: str
-    sequence: int | None = None
-
-
-def _gather(table: pa.Table, *, check: bool) -> _Batch | _Failure:
-    """The batch's columns as flat numpy arrays; with ``check``, first the first row holding a null (the
-    schema says non-null, but a damaged file may hold them anyway, and numpy cannot view them)."""
-    cols = {name: table.column(name).combine_chunks() for name in ("input_ids", "loss_mask", "seq_offsets")}
-    if check:
-        example_ids, num_tokens = table.column("example_ids"), table.column("num_tokens")
-        if num_tokens.null_count:
-            row = int(np.flatnonzero(num_tokens.is_null().to_numpy(zero_copy_only=False))[0])
-            return _Failure(row, "nulls", "num_tokens is null")
-        if example_ids.null_count or pc.list_flatten(example_ids).null_count:
-            cols["example_ids"] = example_ids.combine_chunks()
-        for name, col in cols.items():
-            if col.null_count:
-                return _Failure(int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0]), "nulls",
-                                f"{name} is null")
-            if col.values.null_count:  # a null inside a list: its row is where the list offsets put it
-                t = int(np.flatnonzero(col.values.is_null().to_numpy(zero_copy_only=False))[0])
-                row = int(np.searchsorted(col.offsets.to_numpy(), t, side="right")) - 1
-                return _Failure(row, "nulls", f"{name} holds a null value")
-    return _Batch(
-        values={name: col.flatten().to_numpy() for name, col in cols.items()},
-        lengths={name: pc.list_value_length(col).to_numpy() for name, col in cols.items()},
-        num_tokens=table.column("num_tokens").to_numpy(),
-        example_ids=table.column("example_ids"),
-    )
-
-
-def check_batch(b: _Batch, checks: RowChecks) -> _Failure | None:
-    """A row of ``b`` that breaks the packed-row contract or the run's ``row_checks`` (the first one the
-    first failing check finds), else None.
-
-    Vectorized: a few numpy passes over the batch's tokens and offsets, no per-token Python. Checks:
-    ``num_tokens`` = len(input_ids) <= ``budget``; len(loss_mask) = len(input_ids); one example id per
-    sequence; ``seq_offsets`` start at 0, increase strictly, end at len(input_ids); ``loss_mask`` in
-    {0, 1}; then what the manifest says every row of the run satisfies: ``eos_at_boundaries``,
-    ``targets_in_every_sequence``, ``all_targets`` (see :mod:`packers._manifest`).
-    """
-    L, M = b.lengths["input_ids"].astype(np.int64), b.lengths["loss_mask"]
-    O, E = b.lengths["seq_offsets"].astype(np.int64), pc.list_value_length(b.example_ids).to_numpy()
-    ids, mask, offs = b.values["input_ids"], b.values["loss_mask"], b.values["seq_offsets"]
-    budget = checks.budget
-    if not len(L):
-        return None
-
-    # Each test is one numpy pass over the batch, with `.any()` first: a good batch (the common case) pays no
-    # search. Batches are small (a few rows), so numpy's per-call overhead is most of the cost: tests of one
-    # kind are or-ed into one pass, and the first failing row is then diagnosed with scalars.
-    def first(bad: np.ndarray) -> int:
-        return int(bad.argmax())  # the first True (callers have checked that there is one)
-
-    if (bad := (b.num_tokens != L) | (L > budget) | (M != L) | (O < 1) | (E != O - 1)).any():
-        i = first(bad)
-        n, m, o, e, nt = int(L[i]), int(M[i]), int(O[i]), int(E[i]), int(b.num_tokens[i])
-        if nt != n:
-            return _Failure(i, "num_tokens", f"num_tokens is {nt}, input_ids has {n} tokens")
-        if n > budget:
-            return _Failure(i, "budget", f"{n} tokens > budget {budget}")
-        if m != n:
-            return _Failure(i, "loss_mask_length", f"loss_mask has {m} entries, input_ids has {n}")
-        if o < 1:
-            return _Failure(i, "seq_offsets", "seq_offsets is empty; it must start at 0")
-        return _Failure(i, "example_ids", f"{e} example_ids for {o - 1} sequences")
-    ends = O.cumsum()  # position in `offs` after each row's offsets
-    starts = ends - O
-    if (bad := (offs[starts] != 0) | (offs[ends - 1] != L)).any():
-        i = first(bad)
-        lo, hi = int(offs[starts[i]]), int(offs[ends[i] - 1])
-        what = f"start at 0, got {lo}" if lo != 0 else f"end at len(input_ids)={int(L[i])}, got {hi}"
-        return _Failure(i, "seq_offsets", f"seq_offsets must {what}")
-    # Pairs (offs[j], offs[j + 1]) inside one row: a sequence each. The pair across two rows is not one.
-    inside = np.ones(len(offs) - 1, dtype=bool)
-    inside[ends[:-1] - 1] = False
-    if (bad := (offs[1:] <= offs[:-1]) & inside).any():
-        j = first(bad)
-        i = int(np.searchsorted(ends, j, side="right"))
-        k = j - int(starts[i])
-        return _Failure(i, "seq_offsets", f"seq_offsets must increase strictly: seq_offsets[{k}]={int(offs[j])}, "
-                                          f"seq_offsets[{k + 1}]={int(offs[j + 1])}")
-    if mask.size and mask.max() > 1:
-        t = first(mask > 1)
-        i = int(np.searchsorted(L.cumsum(), t, side="right"))
-        return _Failure(i, "loss_mask_values", f"loss_mask[{t - int(L[:i].sum())}] is {int(mask[t])}; only 0 and 1 are allowed")
-    if not (checks.eos_at_boundaries or checks.targets_in_every_sequence or checks.all_targets) or not mask.size:
-        return None
-    # Sequences as [start, end) into the flat token arrays: a row's offsets, shifted by the row's first token.
-    g = offs + np.repeat(L.cumsum() - L, O)
-    seq_start, seq_end = g[:-1][inside], g[1:][inside]
-
-    def at_sequence(j: int, check: str, detail: str) -> _Failure:
-        per_row = (O - 1).cumsum()  # position in the sequence arrays after each row's sequences
-        i = int(np.searchsorted(per_row, j, side="right"))
-        return _Failure(i, check, detail, sequence=j - int(per_row[i] - (O[i] - 1)))
-
-    if checks.eos_at_boundaries and seq_end.size:
-        last = ids[seq_end - 1]
-        if (bad := (last != checks.eos_token_id) & (seq_end - seq_start < budget)).any():
-            j = first(bad)
-            return at_sequence(j, "eos_at_boundaries",
-                               f"ends on token {int(last[j])}, not on eos_token_id {checks.eos_token_id}, and is shorter "
-                               f"than the budget {budget}: the example boundaries are not where the run put them "
-                               "(examples would attend to each other)")
-    # A sequence whose last token is a target has one (the usual case: the answer ends it); only the others
-    # are scanned. Sequences tile the batch's tokens (checked above), so reduceat over their starts covers
-    # exactly each one; the mask is 0/1 (checked above), so viewing it as bool is exact.
-    if checks.targets_in_every_sequence and seq_start.size and (unsure := mask[seq_end - 1] == 0).any():
-        if (bad := unsure & ~np.logical_or.reduceat(mask.view(bool), seq_start)).any():
-            return at_sequence(first(bad), "targets_in_every_sequence",
-                               "has no target token (loss_mask all 0), but the run put a target in every sequence")
-    if checks.all_targets and not mask.all():
-        t = first(mask == 0)
-        j = int(np.searchsorted(seq_start, t, side="right")) - 1
-        return at_sequence(j, "all_targets", f"its token {t - int(seq_start[j])} has loss_mask 0, but the run trains "
-                                             "on every token (--train-on all)")
-    return None
-
-
 def _default_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -758,12 +620,12 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def _fetch(self, indices: Sequence[int] | np.ndarray, *, check: bool) -> list[dict[str, Any]]:
         indices = np.asarray(indices, dtype=np.int64)
         table = self._arrow[indices]
-        b = _gather(table, check=check)
-        failure = b if isinstance(b, _Failure) else check_batch(b, self._checks) if check else None
+        b = gather(table, check=check)
+        failure = b if isinstance(b, Failure) else check_batch(b, self._checks) if check else None
         if failure is not None:
             raise self._broken(indices, b, failure)
         flat = {name: np.split(b.values[name], np.cumsum(b.lengths[name])[:-1]) for name in b.values}
-        example_ids = b.example_ids.to_pylist()
+        example_ids, pair_ids = b.example_ids.to_pylist(), b.pair_ids.to_pylist()
         return [
             {
                 "input_ids": flat["input_ids"][i],
@@ -771,16 +633,20 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 "seq_offsets": flat["seq_offsets"][i],
                 "example_ids": example_ids[i],
                 "num_tokens": int(flat["input_ids"][i].shape[0]),
+                "num_targets": int(b.num_targets[i]),
+                "pair_ids": pair_ids[i],
+                "sides": flat["sides"][i],
+                "completion_spans": flat["completion_spans"][i],
             }
             for i in range(len(example_ids))
         ]
 
-    def _broken(self, indices: np.ndarray, b: _Batch | _Failure, f: _Failure) -> ContractError:
+    def _broken(self, indices: np.ndarray, b: Batch | Failure, f: Failure) -> ContractError:
         """The error for row ``f.row`` of a gathered batch: shard file, row in the shard, sequence, check."""
         g = int(indices[f.row])
         k = int(np.searchsorted(self._starts, g, side="right")) - 1
         at = f"{self._where}/{self.shards[k]} row {g - int(self._starts[k])}"
-        if f.sequence is not None and isinstance(b, _Batch):
+        if f.sequence is not None and isinstance(b, Batch):
             at += f" sequence {f.sequence} ({b.example_ids[f.row][f.sequence].as_py()})"
         return ContractError(
             f"{at}: check {f.check} failed: {f.detail}. The shard is not what packstream pack wrote (its manifest "

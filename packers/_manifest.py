@@ -34,7 +34,9 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
                                                           with eos_token_id (a full-budget sequence is a
                                                           piece of a truncated or split example)
                       "targets_in_every_sequence": bool,  every sequence has a loss_mask 1
-                      "all_targets": bool}                every token is a target (--train-on all)
+                      "all_targets": bool,                every token is a target (--train-on all)
+                      "pairs": bool}                      every row holds preference pairs (--pairs; the
+                                                          pair columns of the row contract), else none does
     tokenizer        {"name", "vocab_sha256", "eos_token_id", "pad_token_id", ...}
     config, counts, inputs   the run's options and counts (see docs/operations.md)
 
@@ -133,6 +135,7 @@ class RowChecks:
     eos_at_boundaries: bool
     targets_in_every_sequence: bool
     all_targets: bool
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -420,7 +423,7 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
     checks = RowChecks(budget=r.count(rc, "budget", "row_checks.budget", low=1),
                        eos_token_id=r.opt_id(rc, "eos_token_id", "row_checks.eos_token_id"),
                        **{k: r.flag(rc, k, f"row_checks.{k}")
-                          for k in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets")})
+                          for k in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets", "pairs")})
     tok = r.obj(raw, "tokenizer", "tokenizer")
     tokenizer = Tokenizer(name=r.text(tok, "name", "tokenizer.name"),
                           vocab_sha256=r.text(tok, "vocab_sha256", "tokenizer.vocab_sha256"),
@@ -522,6 +525,12 @@ def inconsistencies(m: Manifest) -> list[tuple[str, str]]:
         out.append(("row_checks.budget", f"is {budget} but config.max_tokens is {m.config['max_tokens']}"))
     if m.row_checks.eos_at_boundaries and m.row_checks.eos_token_id is None:
         out.append(("row_checks.eos_at_boundaries", "is true but row_checks.eos_token_id is null"))
+    if m.row_checks.pairs != bool(m.config.get("pairs", m.row_checks.pairs)):
+        out.append(("row_checks.pairs", f"is {str(m.row_checks.pairs).lower()} but config.pairs is "
+                                        f"{str(bool(m.config.get('pairs'))).lower()}"))
+    if m.row_checks.pairs and (m.row_checks.all_targets or any(s.examples % 2 for s in m.shards)):
+        out.append(("row_checks.pairs", "is true, but a run of pairs trains no prompt token (all_targets) and holds "
+                                        "two sequences per pair in every shard"))
     if m.tokenizer.eos_token_id != m.row_checks.eos_token_id:
         out.append(("row_checks.eos_token_id", f"is {m.row_checks.eos_token_id!r} but tokenizer.eos_token_id is "
                                                f"{m.tokenizer.eos_token_id!r}"))

@@ -1,4 +1,4 @@
-"""The packed-row contract: one Arrow schema, written by the pipeline and read by the loader.
+"""The packed-row contract (version 2): one Arrow schema, written by the pipeline and read by the loader.
 
 A packed row holds several tokenized examples back to back, with no padding stored. Here is
 one row of budget 16 holding three examples (``T`` is a target token, ``.`` is not)::
@@ -7,6 +7,8 @@ one row of budget 16 holding three examples (``T`` is a target token, ``.`` is n
     input_ids    [ 5  9  2 41 17  1 | 5  8 30  1 | 5 77  6  1 ]     14 tokens <= budget 16
     loss_mask    [ 0  0  0  1  1  1 | 0  0  1  1 | 0  0  1  1 ]
     seq_offsets  [0,                6,          10,          14]    cu_seqlens style
+    num_targets  7                                                  the targets the loss sees (below)
+    pair_ids, sides, completion_spans   []                          no pairs in this row
 
 and what the loader (:class:`packers.Collator`) derives from it at training time::
 
@@ -14,15 +16,45 @@ and what the loader (:class:`packers.Collator`) derives from it at training time
     labels       [-100 -100 -100 41 17 1 | -100 -100 30 1 | -100 -100 6 1]
                    ^ -100 where loss_mask is 0, and always on the first token of an example
 
+A row of preference pairs (``packstream pack --pairs``) keeps each pair whole: its two sides are
+adjacent sequences, chosen first, and both start with the same prompt tokens. Two pairs in a row
+of budget 24::
+
+    example_ids  ["dpo@1#chosen", "dpo@1#rejected",  "dpo@4#chosen", "dpo@4#rejected"]
+    input_ids    [ 5  9  2 41 17  1 | 5  9  2 30  1 | 5  7 62 63  1 | 5  7 18  1 ]
+    loss_mask    [ 0  0  0  1  1  1 | 0  0  0  1  1 | 0  0  1  1  1 | 0  0  1  1 ]
+                   prompt   completion  same prompt     prompt           same prompt
+    seq_offsets  [0,                6,             11,             16,          20]
+    pair_ids     ["dpo@1",          "dpo@1",          "dpo@4",        "dpo@4"]
+    sides        [0,                1,                0,              1]            0 chosen, 1 rejected
+    completion_spans [3, 6,         9, 11,            13, 16,         18, 20]       [start, stop) in the row
+    num_targets  10
+
 Columns (see :data:`SCHEMA`):
 
 * ``input_ids`` ``list<int32>``: the packed examples' tokens, back to back; ``len <= budget``.
 * ``loss_mask`` ``list<uint8>``: 1 where the token is a training target, else 0. Same length.
 * ``seq_offsets`` ``list<int32>``: ``[0, end_1, ..., len(input_ids)]``, strictly increasing.
-* ``example_ids`` ``list<string>``: one stable id per packed example, ``len == len(seq_offsets) - 1``.
+* ``example_ids`` ``list<string>``: one stable id per packed sequence, ``len == len(seq_offsets) - 1``.
   The record's own ``id`` field when it has one, otherwise ``source:position``; a piece of an
-  example split by ``--long split`` is ``<id>#<k>``.
+  example split by ``--long split`` is ``<id>#<k>``; the sides of a pair are ``<id>#chosen`` and
+  ``<id>#rejected``.
 * ``num_tokens`` ``int32``: ``len(input_ids)``, for cheap statistics without touching the lists.
+* ``num_targets`` ``int32``: the labels :class:`packers.Collator` yields that are not -100 for this
+  row: tokens with ``loss_mask`` 1 that are not the first token of their sequence. A loss
+  denominator (``num_items_in_batch``) without reading the masks.
+* ``pair_ids`` ``list<string>``: empty in a row of plain examples; else one per sequence, the id of
+  the pair it belongs to (the same on both sides; ``example_ids[j] == pair_ids[j] + "#chosen"`` or
+  ``"#rejected"``).
+* ``sides`` ``list<uint8>``: empty, or one per sequence: :class:`Side` (0 chosen, 1 rejected).
+  Pairs are adjacent, chosen first: ``0, 1, 0, 1, ...``.
+* ``completion_spans`` ``list<int32>``: empty, or two per sequence: ``[start, stop)`` of its
+  completion, as token offsets in the row. A completion starts after at least one prompt token
+  (a first token has nothing to predict it) and ends within its sequence; ``loss_mask`` is 1
+  exactly on the completions; the two sides of a pair hold the same prompt tokens before them.
+
+A row holds pairs or plain examples, never both (a run is ``--pairs`` or not; the manifest's
+``row_checks.pairs`` says which).
 
 Schema metadata (bytes keys and values, see :func:`schema_metadata`): the contract version,
 the token budget, the tokenizer's name and a hash of its vocabulary, the pad/eos ids, and where
@@ -31,19 +63,31 @@ the shard belongs: the ``run_id`` of the run that wrote it (``manifest.json`` ha
 against the manifest's entry for the file, so a shard listed twice, renamed, moved to another
 split or taken from another run is refused without reading a row (:mod:`packers._manifest`).
 
+Version history: 1, the first five columns; 2 (this), ``num_targets`` and the pair columns. A
+version 1 folder is refused with "repack" (:func:`read_metadata`).
+
 >>> import pyarrow as pa
->>> t = pa.Table.from_pylist([{
-...     "input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
-...     "seq_offsets": [0, 6, 10], "example_ids": ["a:1", "b:2"], "num_tokens": 10}], schema=SCHEMA)
->>> validate_row(t.to_pylist()[0], budget=16)
->>> validate_row({**t.to_pylist()[0], "seq_offsets": [0, 6, 9]}, budget=16)
+>>> row = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
+...        "seq_offsets": [0, 6, 10], "example_ids": ["a:1", "b:2"], "num_tokens": 10, "num_targets": 5,
+...        "pair_ids": [], "sides": [], "completion_spans": []}
+>>> validate_row(pa.Table.from_pylist([row], schema=SCHEMA).to_pylist()[0], budget=16)
+>>> validate_row({**row, "seq_offsets": [0, 6, 9]}, budget=16)
 Traceback (most recent call last):
 ...
 packers._errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
+>>> pair = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 9, 2, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
+...         "seq_offsets": [0, 6, 11], "example_ids": ["dpo@1#chosen", "dpo@1#rejected"], "num_tokens": 11,
+...         "num_targets": 5, "pair_ids": ["dpo@1", "dpo@1"], "sides": [0, 1], "completion_spans": [3, 6, 9, 11]}
+>>> validate_row(pair, budget=16)
+>>> validate_row({**pair, "input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 2, 30, 1]}, budget=16)
+Traceback (most recent call last):
+...
+packers._errors.ContractError: pair dpo@1: the prompts differ (chosen [5, 9, 2], rejected [5, 8, 2])
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any, Mapping
 
@@ -51,8 +95,8 @@ import pyarrow as pa
 
 from packers._errors import ContractError
 
-CONTRACT_VERSION = 1
-"""Bump on any incompatible change to :data:`SCHEMA` or its metadata keys."""
+CONTRACT_VERSION = 2
+"""Bump on any incompatible change to :data:`SCHEMA` or its metadata keys (see the version history above)."""
 
 MAX_TOKENS_LIMIT = 1 << 24
 """The largest row budget: offsets are int32, and best-fit keeps a bucket per capacity (O(budget) memory).
@@ -65,9 +109,29 @@ SCHEMA = pa.schema(
         pa.field("seq_offsets", pa.list_(pa.int32()), nullable=False),
         pa.field("example_ids", pa.list_(pa.string()), nullable=False),
         pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("num_targets", pa.int32(), nullable=False),
+        pa.field("pair_ids", pa.list_(pa.string()), nullable=False),
+        pa.field("sides", pa.list_(pa.uint8()), nullable=False),
+        pa.field("completion_spans", pa.list_(pa.int32()), nullable=False),
     ]
 )
 """The shard schema. Never inferred from data: every writer casts to it."""
+
+PAIR_COLUMNS = ("pair_ids", "sides", "completion_spans")
+"""Empty in a row of plain examples; one entry per sequence (two for the spans) in a row of pairs."""
+
+
+class Side(enum.IntEnum):
+    """Which answer of a preference pair a sequence is (the ``sides`` column)."""
+
+    CHOSEN = 0
+    REJECTED = 1
+
+    @property
+    def suffix(self) -> str:
+        """What the sequence's example id adds to its pair id: ``#chosen`` or ``#rejected``."""
+        return "#" + self.name.lower()
+
 
 _META_PREFIX = "packstream."
 PLACE_KEYS = ("run_id", "split", "shard_index", "shard_count")
@@ -136,8 +200,16 @@ def shard_schema(**metadata: Any) -> pa.Schema:
     return SCHEMA.with_metadata(schema_metadata(**metadata))
 
 
+def count_targets(loss_mask: Any, seq_offsets: Any) -> int:
+    """``num_targets`` of a row: tokens with loss_mask 1, less those on a sequence's first token."""
+    return int(sum(int(x) for x in loss_mask)) - sum(int(loss_mask[a]) for a in list(seq_offsets)[:-1])
+
+
 def validate_row(row: Mapping[str, Any], budget: int) -> None:
-    """Check one row (a dict of Python lists) against the contract; raise ContractError if broken."""
+    """Check one row (a dict of Python lists) against the contract; raise ContractError if broken.
+
+    The per-row definition that the loader's and ``packstream verify``'s vectorized checks follow.
+    """
     ids, mask, offs, ex = row["input_ids"], row["loss_mask"], row["seq_offsets"], row["example_ids"]
     n = len(ids)
     if n > budget:
@@ -154,3 +226,50 @@ def validate_row(row: Mapping[str, Any], budget: int) -> None:
         raise ContractError(f"seq_offsets must be strictly increasing, got {list(offs)}")
     if len(ex) != len(offs) - 1:
         raise ContractError(f"{len(ex)} example_ids for {len(offs) - 1} sequences")
+    if any(int(m) not in (0, 1) for m in mask):
+        raise ContractError("loss_mask holds a value other than 0 and 1")
+    targets = count_targets(mask, offs)
+    if row.get("num_targets", targets) != targets:
+        raise ContractError(f"num_targets={row['num_targets']} but the row has {targets} targets "
+                            "(loss_mask 1, not on a sequence's first token)")
+    validate_pairs(row)
+
+
+def validate_pairs(row: Mapping[str, Any]) -> None:
+    """The pair columns of one row (see the module docstring); nothing to check in a row of plain examples."""
+    pids, sides, spans = (list(row.get(c) or []) for c in PAIR_COLUMNS)
+    ids, mask, offs, ex = row["input_ids"], row["loss_mask"], row["seq_offsets"], row["example_ids"]
+    nseq = len(offs) - 1
+    if not (pids or sides or spans):
+        return
+    if len(pids) != nseq or len(sides) != nseq or len(spans) != 2 * nseq:
+        raise ContractError(f"pair columns: {len(pids)} pair_ids, {len(sides)} sides, {len(spans)} completion_spans "
+                            f"for {nseq} sequences; expected {nseq}, {nseq}, {2 * nseq} (or all empty)")
+    if nseq % 2 or any(int(s) != j % 2 for j, s in enumerate(sides)):
+        raise ContractError(f"sides must alternate chosen (0), rejected (1), chosen first, got {sides[:8]}")
+    covered = [0] * len(ids)
+    for j in range(nseq):
+        a, b = int(spans[2 * j]), int(spans[2 * j + 1])
+        if not offs[j] < a < b <= offs[j + 1]:
+            raise ContractError(f"sequence {j} ({ex[j]}): completion span [{a}, {b}) must lie in its tokens "
+                                f"[{offs[j]}, {offs[j + 1]}), after at least one prompt token, and hold a token")
+        covered[a:b] = [1] * (b - a)
+    if [int(m) for m in mask] != covered:
+        t = next(i for i, (m, c) in enumerate(zip(mask, covered)) if int(m) != c)
+        raise ContractError(f"loss_mask[{t}] is {int(mask[t])}, but a row of pairs trains exactly on the completion "
+                            "spans")
+    for j in range(0, nseq, 2):
+        c, r = list(ids[offs[j]:spans[2 * j]]), list(ids[offs[j + 1]:spans[2 * j + 2]])
+        if c != r:
+            raise ContractError(f"pair {pids[j]}: the prompts differ (chosen {c[:16]}, rejected {r[:16]})")
+    for j in range(nseq):
+        side = Side(int(sides[j]))
+        if not pids[j]:
+            raise ContractError(f"sequence {j}: the pair id is empty")
+        if j % 2 and pids[j] != pids[j - 1]:
+            raise ContractError(f"sequences {j - 1}, {j}: a chosen side ({pids[j - 1]}) is not followed by its "
+                                f"rejected side (got {pids[j]})")
+        if ex[j] != pids[j] + side.suffix:
+            raise ContractError(f"sequence {j}: example id {ex[j]!r} is not its pair id {pids[j]!r} + {side.suffix!r}")
+    if len(set(pids)) != nseq // 2:
+        raise ContractError(f"a pair id appears twice in the row: {pids}")

@@ -11,6 +11,16 @@ Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam
        v
     Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
 
+With ``--pairs`` (:meth:`Encoder.prepare_pair`) a record is a preference pair: it is normalized twice
+(``--preference chosen``, then ``rejected``), the messages both sides begin with are the prompt and
+the rest is each side's answer; each side is rendered and tokenized, its completion (everything after
+the prompt, EOS included) is the target, and the pair becomes ONE example (chosen tokens, then
+rejected) whose two prompts must be the same tokens, else ``pair_prompt_mismatch``::
+
+    chosen    [ <prompt> | <completion c> <eos> ]     mask [ 0 ... 0 | 1 ... 1 ]
+    rejected  [ <prompt> | <completion r> <eos> ]     the same <prompt> tokens
+    example   chosen ++ rejected, cut = len(chosen)   (pipeline._rows.ExampleBatch.cuts)
+
 Nothing leaves silently: a record becomes an example (or several, when its data set repeats or it is a
 message tree with several kept paths),
 a dead letter with a :class:`~pipeline._formats.Reason`, or a ``not_sampled`` count (a data set
@@ -27,8 +37,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pipeline import _rows
-from pipeline._formats import Conversation, Reason, Rejected, conversations
-from pipeline._options import PackOptions
+from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
+from pipeline._options import FormatOptions, PackOptions, TrainOn
 from pipeline._render import Renderer
 
 Item = tuple[int, str, int, Any]
@@ -59,6 +69,8 @@ class _Prepared:
     """Index in ``meta`` -> a pre-tokenized (2, n) example."""
     no_eos: set[int] = dataclasses.field(default_factory=set)
     """Indices in ``meta`` that get no EOS appended (pre-tokenized examples and labelled segments)."""
+    pairs: bool = False
+    """``--pairs``: ``owner`` names a side, ``2 * k`` (chosen) or ``2 * k + 1`` (rejected) of ``meta[k]``."""
     rejected: list[dict] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -125,7 +137,7 @@ class Encoder:
 
     def prepare(self, chunk: Sequence[Item]) -> "_Prepared":
         """The Python half: normalize and render every record of the chunk into segments."""
-        p = _Prepared()
+        p = _Prepared(pairs=self.options.pairs)
         for dataset, source, position, record in chunk:
             eid = None
             try:
@@ -136,6 +148,15 @@ class Encoder:
                     p.counts["not_sampled"] = p.counts.get("not_sampled", 0) + 1
                     continue
                 fmt = self.datasets[dataset].format
+                if p.pairs:
+                    sides, notes = self.prepare_pair(record, fmt)
+                    for k, segs in enumerate(sides):
+                        p.texts.extend(t for t, _ in segs)
+                        p.flags.extend(y for _, y in segs)
+                        p.owner.extend(itertools.repeat(2 * len(p.meta) + k, len(segs)))
+                    add_counts(p.counts, notes)
+                    p.meta.append((eid, source, position, dataset))
+                    continue
                 convs = conversations(record, fmt)
             except Rejected as r:
                 p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
@@ -162,12 +183,52 @@ class Encoder:
                 p.meta.append((ceid, source, position, dataset))
         return p
 
+    def prepare_pair(self, record: Any, fmt: FormatOptions) -> tuple[tuple[list, list], dict[str, int]]:
+        """One preference record -> the segments of its chosen and rejected sides (prompt: context; the answer and
+        everything after it: target), and its normalization notes (counted once); or :class:`Rejected`."""
+        convs = pair_conversations(record, fmt)
+        c, r = convs
+        if c.tools != r.tools:
+            raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the two sides carry different tool definitions; a pair shares "
+                                                        "its prompt")
+        n = 0
+        while n < min(len(c.messages), len(r.messages)) and c.messages[n] == r.messages[n]:
+            n += 1
+        n = min(n, len(c.messages) - 1, len(r.messages) - 1)  # identical sides: the last turn is the answer
+        roles = [conv.messages[n]["role"] if n >= 0 else None for conv in convs]
+        if n < 0 or roles != ["assistant", "assistant"]:
+            at = (f"at messages[{n}], a {roles[0]} turn" if roles[0] == roles[1] else
+                  f"at messages[{n}], a {roles[0]} turn on the chosen side and a {roles[1]} turn on the rejected side")
+            raise Rejected(Reason.PAIR_PROMPT_MISMATCH, (
+                f"the two sides differ before their answers ({at}); a pair is one prompt (the same messages on both "
+                "sides), then two assistant answers"))
+        sides = []
+        train = dataclasses.replace(fmt, train_on=TrainOn.ASSISTANT, mask_reasoning=False)
+        for conv in convs:
+            conv.train = [False] * n + [True] * (len(conv.messages) - n)
+            segs = self.renderer.segments(conv, train)
+            first = next((i for i, (_, target) in enumerate(segs) if target), None)
+            if first is None:
+                raise Rejected(Reason.NO_TARGET_TOKENS, "an answer of the pair renders to no text")
+            if first == 0:
+                raise Rejected(Reason.TEMPLATE_ERROR, "the prompt renders to no text, so nothing comes before the "
+                                                      "answer's first token to predict it; use a chat template that "
+                                                      "writes the assistant header (the built-in ChatML does)")
+            # The completion is everything after the prompt: tool results between answer turns included (TRL's
+            # prompt/completion split), so a side's log-prob covers all it adds to the prompt.
+            sides.append([(t, i >= first) for i, (t, _) in enumerate(segs)])
+        notes = {k: max(c.notes.get(k, 0), r.notes.get(k, 0)) for k in c.notes.keys() | r.notes.keys()
+                 if k != "other_side_not_trained"}
+        return (sides[0], sides[1]), notes
+
     def tokenize(self, p: "_Prepared") -> list:
         """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
         return self._backend.encode_batch_fast(p.texts, add_special_tokens=False) if p.texts else []
 
     def finish(self, p: "_Prepared", encs: list) -> Encoded:
         """Masks from segment lengths (numpy), the EOS, target checks, repeats."""
+        if p.pairs:
+            return self._finish_pairs(p, encs)
         rejected, counts, kept_meta, direct = p.rejected, p.counts, p.meta, p.direct
         n = len(kept_meta)
         seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
@@ -205,6 +266,53 @@ class Encoder:
         if copies:
             counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies
         return Encoded(batch, rejected, counts)
+
+    def _finish_pairs(self, p: "_Prepared", encs: list) -> Encoded:
+        """:meth:`finish` for pairs: per side the EOS and the completion mask, then the prompt check, then one
+        example per pair (chosen tokens, then rejected; ``cuts``)."""
+        rejected, meta = p.rejected, p.meta
+        n = len(meta)
+        seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
+        mask = np.repeat(np.asarray(p.flags, dtype=np.uint8), seg_lens)
+        side_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=2 * n).astype(np.int64)
+        ids, mask, side_lens = self._append_eos(ids, mask, side_lens, set())
+        ends = np.cumsum(side_lens)
+        starts = ends - side_lens
+        keep = np.ones(n, dtype=bool)
+        for k in range(n):
+            (a0, z0), (a1, z1) = (starts[2 * k], ends[2 * k]), (starts[2 * k + 1], ends[2 * k + 1])
+            c_mask, r_mask = mask[a0:z0], mask[a1:z1]
+            why = None
+            if not c_mask.any() or not r_mask.any():
+                why = (Reason.NO_TARGET_TOKENS, "an answer of the pair tokenizes to no tokens")
+            else:
+                pc, pr = int(c_mask.argmax()), int(r_mask.argmax())
+                cp, rp = ids[a0:a0 + pc], ids[a1:a1 + pr]
+                if pc != pr or not np.array_equal(cp, rp):
+                    at = next((i for i in range(min(pc, pr)) if cp[i] != rp[i]), min(pc, pr))
+                    why = (Reason.PAIR_PROMPT_MISMATCH, (
+                        f"the two sides' prompts tokenize differently ({pc} vs {pr} tokens, first difference at token "
+                        f"{at}: {self._decode(cp[at:at + 8])!r} vs {self._decode(rp[at:at + 8])!r}); the chat template "
+                        "renders the prompt differently depending on the answer, so the sides cannot share a prompt"))
+            if why is not None:
+                eid, source, position, _ = meta[k]
+                rejected.append(_rows.reject_record(source, position, why[0], why[1], eid))
+                keep[k] = False
+        if not keep.all():
+            token_keep = np.repeat(np.repeat(keep, 2), side_lens)
+            ids, mask, side_lens = ids[token_keep], mask[token_keep], side_lens[np.repeat(keep, 2)]
+            meta = [m for m, k in zip(meta, keep) if k]
+        pair = side_lens.reshape(-1, 2)
+        batch = _rows.ExampleBatch.from_arrays([m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta],
+                                               pair.sum(axis=1), ids, mask, cuts=pair[:, 0])
+        batch, copies = self._repeat(batch, [m[3] for m in meta])
+        if copies:
+            p.counts["repeated_copies"] = p.counts.get("repeated_copies", 0) + copies
+        return Encoded(batch, rejected, p.counts)
+
+    def _decode(self, ids: np.ndarray) -> str:
+        return self.renderer.tok.decode(ids.tolist())
 
     def _append_eos(self, ids, mask, rec_lens, skip: set[int]):
         """Every rendered example ends with the tokenizer's EOS: append it where the text did not end with it.

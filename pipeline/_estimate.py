@@ -55,7 +55,7 @@ _SIM_CAP = 1_000_000
 _BEAM_STARTUP_S = 2.0
 _BEAM_PER_RECORD_S = 30e-6
 _BEAM_PER_TOKEN_S = 0.2e-6
-ESTIMATE_SCHEMA_VERSION = 2
+ESTIMATE_SCHEMA_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ class _Encoded:
     """not_sampled, repeated_copies, dropped_too_long, truncated_examples, split_examples,
     no_target_pieces, examples_packed."""
     lengths: np.ndarray
-    """Tokens of every piece that would be packed."""
+    """Tokens of every piece that would be packed (with --pairs: of every pair, its two sides together)."""
     targets: np.ndarray
     """Target tokens of every piece."""
     validation: np.ndarray
@@ -211,6 +211,8 @@ class _Encoded:
     """The encoded examples (copies included), for a real shard of the sample."""
     seconds_per_record: float
     """Reading, parsing, encoding and cutting one record (measured)."""
+    side_difference: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    """With --pairs: |chosen - rejected| tokens of every packed pair."""
 
 
 def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random.Generator) -> _Encoded:
@@ -226,9 +228,22 @@ def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random
         add_counts(counts, enc.counts)
     batch = _rows.ExampleBatch.concat(batches)
     stats: dict[str, int] = {}
-    ex, starts, stops, _ = _rows.pieces(batch, options, dead, stats)
-    abs_starts, abs_stops = batch.offsets[ex] + starts, batch.offsets[ex] + stops
     cum = np.concatenate([[0], np.cumsum(batch.loss_mask, dtype=np.int64)])
+    side_difference = np.zeros(0, np.int64)
+    if options.pairs:  # the job's rules for pairs: an item is a pair, its sides kept as pack_pairs keeps them
+        if batch.cuts is None:
+            batch = dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
+        result, prompt = _rows.plan_pairs(batch, options, dead, stats)
+        ex = result.order[0::2] // 2
+        kept_c, kept_r = result.stops[0::2], result.stops[1::2]
+        off, cut = batch.offsets[ex], batch.cuts[ex]
+        targets = (cum[off + kept_c] - cum[off]) + (cum[off + cut + kept_r] - cum[off + cut])
+        lengths = (kept_c + kept_r).astype(np.int64)
+        side_difference = np.abs(kept_c - kept_r)
+    else:
+        ex, starts, stops, _ = _rows.pieces(batch, options, dead, stats)
+        abs_starts, abs_stops = batch.offsets[ex] + starts, batch.offsets[ex] + stops
+        lengths, targets = (stops - starts).astype(np.int64), cum[abs_stops] - cum[abs_starts]
     # The split of an example is the job's own (a hash of its id): copies (~k) and pieces (#k) stay together.
     held_out = [_rows.split_of(i, options.validation_fraction) == "validation" for i in batch.ids]
     validation = np.array([held_out[e] for e in ex.tolist()], dtype=bool)
@@ -240,8 +255,7 @@ def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random
         counts[key] = stats.get(key, 0)
     counts["examples_packed"] = int(len(np.unique(ex)))
     per_record = (time.perf_counter() - started) / max(1, len(items)) + s.seconds / max(1, s.parsed)
-    return _Encoded(s, rejected, counts, (stops - starts).astype(np.int64), cum[abs_stops] - cum[abs_starts],
-                    validation, batch, per_record)
+    return _Encoded(s, rejected, counts, lengths, targets, validation, batch, per_record, side_difference)
 
 
 def _simulate_rows(parts: Sequence[tuple[np.ndarray, float]], groups: int, options: PackOptions,
@@ -365,7 +379,7 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
             mine = e.validation == (split == "validation")
             tokens += float(e.lengths[mine].sum()) * scale
             targets += float(e.targets[mine].sum()) * scale
-            pieces += float(mine.sum()) * scale
+            pieces += float(mine.sum()) * scale * (2 if options.pairs else 1)  # a pair: two sequences
             parts.append((e.lengths[mine], float(mine.sum()) * scale))
         rows = int(round(_simulate_rows(parts, groups[split], options, rng)))
         tokens_i = int(round(tokens))
@@ -424,7 +438,15 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
         "sample_tokens_per_s": round(sum(e.batch.num_tokens for e in encoded) / max(1e-9, sample_s), 1),
         "estimate_seconds": round(time.perf_counter() - started, 2),
         "max_tokens": budget,
+        "pairs": _pairs_estimate(encoded, counts["examples_packed"], rows) if options.pairs else {},
     }
+
+
+def _pairs_estimate(encoded: list, pairs: int, rows: int) -> dict[str, Any]:
+    """A run of pairs: pairs packed, pairs per row, and the mean |chosen - rejected| tokens of the sampled pairs."""
+    diff = np.concatenate([e.side_difference for e in encoded]) if encoded else np.zeros(0)
+    return {"pairs": pairs, "pairs_per_row": pairs / rows if rows else 0.0,
+            "side_difference_mean": float(diff.mean()) if len(diff) else 0.0}
 
 
 def human_bytes(n: float) -> str:
@@ -466,6 +488,8 @@ def format_estimate(e: dict[str, Any]) -> str:
         ("rows", f"~{e['rows']:,}  (lower bound {e['lower_bound']:,})"),
         ("fill", f"~{e['fill']:.2%}"),
         ("examples per row", f"~{e['examples_per_row']:.2f}"),
+        *([("pairs", f"~{e['pairs']['pairs']:,}  (~{e['pairs']['pairs_per_row']:.2f} per row, sides differ by "
+                     f"~{e['pairs']['side_difference_mean']:,.0f} tokens on average)")] if e["pairs"] else []),
     ]
     if len(e["splits"]) > 1:
         lines += [(f"  {name}", f"~{s['rows']:,} rows, ~{s['tokens']:,} tokens, {s['shards']} shard(s)")

@@ -9,7 +9,9 @@ in total (``train`` and ``validation`` together) and per split (``splits``). Wha
 cannot tell (records read, not sampled, rejected by reason, dropped for length, truncated,
 split) comes from the manifest's counts and is counted exactly as ``pack``'s summary counts it:
 ``rejected`` never includes the examples dropped for length. ``consistent`` says whether the
-shards agree with the manifest. Three PNGs, drawn with matplotlib's Agg backend (no display)::
+shards agree with the manifest. A run of preference pairs (``--pairs``) also gets ``pairs``: the
+pairs packed, pairs per row, and the length difference between a pair's two sides. Three PNGs,
+drawn with matplotlib's Agg backend (no display)::
 
     example_lengths.png    tokens per packed sequence (a piece of a split example counts
                            as one), log-scaled counts, the budget as a dashed line
@@ -40,7 +42,7 @@ from packers._manifest import (
 )
 import pipeline._write as _write
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 PLOTS = ("example_lengths", "row_fill", "examples_per_row")
 
@@ -79,6 +81,9 @@ REPORT_KEYS: dict[str, Any] = {
     "consistent": bool,  # the shards agree with manifest.json (rows, tokens, targets, sequences, examples)
     "warnings": list,  # where they disagree, and shard-like files the manifest does not list
     "plots": dict,  # plot name -> PNG path; {} with --no-plots
+    # A run of preference pairs (--pairs); {} otherwise:
+    "pairs": dict,  # {"pairs": int, "pairs_per_row": {"mean", "min", "max"}, "side_difference": {"mean", "p0", ...}
+    #                  (|chosen - rejected| tokens per pair), "chosen_longer": float (fraction of pairs)}
 }
 _SPLIT_KEYS = ("shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill")
 
@@ -150,7 +155,8 @@ class _Shard:
         # '#' in an id is always a piece marker (sources and ids escape it as %23, see pipeline._rows).
         piece = pc.match_substring(ids, "#")
         self.whole = int(len(ids) - (pc.sum(piece).as_py() or 0))
-        self.piece_bases = pc.replace_substring_regex(ids.filter(piece), r"#\d+$", "")
+        # A pair's sides (#chosen, #rejected) are its pieces: one example, the pair.
+        self.piece_bases = pc.replace_substring_regex(ids.filter(piece), r"#(\d+|chosen|rejected)$", "")
 
 
 def _percentiles(x: np.ndarray) -> dict[str, Any]:
@@ -269,10 +275,25 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         "consistent": not warnings,
         "warnings": warnings,
         "plots": {},
+        "pairs": _pairs(lengths, per_row) if m.row_checks.pairs else {},
     }
     if plots_dir is not None:
         report["plots"] = write_plots(plots_dir, lengths, num_tokens, per_row, budget)
     return report
+
+
+def _pairs(lengths: np.ndarray, per_row: np.ndarray) -> dict[str, Any]:
+    """What a run of pairs holds: every row is whole pairs, each chosen side followed by its rejected side."""
+    chosen, rejected = lengths[0::2], lengths[1::2]
+    pairs_per_row = per_row // 2
+    rows = len(per_row)
+    return {
+        "pairs": int(len(chosen)),
+        "pairs_per_row": {"mean": float(pairs_per_row.mean()) if rows else 0.0,
+                          "min": int(pairs_per_row.min()) if rows else 0, "max": int(pairs_per_row.max()) if rows else 0},
+        "side_difference": _percentiles(np.abs(chosen - rejected)),
+        "chosen_longer": float((chosen > rejected).mean()) if len(chosen) else 0.0,
+    }
 
 
 PLOTS_MARK = ".packstream-inspect.json"
@@ -443,6 +464,13 @@ def format_report(r: dict[str, Any]) -> str:
         ("example length", f"mean {el['mean']:,.0f}  " + pct(el)),
         ("row tokens", f"mean {rt['mean']:,.0f}  " + pct(rt)),
     ]
+    if r["pairs"]:
+        p, ppr, sd = r["pairs"], r["pairs"]["pairs_per_row"], r["pairs"]["side_difference"]
+        lines += [
+            ("pairs", f"{p['pairs']:,}  (chosen side longer in {p['chosen_longer']:.1%})"),
+            ("pairs per row", f"mean {ppr['mean']:.2f}  min {ppr['min']}  max {ppr['max']}"),
+            ("side difference", f"mean {sd['mean']:,.0f}  " + pct(sd) + "  (|chosen - rejected| tokens)"),
+        ]
     lines += [("WARNING", w) for w in r["warnings"]]
     lines += [(f"plot {k}", v) for k, v in r["plots"].items()]
     width = max(len(k) for k, _ in lines)

@@ -443,6 +443,7 @@ def _manifest(o: PackOptions, plan: Plan, identity: dict, files, notes, status: 
             "eos_at_boundaries": bool(flags["eos_at_boundaries"] and plan.eos_id is not None),
             "targets_in_every_sequence": True,
             "all_targets": bool(flags["all_targets"] and counts["tokens"] > 0),
+            "pairs": o.pairs,
         },
         "rejected_file": "rejected.jsonl",
     }

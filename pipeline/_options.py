@@ -339,6 +339,11 @@ class PackOptions(FormatOptions):
         "target token are dropped and counted."))
     truncate_side: TruncateSide = dataclasses.field(default=TruncateSide.RIGHT, metadata=cli(
         "--truncate-side", "With --long truncate: keep the start (right) or the end (left) of the example."))
+    pairs: bool = dataclasses.field(default=False, metadata=cli(
+        "--pairs", "Preference pairs (DPO, ORPO, SimPO): read chosen/rejected records (see docs/formats.md), render "
+        "each side with the chat template, train on each side's completion only; both sides share one prompt and "
+        "sit next to each other in one row, chosen first. --long: drop a pair, or truncate both completions at "
+        "one length.", kind="switch"))
     max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--max-per-row", "Cap on examples per row.", metavar="N"))
     refine: bool = dataclasses.field(default=True, metadata=cli(
@@ -421,6 +426,8 @@ class PackOptions(FormatOptions):
                 f"--workers {self.workers} is more than 4 per core ({cores} cores here), and each worker holds a "
                 "tokenizer (~0.4 GB); use fewer, or pass --force-workers"
             )
+        if self.pairs:
+            self._check_pairs()
         for spec in self.config:
             if not isinstance(spec, DatasetSpec):
                 raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
@@ -429,6 +436,30 @@ class PackOptions(FormatOptions):
                 raise PackstreamError(
                     f"--tokenized-with {spec.format.tokenized_with!r} (data set {spec.name!r}) differs from --tokenizer "
                     f"{self.tokenizer!r}; pre-tokenized input_ids must come from the tokenizer that packs them"
+                )
+
+    def _check_pairs(self) -> None:
+        """Options that cannot hold for a pair (each side: its whole prompt, then a completion it trains on)."""
+        if self.long is LongPolicy.SPLIT:
+            raise PackstreamError("--long split cannot split a preference pair (each side needs its whole prompt, and "
+                                  "half a pair trains nothing); use --long truncate (both completions cut at one "
+                                  "length) or --long drop with --pairs")
+        if self.truncate_side is not TruncateSide.RIGHT:
+            raise PackstreamError("--pairs truncates both completions at one length, keeping their starts; "
+                                  "--truncate-side left does not apply: leave it at right")
+        if self.max_per_row is not None and self.max_per_row < 2:
+            raise PackstreamError(f"--max-per-row {self.max_per_row} is less than one pair (2 sequences) with --pairs; "
+                                  "use at least 2")
+        for spec in self.datasets():
+            if spec.format.preference is not None:
+                raise PackstreamError(
+                    f"data set {spec.name!r}: --preference {spec.format.preference.value} trains one side of each pair "
+                    "as SFT, --pairs packs both sides as pairs; give one of them"
+                )
+            if spec.format.train_on is not TrainOn.ASSISTANT or spec.format.mask_reasoning:
+                raise PackstreamError(
+                    f"data set {spec.name!r}: --pairs trains on each side's whole completion (what DPO scores); "
+                    "--train-on all and --mask-reasoning do not apply: drop them"
                 )
 
     def datasets(self) -> tuple[DatasetSpec, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
-from pipeline._formats import Reason, Rejected, conversations, detect
+from pipeline._formats import Reason, Rejected, conversations, detect, pair_conversations
 from pipeline._options import PackOptions
 
 def inputs(options: PackOptions) -> list:
@@ -46,7 +46,8 @@ def preview(options: PackOptions, n: int) -> list[dict]:
 
     Each item: ``source``, ``position``, ``dataset``; then either ``reason`` and ``detail``, or
     ``format``, ``mapping`` (words), ``notes``, ``spans`` (``[(text, is_target), ...]`` decoded
-    from the tokens), ``tokens`` and ``targets`` (counts). ``format`` is set for refused records
+    from the tokens), ``tokens`` and ``targets`` (counts); with ``--pairs``, ``sides``: the spans of
+    the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
     from pipeline._encode import Encoder
@@ -63,7 +64,8 @@ def preview(options: PackOptions, n: int) -> list[dict]:
             if not isinstance(record, Rejected):
                 try:
                     item["format"] = detect(record, fmt)
-                    convs = conversations(record, fmt)
+                    # --pairs reads each side as --preference does; the mapping shown is the chosen side's
+                    convs = [pair_conversations(record, fmt)[0]] if options.pairs else conversations(record, fmt)
                 except Rejected:
                     pass
             encoded = encoder.encode([(f.dataset, f.source, position, record)])
@@ -75,6 +77,11 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                 items.append(it)
                 if k < len(convs):
                     it["mapping"], it["notes"] = list(convs[k].mapping), dict(convs[k].notes)
+                    if options.pairs:  # both sides are packed: say so, not what --preference chosen would do
+                        it["mapping"] = ["a preference pair: the shared prompt, then the chosen and the rejected "
+                                         "answer, each a sequence (--pairs)"] + [
+                            m for m in it["mapping"] if not m.startswith("a preference pair")]
+                        it["notes"].pop("other_side_not_trained", None)
                 if eid not in packed:
                     d = dead.get(eid) or encoded.rejected[0]
                     it["reason"], it["detail"] = d["reason"], d["detail"]
@@ -83,6 +90,10 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                 ids, mask = _example(batch, int(batch.offsets[i]), int(batch.offsets[i + 1]))
                 it["tokens"], it["targets"] = len(ids), int(sum(mask))
                 it["spans"] = [(tok.decode(run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
+                if batch.cuts is not None:  # a pair: its chosen and rejected sides, each on its own
+                    cut = int(batch.cuts[i])
+                    it["sides"] = [[(tok.decode(r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
+                                   for x, y in ((0, cut), (cut, len(ids)))]
     return items
 
 
@@ -141,9 +152,12 @@ def format_preview(items: list[dict], color: bool) -> str:
         notes = it.get("notes") or {}
         if notes:
             out.append("   notes: " + ", ".join(f"{k} {v}" for k, v in sorted(notes.items())))
-        text = "".join(c(_GREEN, t) if y else c(_DIM, t) for t, y in it["spans"]) if color else \
-            "".join(f"[[{t}]]" if y else t for t, y in it["spans"])
-        out.append(text)
+        for k, spans in enumerate(it.get("sides") or [it["spans"]]):
+            if "sides" in it:
+                out.append(c(_BOLD, "   chosen:" if k == 0 else "   rejected:"))
+            text = "".join(c(_GREEN, t) if y else c(_DIM, t) for t, y in spans) if color else \
+                "".join(f"[[{t}]]" if y else t for t, y in spans)
+            out.append(text)
         out.append("")
     if not color:
         out.append("[[...]]: training targets (loss mask 1)")

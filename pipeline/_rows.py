@@ -104,7 +104,13 @@ def reject_sort_key(r: dict) -> tuple:
 class ExampleBatch:
     """Many examples in flat arrays, so steps move one object per batch instead of per example.
 
-    ``input_ids[offsets[i]:offsets[i + 1]]`` (and ``loss_mask`` likewise) is example ``i``.
+    ``input_ids[offsets[i]:offsets[i + 1]]`` (and ``loss_mask`` likewise) is example ``i``. A
+    preference pair (``--pairs``) is one example: its chosen side's tokens, then its rejected
+    side's, with ``cuts[i]`` the chosen side's length, so that every step before packing (sampling,
+    repeats, the validation split, groups, de-duplication, dead letters) handles the pair as one::
+
+        input_ids  [ 5  9  2 41 17  1  5  9  2 30  1 ]    cuts [6]: chosen [0, 6), rejected [6, 11)
+        loss_mask  [ 0  0  0  1  1  1  0  0  0  1  1 ]    targets: the completions
     """
 
     ids: list[str]
@@ -116,14 +122,20 @@ class ExampleBatch:
     """int32 (tokens,)."""
     loss_mask: np.ndarray
     """uint8 (tokens,)."""
+    cuts: np.ndarray | None = None
+    """int64 (n,): where each pair's rejected side starts; None for plain examples."""
 
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
-                    input_ids: np.ndarray, loss_mask: np.ndarray) -> "ExampleBatch":
+                    input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        if cuts is not None:
+            cuts = np.asarray(cuts, dtype=np.int64)
+            if cuts.shape != (len(ids),) or (len(ids) and ((cuts < 1) | (cuts >= np.diff(offsets))).any()):
+                raise packers.InternalError(f"pair cuts {cuts[:8]} do not fit examples of lengths {np.diff(offsets)[:8]}")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False))
+                   loss_mask.astype(np.uint8, copy=False), cuts)
 
     @classmethod
     def empty(cls) -> "ExampleBatch":
@@ -152,17 +164,22 @@ class ExampleBatch:
         idx = _ranges(starts, stops)
         return ExampleBatch.from_arrays([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
                                         [self.positions[i] for i in which], stops - starts,
-                                        self.input_ids[idx], self.loss_mask[idx])
+                                        self.input_ids[idx], self.loss_mask[idx],
+                                        None if self.cuts is None else self.cuts[which])
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
         batches = [b for b in batches if len(b)]
         if not batches:
             return cls.empty()
+        paired = {b.cuts is not None for b in batches}
+        if len(paired) > 1:
+            raise packers.InternalError("concatenating batches of pairs with batches of plain examples")
         return cls.from_arrays([i for b in batches for i in b.ids], [s for b in batches for s in b.sources],
                                [p for b in batches for p in b.positions], np.concatenate([b.lengths for b in batches]),
                                np.concatenate([b.input_ids for b in batches]),
-                               np.concatenate([b.loss_mask for b in batches]))
+                               np.concatenate([b.loss_mask for b in batches]),
+                               np.concatenate([b.cuts for b in batches]) if paired == {True} else None)
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -284,10 +301,12 @@ def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
 
 
 def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) -> Group:
-    """Grouped mode: de-duplicate, split/truncate, plan and assemble one group of examples."""
+    """Grouped mode: de-duplicate, split/truncate, plan and assemble one group of examples (or of pairs)."""
     stats: dict[str, int] = {}
     batch, rejected = dedupe(batch)
     stats["duplicates"] = len(rejected)
+    if options.pairs:
+        return _pack_pairs(batch, options, eos_id, rejected, stats)
     ex, starts, stops, parts = pieces(batch, options, rejected, stats)
     result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
@@ -295,7 +314,9 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
         raise packers.InternalError(f"pack() dropped {len(result.dropped)} / emptied {len(result.empty)} pieces")
     stats["examples_packed"] = len(np.unique(ex))
     stats["pieces"] = int(len(result.order))
-    group = assemble(batch, ex[result.order], starts[result.order], stops[result.order], parts[result.order],
+    parts = parts[result.order]
+    suffixes = ["" if p < 0 else f"#{p}" for p in parts.tolist()]
+    group = assemble(batch, ex[result.order], starts[result.order], stops[result.order], suffixes,
                      result.row_offsets, options.seed, eos_id, options.max_tokens)
     stats["rows"] = group.batch.num_rows
     group.rejected = rejected
@@ -303,10 +324,83 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     return group
 
 
-def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, parts: np.ndarray,
-             row_offsets: np.ndarray, seed: int, eos_id: int | None, budget: int) -> Group:
-    """Rows from placed pieces (row ``r`` is pieces ``row_offsets[r]:row_offsets[r+1]``), shuffled by a seeded key."""
-    piece_ids = [batch.ids[e] if p < 0 else f"{batch.ids[e]}#{p}" for e, p in zip(ex.tolist(), parts.tolist())]
+def prompt_lengths(batch: ExampleBatch) -> np.ndarray:
+    """Each pair's prompt length: the tokens of its chosen side before the first target (the completion)."""
+    targets = np.flatnonzero(batch.loss_mask)
+    first = targets[np.minimum(np.searchsorted(targets, batch.offsets[:-1]), max(len(targets) - 1, 0))] if len(targets) \
+        else batch.offsets[:-1]
+    return first - batch.offsets[:-1]
+
+
+def plan_pairs(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
+    """Pack a group of pairs (:func:`packers.pack_pairs`, the --long policy for pairs). Returns the result (its
+    sequences: ``2 * i`` pair ``i``'s chosen side, ``2 * i + 1`` its rejected side) and the prompt lengths;
+    dead-letters the pairs it drops and counts the ones it truncates."""
+    budget = options.max_tokens
+    cuts = batch.cuts
+    chosen, rejected_len = cuts, batch.lengths - cuts
+    prompt = prompt_lengths(batch)
+    result = packers.pack_pairs(chosen, rejected_len, budget, "bfd", prompt=prompt, long=options.long,
+                                max_per_row=options.max_per_row, refine=options.refine and options.max_per_row is None)
+    if len(result.empty):
+        raise packers.InternalError(f"pack_pairs() found {len(result.empty) // 2} empty pairs; the encoder never makes one")
+    for i in np.unique(result.dropped // 2).tolist():
+        c, r, p = int(chosen[i]), int(rejected_len[i]), int(prompt[i])
+        if options.long is LongPolicy.TRUNCATE:
+            detail = (f"pair of {c} + {r} = {c + r} tokens > budget {budget}, and its prompt ({p} tokens, on both sides) "
+                      f"leaves {budget - 2 * p} tokens for the two completions, fewer than one each; use a larger "
+                      "--max-tokens")
+        else:
+            detail = (f"pair of {c} + {r} = {c + r} tokens > budget {budget} (--long drop; a pair is never split); use "
+                      "--long truncate (both completions cut at one length) or a larger --max-tokens")
+        rejected.append(reject_record(batch.sources[i], batch.positions[i], Reason.TOO_LONG, detail, batch.ids[i]))
+        stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
+        stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + c + r
+    cut = np.unique(result.truncated // 2)
+    if len(cut):
+        stats["truncated_examples"] = stats.get("truncated_examples", 0) + len(cut)
+        stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + result.truncated_tokens
+    return result, prompt
+
+
+def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, rejected: list[dict],
+                stats: dict[str, int]) -> Group:
+    """:func:`pack_group` for pairs: each pair one item, its two sides adjacent in one row, chosen first."""
+    if batch.cuts is None:
+        if len(batch):
+            raise packers.InternalError("a --pairs run got examples that are not pairs")
+        batch = dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
+    result, prompt = plan_pairs(batch, options, rejected, stats)
+    seqs = result.order
+    ex, side = seqs // 2, seqs % 2
+    starts = np.where(side == 0, 0, batch.cuts[ex])
+    stops = starts + result.stops
+    stats["examples_packed"] = len(np.unique(ex))
+    stats["pieces"] = int(len(seqs))
+    suffixes = [packers.Side(s).suffix for s in side.tolist()]
+    group = assemble(batch, ex, starts, stops, suffixes, result.row_offsets, options.seed, eos_id, options.max_tokens,
+                     pairs=(prompt[ex], side))
+    stats["rows"] = group.batch.num_rows
+    group.rejected = rejected
+    group.stats = stats
+    return group
+
+
+def _list(offsets: np.ndarray, values: np.ndarray | list, typ: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, typ))
+
+
+def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, suffixes: list[str],
+             row_offsets: np.ndarray, seed: int, eos_id: int | None, budget: int,
+             pairs: tuple[np.ndarray, np.ndarray] | None = None) -> Group:
+    """Rows from placed pieces (row ``r`` is pieces ``row_offsets[r]:row_offsets[r+1]``), shuffled by a seeded key.
+
+    Piece ``j`` is tokens ``[starts[j], stops[j])`` of example ``ex[j]``, with id ``batch.ids[ex[j]] + suffixes[j]``.
+    With ``pairs = (prompts, sides)`` (pieces are the sides of pairs), piece ``j``'s completion is everything after
+    its first ``prompts[j]`` tokens, its side ``sides[j]`` (0 chosen, 1 rejected), and the rows get their pair
+    columns; the rows' contract checks (pairs adjacent, chosen first) are the loader's and verify's.
+    """
+    piece_ids = [batch.ids[e] + sfx for e, sfx in zip(ex.tolist(), suffixes)]
     rows = len(row_offsets) - 1
     first = row_offsets[:-1].tolist()
     keys = np.array([stable_hash(piece_ids[f], salt=str(seed)) for f in first], dtype=np.uint64)
@@ -330,12 +424,31 @@ def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.
     seq_row_off = np.concatenate([[0], np.cumsum(row_pieces + 1)])
     tok_row_off = np.concatenate([[0], np.cumsum(row_tokens)])
     ordered_ids = [piece_ids[i] for i in piece_order.tolist()]
+    # num_targets: a row's targets, less those on a sequence's first token (the Collator's labels drop them).
+    mask_cum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+    at_first = np.bincount(np.repeat(np.arange(rows), row_pieces), weights=loss_mask[csum - piece_lens],
+                           minlength=rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+    num_targets = mask_cum[tok_row_off[1:]] - mask_cum[tok_row_off[:-1]] - at_first
+    if pairs is None:
+        none = np.zeros(rows + 1, np.int64)
+        pair_cols = [_list(none, [], pa.string()), _list(none, np.zeros(0, np.uint8), pa.uint8()),
+                     _list(none, np.zeros(0, np.int32), pa.int32())]
+    else:
+        seq_start = ends - piece_lens  # row-relative
+        prompts, sides = pairs
+        spans = np.stack([seq_start + prompts[piece_order], ends], axis=1).ravel()
+        sides = sides[piece_order]
+        pair_cols = [_list(row_start_piece, [batch.ids[e] for e in ex[piece_order].tolist()], pa.string()),
+                     _list(row_start_piece, sides.astype(np.uint8), pa.uint8()),
+                     _list(2 * row_start_piece, spans, pa.int32())]
     arrays = [
-        pa.ListArray.from_arrays(pa.array(tok_row_off, pa.int32()), pa.array(input_ids, pa.int32())),
-        pa.ListArray.from_arrays(pa.array(tok_row_off, pa.int32()), pa.array(loss_mask, pa.uint8())),
-        pa.ListArray.from_arrays(pa.array(seq_row_off, pa.int32()), pa.array(seq_vals, pa.int32())),
-        pa.ListArray.from_arrays(pa.array(row_start_piece, pa.int32()), pa.array(ordered_ids, pa.string())),
+        _list(tok_row_off, input_ids, pa.int32()),
+        _list(tok_row_off, loss_mask, pa.uint8()),
+        _list(seq_row_off, seq_vals, pa.int32()),
+        _list(row_start_piece, ordered_ids, pa.string()),
         pa.array(row_tokens, pa.int32()),
+        pa.array(num_targets, pa.int32()),
+        *pair_cols,
     ]
     record_batch = pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?

@@ -7,7 +7,7 @@ per packing group. Only small :class:`Slice` s travel through the shuffle, and a
 reads exactly its groups' batches back::
 
     <output>/.tmp-spill-<run>/part-<task>-<n>-<attempt>.arrow
-        batch 0: group 3   example_id | source | position | input_ids | loss_mask
+        batch 0: group 3   example_id | source | position | input_ids | loss_mask | cut
         batch 1: group 12  ...
         batch 2: group 40  ...
 
@@ -39,6 +39,7 @@ SPILL_SCHEMA = pa.schema([
     pa.field("position", pa.int64(), nullable=False),
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+    pa.field("cut", pa.int64(), nullable=False),  # a pair's rejected side starts here (-1: not a pair)
 ])
 
 
@@ -105,14 +106,16 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
         pa.array(batch.positions[a:b], pa.int64()),
         pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.input_ids[o[0]:o[-1]], pa.int32())),
         pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.loss_mask[o[0]:o[-1]], pa.uint8())),
+        pa.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
     ], schema=SPILL_SCHEMA)
 
 
 def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     """The examples of ``slices``, concatenated in the given order."""
-    ids, sources, positions, lengths, tok_ids, masks = [], [], [], [], [], []
+    ids, sources, positions, lengths, tok_ids, masks, cuts = [], [], [], [], [], [], []
     for s in slices:
         rb = _read_batch(s.path, s.batch)
+        cuts.append(rb.column(5).to_numpy())
         ids += rb.column(0).to_pylist()
         sources += rb.column(1).to_pylist()
         positions += rb.column(2).to_pylist()
@@ -122,8 +125,9 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
         lengths.append(np.diff(rb.column(3).offsets.to_numpy()))
     if not ids:
         return ExampleBatch.empty()
+    cut = np.concatenate(cuts)
     return ExampleBatch.from_arrays(ids, sources, positions, np.concatenate(lengths), np.concatenate(tok_ids),
-                                    np.concatenate(masks))
+                                    np.concatenate(masks), None if (cut < 0).all() else cut)
 
 
 def _read_batch(path: str, index: int) -> pa.RecordBatch:

@@ -19,7 +19,9 @@ got). Nothing in the folder is trusted:
   implies (:func:`packers._manifest.expected_metadata`: the run's, and the shard's own run id, split,
   index and count), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
-  increasing), loss_mask values only 0 or 1, and the manifest's ``row_checks``: every sequence
+  increasing), loss_mask values only 0 or 1, ``num_targets``, the pair columns (empty, or in a run of
+  pairs: whole pairs, chosen first, one prompt per pair, loss_mask exactly on the completion spans),
+  and the manifest's ``row_checks``: every sequence
   shorter than the budget ends with ``eos_token_id`` (``eos_at_boundaries``), every sequence has a
   target (``targets_in_every_sequence``), every token is one (``all_targets``).
 * **Ids and counts.** Every example id exactly once across all shards and splits, the copies and
@@ -59,6 +61,8 @@ from packers._manifest import (
     LOCK, MANIFEST, MAX_DEAD_LETTER_BYTES, TMP_PREFIX, Manifest, RowChecks, ShardEntry, expected_metadata,
     inconsistencies, is_datasets_cache, missing_manifest, require_complete,
 )
+from packers._rowcheck import Failure, gather, check_batch
+from packers._schema import PAIR_COLUMNS
 import pipeline._read as _read
 import pipeline._rows as _rows
 import pipeline._write as _write
@@ -307,7 +311,8 @@ def check_shard(report: Report, index: int, entry: ShardEntry, size: int, sha: s
     mask_off, mask, n2 = _list_column(table, "loss_mask")
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
     ex_off, exs, n4 = _list_column(table, "example_ids")
-    nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count
+    nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS)
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
         return None
@@ -351,6 +356,7 @@ def check_shard(report: Report, index: int, entry: ShardEntry, size: int, sha: s
 
     # Sequences of the good rows.
     good = np.flatnonzero(~bad)
+    _check_targets_and_pairs(report, name, table, good, exs, ex_off, checks)
     counts = nseq[good]
     rows_of = np.repeat(good, counts)
     k_of = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -398,6 +404,30 @@ def check_shard(report: Report, index: int, entry: ShardEntry, size: int, sha: s
     report.pieces += measured["examples"]
     report.tokens += measured["tokens"]
     return measured
+
+
+_CHECK_CHUNK = 1024
+"""Rows per call of the loader's vectorized checks in :func:`_check_targets_and_pairs`."""
+
+
+def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: np.ndarray, exs: list, ex_off: np.ndarray,
+                             checks: RowChecks) -> None:
+    """``num_targets`` and the pair columns of the structurally good rows, by the loader's own vectorized checks
+    (:func:`packers._rowcheck.check_batch`; the flags verify reports itself are off): every broken row once."""
+    plain = dataclasses.replace(checks, eos_at_boundaries=False, targets_in_every_sequence=False, all_targets=False)
+    for c0 in range(0, len(good), _CHECK_CHUNK):
+        idx = good[c0:c0 + _CHECK_CHUNK]
+        while len(idx):
+            b = gather(table.take(pa.array(idx)), check=False)
+            f = check_batch(b, plain) if not isinstance(b, Failure) else b
+            if f is None:
+                break
+            row = int(idx[f.row])
+            where = f"{name} row {row}"
+            if f.sequence is not None:
+                where += f" sequence {f.sequence} ({exs[ex_off[row] + f.sequence]})"
+            report.add(where, f"check {f.check} failed: {f.detail}")
+            idx = np.delete(idx, f.row)  # a row's first failure only; the others are checked again without it
 
 
 def _check_ids(stored: _Stored, report: Report) -> None:
@@ -647,7 +677,17 @@ def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, d
         lengths = batch.lengths
         for i, eid in enumerate(batch.ids):
             stats: dict[str, int] = {}
-            if lengths[i] <= budget:
+            if options.pairs:  # the job's rules for pairs, on this pair alone: two sides, or a dead letter
+                rejected = []
+                result, _ = _rows.plan_pairs(batch.take([i]), options, rejected, stats)
+                if rejected:
+                    candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i],
+                                                           rejected[0]["reason"], stats))
+                    continue
+                cut = int(batch.cuts[i])
+                spans = [(packers.Side(side).suffix, (0 if side == 0 else cut), (0 if side == 0 else cut) + int(n))
+                         for side, n in zip(result.order.tolist(), result.stops.tolist())]
+            elif lengths[i] <= budget:
                 spans = [(-1, 0, int(lengths[i]))]
             else:  # the job's --long rules, on this example alone
                 rejected: list[dict] = []
@@ -660,7 +700,7 @@ def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, d
             o = int(batch.offsets[i])
             out = []
             for part, a, b in spans:
-                pid = eid if part < 0 else f"{eid}#{part}"
+                pid = eid + part if isinstance(part, str) else eid if part < 0 else f"{eid}#{part}"
                 ids, mask = batch.input_ids[o + a:o + b], batch.loss_mask[o + a:o + b]
                 d = piece_digest(ids, mask)
                 if pid in stored.digest and stored.digest[pid] != d and len(details) < _MISMATCH_DETAILS:

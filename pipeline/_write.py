@@ -430,16 +430,19 @@ size_categories:
 ---
 """
     t = manifest["tokenizer"]
+    pairs = bool(manifest["config"].get("pairs"))
+    what = ("preference pairs, each pair's chosen and rejected sides next to each other in one row"
+            if pairs else "examples")
     body = f"""
-# Packed SFT data (packstream)
+# Packed {'preference' if pairs else 'SFT'} data (packstream)
 
 Rows of at most **{manifest['config']['max_tokens']}** tokens, each holding several tokenized
-examples back to back (packed-row contract v{manifest['contract_version']}; no padding stored).
+{what} back to back (packed-row contract v{manifest['contract_version']}; no padding stored).
 
 | | |
 |---|---|
 | rows | {c['rows']:,} |
-| packed examples | {c['examples_packed']:,} |
+| packed {'pairs' if pairs else 'examples'} | {c['examples_packed']:,} |
 | tokens | {c['tokens']:,} |
 | fill | {c['fill']:.4%} |
 | rows vs lower bound | {c['rows']:,} vs {c['lower_bound']:,} |
@@ -448,7 +451,10 @@ examples back to back (packed-row contract v{manifest['contract_version']}; no p
 | tokenizer | `{t['name']}` (vocab sha256 `{t['vocab_sha256'][:16]}…`) |
 
 Columns: `input_ids` (list<int32>), `loss_mask` (list<uint8>, 1 = training target),
-`seq_offsets` (list<int32>, `[0, end_1, ..., len]`), `example_ids` (list<string>), `num_tokens` (int32).
+`seq_offsets` (list<int32>, `[0, end_1, ..., len]`), `example_ids` (list<string>), `num_tokens` (int32),
+`num_targets` (int32, the targets the loss sees), `pair_ids` (list<string>), `sides` (list<uint8>, 0 chosen,
+1 rejected) and `completion_spans` (list<int32>, `[start, stop)` per sequence); the last three are empty
+in rows without pairs.
 
 Load it with `datasets.load_dataset("<this folder>")`, or zero-copy with
 `packers.PackedDataset("<this folder>")`, and collate with `packers.Collator()`.

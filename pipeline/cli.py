@@ -370,7 +370,7 @@ def summary_table(manifest: dict) -> str:
         ("records read", f"{c['records_read']:,}"
          + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")
          + (f"  (+{c['extra_paths']:,} more message-tree paths)" if c.get("extra_paths") else "")),
-        ("examples packed", f"{c['examples_packed']:,}"),
+        ("pairs packed" if manifest["config"].get("pairs") else "examples packed", f"{c['examples_packed']:,}"),
     ]
     if c.get("not_sampled"):
         lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
@@ -396,6 +396,9 @@ def summary_table(manifest: dict) -> str:
         ("fill", f"{c['fill']:.3%}"),
         ("examples per row", f"{c['examples_per_row']:.2f}"),
     ]
+    if manifest["config"].get("pairs"):
+        lines.append(("pairs per row", f"{c['examples_packed'] / c['rows'] if c['rows'] else 0:.2f}  (each pair: its "
+                                       "chosen and rejected sequences, side by side)"))
     splits = c.get("splits", {})
     if len(splits) > 1:
         lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))

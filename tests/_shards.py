@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from packers import CONTRACT_VERSION, read_metadata, shard_schema
 from packers._manifest import MANIFEST, REJECTED, SHARD_NAME, Status, shard_place
-from packers._schema import place_metadata
+from packers._schema import Side, count_targets, place_metadata
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """``../shared/data`` from the repository root (absent in some checkouts: tests skip then)."""
@@ -71,7 +71,7 @@ def pack_first_fit(examples: Sequence[Example], budget: int) -> list[dict]:
 
 
 def make_row(examples: Sequence[Example]) -> dict:
-    """One packed row holding ``examples`` back to back."""
+    """One packed row holding ``examples`` back to back (no pairs: the pair columns are empty)."""
     ids, mask, offs = [], [], [0]
     for ex in examples:
         ids += ex.input_ids
@@ -83,7 +83,61 @@ def make_row(examples: Sequence[Example]) -> dict:
         "seq_offsets": offs,
         "example_ids": [ex.id for ex in examples],
         "num_tokens": len(ids),
+        "num_targets": count_targets(mask, offs),
+        "pair_ids": [],
+        "sides": [],
+        "completion_spans": [],
     }
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference pair: a prompt both sides share, then each side's completion (trained on)."""
+
+    id: str
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+    def sides(self) -> list[Example]:
+        """The two sequences, chosen first: prompt (mask 0) then completion (mask 1)."""
+        return [Example(self.id + side.suffix, self.prompt + c, [0] * len(self.prompt) + [1] * len(c))
+                for side, c in ((Side.CHOSEN, self.chosen), (Side.REJECTED, self.rejected))]
+
+
+def random_pairs(n: int, *, seed: int = 0, max_prompt: int = 12, max_completion: int = 16, vocab: int = 128) -> list[Pair]:
+    """``n`` random pairs: prompts of 1..max_prompt tokens, completions of 1..max_completion (their lengths differ)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(2, vocab, size=int(rng.integers(1, max_prompt + 1))).tolist()
+        c, r = (rng.integers(2, vocab, size=int(rng.integers(1, max_completion + 1))).tolist() for _ in range(2))
+        out.append(Pair(f"pairs@{i}", prompt, c, r))
+    return out
+
+
+def make_pair_row(pairs: Sequence[Pair]) -> dict:
+    """One packed row holding ``pairs``, each as two adjacent sequences, chosen first (the row contract's pair columns)."""
+    row = make_row([ex for p in pairs for ex in p.sides()])
+    offs = row["seq_offsets"]
+    spans = []
+    for j, p in enumerate(q for q in pairs for _ in range(2)):
+        spans += [offs[j] + len(p.prompt), offs[j + 1]]
+    row.update(pair_ids=[p.id for p in pairs for _ in range(2)], sides=[Side.CHOSEN, Side.REJECTED] * len(pairs),
+               completion_spans=spans)
+    return row
+
+
+def v2_row(r: dict) -> dict:
+    """``r`` with the columns it leaves out filled as a writer would: ``num_tokens``, ``num_targets``, and empty
+    pair columns (a row of plain examples). Values it gives (say, a deliberately broken one) are kept."""
+    try:
+        targets = count_targets(r["loss_mask"], r["seq_offsets"])
+    except (IndexError, TypeError):  # offsets broken on purpose: the test checks those
+        targets = 0
+    out = {"num_targets": targets, "pair_ids": [], "sides": [], "completion_spans": [], **r}
+    out["num_tokens"] = len(r["input_ids"])
+    return out
 
 
 def write_shards(
@@ -116,7 +170,7 @@ def write_shards(
     for k in range(num_shards):
         part = rows[bounds[k] : bounds[k + 1]]
         placed = schema.with_metadata(place_metadata(schema.metadata, split=split, shard_index=k, shard_count=num_shards))
-        table = pa.Table.from_pylist([{**r, "num_tokens": len(r["input_ids"])} for r in part], schema=placed)
+        table = pa.Table.from_pylist([v2_row(r) for r in part], schema=placed)
         path = folder / f"{split}-{k:05d}-of-{num_shards:05d}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, placed) as writer:
             writer.write_table(table)
@@ -145,7 +199,7 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
     (e.g. ``error=`` for a failed run).
     """
     folder = Path(folder)
-    shards, meta, seqs, packed = [], {}, {"eos": True, "targets": True, "all": True}, set()
+    shards, meta, seqs, packed = [], {}, {"eos": True, "targets": True, "all": True, "pairs": True}, set()
     for path in sorted(p for p in folder.iterdir() if SHARD_NAME.match(p.name)):
         table = _read_shard(path)
         meta = read_metadata(table.schema)
@@ -157,6 +211,7 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
                 seqs["eos"] &= z - a >= meta.get("budget", z - a + 1) or ids[z - 1] == meta.get("eos_token_id")
                 seqs["targets"] &= any(mask[a:z])
             seqs["all"] &= all(mask)
+            seqs["pairs"] &= bool(r["sides"])
             packed.update(i.split("#")[0] for i in r["example_ids"])
         shards.append({
             "name": path.name,
@@ -189,6 +244,7 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
             "eos_at_boundaries": seqs["eos"] and meta.get("eos_token_id") is not None,
             "targets_in_every_sequence": seqs["targets"],
             "all_targets": seqs["all"],
+            "pairs": seqs["pairs"] and bool(shards) and any(s["rows"] for s in shards),
         },
         "tokenizer": {
             "name": meta.get("tokenizer", "test-tokenizer"),

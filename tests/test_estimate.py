@@ -27,7 +27,7 @@ ESTIMATE_KEYS = {
     "rejected_by_reason", "dropped_too_long", "examples_packed", "truncated_examples", "split_examples",
     "no_target_pieces", "pieces", "tokens", "target_tokens", "rows", "lower_bound", "fill", "examples_per_row",
     "splits", "output_bytes", "shards", "workers", "local_seconds", "sample_tokens_per_s", "estimate_seconds",
-    "max_tokens",
+    "max_tokens", "pairs",
 }
 INPUT_KEYS = {"source", "dataset", "records", "records_exact", "sampled", "mean_tokens"}
 
@@ -148,7 +148,7 @@ def test_cli_estimate_json_and_table(tmp_path):
     r = runner.invoke(main, ["pack", "--estimate", "--log-format", "json", "--max-tokens", "512", "--sample", "5"])
     assert r.exit_code == 0, r.output
     e = json.loads(r.stdout)
-    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 2
+    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 3
     assert {i["source"] for i in e["inputs"]} >= {"alpaca.jsonl", "sharegpt.json"}
     assert all(set(i) == INPUT_KEYS for i in e["inputs"])
     assert all(i["sampled"] <= 5 for i in e["inputs"])

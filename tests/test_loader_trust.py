@@ -31,7 +31,7 @@ import pyarrow as pa
 import pytest
 
 from packers import ContractError, PackedDataset, PackstreamError
-from packers._loader import _Batch, _gather, check_batch
+from packers._rowcheck import Batch, gather, check_batch
 from packers._manifest import RowChecks
 from tests._shards import Example, pack_first_fit, recount, write_manifest, write_shards
 
@@ -67,7 +67,7 @@ def run(tmp_path) -> Path:
     make_run(folder)
     m = json.loads((folder / "manifest.json").read_text())
     assert m["row_checks"] == {"budget": BUDGET, "eos_token_id": EOS, "eos_at_boundaries": True,
-                               "targets_in_every_sequence": True, "all_targets": False}
+                               "targets_in_every_sequence": True, "all_targets": False, "pairs": False}
     assert len(PackedDataset(folder, verify=True).rows) == sum(s["rows"] for s in m["shards"])  # the good folder reads
     return folder
 
@@ -400,14 +400,14 @@ def test_check_batch_accepts_every_valid_row_and_flags_the_first_broken_one():
     for trial in range(30):
         rows = pack_first_fit(eos_examples(int(rng.integers(1, 40)), seed=trial), BUDGET)
         table = pa.Table.from_pylist(rows, schema=read_schema())
-        b = _gather(table, check=True)
-        assert isinstance(b, _Batch) and check_batch(b, checks) is None
+        b = gather(table, check=True)
+        assert isinstance(b, Batch) and check_batch(b, checks) is None
         multi = [i for i, r in enumerate(rows) if len(r["seq_offsets"]) > 2]
         if not multi:
             continue
         i = int(rng.choice(multi))
         rows[i]["seq_offsets"][1] += 3 if rows[i]["seq_offsets"][2] - rows[i]["seq_offsets"][1] > 3 else -3
-        f = check_batch(_gather(pa.Table.from_pylist(rows, schema=read_schema()), check=True), checks)
+        f = check_batch(gather(pa.Table.from_pylist(rows, schema=read_schema()), check=True), checks)
         assert (f.row, f.check, f.sequence) == (i, "eos_at_boundaries", 0), trial
 
 

@@ -467,6 +467,23 @@ def test_mask_value_out_of_range(copy):
     _only(problems(out), f"{name} row 0", "check loss_mask failed", "loss_mask[1] is 2")
 
 
+def test_num_targets_off_and_pair_columns_in_a_plain_run(copy):
+    """num_targets and the pair columns are checked by the loader's own vectorized checks; every broken row once."""
+    _, out = copy
+
+    def change(rows):
+        rows[0]["num_targets"] += 1
+        rows[2]["sides"], rows[2]["pair_ids"] = [0] * len(rows[2]["example_ids"]), ["x"] * len(rows[2]["example_ids"])
+        rows[2]["completion_spans"] = [1, 2] * len(rows[2]["example_ids"])
+        return rows
+
+    name = rewrite_shard(out, 0, change)
+    found = problems(out)
+    _only(found, f"{name} row 0", "check num_targets failed", "num_targets is")
+    _only(found, f"{name} row 2", "check pair_columns failed", "row_checks.pairs is false")
+    assert sum("num_targets" in p or "pair_columns" in p for p in found) == 2, found
+
+
 def test_schema_change(copy):
     _, out = copy
     path = shard_paths(out)[0]
@@ -505,7 +522,9 @@ def test_a_record_in_two_splits(copy):
     t_rows = pa.ipc.open_stream(train.read_bytes()).read_all().to_pylist()
     end = rows[0]["seq_offsets"][1]
     t_rows.append({"input_ids": rows[0]["input_ids"][:end], "loss_mask": rows[0]["loss_mask"][:end],
-                   "seq_offsets": [0, end], "example_ids": [moved + "~2"], "num_tokens": end})  # a "copy" in train
+                   "seq_offsets": [0, end], "example_ids": [moved + "~2"], "num_tokens": end,
+                   "num_targets": sum(rows[0]["loss_mask"][1:end]), "pair_ids": [], "sides": [],
+                   "completion_spans": []})  # a "copy" in train
     _write_rows(train, table.schema, t_rows)
     reseal(out, everything=True)
     found = problems(out)

@@ -68,7 +68,7 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 from __future__ import annotations
 
 from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
-from pipeline._formats._driver import _fast, _normalize, conversations, normalize
+from pipeline._formats._driver import _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._hygiene import target_flags
 from pipeline._formats._paths import resolve
 from pipeline._formats._turns import ROLE_ALIASES
@@ -78,7 +78,8 @@ from pipeline._options import FormatOptions, parse_path
 
 __all__ = [
     "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "PreferenceTurns",
-    "Reason", "Rejected", "conversations", "detect", "normalize", "parse_path", "preference_turns", "resolve", "suggest",
+    "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path", "preference_turns",
+    "resolve", "suggest",
     "target_flags",
     "_fast", "_normalize",
 ]

@@ -43,6 +43,8 @@ class Reason(str, enum.Enum):
     CORRUPT_INPUT = "corrupt_input"
     AMBIGUOUS_FIELD = "ambiguous_field"
     PREFERENCE_PAIR = "preference_pair"
+    NOT_A_PAIR = "not_a_pair"
+    PAIR_PROMPT_MISMATCH = "pair_prompt_mismatch"
 
 
 class Rejected(Exception):

@@ -52,6 +52,34 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     return _normalize(record, options)
 
 
+def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversation, Conversation]:
+    """A preference record read as a pair (``packstream pack --pairs``): its chosen and its rejected conversation,
+    each the prompt then that answer, through the steps every shape shares; or :class:`Rejected`.
+
+    The record is read as the ``preference`` shape whenever it holds a pair, whatever detection would pick
+    first: UltraFeedback (binarized) carries a ``messages`` copy of the chosen side beside ``chosen``/
+    ``rejected``, which detection reads as SFT messages; here that copy is an ignored field, counted.
+    A record that holds no pair is ``not_a_pair``.
+    """
+    from pipeline._formats import preference
+    from pipeline._options import Preference
+
+    if not isinstance(record, dict) or preference.layout(record) is None:
+        try:
+            shape = detect(record, options) if isinstance(record, dict) else f"a JSON {_kind(record)}"
+        except Rejected:
+            shape = "no known shape"
+        raise Rejected(Reason.NOT_A_PAIR, f"--pairs packs preference pairs (chosen/rejected, OpenAI's preferred_output/"
+                                          f"non_preferred_output; see docs/formats.md), and this record reads as "
+                                          f"{shape}; pack it without --pairs")
+    shape = REGISTRY[preference.SHAPE.name]
+    chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side))
+                        for side in (Preference.CHOSEN, Preference.REJECTED))
+    if len(chosen) != 1 or len(rejected) != 1:
+        raise InternalError(f"the preference shape read {len(chosen)} and {len(rejected)} conversations, not one each")
+    return chosen[0], rejected[0]
+
+
 def _normalize(record: Any, options: FormatOptions) -> Conversation:
     """The general path of :func:`normalize`: every shape and option."""
     try:

@@ -1,0 +1,278 @@
+"""Row checks over a gathered batch of packed rows: the packed-row contract and the manifest's ``row_checks``.
+
+One vectorized definition (numpy and pyarrow, no torch) that the loader runs on every batch it
+yields (:class:`packers.PackedDataset`) and ``packstream verify`` runs over whole shards. The
+per-row definition it follows is :func:`packers.validate_row`; ``tests/test_loader_trust.py``
+holds the two equal on random valid and broken rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from packers._manifest import RowChecks
+
+
+# -- reading: every gathered batch is checked against the contract and the manifest's row_checks ----------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A gathered batch of rows as flat numpy arrays: ``values[name]`` back to back, ``lengths[name]`` per row."""
+
+    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets, sides, completion_spans
+    lengths: dict[str, np.ndarray]  # the same columns
+    num_tokens: np.ndarray
+    num_targets: np.ndarray
+    example_ids: Any  # the gathered example_ids (a ChunkedArray of lists)
+    pair_ids: Any  # the gathered pair_ids (a ChunkedArray of lists)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first broken row of a batch: its index in the batch, the sequence (if the check is per sequence)."""
+
+    row: int
+    check: str
+    detail: str
+    sequence: int | None = None
+
+
+_NUMERIC_LISTS = ("input_ids", "loss_mask", "seq_offsets", "sides", "completion_spans")
+_STRING_LISTS = ("example_ids", "pair_ids")
+
+
+def gather(table: pa.Table, *, check: bool) -> Batch | Failure:
+    """The batch's columns as flat numpy arrays; with ``check``, first the first row holding a null (the
+    schema says non-null, but a damaged file may hold them anyway, and numpy cannot view them)."""
+    cols = {name: table.column(name).combine_chunks() for name in _NUMERIC_LISTS}
+    if check:
+        for name in ("num_tokens", "num_targets"):
+            if (col := table.column(name)).null_count:
+                row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                return Failure(row, "nulls", f"{name} is null")
+        checked = dict(cols)
+        for name in _STRING_LISTS:
+            col = table.column(name)
+            if col.null_count or pc.list_flatten(col).null_count:
+                checked[name] = col.combine_chunks()
+        for name, col in checked.items():
+            if col.null_count:
+                return Failure(int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0]), "nulls",
+                                f"{name} is null")
+            if col.values.null_count:  # a null inside a list: its row is where the list offsets put it
+                t = int(np.flatnonzero(col.values.is_null().to_numpy(zero_copy_only=False))[0])
+                row = int(np.searchsorted(col.offsets.to_numpy(), t, side="right")) - 1
+                return Failure(row, "nulls", f"{name} holds a null value")
+    return Batch(
+        values={name: col.flatten().to_numpy() for name, col in cols.items()},
+        lengths={name: pc.list_value_length(col).to_numpy() for name, col in cols.items()},
+        num_tokens=table.column("num_tokens").to_numpy(),
+        num_targets=table.column("num_targets").to_numpy(),
+        example_ids=table.column("example_ids"),
+        pair_ids=table.column("pair_ids"),
+    )
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, b) for a, b in zip(starts, stops)])``, vectorized."""
+    lens = stops - starts
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(total, dtype=np.int64)
+
+
+def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
+    """A row of ``b`` that breaks the packed-row contract or the run's ``row_checks`` (the first one the
+    first failing check finds), else None.
+
+    Vectorized: a few numpy passes over the batch's tokens and offsets, no per-token Python. Checks:
+    ``num_tokens`` = len(input_ids) <= ``budget``; len(loss_mask) = len(input_ids); one example id per
+    sequence; ``seq_offsets`` start at 0, increase strictly, end at len(input_ids); ``loss_mask`` in
+    {0, 1}; ``num_targets`` = the targets the Collator's labels keep; the pair columns empty, or, in a
+    run of pairs (``row_checks.pairs``), one side, pair id and completion span per sequence, sides
+    alternating chosen/rejected, a pair's two sides sharing their pair id and their prompt tokens, each
+    span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; then what the
+    manifest says every row of the run satisfies: ``eos_at_boundaries``, ``targets_in_every_sequence``,
+    ``all_targets`` (see :mod:`packers._manifest`).
+    """
+    L, M = b.lengths["input_ids"].astype(np.int64), b.lengths["loss_mask"]
+    O, E = b.lengths["seq_offsets"].astype(np.int64), pc.list_value_length(b.example_ids).to_numpy()
+    ids, mask, offs = b.values["input_ids"], b.values["loss_mask"], b.values["seq_offsets"]
+    budget = checks.budget
+    if not len(L):
+        return None
+
+    # Each test is one numpy pass over the batch, with `.any()` first: a good batch (the common case) pays no
+    # search. Batches are small (a few rows), so numpy's per-call overhead is most of the cost: tests of one
+    # kind are or-ed into one pass, and the first failing row is then diagnosed with scalars.
+    def first(bad: np.ndarray) -> int:
+        return int(bad.argmax())  # the first True (callers have checked that there is one)
+
+    if (bad := (b.num_tokens != L) | (L > budget) | (M != L) | (O < 1) | (E != O - 1)).any():
+        i = first(bad)
+        n, m, o, e, nt = int(L[i]), int(M[i]), int(O[i]), int(E[i]), int(b.num_tokens[i])
+        if nt != n:
+            return Failure(i, "num_tokens", f"num_tokens is {nt}, input_ids has {n} tokens")
+        if n > budget:
+            return Failure(i, "budget", f"{n} tokens > budget {budget}")
+        if m != n:
+            return Failure(i, "loss_mask_length", f"loss_mask has {m} entries, input_ids has {n}")
+        if o < 1:
+            return Failure(i, "seq_offsets", "seq_offsets is empty; it must start at 0")
+        return Failure(i, "example_ids", f"{e} example_ids for {o - 1} sequences")
+    ends = O.cumsum()  # position in `offs` after each row's offsets
+    starts = ends - O
+    if (bad := (offs[starts] != 0) | (offs[ends - 1] != L)).any():
+        i = first(bad)
+        lo, hi = int(offs[starts[i]]), int(offs[ends[i] - 1])
+        what = f"start at 0, got {lo}" if lo != 0 else f"end at len(input_ids)={int(L[i])}, got {hi}"
+        return Failure(i, "seq_offsets", f"seq_offsets must {what}")
+    # Pairs (offs[j], offs[j + 1]) inside one row: a sequence each. The pair across two rows is not one.
+    inside = np.ones(len(offs) - 1, dtype=bool)
+    inside[ends[:-1] - 1] = False
+    if (bad := (offs[1:] <= offs[:-1]) & inside).any():
+        j = first(bad)
+        i = int(np.searchsorted(ends, j, side="right"))
+        k = j - int(starts[i])
+        return Failure(i, "seq_offsets", f"seq_offsets must increase strictly: seq_offsets[{k}]={int(offs[j])}, "
+                                          f"seq_offsets[{k + 1}]={int(offs[j + 1])}")
+    if mask.size and mask.max() > 1:
+        t = first(mask > 1)
+        i = int(np.searchsorted(L.cumsum(), t, side="right"))
+        return Failure(i, "loss_mask_values", f"loss_mask[{t - int(L[:i].sum())}] is {int(mask[t])}; only 0 and 1 are allowed")
+    # Sequences as [start, end) into the flat token arrays: a row's offsets, shifted by the row's first token.
+    row_base = L.cumsum() - L
+    g = offs + np.repeat(row_base, O)
+    seq_start, seq_end = g[:-1][inside], g[1:][inside]
+    nseq = O - 1
+    seq_row = np.repeat(np.arange(len(L)), nseq)
+
+    def at_sequence(j: int, check: str, detail: str) -> Failure:
+        per_row = nseq.cumsum()  # position in the sequence arrays after each row's sequences
+        i = int(np.searchsorted(per_row, j, side="right"))
+        return Failure(i, check, detail, sequence=j - int(per_row[i] - nseq[i]))
+
+    if (failure := _check_pair_columns(b, checks.pairs, nseq, seq_start, seq_end, row_base, ids, mask, at_sequence)):
+        return failure
+    if (failure := _check_row_checks(checks, ids, mask, seq_start, seq_end, at_sequence)):
+        return failure
+    # Last: a moved boundary also changes the count, and the checks above explain it better.
+    cum = np.zeros(mask.size + 1, dtype=np.int64)
+    np.cumsum(mask, out=cum[1:])
+    targets = cum[row_base + L] - cum[row_base] - np.bincount(seq_row, weights=mask[seq_start], minlength=len(L)).astype(np.int64)
+    if (bad := b.num_targets != targets).any():
+        i = first(bad)
+        return Failure(i, "num_targets", f"num_targets is {int(b.num_targets[i])}, the row has {int(targets[i])} targets "
+                                          "(loss_mask 1, not on a sequence's first token)")
+    return None
+
+
+def _check_row_checks(checks: RowChecks, ids: np.ndarray, mask: np.ndarray, seq_start: np.ndarray, seq_end: np.ndarray,
+                      at_sequence) -> Failure | None:
+    """What the manifest's ``row_checks`` say every row of the run satisfies."""
+    budget = checks.budget
+
+    def first(bad: np.ndarray) -> int:
+        return int(bad.argmax())
+
+    if not (checks.eos_at_boundaries or checks.targets_in_every_sequence or checks.all_targets) or not mask.size:
+        return None
+    if checks.eos_at_boundaries and seq_end.size:
+        last = ids[seq_end - 1]
+        if (bad := (last != checks.eos_token_id) & (seq_end - seq_start < budget)).any():
+            j = first(bad)
+            return at_sequence(j, "eos_at_boundaries",
+                               f"ends on token {int(last[j])}, not on eos_token_id {checks.eos_token_id}, and is shorter "
+                               f"than the budget {budget}: the example boundaries are not where the run put them "
+                               "(examples would attend to each other)")
+    # A sequence whose last token is a target has one (the usual case: the answer ends it); only the others
+    # are scanned. Sequences tile the batch's tokens (checked above), so reduceat over their starts covers
+    # exactly each one; the mask is 0/1 (checked above), so viewing it as bool is exact.
+    if checks.targets_in_every_sequence and seq_start.size and (unsure := mask[seq_end - 1] == 0).any():
+        if (bad := unsure & ~np.logical_or.reduceat(mask.view(bool), seq_start)).any():
+            return at_sequence(first(bad), "targets_in_every_sequence",
+                               "has no target token (loss_mask all 0), but the run put a target in every sequence")
+    if checks.all_targets and not mask.all():
+        t = first(mask == 0)
+        j = int(np.searchsorted(seq_start, t, side="right")) - 1
+        return at_sequence(j, "all_targets", f"its token {t - int(seq_start[j])} has loss_mask 0, but the run trains "
+                                             "on every token (--train-on all)")
+    return None
+
+
+def _flat_strings(col: Any) -> pa.Array:
+    """The values of a (chunked) list<string> column as one array."""
+    flat = pc.list_flatten(col)
+    return flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+
+
+def _check_pair_columns(b: Batch, pairs: bool, nseq: np.ndarray, seq_start: np.ndarray, seq_end: np.ndarray,
+                        row_base: np.ndarray, ids: np.ndarray, mask: np.ndarray, at_sequence) -> Failure | None:
+    """The pair columns of :func:`check_batch` (see :mod:`packers._schema`); ``pairs``: the run packed pairs."""
+    S, P = b.lengths["sides"].astype(np.int64), b.lengths["completion_spans"].astype(np.int64)
+    I = pc.list_value_length(b.pair_ids).to_numpy().astype(np.int64)
+    want = nseq if pairs else np.zeros_like(nseq)
+    if (bad := (S != want) | (P != 2 * want) | (I != want) | ((want % 2) == 1)).any():
+        i = int(bad.argmax())
+        if not pairs:
+            return Failure(i, "pair_columns", f"holds {int(S[i])} sides, {int(I[i])} pair_ids, {int(P[i])} completion_spans, "
+                                               "but the run packed no pairs (row_checks.pairs is false): they must be empty")
+        return Failure(i, "pair_columns", f"{int(S[i])} sides, {int(I[i])} pair_ids, {int(P[i])} completion_spans for "
+                                           f"{int(nseq[i])} sequences; a run of pairs has one side and one pair id, two span "
+                                           "offsets per sequence, and whole pairs")
+    if not pairs or not seq_start.size:
+        return None
+    sides = b.values["sides"]
+    if (bad := sides != np.arange(sides.size) % 2).any():  # every row holds whole pairs: parity is global
+        j = int(bad.argmax())
+        return at_sequence(j, "sides", f"side is {int(sides[j])}, expected {j % 2}: sides alternate chosen (0), "
+                                       "rejected (1), chosen first")
+    spans = b.values["completion_spans"].astype(np.int64).reshape(-1, 2) + np.repeat(row_base, nseq)[:, None]
+    a, z = spans[:, 0], spans[:, 1]
+    if (bad := (a <= seq_start) | (z <= a) | (z > seq_end)).any():
+        j = int(bad.argmax())
+        return at_sequence(j, "completion_spans", f"completion span [{int(a[j] - seq_start[j])}, {int(z[j] - seq_start[j])}) "
+                                                  f"(from the sequence's start) must lie in its {int(seq_end[j] - seq_start[j])} "
+                                                  "tokens, after the first, and hold a token")
+    edges = np.zeros(mask.size + 1, dtype=np.int64)
+    np.add.at(edges, a, 1)
+    np.add.at(edges, z, -1)
+    if (bad := (np.cumsum(edges[:-1]) > 0) != mask.view(bool)).any():
+        t = int(bad.argmax())
+        j = int(np.searchsorted(seq_start, t, side="right")) - 1
+        return at_sequence(j, "completion_spans", f"loss_mask[{t - int(seq_start[j])}] is {int(mask[t])}, but in a "
+                                                  "row of pairs loss_mask is 1 exactly on the completion spans")
+    prompt = a - seq_start
+    if (bad := prompt[0::2] != prompt[1::2]).any():
+        j = 2 * int(bad.argmax())
+        return at_sequence(j, "pair_prompt", f"the chosen side's prompt has {int(prompt[j])} tokens, the rejected side's "
+                                             f"{int(prompt[j + 1])}; both sides of a pair share one prompt")
+    c_tok, r_tok = _ranges(seq_start[0::2], a[0::2]), _ranges(seq_start[1::2], a[1::2])
+    if (bad := ids[c_tok] != ids[r_tok]).any():
+        t = int(bad.argmax())
+        j = 2 * (int(np.searchsorted(np.cumsum(prompt[0::2]), t, side="right")))
+        return at_sequence(j, "pair_prompt", "the chosen and rejected sides' prompt tokens differ; both sides of a pair "
+                                             "share one prompt")
+    pids = _flat_strings(b.pair_ids)
+    n = len(pids)
+    same = pc.equal(pids.take(pa.array(np.arange(0, n, 2))), pids.take(pa.array(np.arange(1, n, 2))))
+    if not pc.all(same).as_py():
+        j = 2 * int(np.flatnonzero(~same.to_numpy(zero_copy_only=False))[0])
+        return at_sequence(j, "pair_ids", f"a chosen side's pair id {pids[j].as_py()!r} differs from the next (rejected) "
+                                          f"side's {pids[j + 1].as_py()!r}: the sides of a pair are adjacent")
+    suffix = pa.array(np.where(np.arange(n) % 2 == 0, "#chosen", "#rejected"))
+    named = pc.equal(pc.binary_join_element_wise(pids, suffix, ""), _flat_strings(b.example_ids))
+    if not pc.all(named).as_py():
+        j = int(np.flatnonzero(~named.to_numpy(zero_copy_only=False))[0])
+        return at_sequence(j, "pair_ids", f"example id is not its pair id {pids[j].as_py()!r} + "
+                                          f"{'#chosen' if j % 2 == 0 else '#rejected'}")
+    return None
+
+
