@@ -86,6 +86,10 @@ class PackedBatch(TypedDict, total=False):
     """``[1, T]`` int32: index of each token's sequence. Only with ``return_seq_idx``."""
     use_cache: bool
     """Always ``False`` (unless ``disable_cache=False``): see the module docstring."""
+    loss_weights: torch.Tensor
+    """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
+    target and in padding). Only for rows from :class:`packers.PackedDataset`, which plans it; read by
+    :func:`packers.loss`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +97,9 @@ class Collator:
     """Collate packed rows (dicts with ``input_ids``, ``loss_mask``, ``seq_offsets``) into a :class:`PackedBatch`.
 
     Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
-    :class:`packers.PackedDataset` yields) or CPU tensors. Other keys (``example_ids``,
-    ``num_tokens``) are ignored.
+    :class:`packers.PackedDataset` yields) or CPU tensors. Rows from ``PackedDataset`` also carry
+    ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`). Other keys
+    (``example_ids``, ``num_tokens``, ``loss_denominator``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -123,7 +128,8 @@ class Collator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if len(rows) == 0:
             raise PackstreamError("Collator got an empty list of rows")
-        ids_parts, mask_parts, len_parts = [], [], []
+        ids_parts, mask_parts, len_parts, weight_parts = [], [], [], []
+        weighted = "loss_weights" in rows[0]
         for i, row in enumerate(rows):
             ids = np.asarray(row["input_ids"], dtype=np.int64)
             mask = np.asarray(row["loss_mask"], dtype=bool)
@@ -134,11 +140,15 @@ class Collator:
             ids_parts.append(ids)
             mask_parts.append(mask)
             len_parts.append(np.diff(offs))
+            if weighted:
+                weight_parts.append(_row_weights(i, row, n))
             if self.fixed_shape and n < self.budget:
                 pad = self.budget - n
                 ids_parts.append(np.full(pad, self.pad_token_id, dtype=np.int64))
                 mask_parts.append(np.zeros(pad, dtype=bool))
                 len_parts.append(np.array([pad], dtype=np.int64))
+                if weighted:
+                    weight_parts.append(np.zeros(pad, dtype=np.float32))
 
         input_ids = np.concatenate(ids_parts)
         if input_ids.shape[0] == 0:
@@ -167,7 +177,20 @@ class Collator:
             batch["seq_idx"] = torch.from_numpy(seq_idx)[None]
         if self.disable_cache:
             batch["use_cache"] = False
+        if weighted:
+            weights = np.concatenate(weight_parts)
+            weights[labels == IGNORE_INDEX] = 0.0
+            batch["loss_weights"] = torch.from_numpy(weights)[None]
         return batch  # type: ignore[return-value]
+
+
+def _row_weights(i: int, row: Mapping[str, Any], n: int) -> np.ndarray:
+    w = row.get("loss_weights")
+    w = np.asarray(w if w is not None else (), dtype=np.float32)
+    if w.shape != (n,):
+        raise ContractError(f"row {i}: loss_weights has {w.shape[0] if w.ndim else 0} entries, input_ids has {n}; "
+                            "give every row of a batch its weights (PackedDataset does), or none")
+    return w
 
 
 def _check_row(i: int, n: int, mask: np.ndarray, offs: np.ndarray, budget: int | None) -> None:

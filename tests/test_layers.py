@@ -25,7 +25,7 @@ LAYERS = {
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output"},
     "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers"},
-    "loader": {"packers._collate", "packers._loader", "packers._attention"},
+    "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._plan", "packers._loss"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "stages", "core", "loader"},
