@@ -380,20 +380,14 @@ def _deal_tiers(rows: Rows, units: Units, s: Sampling, rng: np.random.Generator,
                 seq_cost: np.ndarray) -> tuple[list[list[np.ndarray]], Units]:
     """Steps as lists of ``world_size`` micro-batches (arrays of unit ids), dealt from tiers (module docstring)."""
     w = s.world_size
-    # A multiple of the world size of units: divide the costliest rows that hold several examples.
-    while len(units) % w:
-        nseq = units.hi - units.lo
-        cost = units.sums(rows, seq_cost)
-        cost[nseq < 2] = -1.0
-        u = int(cost.argmax())
-        if cost[u] < 0:
-            raise _uneven(rows, units, s)
-        units, _ = _split(rows, units, u, seq_cost)
     cost = units.sums(rows, seq_cost)
     tie = rng.random(len(units)) if s.shuffle else np.arange(len(units), dtype=np.float64)
     order = np.lexsort((tie, -cost))  # costliest first; ties at random (or by row)
+    if len(order) % w:
+        units, order = _split_tail(rows, units, order, w, s, seq_cost)
+        cost = units.sums(rows, seq_cost)
     if s.shuffle and s.rebatch and len(order) >= 2 * w:
-        order = _mix_neighbours(order, w, rng)
+        order = _mix_alike(order, cost, w, rng)
     tiers = order.reshape(-1, w)
     tiers = np.take_along_axis(tiers, np.argsort(-cost[tiers], axis=1, kind="stable"), axis=1)  # each: costliest first
     n_tiers = len(tiers)
@@ -419,14 +413,45 @@ def _deal_tiers(rows: Rows, units: Units, s: Sampling, rng: np.random.Generator,
     return steps, units
 
 
-def _mix_neighbours(order: np.ndarray, w: int, rng: np.random.Generator) -> np.ndarray:
-    """New tiers each epoch: shuffle within windows of two tiers' worth of neighbouring (similar) units, the
-    windows' phase drawn at random, so that which rows share a step changes while their costs stay close."""
+def _split_tail(rows: Rows, units: Units, order: np.ndarray, w: int, s: Sampling,
+                seq_cost: np.ndarray) -> tuple[Units, np.ndarray]:
+    """Make the number of units a multiple of the world size by dividing the cheapest rows (the tail that would
+    leave some ranks without a row in the last step) into pieces at example boundaries, the costliest piece
+    first, until the tail fills whole tiers: the last step then holds pieces of similar cost on every rank, and
+    every other step whole rows. Where the tail holds too few examples, it takes in the tier before it."""
+    head = len(order) - len(order) % w
+    while True:
+        tail = [int(u) for u in order[head:]]
+        trial, pieces = units, list(tail)
+        while len(pieces) % w or not pieces:
+            nseq = trial.hi[pieces] - trial.lo[pieces]
+            c = trial.sums(rows, seq_cost)[pieces]
+            c[nseq < 2] = -1.0
+            k = int(c.argmax())
+            if c[k] < 0:
+                break
+            trial, new = _split(rows, trial, pieces[k], seq_cost)
+            pieces.append(new)
+        if pieces and len(pieces) % w == 0:
+            c = trial.sums(rows, seq_cost)[pieces]
+            return trial, np.concatenate([order[:head], np.array(pieces, dtype=np.int64)[np.argsort(-c, kind="stable")]])
+        if head == 0:
+            raise _uneven(rows, units, s)
+        head -= w
+
+
+def _mix_alike(order: np.ndarray, cost: np.ndarray, w: int, rng: np.random.Generator, spread: float = 0.005) -> np.ndarray:
+    """New tiers each epoch: units whose costs are within ``spread`` of each other (runs of the sorted order) are
+    shuffled among themselves, so which rows share a step changes from epoch to epoch while every tier still
+    holds units of nearly equal cost (balance is not given up for the re-pairing)."""
+    c = cost[order]
     out = order.copy()
-    phase = int(rng.integers(0, w))
-    for a in range(phase, len(out) - 1, 2 * w):
-        seg = out[a : a + 2 * w]
-        out[a : a + len(seg)] = seg[rng.permutation(len(seg))]
+    start = 0
+    for i in range(1, len(c) + 1):
+        if i == len(c) or c[i] < c[start] * (1 - spread):
+            if i - start > 1:
+                out[start:i] = out[start:i][rng.permutation(i - start)]
+            start = i
     return out
 
 
@@ -468,9 +493,9 @@ def _split(rows: Rows, units: Units, u: int, seq_cost: np.ndarray) -> tuple[Unit
 
 def _uneven(rows: Rows, units: Units, s: Sampling) -> PackstreamError:
     return PackstreamError(
-        f"{len(rows)} rows ({len(units)} pieces, none left with two examples) cannot give each of world_size="
-        f"{s.world_size} ranks the same number of micro-batches without repeating or dropping an example; use a "
-        f"world size that divides {len(units)}, or pack into more, smaller rows (--max-tokens)"
+        f"{len(rows)} rows holding {len(rows.seq_lens)} examples cannot give each of world_size={s.world_size} ranks "
+        f"the same number of micro-batches without repeating or dropping an example (every piece left holds one "
+        f"example); use a world size that divides {len(rows)}, or pack into more, smaller rows (--max-tokens)"
     )
 
 
@@ -478,30 +503,66 @@ def _uneven(rows: Rows, units: Units, s: Sampling) -> PackstreamError:
 
 
 def _spread(rows: Rows, units: Units, steps: list[list[np.ndarray]], rng: np.random.Generator) -> np.ndarray:
-    """Step positions where the index does not predict length: the steps are ranked by their mean example
-    length and their sum of squared lengths per token (the mean of the two ranks), cut into about sqrt(steps)
-    strata of similar steps, and block ``j`` of the epoch takes the ``j``-th step of every stratum (each
-    stratum shuffled), in random order. Every stretch of the epoch then holds short and long steps alike
-    (|Spearman rho| of step index vs length ~ 1/steps instead of ~1/sqrt(steps) for a plain shuffle)."""
+    """Step order (step ids by position) where the index does not predict length.
+
+    The steps are ranked by their mean example length and by their sum of squared lengths (the mean of
+    the two ranks), cut into about sqrt(steps) strata of similar steps, and block ``j`` of the epoch takes
+    the ``j``-th step of every stratum (each stratum shuffled), in random order: every stretch of the epoch
+    holds short and long steps alike. What correlation with the index is left (the two measures do not rank
+    the steps alike) is then cancelled by :func:`_decorrelate`.
+    """
     n = len(steps)
     if n < 3:
         return rng.permutation(n)
     lens = rows.seq_lens.astype(np.float64)
-    seqs = units.sums(rows, np.ones_like(lens))
-    toks = units.sums(rows, lens)
-    sq = units.sums(rows, lens * lens)
-    per_step = np.array([[seqs[np.concatenate(st)].sum(), toks[np.concatenate(st)].sum(), sq[np.concatenate(st)].sum()]
-                         for st in steps])
-    mean_len = per_step[:, 1] / per_step[:, 0]
-    sq_per_token = per_step[:, 2] / per_step[:, 1]
+    per_unit = np.stack([units.sums(rows, np.ones_like(lens)), units.sums(rows, lens), units.sums(rows, lens * lens)])
+    per_step = np.stack([per_unit[:, np.concatenate(st)].sum(axis=1) for st in steps])
     tie = rng.random(n)
-    key = np.argsort(np.lexsort((tie, mean_len))) + np.argsort(np.lexsort((tie, sq_per_token)))
-    ranked = np.lexsort((tie, key))
+    r_len, r_sq = ranks(per_step[:, 1] / per_step[:, 0]), ranks(per_step[:, 2])
+    ranked = np.lexsort((tie, r_len + r_sq))
     q = max(1, int(round(math.sqrt(n))))
     block = np.empty(n, dtype=np.int64)
     for stratum in np.array_split(ranked, q):
         block[stratum] = rng.permutation(len(stratum))
-    return np.lexsort((rng.random(n), block))
+    order = np.lexsort((rng.random(n), block))
+    return _decorrelate(order, (r_len, r_sq), rng)
+
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks from 0, ties sharing their mean rank (as Spearman's rho counts them).
+
+    >>> ranks(np.array([10.0, 30.0, 20.0, 30.0])).tolist()
+    [0.0, 2.5, 1.0, 2.5]
+    """
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return (first + (counts - 1) / 2)[inverse].astype(np.float64)
+
+
+def _decorrelate(order: np.ndarray, ranks: tuple[np.ndarray, ...], rng: np.random.Generator,
+                 target: float = 2e-3, rounds: int = 64, candidates: int = 2048) -> np.ndarray:
+    """Swap pairs of steps until position and every rank vector in ``ranks`` have |Spearman rho| <= ``target``
+    (or no swap helps). Each round draws ``candidates`` random pairs and applies the one that lowers the worst
+    |rho| most; swapping steps at positions i, j changes a covariance by (i - j) * (r[step_j] - r[step_i])."""
+    n = len(order)
+    order = order.copy()
+    pos = np.arange(n, dtype=np.float64) - (n - 1) / 2
+    scale = [float(((r - r.mean()) ** 2).sum() ** 0.5 * (pos ** 2).sum() ** 0.5) for r in ranks]
+    cov = np.array([float((pos * (r[order] - r.mean())).sum()) for r in ranks])
+    for _ in range(rounds):
+        rho = np.abs(cov) / scale
+        if rho.max() <= target:
+            break
+        i, j = rng.integers(0, n, size=(2, candidates))
+        delta = np.stack([(i - j) * (r[order[j]] - r[order[i]]) for r in ranks])  # [len(ranks), candidates]
+        new = np.abs(cov[:, None] + delta) / np.array(scale)[:, None]
+        worst = new.max(axis=0)
+        best = int(worst.argmin())
+        if worst[best] >= rho.max():
+            break
+        order[i[best]], order[j[best]] = order[j[best]], order[i[best]]
+        cov = cov + delta[:, best]
+    return order
 
 
 def _first_row_order(units: Units, steps: list[list[np.ndarray]]) -> np.ndarray:
