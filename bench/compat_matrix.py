@@ -337,9 +337,9 @@ def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, 
         with torch.set_grad_enabled(with_grad):
             check_packing_safe(model, batch)  # the probe runs here (and is cached for the forward below)
         cell["probe_s"] = time.perf_counter() - t0
-        from packers._attention import _STATE, _layout
+        from packers._attention import cached_verdict
 
-        verdict = _STATE[model][_layout(batch)][1]
+        verdict = cached_verdict(model, batch)
         cell["fix"] = verdict.fix
     except PackstreamError as e:
         cell["probe_s"] = time.perf_counter() - t0

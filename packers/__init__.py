@@ -1,7 +1,7 @@
 """packstream's packing core, packed-row contract and training-time loader.
 
-Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``,
-``register_varlen_attention``, ``check_packing_safe``, ``sequence_logps``) import torch on first use.
+Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``,
+``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ...) import torch on first use.
 """
 
 from packers._errors import ContractError, InternalError, PackstreamError
@@ -14,7 +14,12 @@ _TORCH_NAMES = {
     "PackedBatch": "packers._collate",
     "PackedDataset": "packers._loader",
     "PackedLoader": "packers._loader",
-    "BatchBy": "packers._loader",
+    "BatchBy": "packers._plan",
+    "Balance": "packers._plan",
+    "CostModel": "packers._plan",
+    "LossWeighting": "packers._plan",
+    "loss": "packers._loss",
+    "example_losses": "packers._loss",
     "register_varlen_attention": "packers._attention",
     "check_packing_safe": "packers._attention",
     "install_packing_guard": "packers._attention",

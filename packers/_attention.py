@@ -39,6 +39,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
 import re
 import sys
 import threading
@@ -283,6 +284,15 @@ def _num_sequences(batch: Mapping[str, Any]) -> int:
     return int(starts.sum().item()) + 1
 
 
+_FLEX_CPU = (
+    "attn_implementation='flex_attention' on CPU: torch's compiled CPU flex_attention kernel returns wrong attention "
+    "for some sequence lengths, packed or not (measured with torch 2.13: a plain causal 40-token sequence with head "
+    "dim 8 or 16 comes out wrong by ~1, differently in each process), so no probe can vouch for a batch it did not "
+    "run; on CPU use attn_implementation='sdpa' or 'eager' (flex_attention has no CPU backward either), and "
+    "flex_attention on CUDA"
+)
+
+
 def _check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
     """The rules of the module docstring's table that the batch and the config decide (a packed batch)."""
     impl = hf.config._attn_implementation
@@ -303,6 +313,8 @@ def _check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
                 "size 1; collate with packers.Collator()"
             )
     elif impl in _MASK_BACKENDS:
+        if impl == "flex_attention" and _probe_device(hf).type == "cpu":
+            raise PackstreamError(_FLEX_CPU)
         if batch.get("position_ids") is None:
             raise PackstreamError(f"{impl!r} builds the packed mask from position_ids; the batch has none")
         use_cache = batch.get("use_cache")
@@ -325,7 +337,125 @@ def _check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
 # -- the behavioural probe ------------------------------------------------------------------------
 
 PROBE_LENGTHS = (5, 7)
-"""Lengths of the probe's two sequences: one forward of 12 packed tokens and two of 5 and 7 alone."""
+"""Lengths of the short probe's two sequences: one forward of 12 packed tokens and two of 5 and 7 alone.
+Each length the config makes special adds a probe of two sequences crossing it (:func:`_probes`)."""
+
+# Config keys whose integer values are lengths where attention changes: sliding windows (sliding_window,
+# attention_window_size, window_size, local_attention_window_len, keep_window_size, ...), attention chunks
+# (attention_chunk_size, chunk_size of Mamba's chunked scan, local_attn_chunk_length), blocks (block_size) and
+# the rope's original length (original_max_position_embeddings, also inside rope_parameters, per layer type).
+# Found by listing every causal LM config of transformers 5.24 (issue 18).
+_SPECIAL_KEY = re.compile(r"window|chunk_size|chunk_length|block_size|original_max_position|^local_attention$")
+_NOT_A_LENGTH = re.compile(r"layers|pattern|feed_forward|lm_head|^num_|ratio|multiple|^use_|_dim$")
+_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def _special_lengths(hf: torch.nn.Module, below: int | None) -> dict[int, str]:
+    """Length -> the config key that makes it special, for the text config's windows, chunks, blocks and rope
+    original lengths that a sequence the model accepts can cross (length + 2 <= its max positions) and that stay
+    under ``below`` (a batch-dependent rope's limit: its probes must not cross it, see :func:`_batch_rope`)."""
+    cfg = hf.config.get_text_config(decoder=True)
+    found: dict[int, str] = {}
+
+    def lengths(key: str, value: Any, depth: int = 0) -> None:
+        if isinstance(value, bool) or depth > 3:
+            return
+        if isinstance(value, int):
+            if value > 1:
+                found.setdefault(value, key)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                lengths(f"{key}.{k}", v, depth + 1)
+        elif isinstance(value, (list, tuple)) and len(value) <= 4096:
+            for v in value:
+                lengths(key, v, depth + 1)
+
+    def visit(prefix: str, values: Mapping[str, Any], depth: int = 0) -> None:
+        for k, v in values.items():
+            if not isinstance(k, str) or k.startswith("_"):
+                continue
+            if k == "sliding_window" and getattr(cfg, "use_sliding_window", True) is False:
+                continue  # Qwen2-style configs keep a window they do not use
+            if _SPECIAL_KEY.search(k) and not _NOT_A_LENGTH.search(k):
+                lengths(prefix + k, v)
+            elif isinstance(v, dict) and depth < 2:  # rope_parameters, per layer type
+                visit(f"{prefix}{k}.", v, depth + 1)
+
+    visit("", vars(cfg))
+    cap = next((getattr(cfg, k) for k in _MAX_POSITIONS if isinstance(getattr(cfg, k, None), int)), None)
+    return {n: k for n, k in sorted(found.items())
+            if (cap is None or n + 2 <= cap) and (below is None or n + 2 < below) and n + 2 > max(PROBE_LENGTHS)}
+
+
+def _probes(hf: torch.nn.Module, rope: tuple[int, str] | None) -> list[tuple[tuple[int, int], str]]:
+    """The probe's packed rows: (5, 7), and for each special length N a short sequence then one of N + 2 tokens,
+    so that one sequence crosses N inside itself (a window or chunk bites, a rope switches), the row crosses N
+    (a backend that changes path above N tokens), and the second sequence straddles position N of the row (chunks
+    or windows counted over the row instead of each sequence)."""
+    out = [(PROBE_LENGTHS, "")]
+    for n, key in _special_lengths(hf, None if rope is None else rope[0]).items():
+        out.append(((PROBE_LENGTHS[0], n + 2), f", crossing {key}={n}"))
+    return out
+
+
+def _batch_rope(hf: torch.nn.Module) -> tuple[int, str] | None:
+    """(limit, rope type) when a rotary embedding recomputes its frequencies from the batch, else None.
+
+    transformers' ``dynamic_rope_update`` (modeling_rope_utils.py, 5.24) wraps the rotary embeddings' forward:
+    a rope type containing "dynamic" rescales its frequencies once ``max(position_ids) + 1`` exceeds the original
+    length, and "longrope" switches from its short to its long factors there. In a packed batch that maximum
+    is the longest example's, so every example beside a long one gets the long one's frequencies: packed differs
+    from alone (2e-3 to 1e-2 of the logits, issue 18). With every sequence below the limit, nothing switches.
+    Found on the model's modules (their forward's code is that wrapper's), so a model's own rotary class counts.
+    """
+    limits: list[tuple[int, str]] = []
+    for m in hf.modules():
+        code = getattr(getattr(type(m), "forward", None), "__code__", None)
+        if "dynamic_rope_update" not in getattr(code, "co_qualname", ""):
+            continue
+        types = getattr(m, "rope_type", None)
+        for layer, t in (types.items() if isinstance(types, dict) else [(None, types)]):
+            if not isinstance(t, str):
+                continue
+            config = getattr(m, "config", hf.config)
+            if "dynamic" in t:
+                limit = getattr(m, "original_max_seq_len", None) or getattr(config, "max_position_embeddings", None)
+            elif t == "longrope":
+                params = getattr(config, "rope_parameters", None) or {}
+                params = params.get(layer, params) if layer is not None else params
+                limit = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            else:
+                continue
+            if isinstance(limit, int):
+                limits.append((limit, t))
+    return min(limits) if limits else None
+
+
+def _longest_sequence(batch: Mapping[str, Any]) -> int:
+    """An upper bound of ``max(position_ids) + 1`` (what a dynamic rope reads): ``max_length_q`` when the batch has
+    it (a Python int: no device sync; the budget with ``Collator(fixed_shape=True)``), else the positions' max."""
+    n = batch.get("max_length_q")
+    if isinstance(n, int):
+        return n
+    pos = batch.get("position_ids")
+    if pos is not None:
+        return int(pos.max().item()) + 1
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    return int(ids.shape[1]) if ids is not None else 0
+
+
+def _check_rope(hf: torch.nn.Module, rope: tuple[int, str], batch: Mapping[str, Any]) -> None:
+    limit, kind = rope
+    longest = _longest_sequence(batch)
+    if longest >= limit:
+        raise PackstreamError(
+            f"{type(hf).__name__} uses rope_type={kind!r}, whose frequencies follow the longest sequence of the batch "
+            f"(transformers' dynamic_rope_update switches at the original length {limit}), and this packed batch has a "
+            f"sequence of {longest} tokens (max_length_q, or position_ids), so the examples beside it would get its "
+            f"frequencies instead of their own. Use a static rope type (e.g. 'yarn' or 'linear' with the same factor), "
+            f"or keep every example below {limit} tokens: pack with --max-tokens {limit - 1} or less (with "
+            f"Collator(fixed_shape=True) the budget itself counts)"
+        )
 
 _LAYOUT_KEYS = ("position_ids", *_CU_KEYS, "seq_idx")
 # Max |packed - alone| / max |alone| allowed on the probe's logits, by compute dtype. Leaks in the tiny
@@ -345,12 +475,17 @@ class _Verdict:
     fix: bool
     """Exact only when the guard passes the packed position_ids to the model's mask functions."""
     diff: float
-    """Max relative logit diff, packed vs alone, of the probe that decided (nan when it raised)."""
+    """Max relative logit diff, packed vs alone, over the probes that decided (nan when one raised)."""
     seconds: float
     """Wall time of the probe forwards."""
+    probes: tuple[tuple[int, ...], ...] = ()
+    """The sequence lengths of each packed row probed."""
+    rope: tuple[int, str] | None = None
+    """A batch-dependent rope's (limit, type): every packed batch's sequences must stay below the limit."""
 
 
-_STATE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()  # per model: layout -> (key, verdict)
+_STATE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()  # model -> {(layout, key): verdict}
+_STATES_KEPT = 16  # verdicts kept per model (train and eval, a few layouts): switching back does not re-probe
 _LOCAL = threading.local()  # .probing: the guard's own probe forwards skip the guard
 
 
@@ -412,8 +547,8 @@ def _key(hf: torch.nn.Module, layout: tuple) -> tuple:
             torch.get_float32_matmul_precision(), tf32, layout)
 
 
-def _probe_ids(hf: torch.nn.Module) -> list[list[int]]:
-    """Two fixed token sequences inside the vocabulary, avoiding the config's special and media token ids."""
+def _probe_ids(hf: torch.nn.Module, lengths: tuple[int, ...] = PROBE_LENGTHS) -> list[list[int]]:
+    """Fixed token sequences of ``lengths`` inside the vocabulary, avoiding the config's special and media token ids."""
     try:
         vocab = int(hf.get_input_embeddings().num_embeddings)
     except (AttributeError, NotImplementedError):
@@ -427,17 +562,17 @@ def _probe_ids(hf: torch.nn.Module) -> list[list[int]]:
                         special.add(x)
     pool = [t for t in range(3, vocab) if t not in special] or list(range(vocab))
     # A stride coprime to most vocab sizes spreads the ids; the two sequences share no token.
-    picks = [pool[(17 * i + 5) % len(pool)] for i in range(sum(PROBE_LENGTHS))]
-    a = PROBE_LENGTHS[0]
-    return [picks[:a], picks[a:]]
+    picks = [pool[(17 * i + 5) % len(pool)] for i in range(sum(lengths))]
+    bounds = [0, *itertools.accumulate(lengths)]
+    return [picks[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _probe_batch(ids: list[list[int]], layout: tuple) -> dict[str, Any]:
     """The probe's packed batch, built by packers.Collator and cut to the keys the real batch has."""
     from packers._collate import Collator
 
-    offsets = [0, len(ids[0]), len(ids[0]) + len(ids[1])]
-    row = {"input_ids": ids[0] + ids[1], "loss_mask": [1] * offsets[-1], "seq_offsets": offsets}
+    offsets = [0, *itertools.accumulate(len(x) for x in ids)]
+    row = {"input_ids": [t for x in ids for t in x], "loss_mask": [1] * offsets[-1], "seq_offsets": offsets}
     full = Collator()([row])
     keys, use_cache = layout
     batch = {"input_ids": full["input_ids"], **{k: full[k] for k in keys}}
@@ -469,7 +604,11 @@ def _quiet(hf: torch.nn.Module, device: torch.device) -> Iterator[None]:
         for k, v in vars(c).items():
             if type(v) is float and v > 0 and _DROPOUT_NAME.search(k):
                 saved.append((c, k, v))
-    buffers = [(b, b.detach().clone()) for b in hf.buffers()]
+    # Buffers by module and name (a dynamic rope re-registers inv_freq: a new tensor under the old name), their
+    # values (running statistics change in place), and each module's plain attributes (the rope's
+    # max_seq_len_cached and attention_scaling, longrope's cached long_inv_freq).
+    buffers = [(m, name, b, b.detach().clone()) for m in hf.modules() for name, b in m._buffers.items() if b is not None]
+    attributes = [(m, dict(vars(m))) for m in hf.modules()]
     devices = [device] if device.type == "cuda" else []
     try:
         for obj, k, _ in saved:
@@ -481,8 +620,17 @@ def _quiet(hf: torch.nn.Module, device: torch.device) -> Iterator[None]:
         _LOCAL.probing = False
         for obj, k, v in saved:
             setattr(obj, k, v)
+        for m, before in attributes:
+            now = vars(m)
+            for k in [k for k in now if k not in before]:
+                delattr(m, k)
+            for k, v in before.items():
+                if now.get(k) is not v and (v is None or isinstance(v, (int, float, bool, str, torch.Tensor))):
+                    object.__setattr__(m, k, v)
         with torch.no_grad():
-            for b, copy in buffers:
+            for m, name, b, copy in buffers:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
                 if b.shape == copy.shape and not torch.equal(b, copy):
                     b.copy_(copy)
 
@@ -510,10 +658,13 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return tol
 
 
-def _run_probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool) -> tuple[float, float, str | None]:
-    """Run the probe once: (max relative logit diff, tolerance, error or None). Never raises for the model's faults."""
+def _run_probe(
+    hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool, lengths: tuple[int, ...] = PROBE_LENGTHS
+) -> tuple[float, float, str | None]:
+    """Run one probe row of ``lengths``: (max relative logit diff, tolerance, error or None). Never raises for the
+    model's faults."""
     device = _probe_device(hf)
-    ids = _probe_ids(hf)
+    ids = _probe_ids(hf, lengths)
     batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in _probe_batch(ids, layout).items()}
     seen: list[torch.dtype] = []
     handle = None
@@ -578,6 +729,20 @@ def _agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def _run_probes(
+    hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool, probes: list[tuple[tuple[int, int], str]]
+) -> tuple[float, float, str | None, str]:
+    """Every probe row in turn, up to the first that fails: (worst diff, tolerance, error, which row)."""
+    worst, tol, what = 0.0, 0.0, ""
+    for lengths, crossing in probes:
+        diff, tol, error = _run_probe(hf, target, layout, fix, lengths)
+        what = f"{len(lengths)} sequences of {' and '.join(map(str, lengths))} tokens{crossing}"
+        if error is not None or not diff <= tol:
+            return diff, tol, error, what
+        worst = max(worst, diff)
+    return worst, tol, None, what
+
+
 def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verdict:
     """Probe as is; if that leaks under a mask backend, probe with position_ids supplied to the mask functions.
 
@@ -585,26 +750,29 @@ def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verd
     """
     t0 = time.perf_counter()
     device = _probe_device(hf)
-    diff, tol, error = _run_probe(hf, target, layout, fix=False)
+    rope = _batch_rope(hf)
+    probes = _probes(hf, rope)
+    shapes = tuple(lengths for lengths, _ in probes)
+    diff, tol, error, what = _run_probes(hf, target, layout, False, probes)
     if _agree(error is None and diff <= tol, device):
-        return _Verdict(None, False, diff, time.perf_counter() - t0)
+        return _Verdict(None, False, diff, time.perf_counter() - t0, shapes, rope)
     impl = hf.config._attn_implementation
     fix_note = ""
     # The fix is for models that build their masks without position_ids (GptOss, OPT, Bloom, MPT, ... in
     # transformers 5.24): masking_utils then cannot see the packed layout. Passing it gives ~2e-7 (issue 11).
     fixable = error is None and "position_ids" in layout[0] and impl not in _VARLEN_NAMES and "flash" not in impl
     if fixable and _agree(bool(_mask_patches(hf)), device):
-        fix_diff, _, fix_error = _run_probe(hf, target, layout, fix=True)
+        fix_diff, _, fix_error, fix_what = _run_probes(hf, target, layout, True, probes)
         if _agree(fix_error is None and fix_diff <= tol, device):
-            return _Verdict(None, True, fix_diff, time.perf_counter() - t0)
-        fix_note = (f", and still by {fix_diff:.2g} with position_ids passed to its mask functions" if fix_error is None
-                    else f"; with position_ids passed to its mask functions it raised: {fix_error}")
+            return _Verdict(None, True, fix_diff, time.perf_counter() - t0, shapes, rope)
+        fix_note = (f", and still by {fix_diff:.2g} ({fix_what}) with position_ids passed to its mask functions"
+                    if fix_error is None else f"; with position_ids passed to its mask functions it raised: {fix_error}")
     mode = "train" if hf.training else "eval"
     if error is None and diff <= tol:
         cause = "another rank's packing probe failed (see that rank's error)"
     elif error is None:
         cause = (
-            f"the packing probe (2 sequences of {PROBE_LENGTHS[0]} and {PROBE_LENGTHS[1]} tokens, packed vs alone) "
+            f"the packing probe ({what}, packed vs alone) "
             f"differs by {diff:.2g} > {tol:.0e} (max logit diff / max logit){fix_note}"
         )
     else:
@@ -616,7 +784,7 @@ def _probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verd
         f"attn_implementation (e.g. {others}; each is probed the same way), or do not pack for this model: "
         "collate padded batches with an attention_mask"
     )
-    return _Verdict(message, False, diff, time.perf_counter() - t0)
+    return _Verdict(message, False, diff, time.perf_counter() - t0, shapes, rope)
 
 
 def _verdict(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Verdict:
@@ -626,17 +794,24 @@ def _verdict(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> _Ve
     one instance changes what it computes without changing either. A refusal is not cached, so a model
     that was fixed in place is probed again at its next packed batch (on every rank alike).
     """
-    key = _key(hf, layout)
+    key = (layout, _key(hf, layout))
     state = _STATE.setdefault(hf, {})
-    known = state.get(layout)
-    if known is not None and known[0] == key:
-        return known[1]
+    known = state.get(key)
+    if known is not None:
+        return known
     verdict = _probe(hf, target, layout)
     if verdict.error is None:
-        state[layout] = (key, verdict)
-    else:
-        state.pop(layout, None)
+        state[key] = verdict
+        while len(state) > _STATES_KEPT:
+            state.pop(next(iter(state)))
     return verdict
+
+
+def cached_verdict(model: torch.nn.Module, batch: Mapping[str, Any]) -> _Verdict | None:
+    """The cached verdict that ``batch`` gets from ``model`` as it is now (for tools and tests), or None."""
+    hf = _hf_model(model)
+    layout = _layout(batch)
+    return None if layout is None else (_STATE.get(hf) or {}).get((layout, _key(hf, layout)))
 
 
 # -- the fix: position_ids for the mask functions that a model calls without them -------------------
@@ -734,6 +909,8 @@ def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any
     verdict = _verdict(hf, target, layout)
     if packed and verdict.error is not None:
         raise PackstreamError(verdict.error)
+    if packed and verdict.rope is not None:
+        _check_rope(hf, verdict.rope, batch)
     return verdict
 
 

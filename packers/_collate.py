@@ -111,6 +111,10 @@ class PackedBatch(TypedDict, total=False):
     pair_index: torch.Tensor
     """``[P, 2]`` int64: the sequence indices (as in ``cu_seq_lens``) of each pair's chosen and rejected
     sides (rows of preference pairs only)."""
+    loss_weights: torch.Tensor
+    """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
+    target and in padding). Only for rows from :class:`packers.PackedDataset`, which plans it; read by
+    :func:`packers.loss`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,10 +122,12 @@ class Collator:
     """Collate packed rows (dicts with ``input_ids``, ``loss_mask``, ``seq_offsets``) into a :class:`PackedBatch`.
 
     Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
+    Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
     :class:`packers.PackedDataset` yields) or CPU tensors. Rows whose ``sides`` and
     ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
-    holds rows of pairs or rows without, not both. Other keys (``example_ids``, ``num_tokens``,
-    ``num_targets``, ``pair_ids``) are ignored.
+    holds rows of pairs or rows without, not both. Rows from ``PackedDataset`` also carry
+    ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`). Other keys
+    (``example_ids``, ``num_tokens``, ``num_targets``, ``pair_ids``, ``loss_denominator``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -150,7 +156,8 @@ class Collator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if len(rows) == 0:
             raise PackstreamError("Collator got an empty list of rows")
-        ids_parts, mask_parts, len_parts = [], [], []
+        ids_parts, mask_parts, len_parts, weight_parts = [], [], [], []
+        weighted = "loss_weights" in rows[0]
         pairs = _has_pairs(rows[0])
         span_parts, side_parts = [], []  # spans as batch token offsets; sides with -1 for padding sequences
         at = 0
@@ -177,6 +184,8 @@ class Collator:
             mask_parts.append(mask)
             len_parts.append(np.diff(offs))
             at += n
+            if weighted:
+                weight_parts.append(_row_weights(i, row, n))
             if self.fixed_shape and n < self.budget:
                 pad = self.budget - n
                 ids_parts.append(np.full(pad, self.pad_token_id, dtype=np.int64))
@@ -184,6 +193,8 @@ class Collator:
                 len_parts.append(np.array([pad], dtype=np.int64))
                 side_parts.append(np.array([-1], dtype=np.int64))
                 at += pad
+                if weighted:
+                    weight_parts.append(np.zeros(pad, dtype=np.float32))
 
         input_ids = np.concatenate(ids_parts)
         if input_ids.shape[0] == 0:
@@ -221,6 +232,10 @@ class Collator:
             sides = np.concatenate(side_parts)
             chosen = np.flatnonzero(sides == 0)
             batch["pair_index"] = torch.from_numpy(np.stack([chosen, chosen + 1], axis=1))
+        if weighted:
+            weights = np.concatenate(weight_parts)
+            weights[labels == IGNORE_INDEX] = 0.0
+            batch["loss_weights"] = torch.from_numpy(weights)[None]
         return batch  # type: ignore[return-value]
 
 
@@ -240,6 +255,15 @@ def _check_pairs(i: int, offs: np.ndarray, sides: np.ndarray, spans: np.ndarray)
     if ((spans[:, 0] <= offs[:-1]) | (spans[:, 1] <= spans[:, 0]) | (spans[:, 1] > offs[1:])).any():
         raise ContractError(f"row {i}: a completion span lies outside its sequence (after its first token): "
                             f"{spans.tolist()[:4]}, seq_offsets {offs.tolist()[:5]}")
+
+
+def _row_weights(i: int, row: Mapping[str, Any], n: int) -> np.ndarray:
+    w = row.get("loss_weights")
+    w = np.asarray(w if w is not None else (), dtype=np.float32)
+    if w.shape != (n,):
+        raise ContractError(f"row {i}: loss_weights has {w.shape[0] if w.ndim else 0} entries, input_ids has {n}; "
+                            "give every row of a batch its weights (PackedDataset does), or none")
+    return w
 
 
 def _check_row(i: int, n: int, mask: np.ndarray, offs: np.ndarray, budget: int | None) -> None:

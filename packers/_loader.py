@@ -1,35 +1,29 @@
-"""Read packed shards for training: memory-mapped rows, seeded epochs, rank sharding, exact resume.
+"""Read packed shards for training: memory-mapped rows, planned epochs, rank sharding, loss weights, exact resume.
 
-One epoch of a :class:`PackedDataset` over 10 rows, ``batch_size=2`` rows, 2 ranks::
-
-    order         = default_rng(seed + epoch).permutation(10)    e.g. [7 2 9 0 4 1 8 3 6 5]
-    micro-batches = [7 2] [9 0] [4 1] [8 3] [6 5]                 chunks of the order
-    tail          : 5 micro-batches for 2 ranks -> repeat the first one (drop_last=False)
-                    or drop the last one (drop_last=True)
-    step          0          1          2
-    rank 0        [7 2]      [4 1]      [6 5]                     micro-batch  step * world + rank
-    rank 1        [9 0]      [8 3]      [7 2]  <- repeated
-
-Every rank computes the same plan from the seed alone (no communication), takes its own
-micro-batches, and so sees rows disjoint from the other ranks' and the same number of steps.
-The only repeats are the tail's, as with torch's ``DistributedSampler``.
+Each epoch follows a plan made before it starts (:mod:`packers._plan`), the same on every rank
+without communication: every example exactly once, every rank the same number of steps, each step's
+rows dealt so that its most loaded rank is close to its mean (``balance``), the steps in an order
+where the index does not predict length. Step ``s`` on rank ``r`` is micro-batch ``(s, r)`` of the plan.
 
 A micro-batch holds ``batch_size`` units of ``batch_by``:
 
-* ``rows``: exactly ``batch_size`` rows (the last one may be short);
-* ``examples``: rows are added while that brings the number of packed examples closer to
-  ``batch_size`` (at least one row), so a step holds about as many examples as a padded
-  run with that batch size: offline packing into fewer rows otherwise means fewer, larger
-  optimizer steps, which hurts convergence at equal epochs (arXiv 2407.09105);
-* ``tokens``: rows are added while the total stays within ``batch_size`` tokens, a memory cap.
+* ``rows``: ``batch_size`` rows (fewer in the epoch's last step);
+* ``examples``: a step takes rows while that brings its packed examples closer to ``batch_size x
+  world_size``, so a step holds about as many examples as a padded run with that batch size: offline
+  packing into fewer rows otherwise means fewer, larger optimizer steps, which hurts convergence at equal
+  epochs (arXiv 2407.09105);
+* ``tokens``: rows are added while every micro-batch stays within ``batch_size`` tokens, a memory cap.
 
-``state_dict()`` is ``(epoch, position)`` (steps consumed in the epoch) plus the options that
-shape the plan; restoring it gives the same next batches as an uninterrupted run.
+Every row of a micro-batch carries ``loss_weights`` (per token: what it counts in its optimizer step's
+loss, the global denominator already divided in) and ``loss_denominator``; :class:`packers.Collator`
+puts the weights in the batch and :func:`packers.loss` applies them.
+
+``state_dict()`` is ``(epoch, position)`` (steps consumed in the epoch) plus the options that shape the
+plan; restoring it gives the same next batches as an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import os
 import posixpath
@@ -55,50 +49,27 @@ from packers._manifest import (
     Manifest,
     RowChecks,
     ShardEntry,
+    escape_source,
+    expected_metadata,
     is_datasets_cache,
     load_manifest,
     metadata_mismatch,
     missing_manifest,
     require_complete,
 )
+from packers._plan import (
+    Balance,
+    BatchBy,
+    CostModel,
+    LossWeighting,
+    Plan,
+    Rows,
+    Sampling,
+    plan_epoch,
+    step_denominators,
+)
 from packers._rowcheck import Batch, Failure, check_batch, gather
 from packers._schema import PLACE_KEYS, SCHEMA, read_metadata
-
-
-class BatchBy(str, enum.Enum):
-    """What ``batch_size`` counts in a :class:`PackedDataset` micro-batch."""
-
-    ROWS = "rows"
-    EXAMPLES = "examples"
-    TOKENS = "tokens"
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Sampling:
-    """The options that decide which rows each rank gets at each step; saved in the state dict."""
-
-    batch_size: int = 1
-    """Units of ``batch_by`` per micro-batch (one rank, one step)."""
-    batch_by: BatchBy = BatchBy.ROWS
-    """Count rows, packed examples, or tokens."""
-    shuffle: bool = True
-    """Permute the rows each epoch with ``numpy.random.default_rng(seed + epoch)``."""
-    seed: int = 0
-    """Same on every rank."""
-    rank: int = 0
-    world_size: int = 1
-    drop_last: bool = False
-    """Drop the epoch's short last micro-batch and the micro-batches that do not fill a step on every rank,
-    instead of repeating micro-batches from the epoch's start."""
-
-    def __post_init__(self) -> None:
-        if not _is_count(self.seed):
-            raise PackstreamError(f"seed={_short(self.seed)} must be an integer >= 0 (numpy's generators take "
-                                  "non-negative seeds); use e.g. seed=0")
-        if self.batch_size < 1:
-            raise PackstreamError(f"batch_size={self.batch_size} must be >= 1")
-        if not 0 <= self.rank < self.world_size:
-            raise PackstreamError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
 
 
 def _is_count(v: Any) -> bool:
@@ -115,47 +86,6 @@ def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Seq
     """``"seed -5 vs 3, world_size 2 vs 1"``: the keys whose saved and current values differ ('' if none)."""
     return ", ".join(f"{k} {_short(saved[k])} vs {_short(current[k])}" for k in keys
                      if saved[k] != current[k] or type(saved[k]) is not type(current[k]))
-
-
-def _micro_batches(order: np.ndarray, units: np.ndarray | None, s: _Sampling, budget: int) -> list[np.ndarray]:
-    """Cut the epoch's row order into micro-batches (see the module docstring)."""
-    if s.batch_by is BatchBy.ROWS:
-        out = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
-        if s.drop_last and out and len(out[-1]) < s.batch_size:
-            out.pop()
-        return out
-    if units is None:
-        raise InternalError(f"batch_by={s.batch_by.value} needs per-row counts")
-    target, by_examples = s.batch_size, s.batch_by is BatchBy.EXAMPLES
-    out, start, count = [], 0, 0
-    for i, n in enumerate(units[order].tolist()):
-        if i > start:
-            # examples: add the row if that lands closer to the target (|count + n - T| < |count - T|);
-            # tokens: add it if the total stays within the target.
-            fits = count + n / 2 < target if by_examples else count + n <= target
-            if not fits:
-                out.append(order[start:i])
-                start, count = i, 0
-        count += n
-    if start < len(order):
-        short = count < target if by_examples else count + budget <= target
-        if not (s.drop_last and short):
-            out.append(order[start:])
-    return out
-
-
-def plan_epoch(
-    num_rows: int, units: np.ndarray | None, s: _Sampling, epoch: int, budget: int
-) -> list[np.ndarray]:
-    """This rank's micro-batches (arrays of row indices) for one epoch, in step order."""
-    order = np.random.default_rng(s.seed + epoch).permutation(num_rows) if s.shuffle else np.arange(num_rows)
-    mbs = _micro_batches(order, units, s, budget)
-    rem = len(mbs) % s.world_size
-    if rem and s.drop_last:
-        mbs = mbs[: len(mbs) - rem]
-    elif rem:
-        mbs = mbs + [mbs[i % len(mbs)] for i in range(s.world_size - rem)]
-    return mbs[s.rank :: s.world_size]
 
 
 # -- opening: the manifest decides what is read ---------------------------------------------------------
@@ -517,8 +447,97 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+# -- what the plan and the loss weights need from the rows (computed once per PackedDataset) -----------------
+
+
+def _row_facts(table: pa.Table, grain: int = 1) -> Rows:
+    """Each row's tokens and its examples' lengths, from ``num_tokens`` and ``seq_offsets`` (no token read)."""
+    offsets = table.column("seq_offsets")
+    counts = pc.list_value_length(offsets).to_numpy(zero_copy_only=False).astype(np.int64)  # sequences + 1
+    flat = np.concatenate([c.flatten().to_numpy() for c in offsets.chunks] or [np.zeros(0, np.int32)]).astype(np.int64)
+    ends = np.cumsum(counts)
+    inside = np.ones(max(len(flat) - 1, 0), dtype=bool)  # pairs (offs[j], offs[j + 1]) within one row
+    inside[ends[:-1] - 1] = False
+    seq_lens = np.maximum(np.diff(flat)[inside], 0)  # a damaged row's are refused when it is read
+    seq_start = np.concatenate([[0], np.cumsum(counts - 1)]).astype(np.int64)
+    tokens = table.column("num_tokens").to_numpy().astype(np.int64)
+    return Rows(tokens=tokens, seq_start=seq_start, seq_lens=seq_lens, grain=grain)
+
+
+def _sequence_targets(table: pa.Table) -> np.ndarray:
+    """Each sequence's trained tokens (int64, sequences numbered across rows as in :func:`_row_facts`): its
+    ``loss_mask`` ones, less its first token's (an example's first token is never a target: nothing before
+    it predicts it). One pass over the memory-mapped ``loss_mask`` column, a record batch at a time.
+
+    The only place these counts come from, so that a shard column holding them can replace this pass."""
+    out = []
+    for batch in table.select(["loss_mask", "seq_offsets"]).to_batches():
+        if not batch.num_rows:
+            continue
+        mask = batch.column(0).flatten().to_numpy(zero_copy_only=False)
+        offs = batch.column(1)
+        counts = pc.list_value_length(offs).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = offs.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        token_base = np.concatenate([[0], np.cumsum(pc.list_value_length(batch.column(0)).to_numpy(zero_copy_only=False))[:-1]])
+        starts = flat + np.repeat(token_base, counts)  # each offset as a position in `mask`
+        ends = np.cumsum(counts)
+        first = np.ones(len(flat), dtype=bool)
+        first[ends - 1] = False  # the last offset of a row ends it, starts nothing
+        # A damaged shard may hold offsets outside its row: clipped here (the counts only weigh the loss), and the
+        # row itself is refused with its shard, row and check when it is read (check_batch).
+        seq_starts = np.clip(starts[first], 0, max(len(mask) - 1, 0))
+        if not len(seq_starts):
+            continue
+        sums = np.add.reduceat(mask.astype(np.int64), seq_starts) if len(mask) else np.zeros(len(seq_starts), np.int64)
+        out.append(sums - (mask[seq_starts] if len(mask) else 0))
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
+
+
+def _sequence_sources(table: pa.Table, manifest: dict[str, Any], where: str) -> tuple[np.ndarray, list[str]]:
+    """Each sequence's data set (an index into the returned names), from its example id's source and the
+    manifest's ``inputs`` (source -> data set) and ``config.config`` (the ``--config`` data sets, in order)."""
+    inputs = manifest.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ContractError(
+            f"{where}: {MANIFEST} lists no 'inputs', so example ids cannot be traced to their data sets; "
+            "loss_weighting='source' needs a folder written by packstream pack"
+        )
+    specs = ((manifest.get("config") or {}).get("config")) or [{"name": "default"}]
+    names = [str(d.get("name", f"dataset{i}")) for i, d in enumerate(specs)]
+    source_of = {}
+    for f in inputs:
+        if isinstance(f, dict) and isinstance(f.get("source"), str):
+            source_of[escape_source(f["source"])] = int(f.get("dataset") or 0)
+    ids = pc.list_flatten(table.column("example_ids"))
+    prefix = pc.struct_field(pc.extract_regex(ids, r"^(?P<source>[^:@]*)"), "source")
+    known = pa.array(sorted(source_of), pa.string())
+    where_in = pc.index_in(prefix, value_set=known)
+    if where_in.null_count:
+        bad = pc.filter(ids, pc.is_null(where_in))[0].as_py()
+        raise ContractError(f"{where}: example {bad!r} names a source that {MANIFEST}'s inputs do not list; "
+                            "re-run packstream pack")
+    dataset_of_known = np.array([source_of[k] for k in known.to_pylist()], dtype=np.int64)
+    return dataset_of_known[where_in.to_numpy(zero_copy_only=False).astype(np.int64)], names
+
+
+def _piece(row: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """Sequences ``lo..hi-1`` of a fetched row as a row of their own (the plan cuts rows only where an example ends:
+    in a row of pairs, between two pairs)."""
+    offs = row["seq_offsets"]
+    a, z = int(offs[lo]), int(offs[hi])
+    mask = row["loss_mask"][a:z]
+    piece_offs = offs[lo : hi + 1] - offs[lo]
+    target = mask.astype(bool).copy()
+    target[piece_offs[:-1]] = False  # an example's first token is never a target
+    spans = np.asarray(row.get("completion_spans", ()), dtype=np.int64)
+    return {**row, "input_ids": row["input_ids"][a:z], "loss_mask": mask, "seq_offsets": piece_offs,
+            "example_ids": row["example_ids"][lo:hi], "num_tokens": z - a, "num_targets": int(target.sum()),
+            "pair_ids": list(row.get("pair_ids") or ())[lo:hi], "sides": np.asarray(row.get("sides", ()))[lo:hi],
+            "completion_spans": (spans[2 * lo : 2 * hi] - a).astype(np.int32) if len(spans) else spans.astype(np.int32)}
+
+
 class PackedDataset(torch.utils.data.IterableDataset):
-    """Packed shards as an iterable of micro-batches (lists of row dicts) for one rank; resumable.
+    """Packed shards as an iterable of micro-batches (lists of row dicts) for one rank; planned, resumable.
 
     ``path``: the ``--output`` folder of a finished ``packstream pack`` (local or any fsspec URL:
     remote shards are copied once to ``cache_dir`` so they can be memory-mapped), or shard files of
@@ -528,6 +547,14 @@ class PackedDataset(torch.utils.data.IterableDataset):
     sha256), and refuses a folder holding ``*.arrow``/``*.parquet`` files it does not list. Every row
     :meth:`fetch` returns (so every batch iteration yields) is checked against the packed-row contract
     and the manifest's ``row_checks``; see docs/loader.md, "What the loader checks".
+
+    Each epoch follows a plan (:mod:`packers._plan`): every example exactly once, ``len(ds)`` steps on
+    every rank, known before the epoch; ``balance`` deals each step's rows so that no rank waits long
+    for another (``"compute"``: by ``cost``, a :class:`packers.CostModel`; ``"tokens"``; ``"none"``);
+    ``rebatch`` forms new micro-batches every epoch. ``grad_accum`` micro-batches per rank make an
+    optimizer step, whose loss denominator (``loss_weighting``: ``"token"``, ``"example"`` or
+    ``"source"``, weighted by ``source_weights`` or the ``--config`` data sets' ``loss_weight``) comes
+    with every row as ``loss_weights``.
 
     * ``rows``: every row as a memory-mapped, map-style ``datasets.Dataset`` (zero-copy). Reading it
       directly skips the row checks: call :meth:`check_rows` first, or pass ``verify=True``.
@@ -552,24 +579,39 @@ class PackedDataset(torch.utils.data.IterableDataset):
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
-        drop_last: bool = False,
+        grad_accum: int = 1,
+        balance: Balance | str = Balance.COMPUTE,
+        cost: CostModel | None = None,
+        rebatch: bool = True,
+        loss_weighting: LossWeighting | str = LossWeighting.TOKEN,
+        source_weights: dict[str, float] | None = None,
         cache_dir: str | None = None,
         storage_options: dict | None = None,
+        drop_last: bool | None = None,
     ) -> None:
+        if drop_last is not None:
+            raise PackstreamError(
+                "drop_last is gone: every epoch's plan trains every example exactly once and gives every rank the "
+                "same number of steps (nothing repeated, nothing dropped); remove drop_last="
+            )
         default_rank, default_world = _default_rank_world()
-        try:
-            batch_by = BatchBy(batch_by)
-        except ValueError:
-            raise PackstreamError(f"batch_by={batch_by!r}; use one of {[b.value for b in BatchBy]}") from None
-        self.sampling = _Sampling(
+        batch_by, balance, loss_weighting = (_enum(BatchBy, batch_by, "batch_by"), _enum(Balance, balance, "balance"),
+                                             _enum(LossWeighting, loss_weighting, "loss_weighting"))
+        if cost is not None and not isinstance(cost, CostModel):
+            raise PackstreamError(f"cost={cost!r}; pass a packers.CostModel (e.g. CostModel.from_config(model.config))")
+        self.sampling = Sampling(
             batch_size=batch_size,
             batch_by=batch_by,
             shuffle=shuffle,
             seed=seed,
             rank=default_rank if rank is None else rank,
             world_size=default_world if world_size is None else world_size,
-            drop_last=drop_last,
+            grad_accum=grad_accum,
+            balance=balance,
+            cost=cost or CostModel(),
+            rebatch=rebatch,
         )
+        self.loss_weighting: LossWeighting = loss_weighting
         opened = open_rows(path, split=split, verify=verify, cache_dir=cache_dir, storage_options=storage_options)
         self.rows, self.metadata = opened.rows, opened.metadata
         self.manifest: Manifest = opened.manifest
@@ -578,35 +620,81 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.shards: tuple[str, ...] = opened.names
         self._where, self._starts, self._checks = opened.where, opened.starts, opened.checks
         self.budget: int = opened.checks.budget
-        table = self.rows.data.table
-        self.num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
-        self.num_examples = pc.subtract(pc.list_value_length(table.column("seq_offsets")), 1).to_numpy().astype(np.int64)
         if batch_by is BatchBy.TOKENS and batch_size < self.budget:
             raise PackstreamError(
                 f"batch_size={batch_size} tokens < row budget {self.budget}: a row would not fit; use at least {self.budget}"
             )
         self._arrow = self.rows.with_format("arrow")
+        table = self.rows.data.table
+        grain = 2 if self.manifest.row_checks is not None and self.manifest.row_checks.pairs else 1
+        self._facts = _row_facts(table, grain)
+        self.num_tokens = self._facts.tokens
+        self.num_examples = np.diff(self._facts.seq_start) // grain  # pairs in a row of pairs
+        # What each target token of each sequence weighs, and what it adds to its step's denominator.
+        targets = _sequence_targets(table)
+        if loss_weighting is LossWeighting.TOKEN:
+            weight = np.ones(len(targets))
+        elif loss_weighting is LossWeighting.EXAMPLE:
+            weight = np.divide(1.0, targets, out=np.zeros(len(targets)), where=targets > 0)
+        else:
+            weight = self._source_weights(table, source_weights)[0]
+        if source_weights is not None and loss_weighting is not LossWeighting.SOURCE:
+            raise PackstreamError(f"source_weights= is read with loss_weighting='source' only, got {loss_weighting.value!r}")
+        self._seq_weight = weight
+        self._seq_denominator = (targets > 0).astype(np.float64) if loss_weighting is LossWeighting.EXAMPLE \
+            else weight * targets
         self.epoch = 0
         self._position = 0
         self._tracked = False  # set by PackedLoader while it starts workers
         self._pinned = False  # set_epoch() named the current epoch; cleared when an iteration runs to its end
-        self._plan_cache: tuple[int, list[np.ndarray]] | None = None
+        self._plan_cache: tuple[int, Plan, np.ndarray] | None = None
+
+    def _source_weights(self, table: pa.Table, given: dict[str, float] | None) -> tuple[np.ndarray, dict[str, float]]:
+        """Per sequence, its data set's loss weight: ``given`` by name, else the ``--config`` data sets' ``loss_weight``."""
+        dataset, names = _sequence_sources(table, self.manifest.raw, self._where)
+        specs = ((self.manifest.config or {}).get("config")) or [{}]
+        weights = {n: float(d.get("loss_weight", 1.0)) if isinstance(d, dict) else 1.0 for n, d in zip(names, specs)}
+        if given is not None:
+            unknown = sorted(set(given) - set(weights))
+            if unknown:
+                raise PackstreamError(f"source_weights names {unknown}, not data sets of this run; its data sets: {names}")
+            missing = sorted(set(names) - set(given))
+            if missing:
+                raise PackstreamError(f"source_weights has no weight for {missing}; give every data set one: {names}")
+            weights = {n: given[n] for n in names}
+        for n, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w < 0:
+                raise PackstreamError(f"loss weight {w!r} of data set {n!r} must be a finite number >= 0")
+        return np.array([weights[n] for n in names], dtype=np.float64)[dataset], weights
 
     # -- plan -------------------------------------------------------------------------------
-    def _plan(self, epoch: int) -> list[np.ndarray]:
+    def _plan(self, epoch: int) -> tuple[Plan, np.ndarray]:
+        """The epoch's plan (all ranks) and its optimizer steps' loss denominators; the last epoch's is cached."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            by = self.sampling.batch_by
-            units = None if by is BatchBy.ROWS else (self.num_examples if by is BatchBy.EXAMPLES else self.num_tokens)
-            self._plan_cache = (epoch, plan_epoch(len(self.rows), units, self.sampling, epoch, self.budget))
-        return self._plan_cache[1]
+            plan = plan_epoch(self._facts, self.sampling, epoch)
+            self._plan_cache = (epoch, plan, step_denominators(plan, self._facts, self._seq_denominator))
+        return self._plan_cache[1], self._plan_cache[2]
 
     def __len__(self) -> int:
-        """Steps (micro-batches) this rank gets in the current epoch; the same on every rank."""
-        return len(self._plan(self.epoch))
+        """Steps (micro-batches) this rank gets in the current epoch; the same on every rank, exact before it starts."""
+        return self._plan(self.epoch)[0].steps
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps in the current epoch: ``grad_accum`` micro-batches each (the last one possibly fewer)."""
+        return self._plan(self.epoch)[0].optimizer_steps
 
     def plan(self, epoch: int | None = None) -> list[np.ndarray]:
-        """This rank's micro-batches of ``epoch`` (default: the current one) as arrays of row indices."""
-        return list(self._plan(self.epoch if epoch is None else epoch))
+        """This rank's micro-batches of ``epoch`` (default: the current one) as arrays of row indices, in step
+        order. A row the plan divided at an example boundary appears in the two micro-batches holding its pieces."""
+        plan, _ = self._plan(self.epoch if epoch is None else epoch)
+        r = self.sampling.rank
+        return [plan.units.row[plan.micro_batch(s, r)] for s in range(plan.steps)]
+
+    def loss_denominators(self, epoch: int | None = None) -> np.ndarray:
+        """Each optimizer step's global loss denominator in ``epoch`` (the same on every rank): its target tokens
+        (``token``), examples with a target (``example``) or weighted target tokens (``source``)."""
+        return self._plan(self.epoch if epoch is None else epoch)[1].copy()
 
     # -- reading ----------------------------------------------------------------------------
     def fetch(self, indices: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
@@ -641,6 +729,30 @@ class PackedDataset(torch.utils.data.IterableDataset):
             for i in range(len(example_ids))
         ]
 
+    def micro_batch(self, step: int, epoch: int | None = None) -> list[dict[str, Any]]:
+        """This rank's micro-batch ``step`` of ``epoch`` (default: the current one): its rows (or row pieces),
+        checked, each with ``loss_weights`` (float32 per token: its weight in the optimizer step's loss, the
+        global denominator and the world size divided in; 0 off target) and ``loss_denominator``."""
+        plan, denominators = self._plan(self.epoch if epoch is None else epoch)
+        units = plan.micro_batch(step, self.sampling.rank)
+        u = plan.units
+        rows = self.fetch(u.row[units])
+        denominator = float(denominators[step // plan.grad_accum])
+        scale = plan.world_size / denominator if denominator > 0 else 0.0
+        out = []
+        for row, r, lo, hi in zip(rows, u.row[units].tolist(), u.lo[units].tolist(), u.hi[units].tolist()):
+            offs = row["seq_offsets"]
+            if lo != 0 or hi != len(offs) - 1:  # a piece of the row: its sequences lo..hi-1 (whole pairs)
+                row = _piece(row, lo, hi)
+                offs = row["seq_offsets"]
+            base = int(self._facts.seq_start[r]) + lo
+            lens = np.diff(offs)
+            target = row["loss_mask"].astype(np.float32)
+            target[offs[:-1]] = 0.0  # an example's first token is never a target (Collator's labels agree)
+            weights = np.repeat(self._seq_weight[base : base + len(lens)], lens).astype(np.float32)
+            out.append({**row, "loss_weights": weights * target * np.float32(scale), "loss_denominator": denominator})
+        return out
+
     def _broken(self, indices: np.ndarray, b: Batch | Failure, f: Failure) -> ContractError:
         """The error for row ``f.row`` of a gathered batch: shard file, row in the shard, sequence, check."""
         g = int(indices[f.row])
@@ -662,7 +774,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         """Start of an iteration. A used-up epoch rolls over to the next one, unless set_epoch() named it:
         then this iteration is empty, and the loop that calls set_epoch moves on by itself (a state saved
         right after an epoch's last batch must not make such a loop train one epoch too many)."""
-        if self._position >= len(self._plan(self.epoch)):
+        if self._position >= len(self):
             if self._pinned:
                 self._pinned = False
             else:
@@ -678,13 +790,13 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 "dataset's epoch and position do not, so every epoch would repeat and state_dict() would be stale. "
                 "Use ds.dataloader(num_workers=..., collate_fn=Collator()) instead"
             )
-        plan, start = self._plan(self.epoch), self._position
-        for step in range(start, len(plan)):
+        start, steps = self._position, len(self)
+        for step in range(start, steps):
             if info is not None and (step - start) % info.num_workers != info.id:
                 continue
             if info is None:
                 self._position = step + 1  # before the yield: the consumer may stop and save right after it
-            yield self.fetch(plan[step])
+            yield self.micro_batch(step)
         if info is None:
             self._pinned = False
 
@@ -706,8 +818,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
         ``run_id``, ``split`` and ``data_sha256`` (sha256 over the opened shards' names and their
         manifest sha256s) tie the state to the data: it resumes only a dataset over the same shards."""
         s = asdict(self.sampling)
-        s["batch_by"] = self.sampling.batch_by.value
-        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows), **s,
+        for k in ("batch_by", "balance"):
+            s[k] = getattr(self.sampling, k).value
+        return {"epoch": self.epoch, "position": self._position, "num_rows": len(self.rows),
+                "loss_weighting": self.loss_weighting.value, **s,
                 "run_id": self.manifest.run_id, "split": self.split, "data_sha256": self._data_sha256}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -745,7 +859,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         if not _is_count(position):
             raise PackstreamError(f"cannot resume: position is {_short(position)}, expected an integer >= 0 (the "
                                   "steps of the epoch already taken)")
-        steps = len(self._plan(int(epoch)))
+        steps = self._plan(int(epoch))[0].steps
         if position > steps:
             raise PackstreamError(f"cannot resume: position {int(position)} is past the end of epoch {int(epoch)}, "
                                   f"which has {steps} steps on each rank; the state is not this dataset's")
@@ -758,6 +872,13 @@ class PackedDataset(torch.utils.data.IterableDataset):
         the lists of rows) and any DataLoader option except ``batch_size``/``sampler``/``persistent_workers``.
         """
         return PackedLoader(self, **kwargs)
+
+
+def _enum(kind: type, value: Any, name: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise PackstreamError(f"{name}={value!r}; use one of {[v.value for v in kind]}") from None
 
 
 def _as_is(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

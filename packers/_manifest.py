@@ -98,6 +98,26 @@ _MAX_COUNT = 2**63 - 1
 _FIX = "the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack"
 
 
+SOURCE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "@": "%40", "#": "%23", "~": "%7E"})
+"""How an input's ``source`` (manifest ``inputs[].source``) is escaped at the start of its example ids
+(``gsm8k/train.jsonl@7``, ``oasst.jsonl:a1b2``): the escaped source holds no ``:`` or ``@``, so an id's source
+is everything before the first of them (:func:`id_source`)."""
+
+
+def escape_source(source: str) -> str:
+    """The prefix an input's examples carry in their ids."""
+    return source.translate(SOURCE_ESCAPES)
+
+
+def id_source(example_id: str) -> str:
+    """The escaped source at the start of an example id.
+
+    >>> id_source("gsm8k/train.jsonl@7"), id_source("mix%3Av2.jsonl:q17~2#1")
+    ('gsm8k/train.jsonl', 'mix%3Av2.jsonl')
+    """
+    return example_id[: next((i for i, c in enumerate(example_id) if c in ":@"), len(example_id))]
+
+
 class Status(str, enum.Enum):
     COMPLETE = "complete"
     FAILED = "failed"

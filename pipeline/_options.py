@@ -294,8 +294,15 @@ class DatasetSpec:
     repeat every record that many times, each copy with its own id (``...~2``)."""
     split: Optional[str] = None
     """The split to read from a ``datasets`` DatasetDict folder (e.g. ``train_sft``)."""
+    loss_weight: float = 1.0
+    """What each of this data set's target tokens counts in the loss, relative to the other data sets', when
+    training with ``PackedDataset(loss_weighting="source")`` (recorded in the manifest; ``weight`` decides how
+    many records are packed, this how much their tokens count)."""
 
     def __post_init__(self) -> None:
+        lw = self.loss_weight
+        if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not math.isfinite(lw) or lw < 0:
+            raise PackstreamError(f"dataset {self.name!r}: loss_weight {lw!r} must be a finite number >= 0")
         if not self.paths:
             raise PackstreamError(f"dataset {self.name!r} has no paths; give it 'paths: [FILE, ...]'")
         w = self.weight
@@ -312,7 +319,7 @@ class DatasetSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "paths": list(self.paths), "weight": self.weight, "split": self.split,
-                **self.format.format_dict()}
+                "loss_weight": self.loss_weight, **self.format.format_dict()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -588,7 +595,7 @@ def check_type(value: Any, hint: Any, what: str, kind: str = "") -> None:
 
 _SPEC_FIELDS = {f.name: f for f in dataclasses.fields(DatasetSpec) if f.name != "format"}
 _CONFIG_KEYS = set(_SPEC_FIELDS)
-"""The keys of a data set in a --config besides the format options: name, paths, weight, split."""
+"""The keys of a data set in a --config besides the format options: name, paths, weight, split, loss_weight."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -681,6 +688,7 @@ def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
             messages_field: conversation
             roles: {bot: assistant}
             weight: 2                    # every record twice, with distinct ids
+            loss_weight: 0.5             # its tokens count half in PackedDataset(loss_weighting="source")
             split: train_sft             # for datasets folders with several splits
     """
     doc = load_yaml(read_checked(path, what="--config file", limit=MAX_CONFIG_BYTES,
@@ -729,7 +737,7 @@ def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
         try:
             options = FormatOptions(**(base | fmt))
             specs.append(DatasetSpec(name=name, paths=tuple(paths), format=options, weight=d.get("weight", 1.0),
-                                     split=d.get("split")))
+                                     split=d.get("split"), loss_weight=d.get("loss_weight", 1.0)))
         except PackstreamError as e:
             raise PackstreamError(f"{where} ({name}): {e}") from None
         except TypeError as e:  # a value of the wrong type, e.g. a list where a string belongs

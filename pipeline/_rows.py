@@ -28,6 +28,7 @@ import pyarrow as pa
 
 import packers
 from packers import LongPolicy
+from packers._manifest import escape_source
 from pipeline._formats import Reason
 from pipeline._options import PackOptions, TruncateSide
 
@@ -37,13 +38,12 @@ def stable_hash(text: str, salt: str = "") -> int:
     return int.from_bytes(hashlib.blake2b((salt + "\0" + text).encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
-_SOURCE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "@": "%40", "#": "%23", "~": "%7E"})
 _ID_ESCAPES = str.maketrans({"%": "%25", "#": "%23", "~": "%7E"})
 
 
 def example_id(source: str, position: int, record: Any) -> str:
     """The example's id (see the module docstring): its own ``id`` when it has one, else its position."""
-    src = source.translate(_SOURCE_ESCAPES)
+    src = escape_source(source)
     own = record.get("id") if isinstance(record, dict) else None
     if isinstance(own, str) and own:
         text = own.translate(_ID_ESCAPES)

@@ -144,6 +144,8 @@ def test_gpt_oss_and_opt_exact_or_refused(arch):
             assert c["backend"] == "flex_attention" or c["grad"] <= TOL, c
             # exact because the guard passed position_ids to the mask functions (they leak without it)
             assert c["fix"], c
+        elif c["backend"] == "flex_attention":  # torch's CPU flex kernel is wrong at some lengths: never vouched for
+            assert "flex_attention' on CPU" in c["why"], c
         else:
             assert "lets packed examples interact" in c["why"] or "cannot run the packing probe" in c["why"], c
 

@@ -26,7 +26,8 @@ LAYERS = {
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals"},
     "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers._files",
              "packers._rowcheck", "packers"},
-    "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps"},
+    "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",
+               "packers._loss"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "stages", "core", "loader"},

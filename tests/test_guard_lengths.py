@@ -1,0 +1,265 @@
+"""The guard at the lengths a config makes special (issue 18).
+
+* A backend that keeps packed examples apart up to N tokens and leaks above them passes a probe of 12
+  tokens; the guard now probes a row crossing each length the config names (sliding window, attention
+  chunk, rope original length, ...) and refuses it, for N at each of these boundaries.
+* Ropes whose frequencies follow the longest sequence of the batch (``dynamic``, ``longrope``) are exact
+  while every sequence stays below the original length, and refused above it, under every backend.
+* flex_attention on CPU is refused: torch's compiled CPU kernel is wrong at some lengths, packed or not
+  (the flaky OPT/flex LEAK of the compatibility matrix).
+* The probe leaves no trace in modules that replace buffers or set attributes during a forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packers import Collator, PackstreamError, _attention, check_packing_safe, install_packing_guard
+from tests._shards import Example, make_row
+
+VOCAB = 97
+TOL = 1e-5
+N = 16  # the special length under test: longer than the short probe's 7 tokens, so that probe cannot see it
+
+
+def build(cls_config, cls_model, attn, **kw):
+    kw = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **kw}
+    cfg = cls_config(**kw)
+    torch.manual_seed(0)
+    return cls_model._from_config(cfg, attn_implementation=attn)
+
+
+def llama(attn, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return build(LlamaConfig, LlamaForCausalLM, attn, **kw)
+
+
+def mistral(attn, **kw):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return build(MistralConfig, MistralForCausalLM, attn, **kw)
+
+
+def llama4(attn, **kw):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return build(Llama4TextConfig, Llama4ForCausalLM, attn, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
+                 **kw)
+
+
+def phi3(attn, **kw):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return build(Phi3Config, Phi3ForCausalLM, attn, pad_token_id=0, **kw)
+
+
+def rows_of(lengths: list[list[int]], seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    exs = [[Example(f"x{i}{j}", torch.randint(3, VOCAB, (n,), generator=g).tolist(), [1] * n) for j, n in enumerate(row)]
+           for i, row in enumerate(lengths)]
+    return [make_row(r) for r in exs]
+
+
+def max_diff(model, batch, relative: bool = False) -> float:
+    """Max abs logit diff, packed batch vs each sequence alone (no_grad), computed without the guard; with
+    ``relative``, over the largest logit (the guard's measure: tiny random models have logits of ~1e-2)."""
+    with torch.no_grad():
+        logits = model(**batch).logits[0]
+        cu = batch["cu_seq_lens_q"].tolist()
+        diff = max((model(input_ids=batch["input_ids"][:, a:b]).logits[0] - logits[a:b]).abs().max().item()
+                   for a, b in zip(cu, cu[1:]))
+        return diff / logits.abs().max().item() if relative else diff
+
+
+# -- a backend that leaks only above N tokens ------------------------------------------------------------------
+
+
+def leaky_above(n: int) -> str:
+    """sdpa, except that a query longer than ``n`` tokens attends causally over the whole row (the packed mask
+    dropped): exact on short rows, a leak on long ones. Registered through transformers' AttentionInterface."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        if query.shape[2] > n:
+            attention_mask, kwargs["is_causal"] = None, True
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"leaky_above_{n}"
+    AttentionInterface.register(name, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+BOUNDARIES = {
+    "window": (mistral, {"sliding_window": N}, "sliding_window"),
+    "chunk": (llama4, {"attention_chunk_size": N}, "attention_chunk_size"),
+    "original": (llama, {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                             "original_max_position_embeddings": N}}, "original_max_position_embeddings"),
+}
+
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+def test_a_backend_leaking_above_a_special_length_is_refused(boundary):
+    make, config, key = BOUNDARIES[boundary]
+    model = make(leaky_above(N), **config).train()
+    layout = _attention._layout(Collator()(rows_of([[5, 7]])))
+    # The short probe alone (all the guard ran before issue 18) finds nothing: 12 tokens never leave the mask.
+    diff, tol, error = _attention._run_probe(model, model, layout, fix=False)
+    assert error is None and diff <= tol
+    long_rows = Collator()(rows_of([[9, N + 4], [6]]))
+    assert max_diff(model, long_rows) > 1e-2  # and the backend does leak, on rows longer than N
+    install_packing_guard(model)
+    with pytest.raises(PackstreamError, match=rf"lets packed examples interact.*2 sequences of 5 and {N + 2} tokens, "
+                                              rf"crossing (rope_parameters\.)?{key}={N}"):
+        model(**Collator()(rows_of([[5, 7]])))  # refused at the first packed batch, short as it is
+
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_windows_chunks_and_static_ropes_stay_exact_across_their_lengths(boundary, attn):
+    """The long probes refuse nothing that is exact: the same configs under transformers' own backends pass,
+    and rows whose sequences cross N equal each sequence alone."""
+    make, config, _ = BOUNDARIES[boundary]
+    model = make(attn, **config).eval()
+    install_packing_guard(model)
+    batch = Collator()(rows_of([[9, N + 4], [6, N + 1]]))
+    check_packing_safe(model, batch)
+    verdict = _attention.cached_verdict(model, batch)
+    assert (5, N + 2) in verdict.probes
+    assert max_diff(model, batch) <= TOL
+
+
+# -- ropes whose frequencies follow the batch ------------------------------------------------------------------
+
+LIMIT = 32  # the original length of the dynamic and longrope configs below
+
+
+def dynamic_llama(attn):
+    return llama(attn, max_position_embeddings=LIMIT,
+                 rope_parameters={"rope_type": "dynamic", "factor": 16.0, "rope_theta": 10000.0})
+
+
+def longrope_phi3(attn):
+    half = 4  # head_dim 8 / 2
+    return phi3(attn, max_position_embeddings=4 * LIMIT, original_max_position_embeddings=LIMIT, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+        "long_factor": [1.0, 3.0, 9.0, 27.0], "original_max_position_embeddings": LIMIT})
+
+
+ROPES = {"dynamic": dynamic_llama, "longrope": longrope_phi3}
+
+
+@pytest.fixture
+def cpu_varlen(monkeypatch):
+    """packstream_varlen with a CPU reference kernel (tests/test_exactness.py), so that every backend runs here."""
+    from tests.test_exactness import reference_varlen_attn
+
+    monkeypatch.setattr(_attention, "_varlen_kernel", lambda: reference_varlen_attn)
+    monkeypatch.setattr(_attention, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(_attention, "_VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    return _attention.register_varlen_attention()
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("attn", ["eager", "sdpa", pytest.param("varlen", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["train", pytest.param("eval", marks=pytest.mark.slow)])
+def test_batch_dependent_ropes_are_exact_below_the_original_length_and_refused_above(rope, attn, mode, cpu_varlen):
+    model = ROPES[rope](cpu_varlen if attn == "varlen" else attn)
+    getattr(model, mode)()
+    long = Collator()(rows_of([[LIMIT + 8, 6], [7]]))
+    # Unguarded, a short example beside a long one gets the long one's frequencies (dropout off for the truth).
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    assert max_diff(model, long, relative=True) > 1e-4  # fp32 noise: ~1e-7
+    install_packing_guard(model)
+    short = Collator()(rows_of([[LIMIT - 1, 6], [9, 12]]))
+    model(**short)  # every sequence below the limit: allowed ...
+    assert max_diff(model, short) <= TOL  # ... and exact
+    with pytest.raises(PackstreamError, match=rf"rope_type='{rope}'.*sequence of {LIMIT + 8} tokens.*static rope type.*"
+                                              rf"--max-tokens {LIMIT - 1}"):
+        model(**long)
+    fixed = Collator(fixed_shape=True, budget=LIMIT)(rows_of([[9, 12]]))  # the budget bounds the padding's positions
+    with pytest.raises(PackstreamError, match="fixed_shape"):
+        model(**fixed)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_batch_dependent_ropes_under_flex_are_refused(rope):
+    model = ROPES[rope]("flex_attention").eval()
+    with pytest.raises(PackstreamError, match="flex_attention' on CPU"):
+        check_packing_safe(model, Collator()(rows_of([[9, 12]])))
+
+
+# -- flex_attention on CPU -----------------------------------------------------------------------------------
+
+
+def test_flex_attention_on_cpu_is_refused():
+    """The flaky LEAK of tests/test_guard.py::test_gpt_oss_and_opt_exact_or_refused[opt]: the guard's 12-token probe
+    passed, then the 40-token batch came out wrong. torch's compiled CPU flex kernel gives wrong attention for some
+    lengths with no packing at all (bench/compat_matrix.py's tiny models, head dim 8), differently in each process,
+    so the guard refuses it on CPU instead of vouching for lengths it did not run."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=128)
+    model = OPTForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
+    install_packing_guard(model)
+    with pytest.raises(PackstreamError, match="flex_attention' on CPU.*use attn_implementation='sdpa' or 'eager'"):
+        model(**Collator()(rows_of([[9, 1, 13], [6, 11]])))
+
+
+# -- no trace --------------------------------------------------------------------------------------------------
+
+
+def test_probe_restores_replaced_buffers_and_attributes():
+    """A module that re-registers a buffer and sets attributes in its forward (what a dynamic rope does when a
+    sequence grows past its cache) gets its own objects back after the probe."""
+    model = llama("sdpa", sliding_window=None).train()
+    rotary = model.model.rotary_emb
+    inv_freq, cached = rotary.inv_freq, rotary.max_seq_len_cached
+    grown = inv_freq * 0.5
+
+    def grow(module, args):  # the same in every forward, so packed and alone still agree
+        module.register_buffer("inv_freq", grown.clone(), persistent=False)
+        module.max_seq_len_cached = 2 * cached
+        module.scratch = torch.zeros(1)
+
+    rotary.register_forward_pre_hook(grow)
+    check_packing_safe(model, Collator()(rows_of([[5, 9]])))
+    assert rotary.inv_freq is inv_freq and torch.equal(rotary.inv_freq, inv_freq)
+    assert rotary.max_seq_len_cached == cached and not hasattr(rotary, "scratch")
+
+
+def test_switching_modes_does_not_probe_again():
+    """Verdicts are kept per state: train -> eval -> train probes twice, not three times."""
+    model = llama("sdpa").train()
+    n = [0]
+    model.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+    install_packing_guard(model)
+    batch = Collator()(rows_of([[5, 9]]))
+    probe = 1 + 2  # packed, and each of 2 sequences alone
+    model(**batch)
+    model.eval()(**batch)
+    model.train()(**batch)
+    assert n[0] == 2 * probe + 3
+
+
+def test_special_lengths_come_from_the_config():
+    """What the probe crosses: the config's windows, chunks and rope original lengths, within max positions."""
+    model = mistral("sdpa", sliding_window=N)
+    assert _attention._special_lengths(model, None) == {N: "sliding_window"}
+    model = llama("sdpa", rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 40})
+    assert _attention._special_lengths(model, None) == {40: "rope_parameters.original_max_position_embeddings"}
+    model = mistral("sdpa", sliding_window=4096)  # longer than its 64 positions: no sequence can cross it
+    assert _attention._special_lengths(model, None) == {}
+    assert _attention._batch_rope(dynamic_llama("sdpa")) == (LIMIT, "dynamic")
+    assert _attention._batch_rope(longrope_phi3("sdpa")) == (LIMIT, "longrope")
+    assert _attention._batch_rope(model) is None
