@@ -3,16 +3,22 @@
 ::
 
     Create(inputs) -> PlanReads -> Spread -> EncodeTasks ------------------------------+
-                      (split big     (one     read a task, normalize, render,           |
-                       files)        task per  tokenize (pipeline._encode), spill the    |
-                                     worker)   examples per packing group to disk        |
+                      (split big     (tasks    read a task, normalize, render,          |
+                       files)        over the  tokenize (pipeline._encode), spill the   |
+                                     workers)  examples per packing group to disk       |
                                                    |                                     |
-                                 Slices: (split, shard) -> Slice(group, spill file, batch)
+                                 Slices: (split, group) -> Slice(group, spill file, batch)
                                                    v                                     |
-                      (every shard) -> GroupByKey -> PackShards: per group of the shard: |
-                                                     read it back, de-duplicate, split/  |
-                                                     truncate, bin-pack, assemble rows,  |
-                                                     stream them into the shard file     |
+                                    ByGroup -> PackGroups: per group, on every worker:   |
+                                               read it back, de-duplicate, split/        |
+                                               truncate, bin-pack, assemble rows, park   |
+                                               them in a packed spill file               |
+                                                   |                                     |
+                                 Pieces: (split, shard) -> Piece(group, packed file, batch)
+                                                   v                                     |
+                      (every shard) -> ByShard -> WriteShards: per shard, stream its     |
+                                                  groups' rows in group order into the   |
+                                                  shard file, sha256 as the bytes pass   |
                                                    |                                     |
                                                    v                                     v
                                    Collect (one key) -> Finalize: merge the dead letters,
@@ -44,7 +50,7 @@ import numpy as np
 import packers
 from packers import InternalError, PackstreamError
 from packers._manifest import MANIFEST, Status, parse_manifest
-from pipeline import _output, _progress, _read, _rows, _spill, _write
+from pipeline import _output, _progress, _read, _rows, _spill, _trace, _write
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
@@ -97,7 +103,7 @@ def _only(kind: str):
 class EncodeTasks(beam.DoFn):
     """A read task -> its examples spilled per packing group, plus dead letters and counts.
 
-    Yields tagged tuples: ``("slice", ((split, shard), Slice))``, ``("rejects", path)``,
+    Yields tagged tuples: ``("slice", ((split, group), Slice))``, ``("rejects", path)``,
     ``("stats", counts)``, ``("failure", message)``. While the tokenizer (Rust, its own threads)
     encodes one chunk, this thread reads, parses and renders the next.
     """
@@ -114,7 +120,8 @@ class EncodeTasks(beam.DoFn):
         from pipeline._encode import Encoder
 
         _quiet_worker()
-        self.encoder = Encoder(self.options)
+        with _trace.span("encode_setup"):
+            self.encoder = Encoder(self.options)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="packstream-tokenize")
 
     def teardown(self):
@@ -123,6 +130,13 @@ class EncodeTasks(beam.DoFn):
             pool.shutdown(wait=False)
 
     def process(self, task: _read.ReadTask):
+        with _trace.span("encode_task", task=task.name, start=task.start) as info:
+            for item in self._process(task):
+                if item[0] == "stats":
+                    info["records"] = item[1]["records_read"]
+                yield item
+
+    def _process(self, task: _read.ReadTask):
         from pipeline._encode import add_counts
 
         o, plan = self.options, self.plan
@@ -147,7 +161,7 @@ class EncodeTasks(beam.DoFn):
                 sub = batch.take(which)
                 groups = np.array([keys[i][1] for i in which], dtype=np.int64)
                 for sl in _spill.write_part(plan.spill, f"{task.name}-{parts}", sub, groups):
-                    out.append(_tagged("slice", ((split, sl.group % plan.shards[split]), sl)))
+                    out.append(_tagged("slice", ((split, sl.group), sl)))
                 stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
             parts += 1
 
@@ -224,8 +238,13 @@ def _quiet_worker() -> None:
 # Packing and writing
 
 
-class PackShards(beam.DoFn):
-    """One shard: read each of its groups back from the spill, pack it, stream its rows into the file."""
+class PackGroups(beam.DoFn):
+    """One packing group: read its examples back from the spill, pack them, park the rows for their shard.
+
+    Groups are independent, so every worker packs its share of them. Yields ``("piece", ((split,
+    shard), Piece))`` for the shard that writes the rows (global mode: one per shard of the split,
+    the rows dealt out round-robin), then the group's dead letters, counts and row checks.
+    """
 
     def __init__(self, options: PackOptions, plan: Plan):
         self.options, self.plan = options, plan
@@ -237,56 +256,67 @@ class PackShards(beam.DoFn):
     def process(self, keyed):
         import pyarrow as pa
 
+        (split, g), slices = keyed
+        o, plan = self.options, self.plan
+        count = plan.shards[split]
+        try:
+            with _trace.span("pack_group", group=g):
+                group = _rows.pack_group(_spill.read_slices(sorted(slices)), o, plan.eos_id)
+                batch = group.batch
+                if o.mode is PackMode.GROUPED or count == 1:
+                    by_shard = {g % count: batch}
+                else:  # global mode: one group per split, its rows dealt out round-robin over the split's shards
+                    rows = np.arange(batch.num_rows)
+                    by_shard = {s: batch.take(pa.array(rows[rows % count == s])) for s in range(count)}
+                pieces = _spill.write_packed(plan.spill, f"{split}-{g}", g, by_shard)
+                path = _write.write_reject_part(plan.spill, f"group-{split}-{g}", group.rejected)
+        except OSError as e:
+            yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+            return
+        self.rows.inc(batch.num_rows)
+        _progress.flush()
+        for shard, piece in pieces:
+            yield _tagged("piece", ((split, shard), piece))
+        if path:
+            yield _tagged("rejects", path)
+        yield _tagged("stats", group.stats)
+        yield _tagged("flags", {"eos_at_boundaries": group.eos_at_boundaries, "all_targets": group.all_targets})
+
+
+class WriteShards(beam.DoFn):
+    """One shard: stream its groups' packed rows, in group order, into the file (hashed as it goes)."""
+
+    def __init__(self, options: PackOptions, plan: Plan):
+        self.options, self.plan = options, plan
+
+    def setup(self):
+        _quiet_worker()
+
+    def process(self, keyed):
+        import pyarrow as pa
+
         (split, shard), values = keyed
         o, plan = self.options, self.plan
-        slices = sorted(v for v in values if v is not None)
+        pieces = sorted(v for v in values if v is not None)
         schema = pa.schema(packers.SCHEMA, metadata=plan.schema_metadata)
         ext = "parquet" if o.output_format.value == "parquet" else "arrow"
-        count = plan.shards[split]
-        names = [_write.shard_name(split, shard, count, ext)] if o.mode is PackMode.GROUPED else \
-            [_write.shard_name(split, s, count, ext) for s in range(count)]
-        stats: dict[str, int] = {}
-        rejected: list[dict] = []
-        flags = {"eos_at_boundaries": True, "all_targets": True}
-        writers = []
+        writer = None
         try:
-            writers = [_write.ShardWriter(o.output, n, schema, o.output_format.value) for n in names]
-            by_group: dict[int, list] = {}
-            for sl in slices:
-                by_group.setdefault(sl.group, []).append(sl)
-            row_no = 0
-            for g in sorted(by_group):
-                group = _rows.pack_group(_spill.read_slices(by_group[g]), o, plan.eos_id)
-                rejected += group.rejected
-                for k, v in group.stats.items():
-                    stats[k] = stats.get(k, 0) + v
-                flags["eos_at_boundaries"] &= group.eos_at_boundaries
-                flags["all_targets"] &= group.all_targets
-                batch = group.batch
-                if len(writers) == 1:
-                    writers[0].write(batch)
-                else:  # global mode: one group, dealt out round-robin over the split's shards
-                    for s, w in enumerate(writers):
-                        idx = [i for i in range(batch.num_rows) if (row_no + i) % len(writers) == s]
-                        w.write(batch.take(pa.array(idx, pa.int64())))
-                row_no += batch.num_rows
-                self.rows.inc(batch.num_rows)
-            descs = [w.close(split) for w in writers]
-            path = _write.write_reject_part(plan.spill, f"shard-{split}-{shard}", rejected)
+            with _trace.span("write_shard", shard=shard, pieces=len(pieces)):
+                writer = _write.ShardWriter(o.output, _write.shard_name(split, shard, plan.shards[split], ext),
+                                            schema, o.output_format.value)
+                for piece in pieces:
+                    if piece.rows:
+                        writer.write(_spill.read_piece(piece))
+                desc = writer.close(split)
         except BaseException as e:
-            for w in writers:  # a failed attempt leaves no temp file (a retry writes its own)
-                w.abort()
+            if writer is not None:  # a failed attempt leaves no temp file (a retry writes its own)
+                writer.abort()
             if not isinstance(e, OSError):
                 raise
             yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
             return
-        _progress.flush()
-        for d in descs:
-            yield _tagged("shard", d)
-        if path:
-            yield _tagged("rejects", path)
-        yield _tagged("stats", stats)
-        yield _tagged("flags", flags)
+        yield _tagged("shard", desc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,7 +331,8 @@ class Finalize(beam.DoFn):
 
     def process(self, keyed):
         _, items = keyed
-        manifest = finalize(self.options, self.plan, self.identity, self.files, self.notes, list(items))
+        with _trace.span("finalize"):
+            manifest = finalize(self.options, self.plan, self.identity, self.files, self.notes, list(items))
         yield manifest.get("status")
 
 
@@ -651,27 +682,41 @@ def default_workers() -> int:
     return 1
 
 
+def _plan_reads(f: _read.InputFile) -> list[_read.ReadTask]:
+    with _trace.span("plan_reads", source=f.source) as info:
+        tasks = _read.plan_tasks(f)
+        info["tasks"] = len(tasks)
+    return tasks
+
+
 def build(p, options: PackOptions, plan: Plan, identity: dict, files, notes) -> None:
     """The job graph (see the module docstring)."""
     splits = [s for s in ("train", "validation") if s == "train" or options.validation_fraction > 0]
     encoded = (
         p
         | "Inputs" >> beam.Create(files)
-        | "PlanReads" >> beam.FlatMap(_read.plan_tasks)
+        | "PlanReads" >> beam.FlatMap(_plan_reads)
         | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
         | "Spread" >> beam.GroupByKey()
         | "Tasks" >> beam.FlatMap(lambda kv: kv[1])
         | "EncodeTasks" >> beam.ParDo(EncodeTasks(options, plan))
     )
-    every = [((sp, s), None) for sp in splits for s in (range(plan.shards[sp]) if options.mode is PackMode.GROUPED else [0])]
     packed = (
-        (encoded | "Slices" >> beam.FlatMap(_only("slice")), p | "EveryShard" >> beam.Create(every))
-        | "AllSlices" >> beam.Flatten()
+        encoded
+        | "Slices" >> beam.FlatMap(_only("slice"))
+        | "ByGroup" >> beam.GroupByKey()
+        | "PackGroups" >> beam.ParDo(PackGroups(options, plan))
+    )
+    every = [((sp, s), None) for sp in splits for s in range(plan.shards[sp])]
+    written = (
+        (packed | "Pieces" >> beam.FlatMap(_only("piece")), p | "EveryShard" >> beam.Create(every))
+        | "AllPieces" >> beam.Flatten()
         | "ByShard" >> beam.GroupByKey()
-        | "PackShards" >> beam.ParDo(PackShards(options, plan))
+        | "WriteShards" >> beam.ParDo(WriteShards(options, plan))
     )
     (
-        (encoded | "Reports" >> beam.Filter(lambda item: item[0] != "slice"), packed)
+        (encoded | "Reports" >> beam.Filter(lambda item: item[0] != "slice"),
+         packed | "PackReports" >> beam.Filter(lambda item: item[0] != "piece"), written)
         | "Everything" >> beam.Flatten()
         | "OneKey" >> beam.Map(lambda item: (None, item))
         | "Collect" >> beam.GroupByKey()
@@ -691,14 +736,18 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     started = time.time()
     output = _output.normalize_output(options.output)
     options = dataclasses.replace(options, output=output)
-    files, notes = _read.expand_datasets(options.datasets())
-    identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-    _check_launch(options, identity)
+    _trace.mark("launch", process_cpu=time.process_time())
+    with _trace.span("launch_inputs"):
+        files, notes = _read.expand_datasets(options.datasets())
+    with _trace.span("launch_tokenizer"):
+        identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+        _check_launch(options, identity)
     workers = options.workers or default_workers()
     pipe_opts, runner = pipeline_options(beam_args, workers)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     run_id = uuid.uuid4().hex[:12]
-    plan = _plan(options, files, identity, run_id)
+    with _trace.span("launch_plan"):
+        plan = _plan(options, files, identity, run_id)
     inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
     claim = None if template else _output.claim(output, inputs, options.overwrite, run_id)
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
@@ -712,9 +761,11 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             try:
                 p = beam.Pipeline(runner=runner, options=pipe_opts)
                 build(p, options, plan, identity, files, notes)
-                result = p.run()
+                with _trace.span("job"):
+                    result = p.run()
                 try:
-                    result.wait_until_finish()
+                    with _trace.span("job_wait"):
+                        result.wait_until_finish()
                 finally:
                     client = getattr(result, "client", None)  # DaskRunner: close the client (and a local cluster)
                     if client is not None:

@@ -14,4 +14,9 @@ logging.disable(logging.WARNING)
 from apache_beam.runners.worker import sdk_worker_main  # noqa: E402
 
 if __name__ == "__main__":
+    import time
+
+    from pipeline import _trace
+
+    _trace.mark("worker_start", process_cpu=time.process_time())
     sdk_worker_main.main(sys.argv)
