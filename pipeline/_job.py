@@ -50,7 +50,7 @@ import numpy as np
 import packers
 from packers import InternalError, PackstreamError
 from packers._manifest import MANIFEST, Status, parse_manifest
-from pipeline import _output, _progress, _read, _rows, _spill, _trace, _write
+from pipeline import _dask, _output, _parallel, _pool, _progress, _read, _rows, _spill, _trace, _write
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
@@ -80,6 +80,11 @@ class Plan:
     """Output shards per split."""
     schema_metadata: dict
     eos_id: Optional[int]
+    task_bytes: int = _read.TASK_BYTES
+    """The size of JSONL read tasks (:func:`pipeline._read.task_bytes`): enough tasks for the workers."""
+    lanes: int = 0
+    """Dask: empty keys shuffled with the read tasks, so that every Dask worker gets some (see
+    :mod:`pipeline._dask`); 0 elsewhere."""
 
     def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
         """(split, group, shard) of an example: stable hashes of its id."""
@@ -120,8 +125,11 @@ class EncodeTasks(beam.DoFn):
         from pipeline._encode import Encoder
 
         _quiet_worker()
-        with _trace.span("encode_setup"):
+        if self.options.tokenizer_threads:  # before this process's tokenizer first encodes
+            os.environ.update(_parallel.tokenizer_env(self.options.tokenizer_threads))
+        with _trace.span("encode_setup") as info:
             self.encoder = Encoder(self.options)
+            info["process_cpu"] = time.process_time()  # the process's start-up until its tokenizer is ready
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="packstream-tokenize")
 
     def teardown(self):
@@ -522,16 +530,20 @@ def _version() -> str:
 # The launcher
 
 
-def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict, run_id: str) -> Plan:
+def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict, run_id: str, size: int,
+          task_bytes: int = _read.TASK_BYTES, lanes: int = 0) -> Plan:
     """Groups and shards per split, from a cheap count of the inputs (exact for local JSONL, Parquet
-    and datasets folders; from sizes elsewhere). Deterministic for the same inputs: the output is too."""
+    and datasets folders; from sizes elsewhere; ``size``: their bytes). Deterministic for the same
+    inputs: the output is too. ``task_bytes`` and ``lanes`` only say how the read tasks are cut and
+    spread, which never changes the output."""
     weights = [d.weight for d in options.datasets()]
     records = sum(_expected_records(f) * weights[f.dataset] for f in files)
-    groups, shards = _write.shard_layout(options, records, sum(_size(f) for f in files))
+    groups, shards = _write.shard_layout(options, records, size)
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
                                    eos_token_id=identity["eos_token_id"])
-    return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"])
+    return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"],
+                task_bytes, lanes)
 
 
 def _expected_records(f: _read.InputFile) -> int:
@@ -661,30 +673,30 @@ def pipeline_options(beam_args: Sequence[str], workers: int):
     beam_option_parser().parse_known_args(args)  # a bad value: one error line, not Beam's usage and exit
     runner = None
     if not any(a.startswith("--runner=") for a in args):
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
+        runner = local_runner(workers)
         if workers > 1:
-            # Beam's multi_processing mode, with packstream's worker entry point (quiet under -q).
-            import sys
-
-            from apache_beam.transforms.environments import SubprocessSDKEnvironment
-
-            env = SubprocessSDKEnvironment.from_command_string(f"{sys.executable} -m pipeline._worker")
-            runner = FnApiRunner(default_environment=env)
             args += [f"--direct_num_workers={workers}"]
-        else:
-            runner = FnApiRunner()
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
-def default_workers() -> int:
-    """What is fastest here: measured by bench/bench_scale.py (see docs/operations.md)."""
-    return 1
+def local_runner(workers: int, command: Optional[str] = None):
+    """FnApiRunner: in this process for one worker; else Beam's multi_processing mode, whose workers run
+    ``command`` (default: packstream's cold worker entry point, quiet under -q)."""
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    if workers <= 1:
+        return FnApiRunner()
+    import sys
+
+    from apache_beam.transforms.environments import SubprocessSDKEnvironment
+
+    command = command or f"{sys.executable} -m pipeline._worker"
+    return FnApiRunner(default_environment=SubprocessSDKEnvironment.from_command_string(command))
 
 
-def _plan_reads(f: _read.InputFile) -> list[_read.ReadTask]:
+def _plan_reads(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
     with _trace.span("plan_reads", source=f.source) as info:
-        tasks = _read.plan_tasks(f)
+        tasks = _read.plan_tasks(f, task_bytes)
         info["tasks"] = len(tasks)
     return tasks
 
@@ -692,13 +704,19 @@ def _plan_reads(f: _read.InputFile) -> list[_read.ReadTask]:
 def build(p, options: PackOptions, plan: Plan, identity: dict, files, notes) -> None:
     """The job graph (see the module docstring)."""
     splits = [s for s in ("train", "validation") if s == "train" or options.validation_fraction > 0]
-    encoded = (
+    tasks = (
         p
         | "Inputs" >> beam.Create(files)
-        | "PlanReads" >> beam.FlatMap(_plan_reads)
+        | "PlanReads" >> beam.FlatMap(_plan_reads, plan.task_bytes)
         | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
+    )
+    if plan.lanes:  # Dask: a shuffle keeps its input's partitions, so give it plan.lanes more (Create splits)
+        lanes = p | "Lanes" >> beam.Create([(f"lane-{i}", None) for i in range(plan.lanes)])
+        tasks = (tasks, lanes) | "WithLanes" >> beam.Flatten()
+    encoded = (
+        tasks
         | "Spread" >> beam.GroupByKey()
-        | "Tasks" >> beam.FlatMap(lambda kv: kv[1])
+        | "Tasks" >> beam.FlatMap(lambda kv: [t for t in kv[1] if t is not None])
         | "EncodeTasks" >> beam.ParDo(EncodeTasks(options, plan))
     )
     packed = (
@@ -731,7 +749,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     changes the output. A Flex Template launch (``--template_location``) only writes the job
     graph: Dataflow runs it later (and writes the manifest), so this returns the config.
     """
-    from apache_beam.options.pipeline_options import GoogleCloudOptions
+    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 
     started = time.time()
     output = _output.normalize_output(options.output)
@@ -742,21 +760,33 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     with _trace.span("launch_tokenizer"):
         identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
         _check_launch(options, identity)
-    workers = options.workers or default_workers()
-    pipe_opts, runner = pipeline_options(beam_args, workers)
+    sizes = [_size(f) for f in files]
+    size = sum(sizes)
+    par = _parallel.choose(options.workers, options.tokenizer_threads, size)
+    pipe_opts, runner = pipeline_options(beam_args, par.workers)
+    local = runner is not None
+    task_bytes, lanes = _read.task_bytes(size, par.workers if local else None), 0
+    if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
+        task_bytes, lanes = _dask.layout(pipe_opts, files, sizes)
+    if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
+        options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     run_id = uuid.uuid4().hex[:12]
-    with _trace.span("launch_plan"):
-        plan = _plan(options, files, identity, run_id)
+    with _trace.span("launch_plan", workers=par.workers, threads=par.threads):
+        plan = _plan(options, files, identity, run_id, size, task_bytes, lanes)
     inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
     claim = None if template else _output.claim(output, inputs, options.overwrite, run_id)
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
-    env = {"PACKSTREAM_OUTCOME": outcome_path}
-    if workers > 1:  # each worker process takes its share of the cores for the tokenizer's threads
-        env["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    env = {"PACKSTREAM_OUTCOME": outcome_path, **(par.env() if local else {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    pool = None
     try:
+        if local and par.workers > 1:  # warm workers, forked now: before any thread or server starts here
+            with _trace.span("launch_pool", workers=par.workers):
+                pool = _pool.start(par.workers)
+            if pool is not None:
+                runner = local_runner(par.workers, pool.command)
         with _progress.watching(progress, files, local=runner is not None, budget=options.max_tokens):
             try:
                 p = beam.Pipeline(runner=runner, options=pipe_opts)
@@ -781,6 +811,8 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             return {"config": options.to_dict(), "template_location": template}
         manifest = _read_manifest(output, outcome_path)
     finally:
+        if pool is not None:
+            pool.close()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -1,7 +1,8 @@
 """Entry point of local worker processes (``packstream pack --workers N``): Beam's SDK worker, quiet.
 
-FnApiRunner starts each worker as ``python -m pipeline._worker``, so the log level is set before
-Beam logs a line.
+FnApiRunner starts each worker as ``python -m pipeline._worker`` (a cold worker), or hands it to
+a warm one forked from the launcher (:mod:`pipeline._pool`), which calls :func:`main` too; either
+way the log level is set before Beam logs a line.
 """
 
 import logging
@@ -11,12 +12,13 @@ import sys
 # packstream user. Errors still surface: a failing step fails the job, and the launcher reports it.
 logging.disable(logging.WARNING)
 
-from apache_beam.runners.worker import sdk_worker_main  # noqa: E402
+
+def main(argv) -> None:
+    from apache_beam.runners.worker import sdk_worker_main
+
+    logging.disable(logging.WARNING)
+    sdk_worker_main.main(argv)
+
 
 if __name__ == "__main__":
-    import time
-
-    from pipeline import _trace
-
-    _trace.mark("worker_start", process_cpu=time.process_time())
-    sdk_worker_main.main(sys.argv)
+    main(sys.argv)
