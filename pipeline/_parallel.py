@@ -5,18 +5,20 @@ The work is the tokenizer's (Rust, ~90% of a record's CPU time on the shared mix
 job's Python per record (reading, rendering, masks: ~10%, one thread per worker, overlapped with
 the tokenizer). A run on ``C`` cores can spend them two ways::
 
-    1 worker  x C tokenizer threads   no extra start-up; the tokenizer's threads wait at the end
-                                      of every batch, and the worker's one Python thread bounds
-                                      it once C is large (Python ~10% -> at most ~10 cores)
-    N workers x C/N threads           each worker pays its own start-up (a Python process with
-                                      Beam, its tokenizer: ~3 CPU-seconds), then they share the
-                                      tasks and the groups; with 1 thread each nothing waits
+    1 worker  x C tokenizer threads   no second process; but the tokenizer's threads wait at the
+                                      end of every batch, and the worker's one Python thread
+                                      bounds it once C is large (Python ~10% -> ~10 cores at most)
+    N workers x C/N threads           each worker is one more process (forked warm from the
+                                      launcher: ~0.3 CPU-s, plus its share of the runner's gRPC);
+                                      they share the read tasks and the packing groups
 
-``auto`` takes the second where the input holds enough work to pay for the workers' start-up,
-and the first otherwise; the constants below come from ``bench/bench_scale.py --cores`` (README,
-Performance), which measures both on the machine at hand. Only local runs (FnApiRunner) start
-workers; on a cluster the runner owns the processes and ``--tokenizer-threads`` (if given) sets
-each process's tokenizer threads.
+Measured with ``bench/bench_scale.py`` (README, Performance) on 2 cores: one worker with 2
+threads spent less CPU time per record than 2 workers of 1 thread (17.6-19.4 s against
+20.5-23.5 s for the 1x mix), so ``auto`` gives each worker :data:`THREADS_PER_WORKER` threads
+and one worker per that many cores; on 2 cores that is today's one worker. A small input gets
+fewer workers (one per :data:`BYTES_PER_WORKER`), so that no worker's start-up outweighs its
+work. Only local runs (FnApiRunner) start workers; on a cluster the runner owns the processes and
+``--tokenizer-threads`` (if given) sets each process's tokenizer threads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ THREADS_ENV = "RAYON_NUM_THREADS"
 """The tokenizers library's thread pool size (Rust rayon), read once when a process first tokenizes."""
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
 """``false``: the tokenizer encodes a batch in the calling thread (read at every call)."""
+
+
+THREADS_PER_WORKER = 2
+"""``auto``: tokenizer threads per worker (the cores are shared out over ``cores // 2`` workers)."""
+BYTES_PER_WORKER = 4 * 2**20
+"""``auto``: at most one worker per this much input. A worker pays for itself once it has a few
+CPU-seconds of work: ~1.3 CPU-seconds per MiB of JSONL on the shared mix (bench_scale --cores),
+against ~0.3 s for a forked worker and its share of the runner's coordination."""
 
 
 def cores() -> int:
@@ -64,7 +74,7 @@ def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int
         return Parallelism(workers, threads, "as given")
     if workers:
         return Parallelism(workers, max(1, c // workers), f"{c} cores shared by {workers} workers")
-    if threads:
-        n = max(1, c // threads)
-        return Parallelism(n, threads, f"{c} cores / {threads} threads")
-    return Parallelism(1, c, f"one worker with {c} tokenizer threads")
+    by_size = max(1, int(input_bytes // BYTES_PER_WORKER))
+    n = max(1, min(by_size, c // (threads or THREADS_PER_WORKER)))
+    t = threads or max(1, c // n)
+    return Parallelism(n, t, f"{n} workers x {t} tokenizer threads for {input_bytes / 2**20:,.0f} MiB on {c} cores")

@@ -128,6 +128,9 @@ def _serve(listener: socket.socket, path: str, parent: int) -> int:
         return 1
     os.environ.clear()
     os.environ.update(env)
+    from pipeline import _trace
+
+    _trace.mark("pool_worker", process_cpu=time.process_time())
     threading.Thread(target=_exit_when_closed, args=(conn,), daemon=True).start()
     code = _run_worker()
     try:
