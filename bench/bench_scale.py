@@ -325,7 +325,7 @@ def _profile(spans: list[dict], workers: int) -> dict:
     per: dict[str, dict[int, float]] = {}
     tok = py = 0.0
     counts: dict[str, int] = {}
-    launch = 0.0
+    launch = job_cpu = 0.0
     launcher = {sp["pid"] for sp in spans if sp["span"] == "launch"}
     for sp in spans:
         name, pid, cpu = sp["span"], sp["pid"], sp["cpu"]
@@ -342,16 +342,24 @@ def _profile(spans: list[dict], workers: int) -> dict:
             tok += cpu - sp["thread_cpu"]
             overlapped = max(sp["thread_cpu"], cpu - sp["thread_cpu"]) if workers == 1 else cpu
             per.setdefault("encode", {})[pid] = per.get("encode", {}).get(pid, 0.0) + overlapped
+        elif name == "job" and pid in launcher:
+            job_cpu += cpu
         elif name in ("plan_reads", "pack_group", "write_shard", "finalize"):
             key = {"plan_reads": "plan", "pack_group": "pack", "write_shard": "write", "finalize": "finalize"}[name]
             per.setdefault(key, {})[pid] = per.get(key, {}).get(pid, 0.0) + cpu
     total = {k: sum(v.values()) for k, v in per.items()}
     busiest = {k: max(v.values()) for k, v in per.items()}
     model = launch + sum(busiest.values())
-    return {"launch": launch, "total": total, "busiest": busiest, "model_s": model,
+    in_launcher = sum(sp["cpu"] for sp in spans if sp["pid"] in launcher and sp["span"] in _WORK)
+    spent = launch + sum(total.get(k, 0.0) for k in ("startup", "plan", "pack", "write", "finalize")) + py + tok
+    return {"launch": launch, "total": total, "busiest": busiest, "model_s": model, "spent": spent,
+            "runner": max(0.0, job_cpu - in_launcher),
             "encode_python": py, "encode_tokenizer": tok, "tasks": counts.get("encode_task", 0),
             "groups": counts.get("pack_group", 0), "shards": counts.get("write_shard", 0),
             "processes": len({sp["pid"] for sp in spans})}
+
+
+_WORK = ("plan_reads", "encode_setup", "encode_task", "pack_group", "write_shard", "finalize")
 
 
 def karp_flatt(speedup: float, n: int) -> Optional[float]:
@@ -397,7 +405,9 @@ def _core_run(kind: str, n: int, mix: Path, work: Path, budget: int) -> dict:
                 else:
                     os.environ[k] = v
     measured = _measured_output(r, out)
-    return {**measured, "cpu": r["cpu"], "profile": _profile(r["spans"], n), "shards": _shards_of(out)}
+    profile = _profile(r["spans"], n)
+    profile["other"] = max(0.0, r["cpu"] - profile["spent"] - profile["runner"])  # gRPC, Beam's harness, Dask
+    return {**measured, "cpu": r["cpu"], "profile": profile, "shards": _shards_of(out)}
 
 
 def run_cores(args, data: Path, work: Path) -> list[dict]:
@@ -471,9 +481,13 @@ def cores_table(row: dict) -> list[str]:
             f"| {_fmt(r.get('speedup_model'), '.2f')}x | {_fmt(r.get('serial_fraction_model'), '.3f')} "
             f"| {_fmt(predm.get('16'), '.1f')} / {_fmt(predm.get('64'), '.1f')} | {r['cpu']:.1f} "
             f"| {r['peak_rss'] / 2**20:,.0f} |")
-    lines += ["", "Where the CPU time went (seconds; the median run by model; busiest worker in brackets):", "",
+    lines += ["", "Where the CPU time went (seconds, the median run by model; the busiest worker in brackets): the "
+              "launcher before the job (Python, Beam, the tokenizer, the plan); a worker's start-up until its "
+              "tokenizer is ready; the read tasks (this job's Python thread + the rest of the process: the "
+              "tokenizer); packing the groups; writing the shards; the commit; the launcher coordinating the "
+              "job (runner); everything else (other: gRPC and Beam's harness in workers, Dask's own work).", "",
               "| run | launcher | start-up / worker | encode: Python + tokenizer | tasks | pack (groups) | write (shards) "
-              "| commit | processes |", "|---|---|---|---|---|---|---|---|---|"]
+              "| commit | runner | other | processes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in row["runs"].items():
         p = r["profile"]
         t, b = p["total"], p["busiest"]
@@ -481,7 +495,7 @@ def cores_table(row: dict) -> list[str]:
             f"| {label} | {p['launch']:.2f} | {b.get('startup', 0):.2f} | {p['encode_python']:.2f} + "
             f"{p['encode_tokenizer']:.2f} [{b.get('encode', 0):.2f}] | {p['tasks']} | {t.get('pack', 0):.2f} "
             f"({p['groups']}) [{b.get('pack', 0):.2f}] | {t.get('write', 0):.2f} ({p['shards']}) "
-            f"| {t.get('finalize', 0):.2f} | {p['processes']} |")
+            f"| {t.get('finalize', 0):.2f} | {p['runner']:.2f} | {p['other']:.2f} | {p['processes']} |")
     return lines
 
 
