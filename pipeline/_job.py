@@ -780,7 +780,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     env = {"PACKSTREAM_OUTCOME": outcome_path, **(par.env() if local else {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    pool = None
+    pool, finished = None, False
     try:
         if local and par.workers > 1:  # warm workers, forked now: before any thread or server starts here
             with _trace.span("launch_pool", workers=par.workers):
@@ -796,6 +796,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
                 try:
                     with _trace.span("job_wait"):
                         result.wait_until_finish()
+                    finished = True
                 finally:
                     client = getattr(result, "client", None)  # DaskRunner: close the client (and a local cluster)
                     if client is not None:
@@ -812,7 +813,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         manifest = _read_manifest(output, outcome_path)
     finally:
         if pool is not None:
-            pool.close()
+            pool.close(kill=not finished)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -75,14 +75,16 @@ class WorkerPool:
         """The worker command line for ``SubprocessSDKEnvironment``."""
         return f"{shlex.quote(sys.executable)} -I -S {shlex.quote(HANDOFF)} {shlex.quote(self.folder)}"
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop idle children, wait for the others (their workers end with the job), then reap every one."""
-        for name in os.listdir(self.folder) if os.path.isdir(self.folder) else ():
-            if name.endswith(".sock"):  # still listening: never handed a worker
+    def close(self, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop idle children, wait for the others (their workers end with the job), then reap every one.
+        ``kill``: the job did not end (an error, Ctrl-C): stop them all now."""
+        idle = {int(n[1:-5]) for n in (os.listdir(self.folder) if os.path.isdir(self.folder) else ())
+                if n.startswith("w") and n.endswith(".sock") and n[1:-5].isdigit()}  # never handed a worker
+        for i, pid in enumerate(self.pids):
+            if kill or i in idle:
                 try:
-                    pid = self.pids[int(name[1:-5])]
-                    os.kill(pid, signal.SIGTERM)
-                except (ValueError, IndexError, ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+                except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout
         for pid in self.pids:

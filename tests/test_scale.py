@@ -173,6 +173,37 @@ def test_idle_pool_workers_end_with_the_pool_or_the_launcher(tmp_path):
     _assert_gone(pids["orphaned"])
 
 
+@pytest.mark.slow
+def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
+    """A step that breaks in a forked worker (patched in the launcher: the fork inherits it) fails the run;
+    the pool's workers are stopped with it, none is left behind."""
+    src = _write_mix(tmp_path, seed=5)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    script = textwrap.dedent(f"""
+        import sys
+        from pipeline import PackOptions, _rows, run
+
+        def broken(*a, **kw):
+            raise RuntimeError("packing broke")
+
+        _rows.pack_group = broken
+        try:
+            run(PackOptions(inputs=({str(src)!r},), output={str(tmp_path / "out")!r}, max_tokens=512, workers=2,
+                            tokenizer_threads=1, group_size=100))
+        except Exception as e:
+            print("FAILED", type(e).__name__)
+            sys.exit(0)
+        print("PASSED")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, _trace.ENV: str(trace)})
+    assert r.returncode == 0 and "FAILED" in r.stdout, r.stdout + r.stderr[-3000:]
+    forked = {s["pid"] for s in _trace.read(str(trace)) if s["span"] == "pool_worker"}
+    assert len(forked) == 2
+    _assert_gone(forked)
+
+
 def test_a_handoff_without_a_pool_starts_a_cold_worker(tmp_path):
     from pipeline import _handoff
 
