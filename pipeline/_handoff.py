@@ -24,9 +24,11 @@ def _claim(pool: str):
             if not name.endswith(".sock"):
                 continue
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)  # a worker acknowledges at once; one that does not is dead or stopping
             try:
                 s.connect(os.path.join(pool, name))
                 if s.recv(3) == b"ok\n":
+                    s.settimeout(None)
                     return s
             except OSError:
                 pass
