@@ -496,13 +496,16 @@ UNKNOWN_WORKERS = 32
 
 def task_bytes(input_bytes: int, workers: Optional[int] = None) -> int:
     """The JSONL task size of a run over ``input_bytes`` bytes of input on ``workers`` workers (None:
-    unknown): about :data:`TASKS_PER_WORKER` tasks per worker, within [MIN_TASK_BYTES, TASK_BYTES].
+    unknown): about :data:`TASKS_PER_WORKER` tasks per worker, within [MIN_TASK_BYTES, TASK_BYTES];
+    one worker reads the biggest tasks.
 
     The output does not depend on it: a group's examples are sorted by id before packing.
 
     >>> task_bytes(35 * 2**20, 2) // 2**10, task_bytes(35 * 2**20, 16) // 2**10, task_bytes(10**12) // 2**20
     (2240, 512, 8)
     """
+    if workers == 1:  # nothing to balance: the fewest tasks (each fills and drains the tokenizer pipeline once)
+        return TASK_BYTES
     wanted = max(1, workers or UNKNOWN_WORKERS) * TASKS_PER_WORKER
     return int(min(TASK_BYTES, max(MIN_TASK_BYTES, input_bytes // wanted)))
 TASK_ROWS = 65_536

@@ -61,7 +61,7 @@ def test_tasks_of_any_size_read_every_line_once(lines, ending, last_newline, tas
 
 def test_task_size_follows_the_workers():
     mib = 2**20
-    assert _read.task_bytes(64 * mib, 1) == 8 * mib  # 8 tasks for one worker
+    assert _read.task_bytes(16 * mib, 1) == _read.TASK_BYTES  # one worker: nothing to balance
     assert _read.task_bytes(64 * mib, 2) == 4 * mib  # 16 for two
     assert _read.task_bytes(64 * mib, 64) == _read.MIN_TASK_BYTES  # never smaller than the minimum
     assert _read.task_bytes(10**12, 64) == _read.TASK_BYTES  # nor larger than the maximum
