@@ -18,6 +18,24 @@ The input is the real mix of ``../shared/data`` (gsm8k + GPTeacher codegen + the
 For each: wall seconds, tokens/s, peak RSS (the sum over the process and its children,
 sampled every 50 ms), rows and fill; then the ratios the README quotes. Paths of one scale run
 alternately (raw, trl, ps, raw, trl, ps, ...) when ``--repeats`` > 1, and the median is kept.
+
+Scaling with cores (``--cores``)::
+
+    python bench/bench_scale.py --cores [--workers 1 2] [--dask-workers 1 2] [--scales 3 6]
+                                [--repeats 3] [--json F] [--md F] [--mix FILE]
+
+``packstream pack --workers N --tokenizer-threads 1`` for each N, and packstream on a Dask
+``LocalCluster`` of N worker processes of one thread each (``--tokenizer-threads 1``), as whole
+processes, run alternately (the order reversed every other repeat). Each run is traced
+(``PACKSTREAM_TRACE``, :mod:`pipeline._trace`), so besides the wall time it reports where the CPU
+time went: the launcher before the job, each worker's start-up (Python, Beam, the tokenizer), the
+read tasks (the Python thread and the tokenizer apart), packing, writing, the commit. From that
+it models the run on a quiet machine with a core per worker (stages run one after the other, each
+as long as its busiest worker), and gives the serial fraction (Karp-Flatt: the ``e`` that Amdahl's
+law ``S(N) = 1 / (e + (1 - e) / N)`` needs to give the speed-up seen) from the wall times and from
+the model, and the speed-ups it predicts at 16 and 64 workers. Every run of one scale must give
+the same shards (their sha256 in the manifests), or the bench fails. Nothing is downloaded: the
+mix is built from ``--data`` (``../shared/data``), or ``--mix`` names any JSONL.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -156,18 +174,39 @@ def _measured_output(r: dict, out: Path) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
-    p.add_argument("--scales", type=int, nargs="+", default=[1, 6, 30])
+    p.add_argument("--scales", type=int, nargs="+", default=None, help="[default: 1 6 30; --cores: 3 6]")
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--paths", nargs="+", default=["raw", "trl", "ps1", "ps2", "ps", "dask"])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workdir", default=None, help="where the mixes and outputs go [default: a temp folder]")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--cores", action="store_true", help="scaling with workers, the tokenizer pinned (see above)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="--cores: packstream --workers values")
+    p.add_argument("--dask-workers", type=int, nargs="*", default=None,
+                   help="--cores: Dask worker processes [default: as --workers]; none to skip Dask")
+    p.add_argument("--md", default=None, help="--cores: also write the tables to this markdown file")
+    p.add_argument("--mix", default=None, help="--cores: this JSONL instead of the shared mix (scales ignored)")
     args = p.parse_args(argv)
     data = Path(args.data)
-    if not (data / "gsm8k" / "train.jsonl").exists():
+    if not args.mix and not (data / "gsm8k" / "train.jsonl").exists():
         sys.exit(f"no data at {data}; pass --data")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.scales is None:
+        args.scales = [3, 6] if args.cores else [1, 6, 30]
+    if args.cores:
+        if args.dask_workers is None:
+            args.dask_workers = list(args.workers)
+        if args.mix:
+            args.scales = [1]
+        results = run_cores(args, data, work)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        if args.md:
+            Path(args.md).write_text("\n\n".join("\n".join(cores_table(r)) for r in results) + "\n")
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     results = []
     print(f"{os.cpu_count()} cores; budget {args.budget}; repeats {args.repeats} (median); work dir {work}", flush=True)
     for scale in args.scales:
@@ -216,6 +255,253 @@ def _print_scale(row: dict, paths: list[str]) -> None:
             if name == "ps2" and "ps1" in row:
                 parts.append(f"{row['ps1']['seconds'] / r['seconds']:.2f}x ps1")
             print(f"  {name}: " + ", ".join(parts))
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------
+# --cores: scaling with workers, the tokenizer pinned to one thread per worker
+
+PINNED = {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cpu_of(pids: Sequence[int]) -> dict[int, float]:
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def run_traced(cmd: list[str], env: dict, trace: Path, also: Sequence[int] = ()) -> dict:
+    """Run ``cmd`` with ``PACKSTREAM_TRACE=trace``: wall seconds, CPU seconds of its whole process tree
+    (from the kernel's accounting of the reaped tree) plus those of the processes ``also`` over the run,
+    peak RSS, and the trace's spans."""
+    sys.path.insert(0, str(ROOT))
+    from pipeline import _trace
+
+    shutil.rmtree(trace, ignore_errors=True)
+    trace.mkdir(parents=True)
+    before = _cpu_of(also)
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "PACKSTREAM_TRACE": str(trace)}, cwd=ROOT)
+    peak = [0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(p) for p in also))
+            done.wait(0.05)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # the tree's CPU: the child and every descendant it reaped
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    done.set()
+    th.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{err[-3000:]}")
+    after = _cpu_of(also)
+    cpu = usage.ru_utime + usage.ru_stime + sum(after[p] - before.get(p, 0.0) for p in after)
+    return {"seconds": wall, "cpu": cpu, "peak_rss": peak[0], "spans": _trace.read(str(trace))}
+
+
+def _profile(spans: list[dict], workers: int) -> dict:
+    """Where a run's CPU time went (seconds), and the run it models on a quiet machine with a core per worker.
+
+    Stages run one after another (each waits for the last one's busiest worker): the model is the
+    launcher before the job + the slowest worker's start-up + the busiest worker at encoding, at
+    packing, at writing + the commit. One worker with a spare core overlaps its Python thread with
+    the tokenizer's, so its encoding counts as the longer of the two; with a core per worker
+    nothing overlaps and a worker's encoding counts as its CPU time.
+    """
+    per: dict[str, dict[int, float]] = {}
+    tok = py = 0.0
+    counts: dict[str, int] = {}
+    launch = job_cpu = 0.0
+    launcher = {sp["pid"] for sp in spans if sp["span"] == "launch"}
+    for sp in spans:
+        name, pid, cpu = sp["span"], sp["pid"], sp["cpu"]
+        counts[name] = counts.get(name, 0) + 1
+        if name == "launch":
+            launch += sp["info"].get("process_cpu", 0.0)
+        elif name.startswith("launch_"):
+            launch += cpu
+        elif name == "encode_setup" and pid not in launcher:
+            # A worker's CPU time until its first tokenizer is ready: the process, Beam (or Dask), the tokenizer.
+            per.setdefault("startup", {}).setdefault(pid, sp["info"].get("process_cpu", cpu))
+        elif name == "encode_task":
+            py += sp["thread_cpu"]
+            tok += cpu - sp["thread_cpu"]
+            overlapped = max(sp["thread_cpu"], cpu - sp["thread_cpu"]) if workers == 1 else cpu
+            per.setdefault("encode", {})[pid] = per.get("encode", {}).get(pid, 0.0) + overlapped
+        elif name == "job" and pid in launcher:
+            job_cpu += cpu
+        elif name in ("plan_reads", "pack_group", "write_shard", "finalize"):
+            key = {"plan_reads": "plan", "pack_group": "pack", "write_shard": "write", "finalize": "finalize"}[name]
+            per.setdefault(key, {})[pid] = per.get(key, {}).get(pid, 0.0) + cpu
+    total = {k: sum(v.values()) for k, v in per.items()}
+    busiest = {k: max(v.values()) for k, v in per.items()}
+    model = launch + sum(busiest.values())
+    in_launcher = sum(sp["cpu"] for sp in spans if sp["pid"] in launcher and sp["span"] in _WORK)
+    spent = launch + sum(total.get(k, 0.0) for k in ("startup", "plan", "pack", "write", "finalize")) + py + tok
+    return {"launch": launch, "total": total, "busiest": busiest, "model_s": model, "spent": spent,
+            "runner": max(0.0, job_cpu - in_launcher),
+            "encode_python": py, "encode_tokenizer": tok, "tasks": counts.get("encode_task", 0),
+            "groups": counts.get("pack_group", 0), "shards": counts.get("write_shard", 0),
+            "processes": len({sp["pid"] for sp in spans})}
+
+
+_WORK = ("plan_reads", "encode_setup", "encode_task", "pack_group", "write_shard", "finalize")
+
+
+def karp_flatt(speedup: float, n: int) -> Optional[float]:
+    """The serial fraction e for which Amdahl's law gives ``speedup`` on ``n`` workers (None for n = 1)."""
+    if n <= 1 or speedup <= 0:
+        return None
+    return (1 / speedup - 1 / n) / (1 - 1 / n)
+
+
+def amdahl(e: float, n: int) -> float:
+    return 1 / (e + (1 - e) / n)
+
+
+def _shards_of(out: Path) -> list[tuple[str, str]]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return [(s["name"], s["sha256"]) for s in manifest["shards"]]
+
+
+def _core_run(kind: str, n: int, mix: Path, work: Path, budget: int) -> dict:
+    out = work / f"out-{kind}{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    trace = work / f"trace-{kind}{n}"
+    args = ["--tokenizer-threads", "1"]
+    env = {**os.environ, **PINNED}
+    if kind == "ps":
+        r = run_traced(packstream_cmd(mix, out, budget, ["--workers", str(n), *args]), env, trace)
+    else:
+        import distributed
+
+        saved = {k: os.environ.get(k) for k in (*PINNED, "PACKSTREAM_TRACE")}
+        os.environ.update(PINNED, PACKSTREAM_TRACE=str(trace))  # the cluster's workers inherit it
+        try:
+            with distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                          dashboard_address=None) as cluster:
+                pids = [w.pid for w in cluster.workers.values() if getattr(w, "pid", None)]
+                r = run_traced(packstream_cmd(mix, out, budget, [
+                    *args, "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]),
+                    env, trace, also=pids)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    measured = _measured_output(r, out)
+    profile = _profile(r["spans"], n)
+    profile["other"] = max(0.0, r["cpu"] - profile["spent"] - profile["runner"])  # gRPC, Beam's harness, Dask
+    return {**measured, "cpu": r["cpu"], "profile": profile, "shards": _shards_of(out)}
+
+
+def run_cores(args, data: Path, work: Path) -> list[dict]:
+    import platform
+
+    runs_of = [("ps", n) for n in args.workers] + [("dask", n) for n in args.dask_workers]
+    results = []
+    print(f"--cores: {os.cpu_count()} cores ({platform.processor() or platform.machine()}); budget {args.budget}; "
+          f"tokenizer pinned to 1 thread per worker; repeats {args.repeats} (median); work dir {work}", flush=True)
+    for scale in args.scales:
+        mix = Path(args.mix) if args.mix else work / f"mix-{scale}x.jsonl"
+        n = build_mix(data, scale, mix) if not args.mix else sum(1 for _ in open(mix, "rb"))
+        runs: dict[str, list[dict]] = {f"{k}{w}": [] for k, w in runs_of}
+        for rep in range(args.repeats):
+            for kind, w in (runs_of if rep % 2 == 0 else runs_of[::-1]):
+                r = _core_run(kind, w, mix, work, args.budget)
+                runs[f"{kind}{w}"].append(r)
+                print(f"  {scale}x {kind} x{w}: {r['seconds']:.2f} s wall, {r['cpu']:.2f} s CPU, "
+                      f"model {r['profile']['model_s']:.2f} s", flush=True)
+        shards = {json.dumps(r["shards"]) for rs in runs.values() for r in rs}
+        if len(shards) != 1:
+            raise SystemExit(f"{scale}x: the runs wrote different shards: {sorted(shards)}")
+        row = {"scale": scale, "records": n, "bytes": mix.stat().st_size, "cores": os.cpu_count(), "runs": {}}
+        for label, rs in runs.items():
+            secs = statistics.median(r["seconds"] for r in rs)
+            model = statistics.median(r["profile"]["model_s"] for r in rs)
+            mid = min(rs, key=lambda x: abs(x["profile"]["model_s"] - model))
+            row["runs"][label] = {"seconds": secs, "all_seconds": [r["seconds"] for r in rs],
+                                  "cpu": statistics.median(r["cpu"] for r in rs), "model_s": model,
+                                  "peak_rss": mid["peak_rss"], "tokens": mid["tokens"], "rows": mid["rows"],
+                                  "profile": mid["profile"]}
+        for kind in ("ps", "dask"):
+            base = row["runs"].get(f"{kind}1")
+            for label, r in row["runs"].items():
+                if not label.startswith(kind) or base is None:
+                    continue
+                w = int(label[len(kind):])
+                r["speedup"] = base["seconds"] / r["seconds"]
+                r["speedup_model"] = base["model_s"] / r["model_s"]
+                r["serial_fraction"] = karp_flatt(r["speedup"], w)
+                r["serial_fraction_model"] = karp_flatt(r["speedup_model"], w)
+                for e_key, pred in (("serial_fraction", "predicted"), ("serial_fraction_model", "predicted_model")):
+                    e = r[e_key]
+                    if e is not None:
+                        r[pred] = {str(k): amdahl(max(e, 0.0), k) for k in (16, 64)}
+        results.append(row)
+        _print_cores(row)
+        if not args.mix:
+            mix.unlink()
+    return results
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def cores_table(row: dict) -> list[str]:
+    """Markdown lines for one scale of ``--cores``."""
+    lines = [f"{row['scale']}x: {row['records']:,} records, {row['bytes'] / 2**20:,.1f} MiB of JSONL, "
+             f"{row['cores']} cores, tokenizer pinned to 1 thread per worker",
+             "",
+             "| run | wall s (median) | speed-up | serial fraction | predicted 16 / 64 | model s | model speed-up "
+             "| serial fraction (model) | predicted 16 / 64 (model) | CPU s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in row["runs"].items():
+        pred = r.get("predicted") or {}
+        predm = r.get("predicted_model") or {}
+        lines.append(
+            f"| {label} | {r['seconds']:.2f} | {_fmt(r.get('speedup'), '.2f')}x | {_fmt(r.get('serial_fraction'), '.3f')} "
+            f"| {_fmt(pred.get('16'), '.1f')} / {_fmt(pred.get('64'), '.1f')} | {r['model_s']:.2f} "
+            f"| {_fmt(r.get('speedup_model'), '.2f')}x | {_fmt(r.get('serial_fraction_model'), '.3f')} "
+            f"| {_fmt(predm.get('16'), '.1f')} / {_fmt(predm.get('64'), '.1f')} | {r['cpu']:.1f} "
+            f"| {r['peak_rss'] / 2**20:,.0f} |")
+    lines += ["", "Where the CPU time went (seconds, the median run by model; the busiest worker in brackets): the "
+              "launcher before the job (Python, Beam, the tokenizer, the plan); a worker's start-up until its "
+              "tokenizer is ready; the read tasks (this job's Python thread + the rest of the process: the "
+              "tokenizer); packing the groups; writing the shards; the commit; the launcher coordinating the "
+              "job (runner); everything else (other: gRPC and Beam's harness in workers, Dask's own work).", "",
+              "| run | launcher | start-up / worker | encode: Python + tokenizer | tasks | pack (groups) | write (shards) "
+              "| commit | runner | other | processes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in row["runs"].items():
+        p = r["profile"]
+        t, b = p["total"], p["busiest"]
+        lines.append(
+            f"| {label} | {p['launch']:.2f} | {b.get('startup', 0):.2f} | {p['encode_python']:.2f} + "
+            f"{p['encode_tokenizer']:.2f} [{b.get('encode', 0):.2f}] | {p['tasks']} | {t.get('pack', 0):.2f} "
+            f"({p['groups']}) [{b.get('pack', 0):.2f}] | {t.get('write', 0):.2f} ({p['shards']}) "
+            f"| {t.get('finalize', 0):.2f} | {p['runner']:.2f} | {p['other']:.2f} | {p['processes']} |")
+    return lines
+
+
+def _print_cores(row: dict) -> None:
+    print()
+    print("\n".join(cores_table(row)))
     sys.stdout.flush()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from typing import Any, Sequence
@@ -39,6 +40,7 @@ import numpy as np
 
 import packers
 from packers import PackstreamError
+import pipeline._parallel as _parallel
 import pipeline._read as _read
 import pipeline._rows as _rows
 import pipeline._write as _write
@@ -322,10 +324,10 @@ def _input_bytes(f: _read.InputFile) -> int:
         return 0
 
 
-def _read_tasks(f: _read.InputFile, records: int) -> int:
+def _read_tasks(f: _read.InputFile, records: int, task_bytes: int = _read.TASK_BYTES) -> int:
     """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
     if f.kind == "jsonl" and _read.compression(f.path) is None:
-        return max(1, math.ceil(_input_bytes(f) / _read.TASK_BYTES))
+        return max(1, math.ceil(_input_bytes(f) / task_bytes))
     if f.kind in ("parquet", "hf_disk"):
         return max(1, math.ceil(records / _read.TASK_ROWS))
     return 1
@@ -336,16 +338,19 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
 
     Every data set of ``options`` counts with its weight (a fraction samples, an integer repeats),
     and ``--validation-fraction`` splits the rows and shards. Returns a JSON-ready dict (keys
-    documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers``
-    (``options.workers``, 0 = 1) sets the parallelism of the predicted local run time.
+    documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers`` and
+    ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted
+    local run time.
     """
     from pipeline._encode import Encoder
     from pipeline._tokenizer import tokenizer_identity
 
     started = time.perf_counter()
-    workers = options.workers or 1
     specs = options.datasets()
     files, _ = _read.expand_datasets(specs)
+    input_bytes = sum(_input_bytes(f) for f in files)
+    par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes)
+    workers = par.workers
     t = time.perf_counter()
     encoder = Encoder(options)  # loads the tokenizer (once per process)
     tokenizer_s = time.perf_counter() - t
@@ -396,12 +401,16 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
                                     encoder.eos_id)
     out_bytes = int(round(n_shards * empty + tokens * per_token))
 
-    # Local run time: reading and encoding spread over the workers (at most one per read task).
+    # Local run time: reading and encoding spread over the workers (at most one per read task). The sample
+    # was timed here with this process's tokenizer threads; the run has workers x threads of them.
+    sampled_threads = 1 if os.environ.get(_parallel.PARALLELISM_ENV, "true").lower() == "false" else _parallel.cores()
+    speed = min(workers * par.threads, _parallel.cores()) / sampled_threads
     per_file_s = [e.sample.records * (e.seconds_per_record + _BEAM_PER_RECORD_S) for e in encoded]
-    tasks = [_read_tasks(e.sample.file, e.sample.records) for e in encoded]
+    tasks = [_read_tasks(e.sample.file, e.sample.records, _read.task_bytes(input_bytes, workers)) for e in encoded]
     parallel = max(1, min(workers, sum(tasks)))
-    work = max(sum(per_file_s) / parallel, max((s / n for s, n in zip(per_file_s, tasks)), default=0.0))
-    run_s = _BEAM_STARTUP_S + tokenizer_s * (1 if workers == 1 else 2) + work + tokens * _BEAM_PER_TOKEN_S
+    work = max(sum(per_file_s) / max(speed, 1e-9) * max(1.0, workers / parallel),
+               max((s / n * sampled_threads / par.threads for s, n in zip(per_file_s, tasks)), default=0.0))
+    run_s = _BEAM_STARTUP_S + tokenizer_s + work + tokens * _BEAM_PER_TOKEN_S
     sampled = sum(len(e.sample.sample) for e in encoded)
     sample_s = sum(e.seconds_per_record * len(e.sample.sample) for e in encoded)
     return {

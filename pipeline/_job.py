@@ -3,16 +3,22 @@
 ::
 
     Create(inputs) -> PlanReads -> Spread -> EncodeTasks ------------------------------+
-                      (split big     (one     read a task, normalize, render,           |
-                       files)        task per  tokenize (pipeline._encode), spill the    |
-                                     worker)   examples per packing group to disk        |
+                      (split big     (tasks    read a task, normalize, render,          |
+                       files)        over the  tokenize (pipeline._encode), spill the   |
+                                     workers)  examples per packing group to disk       |
                                                    |                                     |
-                                 Slices: (split, shard) -> Slice(group, spill file, batch)
+                                 Slices: (split, group) -> Slice(group, spill file, batch)
                                                    v                                     |
-                      (every shard) -> GroupByKey -> PackShards: per group of the shard: |
-                                                     read it back, de-duplicate, split/  |
-                                                     truncate, bin-pack, assemble rows,  |
-                                                     stream them into the (staged) shard |
+                                    ByGroup -> PackGroups: per group, on every worker:   |
+                                               read it back, de-duplicate, split/        |
+                                               truncate, bin-pack, assemble rows, park   |
+                                               them in a packed spill file               |
+                                                   |                                     |
+                                 Pieces: (split, shard) -> Piece(group, packed file, batch)
+                                                   v                                     |
+                      (every shard) -> ByShard -> WriteShards: per shard, stream its     |
+                                                  groups' rows in group order into the   |
+                                                  shard file, sha256 as the bytes pass   |
                                                    |                                     |
                                                    v                                     v
                                    Collect (one key) -> Finalize: merge the dead letters,
@@ -52,7 +58,7 @@ import packers
 from packers import InternalError, PackstreamError
 from packers._files import show_path
 from packers._manifest import MANIFEST, Status
-from pipeline import _output, _progress, _read, _rows, _signals, _spill, _write
+from pipeline import _dask, _output, _parallel, _pool, _progress, _read, _rows, _signals, _spill, _trace, _write
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
@@ -84,6 +90,11 @@ class Plan:
     eos_id: Optional[int]
     run_digest: str = ""
     """The manifest's ``run_id`` (:func:`pipeline._write.run_digest`), also in every shard's schema metadata."""
+    task_bytes: int = _read.TASK_BYTES
+    """The size of JSONL read tasks (:func:`pipeline._read.task_bytes`): enough tasks for the workers."""
+    lanes: int = 0
+    """Dask: empty keys shuffled with the read tasks, so that every Dask worker gets some (see
+    :mod:`pipeline._dask`); 0 elsewhere."""
 
     def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
         """(split, group, shard) of an example: stable hashes of its id."""
@@ -107,7 +118,7 @@ def _only(kind: str):
 class EncodeTasks(beam.DoFn):
     """A read task -> its examples spilled per packing group, plus dead letters and counts.
 
-    Yields tagged tuples: ``("slice", ((split, shard), Slice))``, ``("rejects", path)``,
+    Yields tagged tuples: ``("slice", ((split, group), Slice))``, ``("rejects", path)``,
     ``("stats", counts)``, ``("failure", message)``. While the tokenizer (Rust, its own threads)
     encodes one chunk, this thread reads, parses and renders the next.
     """
@@ -124,7 +135,11 @@ class EncodeTasks(beam.DoFn):
         from pipeline._encode import Encoder
 
         _quiet_worker()
-        self.encoder = Encoder(self.options)
+        if self.options.tokenizer_threads:  # before this process's tokenizer first encodes
+            os.environ.update(_parallel.tokenizer_env(self.options.tokenizer_threads))
+        with _trace.span("encode_setup") as info:
+            self.encoder = Encoder(self.options)
+            info["process_cpu"] = time.process_time()  # the process's start-up until its tokenizer is ready
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="packstream-tokenize")
 
     def teardown(self):
@@ -133,6 +148,13 @@ class EncodeTasks(beam.DoFn):
             pool.shutdown(wait=False)
 
     def process(self, task: _read.ReadTask):
+        with _trace.span("encode_task", task=task.name, start=task.start) as info:
+            for item in self._process(task):
+                if item[0] == "stats":
+                    info["records"] = item[1]["records_read"]
+                yield item
+
+    def _process(self, task: _read.ReadTask):
         from pipeline._encode import add_counts
 
         o, plan = self.options, self.plan
@@ -157,7 +179,7 @@ class EncodeTasks(beam.DoFn):
                 sub = batch.take(which)
                 groups = np.array([keys[i][1] for i in which], dtype=np.int64)
                 for sl in _spill.write_part(plan.spill, f"{task.name}-{parts}", sub, groups):
-                    out.append(_tagged("slice", ((split, sl.group % plan.shards[split]), sl)))
+                    out.append(_tagged("slice", ((split, sl.group), sl)))
                 _signals.at("spill")
                 stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
             parts += 1
@@ -237,8 +259,13 @@ def _quiet_worker() -> None:
 # Packing and writing
 
 
-class PackShards(beam.DoFn):
-    """One shard: read each of its groups back from the spill, pack it, stream its rows into the file."""
+class PackGroups(beam.DoFn):
+    """One packing group: read its examples back from the spill, pack them, park the rows for their shard.
+
+    Groups are independent, so every worker packs its share of them. Yields ``("piece", ((split,
+    shard), Piece))`` for the shard that writes the rows (global mode: one per shard of the split,
+    the rows dealt out round-robin), then the group's dead letters, counts and row checks.
+    """
 
     def __init__(self, options: PackOptions, plan: Plan):
         self.options, self.plan = options, plan
@@ -250,59 +277,70 @@ class PackShards(beam.DoFn):
     def process(self, keyed):
         import pyarrow as pa
 
+        (split, g), slices = keyed
+        o, plan = self.options, self.plan
+        count = plan.shards[split]
+        try:
+            _signals.at("pack")
+            with _trace.span("pack_group", group=g):
+                group = _rows.pack_group(_spill.read_slices(sorted(slices)), o, plan.eos_id)
+                batch = group.batch
+                if o.mode is PackMode.GROUPED or count == 1:
+                    by_shard = {g % count: batch}
+                else:  # global mode: one group per split, its rows dealt out round-robin over the split's shards
+                    rows = np.arange(batch.num_rows)
+                    by_shard = {s: batch.take(pa.array(rows[rows % count == s])) for s in range(count)}
+                pieces = _spill.write_packed(plan.spill, f"{split}-{g}", g, by_shard)
+                path = _write.write_reject_part(plan.spill, f"group-{split}-{g}", group.rejected)
+        except OSError as e:
+            yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
+            return
+        self.rows.inc(batch.num_rows)
+        _progress.flush()
+        for shard, piece in pieces:
+            yield _tagged("piece", ((split, shard), piece))
+        if path:
+            yield _tagged("rejects", path)
+        yield _tagged("stats", group.stats)
+        yield _tagged("flags", {"eos_at_boundaries": group.eos_at_boundaries, "all_targets": group.all_targets})
+
+
+class WriteShards(beam.DoFn):
+    """One shard: stream its groups' packed rows, in group order, into the file (hashed as it goes)."""
+
+    def __init__(self, options: PackOptions, plan: Plan):
+        self.options, self.plan = options, plan
+
+    def setup(self):
+        _quiet_worker()
+
+    def process(self, keyed):
+        import pyarrow as pa
+
         (split, shard), values = keyed
         o, plan = self.options, self.plan
-        slices = sorted(v for v in values if v is not None)
+        pieces = sorted(v for v in values if v is not None)
         schema = pa.schema(packers.SCHEMA, metadata=plan.schema_metadata)
         ext = "parquet" if o.output_format.value == "parquet" else "arrow"
-        count = plan.shards[split]
-        names = [_write.shard_name(split, shard, count, ext)] if o.mode is PackMode.GROUPED else \
-            [_write.shard_name(split, s, count, ext) for s in range(count)]
-        stats: dict[str, int] = {}
-        rejected: list[dict] = []
-        flags = {"eos_at_boundaries": True, "all_targets": True}
-        writers = []
+        writer = None
         try:
-            writers = [_write.ShardWriter(o.output, n, schema, o.output_format.value) for n in names]
-            by_group: dict[int, list] = {}
-            for sl in slices:
-                by_group.setdefault(sl.group, []).append(sl)
-            row_no = 0
-            for g in sorted(by_group):
-                _signals.at("pack")
-                group = _rows.pack_group(_spill.read_slices(by_group[g]), o, plan.eos_id)
-                rejected += group.rejected
-                for k, v in group.stats.items():
-                    stats[k] = stats.get(k, 0) + v
-                flags["eos_at_boundaries"] &= group.eos_at_boundaries
-                flags["all_targets"] &= group.all_targets
-                batch = group.batch
-                if len(writers) == 1:
-                    writers[0].write(batch)
-                else:  # global mode: one group, dealt out round-robin over the split's shards
-                    for s, w in enumerate(writers):
-                        idx = [i for i in range(batch.num_rows) if (row_no + i) % len(writers) == s]
-                        w.write(batch.take(pa.array(idx, pa.int64())))
-                row_no += batch.num_rows
-                self.rows.inc(batch.num_rows)
+            with _trace.span("write_shard", shard=shard, pieces=len(pieces)):
+                writer = _write.ShardWriter(o.output, _write.shard_name(split, shard, plan.shards[split], ext),
+                                            schema, o.output_format.value)
+                for piece in pieces:
+                    if piece.rows:
+                        writer.write(_spill.read_piece(piece))
+                        _signals.at("shard_write")
+                desc = writer.close(split)
                 _signals.at("shard_write")
-            descs = [w.close(split) for w in writers]
-            _signals.at("shard_write")
-            path = _write.write_reject_part(plan.spill, f"shard-{split}-{shard}", rejected)
         except BaseException as e:
-            for w in writers:  # a failed attempt leaves no temp file (a retry writes its own)
-                w.abort()
+            if writer is not None:  # a failed attempt leaves no temp file (a retry writes its own)
+                writer.abort()
             if not isinstance(e, OSError):
                 raise
             yield _tagged("failure", f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
             return
-        _progress.flush()
-        for d in descs:
-            yield _tagged("shard", d)
-        if path:
-            yield _tagged("rejects", path)
-        yield _tagged("stats", stats)
-        yield _tagged("flags", flags)
+        yield _tagged("shard", desc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -317,7 +355,8 @@ class Finalize(beam.DoFn):
 
     def process(self, keyed):
         _, items = keyed
-        manifest = finalize(self.options, self.plan, self.identity, self.files, self.notes, list(items))
+        with _trace.span("finalize"):
+            manifest = finalize(self.options, self.plan, self.identity, self.files, self.notes, list(items))
         yield manifest.get("status")
 
 
@@ -346,7 +385,7 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
         failures.append(f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
         rejected, first = {}, {}
     _signals.at("commit")
-    counts = _counts(o, stats, shards, rejected, first)
+    counts = _counts(o, stats, shards, rejected, first, check=not failures)
     status, error, code = Status.COMPLETE.value, None, 0
     if failures:
         status, error, code = Status.FAILED.value, failures[0], EXIT_USER_ERROR
@@ -492,7 +531,8 @@ def _top_reasons(counts: dict, k: int = 3) -> str:
     return ", ".join(f"{r} {n:,}" for r, n in top) or "no reason recorded"
 
 
-def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict) -> dict:
+def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict, check: bool = True) -> dict:
+    """The manifest's counts. ``check``: the shards must hold what packing made (not after a failed write)."""
     budget = o.max_tokens
     too_long = rejected.get(Reason.TOO_LONG.value, 0)
     rows = sum(s["rows"] for s in shards)
@@ -527,7 +567,7 @@ def _counts(o: PackOptions, stats: dict, shards: list, rejected: dict, first: di
                    for sp in sorted({s["split"] for s in shards})},
         "normalization": dict(sorted(notes.items())),
     }
-    if stats.get("pieces", counts["pieces"]) != counts["pieces"] or stats.get("rows", rows) != rows:
+    if check and (stats.get("pieces", counts["pieces"]) != counts["pieces"] or stats.get("rows", rows) != rows):
         raise InternalError(f"shards hold {rows} rows / {counts['pieces']} pieces, packing made "
                             f"{stats.get('rows')} / {stats.get('pieces')}")
     return counts
@@ -564,18 +604,21 @@ def _version() -> str:
 # The launcher
 
 
-def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict, run_id: str) -> Plan:
+def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict, run_id: str, size: int,
+          task_bytes: int = _read.TASK_BYTES, lanes: int = 0) -> Plan:
     """Groups and shards per split, from a cheap count of the inputs (exact for local JSONL, Parquet
-    and datasets folders; from sizes elsewhere). Deterministic for the same inputs: the output is too."""
+    and datasets folders; from sizes elsewhere; ``size``: their bytes). Deterministic for the same
+    inputs: the output is too. ``task_bytes`` and ``lanes`` only say how the read tasks are cut and
+    spread, which never changes the output."""
     weights = [d.weight for d in options.datasets()]
     records = sum(_expected_records(f) * weights[f.dataset] for f in files)
-    groups, shards = _write.shard_layout(options, records, sum(_size(f) for f in files))
+    groups, shards = _write.shard_layout(options, records, size)
     digest = _write.run_digest(options.to_dict(), _input_entries(files), identity)
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
                                    eos_token_id=identity["eos_token_id"], run_id=digest)
     return Plan(run_id, _spill.spill_folder(options.output, run_id), groups, shards, meta, identity["eos_token_id"],
-                run_digest=digest)
+                run_digest=digest, task_bytes=task_bytes, lanes=lanes)
 
 
 def _input_entries(files: Sequence[_read.InputFile]) -> list[dict]:
@@ -710,46 +753,68 @@ def pipeline_options(beam_args: Sequence[str], workers: int):
     beam_option_parser().parse_known_args(args)  # a bad value: one error line, not Beam's usage and exit
     runner = None
     if not any(a.startswith("--runner=") for a in args):
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
+        runner = local_runner(workers)
         if workers > 1:
-            # Beam's multi_processing mode, with packstream's worker entry point (quiet under -q; signals settled).
-            from apache_beam.transforms.environments import SubprocessSDKEnvironment
-
-            env = SubprocessSDKEnvironment.from_command_string(_signals.worker_command())
-            runner = FnApiRunner(default_environment=env)
             args += [f"--direct_num_workers={workers}"]
-        else:
-            runner = FnApiRunner()
     return PipelineOptions(args, pipeline_type_check=True), runner
 
 
-def default_workers() -> int:
-    """What is fastest here: measured by bench/bench_scale.py (see docs/operations.md)."""
-    return 1
+def local_runner(workers: int, command: Optional[str] = None):
+    """FnApiRunner: in this process for one worker; else Beam's multi_processing mode, whose workers run
+    ``command`` (default: packstream's cold worker entry point, quiet under -q)."""
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    if workers <= 1:
+        return FnApiRunner()
+    import sys
+
+    from apache_beam.transforms.environments import SubprocessSDKEnvironment
+
+    command = command or _signals.worker_command()  # quiet under -q; SIGINT/SIGHUP ignored from exec on
+    return FnApiRunner(default_environment=SubprocessSDKEnvironment.from_command_string(command))
+
+
+def _plan_reads(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
+    with _trace.span("plan_reads", source=f.source) as info:
+        tasks = _read.plan_tasks(f, task_bytes)
+        info["tasks"] = len(tasks)
+    return tasks
 
 
 def build(p, options: PackOptions, plan: Plan, identity: dict, files, notes) -> None:
     """The job graph (see the module docstring)."""
     splits = [s for s in ("train", "validation") if s == "train" or options.validation_fraction > 0]
-    encoded = (
+    tasks = (
         p
         | "Inputs" >> beam.Create(files)
-        | "PlanReads" >> beam.FlatMap(_read.plan_tasks)
+        | "PlanReads" >> beam.FlatMap(_plan_reads, plan.task_bytes)
         | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
+    )
+    if plan.lanes:  # Dask: a shuffle keeps its input's partitions, so give it plan.lanes more (Create splits)
+        lanes = p | "Lanes" >> beam.Create([(f"lane-{i}", None) for i in range(plan.lanes)])
+        tasks = (tasks, lanes) | "WithLanes" >> beam.Flatten()
+    encoded = (
+        tasks
         | "Spread" >> beam.GroupByKey()
-        | "Tasks" >> beam.FlatMap(lambda kv: kv[1])
+        | "Tasks" >> beam.FlatMap(lambda kv: [t for t in kv[1] if t is not None])
         | "EncodeTasks" >> beam.ParDo(EncodeTasks(options, plan))
     )
-    every = [((sp, s), None) for sp in splits for s in (range(plan.shards[sp]) if options.mode is PackMode.GROUPED else [0])]
     packed = (
-        (encoded | "Slices" >> beam.FlatMap(_only("slice")), p | "EveryShard" >> beam.Create(every))
-        | "AllSlices" >> beam.Flatten()
+        encoded
+        | "Slices" >> beam.FlatMap(_only("slice"))
+        | "ByGroup" >> beam.GroupByKey()
+        | "PackGroups" >> beam.ParDo(PackGroups(options, plan))
+    )
+    every = [((sp, s), None) for sp in splits for s in range(plan.shards[sp])]
+    written = (
+        (packed | "Pieces" >> beam.FlatMap(_only("piece")), p | "EveryShard" >> beam.Create(every))
+        | "AllPieces" >> beam.Flatten()
         | "ByShard" >> beam.GroupByKey()
-        | "PackShards" >> beam.ParDo(PackShards(options, plan))
+        | "WriteShards" >> beam.ParDo(WriteShards(options, plan))
     )
     (
-        (encoded | "Reports" >> beam.Filter(lambda item: item[0] != "slice"), packed)
+        (encoded | "Reports" >> beam.Filter(lambda item: item[0] != "slice"),
+         packed | "PackReports" >> beam.Filter(lambda item: item[0] != "piece"), written)
         | "Everything" >> beam.Flatten()
         | "OneKey" >> beam.Map(lambda item: (None, item))
         | "Collect" >> beam.GroupByKey()
@@ -767,26 +832,38 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     Stopped by a signal (the CLI handles SIGINT, SIGTERM and SIGHUP: :mod:`pipeline._signals`),
     it raises :class:`~pipeline._signals.Interrupted` once the folder is a failed output.
     """
-    from apache_beam.options.pipeline_options import GoogleCloudOptions
+    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 
     started = time.time()
     output = _output.normalize_output(options.output)
     options = dataclasses.replace(options, output=output)
-    files, notes = _read.expand_datasets(options.datasets())
-    identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-    _check_launch(options, identity)
-    workers = options.workers or default_workers()
-    pipe_opts, runner = pipeline_options(beam_args, workers)
+    _trace.mark("launch", process_cpu=time.process_time())
+    with _trace.span("launch_inputs"):
+        files, notes = _read.expand_datasets(options.datasets())
+    with _trace.span("launch_tokenizer"):
+        identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+        _check_launch(options, identity)
+    sizes = [_size(f) for f in files]
+    size = sum(sizes)
+    par = _parallel.choose(options.workers, options.tokenizer_threads, size)
+    pipe_opts, runner = pipeline_options(beam_args, par.workers)
+    local = runner is not None
+    task_bytes, lanes = _read.task_bytes(size, par.workers if local else None), 0
+    if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
+        task_bytes, lanes = _dask.layout(pipe_opts, files, sizes)
+    if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
+        options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
     template = pipe_opts.view_as(GoogleCloudOptions).template_location
     run_id = uuid.uuid4().hex[:12]
-    plan = _plan(options, files, identity, run_id)
+    with _trace.span("launch_plan", workers=par.workers, threads=par.threads):
+        plan = _plan(options, files, identity, run_id, size, task_bytes, lanes)
     inputs = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
     outcome_path = os.path.join(_tempdir(), f"packstream-outcome-{run_id}.json")
-    env = {"PACKSTREAM_OUTCOME": outcome_path, _signals.LAUNCHER_ENV: str(os.getpid())}
-    if workers > 1:  # each worker process takes its share of the cores for the tokenizer's threads
-        env["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    env = {"PACKSTREAM_OUTCOME": outcome_path, _signals.LAUNCHER_ENV: str(os.getpid()),
+           **(par.env() if local else {})}
     saved = {k: os.environ.get(k) for k in env}
     claim = result = None
+    pool, finished = None, False
     try:
         _signals.at("launch")
         if not template:
@@ -796,13 +873,21 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
                                     "the run's lock: run again with --overwrite")
             _signals.at("launch")
         os.environ.update(env)
+        if local and par.workers > 1:  # warm workers, forked now: before any thread or server starts here
+            with _trace.span("launch_pool", workers=par.workers):
+                pool = _pool.start(par.workers)
+            if pool is not None:
+                runner = local_runner(par.workers, pool.command)
         with _progress.watching(progress, files, local=runner is not None, budget=options.max_tokens):
             try:
                 p = beam.Pipeline(runner=runner, options=pipe_opts)
                 build(p, options, plan, identity, files, notes)
-                result = p.run()
+                with _trace.span("job"):
+                    result = p.run()
                 try:
-                    result.wait_until_finish()
+                    with _trace.span("job_wait"):
+                        result.wait_until_finish()
+                    finished = True
                 finally:
                     client = getattr(result, "client", None)  # DaskRunner: close the client (and a local cluster)
                     if client is not None:
@@ -821,6 +906,9 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         manifest = _read_manifest(output, outcome_path)
     except BaseException as e:
         signum = _signals.received()
+        if pool is not None:  # the forked workers stop before the folder is made to explain itself
+            pool.close(kill=True)
+            pool = None
         if claim is None:
             if signum is not None:
                 raise _signals.Interrupted(signum, f"interrupted by {_signals.name(signum)} before anything was "
@@ -836,6 +924,8 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             raise _signals.Interrupted(signum, _interrupted_message(signum, output, state)) from None
         raise
     finally:
+        if pool is not None:
+            pool.close(kill=not finished)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

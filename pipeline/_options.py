@@ -119,7 +119,8 @@ def cli(flag: str, help: str, *, short: Optional[str] = None, metavar: Optional[
 
     ``kind``: "" (derived from the type), ``pairs`` (repeatable ``NAME=VALUE``, or comma
     separated), ``list`` (repeatable), ``file`` (a file whose text is the value), ``flag``
-    (``--x/--no-x``), ``switch`` (a bare flag that turns on).
+    (``--x/--no-x``), ``switch`` (a bare flag that turns on), ``auto`` (a count, or ``auto``
+    stored as 0).
     """
     return {"cli": {"flag": flag, "help": help, "short": short, "metavar": metavar, "kind": kind,
                     "commands": commands}}
@@ -384,13 +385,18 @@ class PackOptions(FormatOptions):
     batch_size: int = dataclasses.field(default=512, metadata=cli(
         "--batch-size", "Records per tokenizer batch (one Beam element).", metavar="N"))
     workers: int = dataclasses.field(default=0, metadata=cli(
-        "--workers", "Local worker processes (0: the fastest for this machine, see docs/operations.md).",
-        metavar="N", commands=("pack", "estimate")))
+        "--workers", "Local worker processes; auto (0) picks workers and tokenizer threads from the cores and "
+        "the input's size (see docs/operations.md, 'Workers').", metavar="N|auto", kind="auto",
+        commands=("pack", "estimate")))
+    tokenizer_threads: int = dataclasses.field(default=0, metadata=cli(
+        "--tokenizer-threads", "Tokenizer threads in each worker process; auto (0): locally the cores shared out "
+        "over --workers, on a cluster the tokenizer's default (every core of the worker's machine).",
+        metavar="N|auto", kind="auto", commands=("pack", "estimate")))
     force_workers: bool = dataclasses.field(default=False, metadata=cli(
         "--force-workers", "Allow --workers above 4 per core (each worker holds a tokenizer, ~0.4 GB).",
         kind="switch", commands=("pack",)))
 
-    _NOT_RECORDED = ("overwrite", "workers", "force_workers")
+    _NOT_RECORDED = ("overwrite", "workers", "tokenizer_threads", "force_workers")
     """How this run treated the folder and the machine, not what it produced: reruns stay identical."""
 
     def __post_init__(self) -> None:
@@ -426,7 +432,10 @@ class PackOptions(FormatOptions):
             raise PackstreamError(f"--batch-size {self.batch_size} must be within 1..1000000")
         cores = os.cpu_count() or 1
         if self.workers < 0:
-            raise PackstreamError(f"--workers {self.workers} must be >= 1, or 0 for automatic "
+            raise PackstreamError(f"--workers {self.workers} must be >= 1, or auto (0) "
+                                  f"(this machine has {cores} cores)")
+        if not 0 <= self.tokenizer_threads <= 1024:
+            raise PackstreamError(f"--tokenizer-threads {self.tokenizer_threads} must be within 1..1024, or auto (0) "
                                   f"(this machine has {cores} cores)")
         if self.workers > 4 * cores and not self.force_workers:
             raise PackstreamError(

@@ -920,8 +920,32 @@ class ReadTask:
 
 
 TASK_BYTES = 8 * 2**20
-"""A JSONL file is read in tasks of about this many bytes (cut at line ends), so that one big
-file spreads over every worker; each task also bounds what a worker holds at once."""
+"""A JSONL file is read in tasks of at most about this many bytes (cut at line ends), so that one
+big file spreads over every worker; each task also bounds what a worker holds at once."""
+MIN_TASK_BYTES = 512 * 2**10
+"""Smaller tasks than this cost more in per-task work (a spill file per task, a tokenizer pipeline
+that fills and drains) than they gain in balance."""
+TASKS_PER_WORKER = 8
+"""Read tasks wanted per worker: local runners deal tasks out to the workers up front (FnApiRunner
+round-robin), so a worker's share is within one task of the others', about 1/8 of its work."""
+UNKNOWN_WORKERS = 32
+"""The workers assumed where the launcher cannot know them (a cluster): 256 tasks for a big input."""
+
+
+def task_bytes(input_bytes: int, workers: Optional[int] = None) -> int:
+    """The JSONL task size of a run over ``input_bytes`` bytes of input on ``workers`` workers (None:
+    unknown): about :data:`TASKS_PER_WORKER` tasks per worker, within [MIN_TASK_BYTES, TASK_BYTES];
+    one worker reads the biggest tasks.
+
+    The output does not depend on it: a group's examples are sorted by id before packing.
+
+    >>> task_bytes(35 * 2**20, 2) // 2**10, task_bytes(35 * 2**20, 16) // 2**10, task_bytes(10**12) // 2**20
+    (2240, 512, 8)
+    """
+    if workers == 1:  # nothing to balance: the fewest tasks (each fills and drains the tokenizer pipeline once)
+        return TASK_BYTES
+    wanted = max(1, workers or UNKNOWN_WORKERS) * TASKS_PER_WORKER
+    return int(min(TASK_BYTES, max(MIN_TASK_BYTES, input_bytes // wanted)))
 TASK_ROWS = 65_536
 """Rows per task for Parquet (whole row groups) and datasets folders."""
 

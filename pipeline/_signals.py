@@ -208,9 +208,18 @@ def worker_pids() -> list[int]:
         return found
 
 
+_REGISTERED: set[int] = set()
+"""Workers that :func:`worker_pids` cannot find by their command line: forked ones (:mod:`pipeline._pool`)."""
+
+
+def register_workers(pids, add: bool = True) -> None:
+    """Count ``pids`` among this launcher's workers (``add=False``: no longer), for :func:`stop_workers`."""
+    (_REGISTERED.update if add else _REGISTERED.difference_update)(pids)
+
+
 def stop_workers() -> None:
     """SIGTERM the local workers (they die at once, silently): Beam's teardown would wait for their bundles."""
-    for pid in worker_pids():
+    for pid in sorted({*worker_pids(), *_REGISTERED}):
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:

@@ -13,6 +13,18 @@ reads exactly its groups' batches back::
 
     Slice(path, batch=1, group=12, examples=57)   -> the shard that packs group 12
 
+A pack step packs one group and parks its rows the same way, a record batch per output shard
+(grouped mode: the one shard the group belongs to; global mode: every shard of the split, its
+rows dealt out round-robin), and the write step of a shard streams its groups' rows, in group
+order, into the shard file::
+
+    <output>/.tmp-spill-<run>/packed-<split>-<group>-<attempt>.arrow
+        batch 0: the rows for shard group % shards   input_ids | loss_mask | seq_offsets | ...
+
+    Piece(group=12, path, batch=0, rows=31)      -> the shard that writes group 12's rows
+
+So groups are packed in parallel on every worker, and a shard's file is only a copy.
+
 Memory is bounded by :data:`SPILL_TOKENS` while encoding and by one group while packing; reads
 are plain file reads (no memory maps, so nothing stays resident). The spill folder lives under
 the output (storage every worker can reach: local disk for local runs, gs:// or s3:// on a
@@ -21,9 +33,10 @@ cluster), has packstream's ``.tmp-`` prefix, and is removed when the job ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +66,16 @@ class Slice:
     examples: int
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class Piece:
+    """Record batch ``batch`` of packed file ``path``: ``rows`` packed rows of group ``group`` for one shard."""
+
+    group: int
+    path: str
+    batch: int
+    rows: int
+
+
 def _is_remote(path: str) -> bool:
     return "://" in path
 
@@ -74,6 +97,35 @@ def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) 
     bounds = np.flatnonzero(np.diff(sorted_groups)) + 1
     starts = np.concatenate([[0], bounds]).astype(np.int64)
     stops = np.concatenate([bounds, [len(order)]]).astype(np.int64)
+    slices = []
+    with _ipc_file(path, SPILL_SCHEMA) as w:
+        for k, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+            w.write_batch(_record_batch(batch, a, b))
+            slices.append(Slice(int(sorted_groups[a]), path, k, b - a))
+    return slices
+
+
+def write_packed(folder: str, name: str, group: int, by_shard: dict[int, pa.RecordBatch]) -> list[tuple[int, Piece]]:
+    """Park group ``group``'s packed rows, ``by_shard[s]`` for shard ``s``, as one file: ``(shard, Piece)`` each."""
+    from pipeline._write import join
+
+    path = join(folder, f"packed-{name}-{uuid.uuid4().hex[:12]}.arrow")
+    out = []
+    with _ipc_file(path, next(iter(by_shard.values())).schema) as w:
+        for k, (shard, rows) in enumerate(sorted(by_shard.items())):
+            w.write_batch(rows)
+            out.append((shard, Piece(group, path, k, rows.num_rows)))
+    return out
+
+
+def read_piece(piece: Piece) -> pa.RecordBatch:
+    """The packed rows of ``piece``."""
+    return _read_batch(piece.path, piece.batch)
+
+
+@contextlib.contextmanager
+def _ipc_file(path: str, schema: pa.Schema) -> Iterator[pa.ipc.RecordBatchFileWriter]:
+    """An Arrow IPC file writer on a local or remote path (its folder made as needed)."""
     if _is_remote(path):
         from apache_beam.io.filesystems import FileSystems
 
@@ -84,17 +136,13 @@ def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) 
 
         os.makedirs(os.path.dirname(path), exist_ok=True)
         raw, sink = None, pa.OSFile(path, "wb")
-    slices = []
     try:
-        with pa.ipc.new_file(sink, SPILL_SCHEMA) as w:
-            for k, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
-                w.write_batch(_record_batch(batch, a, b))
-                slices.append(Slice(int(sorted_groups[a]), path, k, b - a))
+        with pa.ipc.new_file(sink, schema) as w:
+            yield w
     finally:
         sink.close()
         if raw is not None:
             raw.close()
-    return slices
 
 
 def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:

@@ -155,6 +155,26 @@ def _click_type(field: dataclasses.Field, hint: Any):
     return {int: int, float: float}.get(base, str)
 
 
+class _AutoCount(click.ParamType):
+    """A count, or ``auto`` (0): ``--workers auto``, ``--workers 4``."""
+
+    name = "count"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return 0
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number or auto", param, ctx)
+
+
+_AUTO_COUNT = _AutoCount()
+
+
 def options_for(command: str):
     """Click decorators for every PackOptions field whose CLI metadata names ``command``."""
     from pipeline._options import PackOptions
@@ -175,6 +195,8 @@ def options_for(command: str):
             kw.update(is_flag=True, default=False)
         elif kind == "pairs":
             kw.update(multiple=True, metavar=meta["metavar"])
+        elif kind == "auto":
+            kw.update(type=_AUTO_COUNT, default=f.default, metavar=meta["metavar"], show_default="auto")
         elif kind in ("file", "config"):
             kw.update(type=click.Path(exists=True, dir_okay=False), default=None, metavar=meta["metavar"])
         else:

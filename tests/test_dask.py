@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 distributed = pytest.importorskip("dask.distributed", reason="needs dask[distributed]: pip install 'packstream[dask]'")
 
+from pipeline import _trace  # noqa: E402
 from pipeline.cli import bundled_sample, main  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def test_dask_runner_output_is_byte_identical(tmp_path):
+def test_dask_runner_output_is_byte_identical(tmp_path, monkeypatch):
     src = _inputs(tmp_path)
     out = tmp_path / "out"
     args = ["pack", str(src), "-o", str(out), "-q", "--max-tokens", "256", "--group-size", "16", "--num-shards", "3",
@@ -42,11 +43,20 @@ def test_dask_runner_output_is_byte_identical(tmp_path):
     expected = _files(out)
     assert len([n for n in expected if n.startswith("train-")]) == 3 and any(n.startswith("validation-") for n in expected)
     shutil.rmtree(out)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    monkeypatch.setenv(_trace.ENV, str(trace))  # the cluster's workers inherit it
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         with distributed.Client(cluster) as client:
             assert len(client.scheduler_info()["workers"]) == 2
-        on_dask = CliRunner().invoke(main, [*args, "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"])
+        on_dask = CliRunner().invoke(main, [*args, "--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}",
+                                            "--tokenizer-threads", "1"])
     assert on_dask.exit_code == 0, on_dask.output
+    # The read tasks came in more Dask partitions (EncodeTasks is set up once per each) than the inputs (7
+    # files) have: the lanes spread them, so every worker gets some (pipeline._dask).
+    spans = _trace.read(str(trace))
+    assert sum(s["span"] == "encode_setup" for s in spans) >= 16
+    assert sum(s["span"] == "encode_task" for s in spans) >= 4
     got = _files(out)
     assert sorted(got) == sorted(expected)
     for name in expected:

@@ -2,9 +2,9 @@
 only the layers below it, packing needs no torch, training needs no pipeline.
 
     Face     pipeline/cli.py, pipeline/__init__.py
-    Job      the Beam composites and progress       Tools   verify, inspect, estimate, preview
+    Job      the Beam composites, progress, workers   Tools   verify, inspect, estimate, preview
     Encode   one stage: records -> encoded examples + typed rejections
-    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, signals
+    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, signals, parallel, trace
     Core     packers: pack, stats, schema, errors, manifest, files     Loader   packers: collate, dataset, attention
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
@@ -19,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "face": {"pipeline.cli", "pipeline"},
-    "job": {"pipeline._job", "pipeline._progress", "pipeline._worker"},
+    "job": {"pipeline._job", "pipeline._progress", "pipeline._worker", "pipeline._pool", "pipeline._handoff",
+            "pipeline._dask"},
     "tools": {"pipeline._verify", "pipeline._inspect", "pipeline._estimate", "pipeline._preview"},
     "encode": {"pipeline._encode"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
-               "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals"},
+               "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals",
+               "pipeline._parallel", "pipeline._trace"},
     "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers._files",
              "packers._rowcheck", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",

@@ -1,0 +1,80 @@
+"""How many local worker processes, and how many tokenizer threads in each: ``--workers`` and
+``--tokenizer-threads``, ``auto`` by default.
+
+The work is the tokenizer's (Rust, ~90% of a record's CPU time on the shared mix) plus this
+job's Python per record (reading, rendering, masks: ~10%, one thread per worker, overlapped with
+the tokenizer). A run on ``C`` cores can spend them two ways::
+
+    1 worker  x C tokenizer threads   no second process; but the tokenizer's threads wait at the
+                                      end of every batch, and the worker's one Python thread
+                                      bounds it once C is large (Python ~10% -> ~10 cores at most)
+    N workers x C/N threads           each worker is one more process (forked warm from the
+                                      launcher: ~0.3 CPU-s, plus its share of the runner's gRPC);
+                                      they share the read tasks and the packing groups
+
+Measured with ``bench/bench_scale.py`` (README, Performance) on 2 cores: one worker with 2
+threads spent less CPU time per record than 2 workers of 1 thread (17.6-19.4 s against
+20.5-23.5 s for the 1x mix), so ``auto`` gives each worker :data:`THREADS_PER_WORKER` threads
+and one worker per that many cores; on 2 cores that is today's one worker. A small input gets
+fewer workers (one per :data:`BYTES_PER_WORKER`), so that no worker's start-up outweighs its
+work. Only local runs (FnApiRunner) start workers; on a cluster the runner owns the processes and
+``--tokenizer-threads`` (if given) sets each process's tokenizer threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+THREADS_ENV = "RAYON_NUM_THREADS"
+"""The tokenizers library's thread pool size (Rust rayon), read once when a process first tokenizes."""
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+"""``false``: the tokenizer encodes a batch in the calling thread (read at every call)."""
+
+
+THREADS_PER_WORKER = 2
+"""``auto``: tokenizer threads per worker (the cores are shared out over ``cores // 2`` workers)."""
+BYTES_PER_WORKER = 4 * 2**20
+"""``auto``: at most one worker per this much input. A worker pays for itself once it has a few
+CPU-seconds of work: ~1.3 CPU-seconds per MiB of JSONL on the shared mix (bench_scale --cores),
+against ~0.3 s for a forked worker and its share of the runner's coordination."""
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under taskset or a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """Worker processes and tokenizer threads per worker for one run, and why."""
+
+    workers: int
+    threads: int
+    why: str
+
+    def env(self) -> dict[str, str]:
+        """The environment that gives a worker process ``threads`` tokenizer threads."""
+        return tokenizer_env(self.threads)
+
+
+def tokenizer_env(threads: int) -> dict[str, str]:
+    """Environment variables for ``threads`` tokenizer threads (1: encode in the calling thread)."""
+    return {THREADS_ENV: str(threads), PARALLELISM_ENV: "false" if threads == 1 else "true"}
+
+
+def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int] = None) -> Parallelism:
+    """Resolve ``--workers`` and ``--tokenizer-threads`` (0: auto) for a local run over ``input_bytes``."""
+    c = n_cores or cores()
+    if workers and threads:
+        return Parallelism(workers, threads, "as given")
+    if workers:
+        return Parallelism(workers, max(1, c // workers), f"{c} cores shared by {workers} workers")
+    by_size = max(1, int(input_bytes // BYTES_PER_WORKER))
+    n = max(1, min(by_size, c // (threads or THREADS_PER_WORKER)))
+    t = threads or max(1, c // n)
+    return Parallelism(n, t, f"{n} workers x {t} tokenizer threads for {input_bytes / 2**20:,.0f} MiB on {c} cores")
