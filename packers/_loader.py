@@ -915,9 +915,14 @@ class PackedLoader(torch.utils.data.DataLoader):
             it = super().__iter__()  # starts the workers with copies of ds as it is now
         finally:
             ds._tracked = False
-        for batch in it:
-            ds._position += 1
-            yield batch
+        try:
+            for batch in it:
+                ds._position += 1
+                yield batch
+        finally:  # an error or a loop left early: the workers stop now, not when the iterator is collected
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
         ds._pinned = False
 
     def set_epoch(self, epoch: int) -> None:

@@ -45,3 +45,51 @@ def small_run(tmp_path_factory) -> Path:
     run(PackOptions(inputs=(str(data),), output=str(out), max_tokens=512, num_shards=2, group_size=8,
                     validation_fraction=0.25))
     return out
+
+
+# -- the fast tier ---------------------------------------------------------------------------------------------
+# `pytest -m "not slow"` runs in under 3 minutes on 2 cores, for the edit-test loop; CI runs everything. The tier
+# is declared here, in one place. Modules whose tests run whole jobs, models, processes or signals are slow, except
+# the worked end-to-end cases in FAST_CASES (about one per area, so the loop still packs, trains, verifies and
+# interrupts something); single heavy tests of the other modules are in SLOW_CASES. Entries are node id prefixes.
+
+SLOW_MODULES = {
+    "tests/test_bad_input.py", "tests/test_cli.py", "tests/test_convergence.py", "tests/test_crash.py",
+    "tests/test_dask.py", "tests/test_dpo.py", "tests/test_faults.py", "tests/test_fast_path.py", "tests/test_estimate.py", "tests/test_exactness.py",
+    "tests/test_fuzz_formats.py", "tests/test_guard.py", "tests/test_guard_lengths.py", "tests/test_inspect.py",
+    "tests/test_interrupt.py", "tests/test_loss.py", "tests/test_pack_real.py", "tests/test_packaging.py",
+    "tests/test_pipeline.py", "tests/test_safety.py", "tests/test_scale.py", "tests/test_verify.py",
+}
+FAST_CASES = (
+    "tests/test_pipeline.py::test_bundled_sample_round_trip",
+    "tests/test_cli.py::test_output_folder_is_owned_and_overwrite_replaces_only_its_files",
+    "tests/test_verify.py::test_clean_output_verifies",
+    "tests/test_verify.py::test_flipped_token_is_found_by_retokenizing",
+    "tests/test_inspect.py::test_numbers_are_computed_from_the_shards",
+    "tests/test_bad_input.py::test_every_record_is_packed_or_dead_lettered",
+    "tests/test_exactness.py::test_packed_equals_alone[train-sdpa-mistral-window4]",
+    "tests/test_exactness.py::test_guard_refuses_attention_mask_and_cache",
+    "tests/test_dpo.py::test_packed_pair_logps_equal_alone[train-sdpa-llama]",
+    "tests/test_guard.py::test_a_model_made_to_leak_is_refused[train-sdpa-drop_position_ids]",
+    "tests/test_loss.py::test_one_rank_packed_loss_and_gradients_equal_unpacked[4-token]",
+    "tests/test_safety.py::test_overwrite_removes_only_what_the_manifest_lists",
+    "tests/test_interrupt.py::test_a_signal_ends_with_one_line_and_a_folder_overwrite_cleans[commit-TERM-1]",
+    "tests/test_faults.py::test_bundle_retried_after_a_fault_gives_identical_output[mid_group]",
+    "tests/test_fast_path.py::test_the_fast_path_equals_the_general_path[default]",
+)
+SLOW_CASES = (
+    "tests/test_loader_trust.py::test_random_byte_damage_never_ends_in_a_stray_exception",
+    "tests/test_tree.py::test_generated_trees_keep_every_path_or_count_it",
+    "tests/test_suggestions.py::test_generated_refusals_print_only_fixes_that_work",
+    "tests/test_inputs.py::test_fuzz_",
+    "tests/test_inputs.py::test_deep_json_through_pack_preview_and_estimate",
+    "packers/_attention.py::",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow = (path in SLOW_MODULES and not item.nodeid.startswith(FAST_CASES)) or item.nodeid.startswith(SLOW_CASES)
+        if slow:
+            item.add_marker(pytest.mark.slow)

@@ -224,7 +224,11 @@ def same(a: PackResult, b: PackResult) -> bool:
 PROPS = settings(max_examples=200, deadline=None)
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
+# The default strategy (best-fit decreasing) in the fast tier; the others in the slow one (CI runs all).
+EVERY_STRATEGY = [s if s is Strategy.BFD else pytest.param(s, marks=pytest.mark.slow) for s in Strategy]
+
+
+@pytest.mark.parametrize("strategy", EVERY_STRATEGY)
 class TestEveryStrategy:
     @PROPS
     @given(packing_inputs())
@@ -420,7 +424,8 @@ def _reference_rows(lengths, budget: int, strategy: str, long: LongPolicy, max_p
     return rows
 
 
-@pytest.mark.parametrize("strategy", ["ffd", "next_fit", "padded"])
+@pytest.mark.parametrize("strategy", ["ffd", pytest.param("next_fit", marks=pytest.mark.slow),
+                                      pytest.param("padded", marks=pytest.mark.slow)])
 @settings(max_examples=300, deadline=None)
 @given(inp=packing_inputs())
 def test_loop_strategies_match_an_independent_reference(strategy, inp):
