@@ -97,25 +97,36 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str], env: dict | None = None, also: Sequence[int] = ()) -> dict:
-    """Run ``cmd``; wall seconds, peak RSS of its process tree (plus the trees of the pids ``also``),
-    and its last stdout line parsed as JSON if it is."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+def _watch_peak_rss(pid: int, also: Sequence[int] = ()):
+    """Poll the peak RSS of ``pid``'s process tree (plus the trees of ``also``) every 50 ms in a thread; returns
+    ``(peak, stop)``: ``peak[0]`` holds the peak so far, ``stop()`` ends the polling."""
     peak = [0]
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(p) for p in also))
+            peak[0] = max(peak[0], _tree_rss(pid) + sum(_tree_rss(p) for p in also))
             done.wait(0.05)
 
     th = threading.Thread(target=poll, daemon=True)
     th.start()
+
+    def stop() -> None:
+        done.set()
+        th.join()
+
+    return peak, stop
+
+
+def run_measured(cmd: list[str], env: dict | None = None, also: Sequence[int] = ()) -> dict:
+    """Run ``cmd``; wall seconds, peak RSS of its process tree (plus the trees of the pids ``also``),
+    and its last stdout line parsed as JSON if it is."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    peak, stop = _watch_peak_rss(proc.pid, also)
     out, err = proc.communicate()
     wall = time.perf_counter() - t
-    done.set()
-    th.join()
+    stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{err[-3000:]}")
     last = (out.strip().splitlines() or [""])[-1]
@@ -290,22 +301,12 @@ def run_traced(cmd: list[str], env: dict, trace: Path, also: Sequence[int] = ())
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PACKSTREAM_TRACE": str(trace)}, cwd=ROOT)
-    peak = [0]
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid) + sum(_tree_rss(p) for p in also))
-            done.wait(0.05)
-
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
+    peak, stop = _watch_peak_rss(proc.pid, also)
     out, err = proc.stdout.read(), proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)  # the tree's CPU: the child and every descendant it reaped
     wall = time.perf_counter() - t
     proc.returncode = os.waitstatus_to_exitcode(status)
-    done.set()
-    th.join()
+    stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{err[-3000:]}")
     after = _cpu_of(also)

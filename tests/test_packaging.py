@@ -276,6 +276,6 @@ def test_run_locally_walkthrough_works_as_written(clone):
         assert r.returncode == 0, f"{block}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
     assert (work / "out" / "sample" / "manifest.json").exists()
     assert json.loads((work / "out" / "pack-log.jsonl").read_text().splitlines()[-1])["event"] == "done"
-    assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 2
+    assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 3
     assert sorted(os.listdir(work / "out" / "packed-inspect")) == [  # the marker: inspect owns this folder
         ".packstream-inspect.json", "example_lengths.png", "examples_per_row.png", "row_fill.png"]

@@ -21,7 +21,7 @@ import sys
 from typing import Iterable, Sequence
 
 METADATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metadata.json")
-FLAGS = ("overwrite", "trust_remote_code", "mask_reasoning")
+FLAGS = ("overwrite", "trust_remote_code", "mask_reasoning", "pairs")
 """true -> ``--name``; false -> nothing."""
 SWITCHES = ("refine",)
 """true -> ``--name``; false -> ``--no-name``."""
