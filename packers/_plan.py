@@ -556,7 +556,9 @@ def _decorrelate(order: np.ndarray, ranks: tuple[np.ndarray, ...], rng: np.rando
     n = len(order)
     order = order.copy()
     pos = np.arange(n, dtype=np.float64) - (n - 1) / 2
-    scale = [float(((r - r.mean()) ** 2).sum() ** 0.5 * (pos ** 2).sum() ** 0.5) for r in ranks]
+    # A rank vector with no spread (every step alike) cannot correlate with position: its scale is taken as
+    # infinite, so its |rho| is 0 (no division by zero, no warning).
+    scale = [float(((r - r.mean()) ** 2).sum() ** 0.5 * (pos ** 2).sum() ** 0.5) or math.inf for r in ranks]
     cov = np.array([float((pos * (r[order] - r.mean())).sum()) for r in ranks])
     for _ in range(rounds):
         rho = np.abs(cov) / scale
