@@ -240,6 +240,9 @@ class FormatOptions:
                 "--field NAME=text takes the whole record as plain text and cannot be mixed with turn roles "
                 f"({', '.join(f'{k}={r}' for k, r in self.fields)}); map turns to system/user/assistant/tool instead"
             )
+        if self.tree is None and self.tree_paths is not TreePaths.ALL:
+            raise PackstreamError(f"--tree-paths {self.tree_paths.value} chooses among the paths of a message tree and "
+                                  "needs --tree KEY (the field holding the tree, e.g. --tree prompt)")
         if self.tree is not None and (self.fields or self.messages_field is not None or self.format is not Format.AUTO):
             raise PackstreamError(f"--tree {self.tree} reads a message tree; it does not combine with --field, "
                                   "--messages-field or --format")

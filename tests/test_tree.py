@@ -112,3 +112,13 @@ def test_pack_gives_one_example_per_path_and_counts_reconcile(tmp_path):
     assert c["normalization"]["tree_paths_kept"] == 6 and c["normalization"]["tree_messages_off_path"] == 2
     result = CliRunner().invoke(main, ["verify", str(out), "--inputs", str(src)])
     assert result.exit_code == 0, result.output
+
+
+def test_tree_paths_without_a_tree_is_one_error():
+    """--tree-paths chooses among a tree's paths: given alone it would change nothing, silently."""
+    from packers import PackstreamError
+    from pipeline._options import FormatOptions, TreePaths
+
+    with pytest.raises(PackstreamError, match=r"--tree-paths best .* needs --tree KEY"):
+        FormatOptions(tree_paths=TreePaths.BEST)
+    assert FormatOptions(tree="prompt", tree_paths=TreePaths.BEST).tree_paths is TreePaths.BEST
