@@ -217,6 +217,10 @@ class Sampling:
                 raise PackstreamError(f"{name}={v!r} must be an integer >= 1")
         if not 0 <= self.rank < self.world_size:
             raise PackstreamError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        for name in ("shuffle", "rebatch"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise PackstreamError(f"{name}={v!r} must be True or False")
         seed = self.seed
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)) or seed < 0:
             shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:39] + "…"

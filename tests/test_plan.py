@@ -243,3 +243,9 @@ def test_a_pair_run_split_for_the_ranks_serves_whole_pairs(tmp_path):
                 Collator()([row])  # the pair columns still fit the piece
                 served += row["example_ids"]
     assert sorted(served) == sorted(i for r in rows for i in r["example_ids"])
+
+
+@pytest.mark.parametrize("kw", [{"rebatch": "yes"}, {"shuffle": 1}, {"seed": -1}, {"seed": True}, {"grad_accum": 0}])
+def test_sampling_options_are_checked_when_made(kw):
+    with pytest.raises(PackstreamError):
+        Sampling(**kw)
