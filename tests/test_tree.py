@@ -122,3 +122,25 @@ def test_tree_paths_without_a_tree_is_one_error():
     with pytest.raises(PackstreamError, match=r"--tree-paths best .* needs --tree KEY"):
         FormatOptions(tree_paths=TreePaths.BEST)
     assert FormatOptions(tree="prompt", tree_paths=TreePaths.BEST).tree_paths is TreePaths.BEST
+
+
+def test_a_tree_of_too_many_paths_is_a_dead_letter_naming_best(monkeypatch):
+    """A record of a few MB can hold 100,000 paths: bounded per record, with the option that reads it."""
+    from pipeline._formats import tree
+
+    monkeypatch.setattr(tree, "MAX_PATHS", 8)
+
+    def node(role: str, depth: int) -> dict:
+        n = {"role": role, "text": f"{role} at {depth}"}
+        if depth:
+            n["replies"] = [node("assistant" if role == "prompter" else "prompter", depth - 1) for _ in range(2)]
+        return n
+
+    rec = {"prompt": node("prompter", 4)}  # 16 leaves
+    with pytest.raises(Rejected) as e:
+        conversations(rec, FormatOptions(tree="prompt"))
+    assert e.value.reason is Reason.RECORD_TOO_LARGE and "16 root-to-leaf paths" in e.value.detail
+    assert "--tree-paths best" in e.value.detail
+    assert len(conversations(rec, FormatOptions(tree="prompt", tree_paths="best"))) == 1
+    monkeypatch.setattr(tree, "MAX_PATHS", 16)
+    assert len(conversations(rec, FormatOptions(tree="prompt"))) == 8  # paths ending on a question are cut back

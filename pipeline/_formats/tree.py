@@ -44,6 +44,10 @@ REPLY_KEYS = ("replies", "children")
 NODE_KEYS = (*REPLY_KEYS, "rank", "deleted")
 """Keys of a node that shape the tree rather than the turn."""
 MAX_DEPTH = 1000
+MAX_PATHS = 10_000
+"""Root-to-leaf paths one record may expand to with ``--tree-paths all`` (OpenAssistant's trees hold tens): a
+record of a few MB can hold a tree of 100,000 paths (each a conversation to render and tokenize); past the
+limit the record is a ``record_too_large`` dead letter naming ``--tree-paths best``."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,18 +105,32 @@ def _paths(root: _Node, best: bool) -> list[list[_Node]]:
 
     if root.turn is not None:
         walk(root, [])
+    # A path that begins another kept path (or repeats one) is not kept twice. In a tree the path to a node is
+    # unique, so p begins q exactly when p's last node lies inside q: one pass over the paths, not a pairwise one.
+    inside = {id(n) for q in out for n in q[:-1]}
     kept: list[list[_Node]] = []
-    for p in out:  # a path that begins another kept path is not kept twice
-        if not any(len(q) > len(p) and all(a is b for a, b in zip(p, q)) for q in out) and \
-                not any(len(q) == len(p) and all(a is b for a, b in zip(p, q)) for q in kept):
+    ends: set[int] = set()
+    for p in out:
+        if id(p[-1]) not in inside and id(p[-1]) not in ends:
+            ends.add(id(p[-1]))
             kept.append(p)
     return kept
+
+
+def _leaves(node: _Node) -> int:
+    """Root-to-leaf paths over live nodes (an upper bound of the paths kept)."""
+    live = [c for c in node.children if c.turn is not None]
+    return sum(_leaves(c) for c in live) if live else 1
 
 
 def read(record: dict, ctx: Ctx) -> list[Draft]:
     path = ctx.o.tree
     root = _node(resolve(record, path), path, ctx)
     best = ctx.o.tree_paths is TreePaths.BEST
+    if not best and root.turn is not None and (n := _leaves(root)) > MAX_PATHS:
+        raise Rejected(Reason.RECORD_TOO_LARGE, f"the tree under {path} has {n:,} root-to-leaf paths, more than the "
+                                                f"{MAX_PATHS:,} one record may expand to; use --tree-paths best (one "
+                                                "path per tree), or split the tree into several records")
     paths = _paths(root, best)
     if not paths:
         raise Rejected(Reason.NO_ASSISTANT_TURN, f"the tree under {path} has no assistant reply "
