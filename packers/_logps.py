@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from packers._errors import PackstreamError
+from packers._loss import _check_vocab
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLo
                               "is not a packers.Collator batch of a valid packed row")
     at = torch.nonzero(target, as_tuple=True)[0]
     token_ids = ids[0].to(device)[at]
+    _check_vocab(token_ids, logits.shape[-1])
     lp = -F.cross_entropy(logits[at - 1].float(), token_ids, reduction="none")
     sums = torch.zeros(n_seq, dtype=lp.dtype, device=device).index_add(0, seq[at], lp)
     tokens = torch.bincount(seq[at], minlength=n_seq)

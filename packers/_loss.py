@@ -29,12 +29,24 @@ from packers._collate import IGNORE_INDEX
 from packers._errors import PackstreamError
 
 
+def _check_vocab(token_ids: torch.Tensor, vocab: int) -> None:
+    """A target the logits cannot score (a model whose vocabulary is smaller than the tokenizer's that packed the
+    rows) is one error naming both, not torch's IndexError or a CUDA device-side assert."""
+    if token_ids.numel():
+        top = int(token_ids.max())
+        if top >= vocab:
+            raise PackstreamError(f"token id {top} is a target, but the logits score only {vocab} tokens: the model's "
+                                  "vocabulary is smaller than the tokenizer's that packed these rows; use the model the "
+                                  "rows were tokenized for (the manifest's tokenizer), or resize its embeddings")
+
+
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of predicting ``labels[t]`` from ``logits[t - 1]``, in fp32, flat over the batch's ``T - 1``
     label positions ``1..T-1``; 0 where the label is ignored."""
     if logits.shape[:-1] != labels.shape:
         raise PackstreamError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
     vocab = logits.shape[-1]
+    _check_vocab(labels, vocab)
     return F.cross_entropy(logits[..., :-1, :].reshape(-1, vocab).float(), labels[..., 1:].reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="none")
 

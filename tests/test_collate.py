@@ -137,3 +137,18 @@ def test_properties(rows, fixed):
     assert (pos[1:][~starts[1:]] == pos[:-1][~starts[1:]] + 1).all()
     assert b["max_length_q"] == (budget if fixed else max(y - x for x, y in zip(cu, cu[1:])))
     assert torch.equal(b["seq_idx"][0].long(), torch.cumsum(starts.long(), 0) - 1)
+
+
+def test_logits_of_a_smaller_vocabulary_are_one_error():
+    """A model whose vocabulary is smaller than the packing tokenizer's: one error naming both, from every helper
+    that scores targets (torch would raise an IndexError on CPU, a device-side assert on CUDA)."""
+    import torch
+
+    import packers
+
+    batch = packers.Collator()([{"input_ids": [5, 9, 70, 1], "loss_mask": [0, 0, 1, 1], "seq_offsets": [0, 4]}])
+    logits = torch.zeros(1, 4, 64)
+    for score in (packers.loss, packers.example_losses, packers.sequence_logps):
+        with pytest.raises(packers.PackstreamError, match=r"token id 70 is a target, but the logits score only 64"):
+            score(logits, batch)
+    assert torch.isfinite(packers.loss(torch.zeros(1, 4, 128), batch))
