@@ -65,26 +65,19 @@ from packers._plan import (
     Plan,
     Rows,
     Sampling,
+    is_count,
     plan_epoch,
+    short,
     step_denominators,
 )
+
 from packers._rowcheck import Batch, Failure, check_batch, gather
-from packers._schema import PLACE_KEYS, SCHEMA, read_metadata
-
-
-def _is_count(v: Any) -> bool:
-    """An integer >= 0 (Python or numpy; not a bool)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
-
-
-def _short(v: Any, limit: int = 40) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+from packers._schema import PLACE_KEYS, SCHEMA, count_targets, read_metadata
 
 
 def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Sequence[str]) -> str:
     """``"seed -5 vs 3, world_size 2 vs 1"``: the keys whose saved and current values differ ('' if none)."""
-    return ", ".join(f"{k} {_short(saved[k])} vs {_short(current[k])}" for k in keys
+    return ", ".join(f"{k} {short(saved[k])} vs {short(current[k])}" for k in keys
                      if saved[k] != current[k] or type(saved[k]) is not type(current[k]))
 
 
@@ -527,11 +520,10 @@ def _piece(row: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
     a, z = int(offs[lo]), int(offs[hi])
     mask = row["loss_mask"][a:z]
     piece_offs = offs[lo : hi + 1] - offs[lo]
-    target = mask.astype(bool).copy()
-    target[piece_offs[:-1]] = False  # an example's first token is never a target
     spans = np.asarray(row.get("completion_spans", ()), dtype=np.int64)
     return {**row, "input_ids": row["input_ids"][a:z], "loss_mask": mask, "seq_offsets": piece_offs,
-            "example_ids": row["example_ids"][lo:hi], "num_tokens": z - a, "num_targets": int(target.sum()),
+            "example_ids": row["example_ids"][lo:hi], "num_tokens": z - a,
+            "num_targets": count_targets(mask, piece_offs),
             "pair_ids": list(row.get("pair_ids") or ())[lo:hi], "sides": np.asarray(row.get("sides", ()))[lo:hi],
             "completion_spans": (spans[2 * lo : 2 * hi] - a).astype(np.int32) if len(spans) else spans.astype(np.int32)}
 
@@ -854,10 +846,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 "data, world size and batching options"
             )
         epoch, position = state["epoch"], state["position"]
-        if not _is_count(epoch):
-            raise PackstreamError(f"cannot resume: epoch is {_short(epoch)}, expected an integer >= 0")
-        if not _is_count(position):
-            raise PackstreamError(f"cannot resume: position is {_short(position)}, expected an integer >= 0 (the "
+        if not is_count(epoch):
+            raise PackstreamError(f"cannot resume: epoch is {short(epoch)}, expected an integer >= 0")
+        if not is_count(position):
+            raise PackstreamError(f"cannot resume: position is {short(position)}, expected an integer >= 0 (the "
                                   "steps of the epoch already taken)")
         steps = self._plan(int(epoch))[0].steps
         if position > steps:

@@ -221,11 +221,20 @@ class Sampling:
             v = getattr(self, name)
             if not isinstance(v, (bool, np.bool_)):
                 raise PackstreamError(f"{name}={v!r} must be True or False")
-        seed = self.seed
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)) or seed < 0:
-            shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:39] + "…"
-            raise PackstreamError(f"seed={shown} must be an integer >= 0 (numpy's generators take non-negative "
+        if not is_count(self.seed):
+            raise PackstreamError(f"seed={short(self.seed)} must be an integer >= 0 (numpy's generators take non-negative "
                                   "seeds); use e.g. seed=0")
+
+
+def is_count(v: Any) -> bool:
+    """An integer >= 0 (Python or numpy; not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
+
+
+def short(v: Any, limit: int = 40) -> str:
+    """``repr(v)``, cut to ``limit`` characters (for error messages)."""
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
