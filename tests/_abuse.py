@@ -115,3 +115,31 @@ def outcome(name: str, folder: Path, bound: float = BOUND_S) -> str | None:
 def outcomes(folder: Path, names=tuple(READERS), bound: float = BOUND_S) -> dict[str, str | None]:
     """:func:`outcome` of each reader in ``names``."""
     return {n: outcome(n, folder, bound) for n in names}
+
+
+FILE_KINDS = ["link to /dev/zero", "FIFO", "folder", "100 MiB", "random bytes", "truncated", "empty",
+              "deep", "not UTF-8"]
+
+
+def replace_file(path: Path, kind: str, original: bytes = b"", rng_bytes: bytes = b"") -> None:
+    """Replace the file at ``path`` by something a reader must not read as it is (one of :data:`FILE_KINDS`)."""
+    path.unlink()
+    if kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "100 MiB":
+        with open(path, "wb") as f:
+            f.truncate(100 << 20)
+    elif kind == "random bytes":
+        path.write_bytes(rng_bytes)
+    elif kind == "truncated":
+        path.write_bytes(original[: len(original) // 2])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "deep":
+        path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    else:
+        path.write_bytes(b"\xff\xfe" + original)

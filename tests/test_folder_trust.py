@@ -41,7 +41,7 @@ from packers import ContractError, PackedDataset, PackstreamError
 from pipeline import PackOptions, run
 from pipeline._verify import verify
 from pipeline.cli import bundled_sample, main
-from tests._abuse import READERS, deadline, outcome, outcomes
+from tests._abuse import READERS, deadline, outcome, outcomes, replace_file
 from tests._shards import recount
 
 
@@ -262,31 +262,15 @@ def test_cli_refusals_are_one_error_line(out, tmp_path):
 # -- causes 10, 11, 15: folder files that are not files ---------------------------------------------------------
 
 
-def make(path: Path, kind: str) -> None:
-    """Replace the file at ``path`` by something a reader must not read as it is."""
-    path.unlink()
-    if kind == "link to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "nested 100,000 levels":
-        path.write_text("[" * 100_000 + "]" * 100_000)
-    elif kind == "100 MiB":
-        with open(path, "wb") as f:
-            f.truncate(100 << 20)  # sparse: costs no disk, and must not be read
-    else:
-        raise AssertionError(kind)
-
-
-KINDS = ["link to /dev/zero", "FIFO", "nested 100,000 levels", "100 MiB"]
+KINDS = ["link to /dev/zero", "FIFO", "deep", "100 MiB"]  # tests/_abuse.py: replace_file
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="needs FIFOs and /dev/zero")
 @pytest.mark.parametrize("kind", KINDS)
 def test_manifest_that_is_not_a_file_is_one_line(out, kind):
-    make(out / "manifest.json", kind)
+    replace_file(out / "manifest.json", kind)
     got = outcomes(out)
-    words = {"link to /dev/zero": "is a device", "FIFO": "is a FIFO", "nested 100,000 levels": "nested deeper than",
+    words = {"link to /dev/zero": "is a device", "FIFO": "is a FIFO", "deep": "nested deeper than",
              "100 MiB": "more than the 64 MiB"}[kind]
     for name, said in got.items():
         assert said and words in said, (name, said)
@@ -295,9 +279,9 @@ def test_manifest_that_is_not_a_file_is_one_line(out, kind):
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="needs FIFOs and /dev/zero")
 @pytest.mark.parametrize("kind", KINDS)
 def test_dead_letters_that_are_not_a_file_are_one_line(out, kind):
-    make(out / "rejected.jsonl", kind)
+    replace_file(out / "rejected.jsonl", kind)
     got = outcomes(out)
-    words = {"link to /dev/zero": "is a device", "FIFO": "is a FIFO", "nested 100,000 levels": "nested deeper than",
+    words = {"link to /dev/zero": "is a device", "FIFO": "is a FIFO", "deep": "nested deeper than",
              "100 MiB": "line 1 is longer than"}[kind]
     assert got["verify"] and words in got["verify"] and got["verify"].startswith("rejected.jsonl"), got["verify"]
     for name in ("inspect", "PackedDataset", "pack --overwrite"):  # they do not read rejected.jsonl

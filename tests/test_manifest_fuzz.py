@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests._abuse import clone, outcomes
+from tests._abuse import FILE_KINDS, clone, outcomes, replace_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
                                 reason="needs FIFOs and /dev/zero")
@@ -115,33 +115,6 @@ def mutated(draw, tree: Any) -> Any:
     return tree
 
 
-FILE_KINDS = ["link to /dev/zero", "FIFO", "folder", "100 MiB", "random bytes", "truncated", "empty",
-              "deep", "not UTF-8"]
-
-
-def _replace(path: Path, kind: str, original: bytes, rng_bytes: bytes) -> None:
-    path.unlink()
-    if kind == "link to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "folder":
-        path.mkdir()
-    elif kind == "100 MiB":
-        with open(path, "wb") as f:
-            f.truncate(100 << 20)
-    elif kind == "random bytes":
-        path.write_bytes(rng_bytes)
-    elif kind == "truncated":
-        path.write_bytes(original[: len(original) // 2])
-    elif kind == "empty":
-        path.write_bytes(b"")
-    elif kind == "deep":
-        path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
-    else:
-        path.write_bytes(b"\xff\xfe" + original)
-
-
 def _fresh(base: Path) -> Path:
     """A clone of ``base`` (files hard-linked: each mutated file is unlinked, then written anew)."""
     work = Path(tempfile.mkdtemp(dir=base.parent, prefix="case-")) / "out"
@@ -170,7 +143,7 @@ def _manifest_case(base: Path, data) -> None:
     work = _fresh(base)
     path = work / "manifest.json"
     if data.draw(st.integers(0, 5)) == 0:
-        _replace(path, data.draw(st.sampled_from(FILE_KINDS)), path.read_bytes(), data.draw(st.binary(max_size=64)))
+        replace_file(path, data.draw(st.sampled_from(FILE_KINDS)), path.read_bytes(), data.draw(st.binary(max_size=64)))
     else:
         _write_json(path, data.draw(mutated(json.loads(path.read_text()))))
     check(work)
@@ -181,7 +154,7 @@ def _dead_letter_case(base: Path, data) -> None:
     path = work / "rejected.jsonl"
     original = path.read_bytes()
     if data.draw(st.integers(0, 4)) == 0:
-        _replace(path, data.draw(st.sampled_from(FILE_KINDS)), original, data.draw(st.binary(max_size=64)))
+        replace_file(path, data.draw(st.sampled_from(FILE_KINDS)), original, data.draw(st.binary(max_size=64)))
     else:
         lines = original.decode().splitlines()
         for _ in range(data.draw(st.integers(1, 3))):
