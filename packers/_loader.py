@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import torch
 import torch.utils.data
 
-from packers._errors import ContractError, InternalError, PackstreamError
+from packers._errors import ContractError, PackstreamError
 from packers._files import check_regular, open_checked, show_path
 from packers._manifest import (
     LOCK,
@@ -50,7 +50,6 @@ from packers._manifest import (
     RowChecks,
     ShardEntry,
     escape_source,
-    expected_metadata,
     is_datasets_cache,
     load_manifest,
     metadata_mismatch,
