@@ -76,6 +76,7 @@ class _State:
         self.last_words = ""
         self.saved_stderr: Optional[int] = None
         self.saved_hook = None
+        self.outer_hook = None
         self.installed: dict[int, object] = {}
 
 
@@ -100,6 +101,12 @@ def handling() -> Iterator[None]:
         yield
         return
     _state = _State()
+    _state.outer_hook = threading.excepthook
+    threading.excepthook = _thread_exception
+    graced = [*logging.getLogger().handlers, logging.lastResort]
+    for h in graced:
+        if h is not None:
+            h.addFilter(_GRACE)
     for s in SIGNALS:
         old = signal.getsignal(s)
         if old is signal.SIG_IGN:  # nohup, or a background job of a script: the user chose to ignore it
@@ -112,6 +119,11 @@ def handling() -> Iterator[None]:
         for s, old in _state.installed.items():
             signal.signal(s, old)
         _state.installed = {}
+        for h in graced:
+            if h is not None:
+                h.removeFilter(_GRACE)
+        if _state.signum is None and threading.excepthook is _thread_exception:
+            threading.excepthook = _state.outer_hook
         unmute_stderr()  # logging and thread tracebacks stay off after a signal: the process is about to exit,
         # and Beam's threads may still be winding down
 
@@ -127,6 +139,41 @@ def deferred() -> Iterator[None]:
     if not _state.deferring and _state.signum is not None and not _state.raised:
         _state.raised = True
         raise Stop(_state.signum)
+
+
+THREAD_GRACE_S = 2.0
+"""How long a thread's exception waits for a signal that may be on its way to the main thread."""
+
+
+def _signal_on_its_way() -> bool:
+    """In a thread other than the main one: wait up to :data:`THREAD_GRACE_S` for a signal to be noted."""
+    deadline = time.monotonic() + THREAD_GRACE_S
+    while _state.signum is None and time.monotonic() < deadline and threading.main_thread().is_alive():
+        time.sleep(0.01)
+    return _state.signum is not None
+
+
+class _Grace(logging.Filter):
+    """The same wait for an error a thread logs (Beam's data plane logs a lost worker's stream)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or threading.current_thread() is threading.main_thread():
+            return _state.signum is None
+        return not _signal_on_its_way()
+
+
+_GRACE = _Grace()
+
+
+def _thread_exception(args) -> None:
+    """A thread's uncaught exception while a command runs: silent when a signal stops the command.
+
+    A signal to the process group kills the local workers at the same moment it reaches the launcher,
+    and a Beam thread watching a worker (``run_worker``) may raise before the main thread has run the
+    Python-level handler (handlers run only there, between bytecodes). So the exception waits a moment
+    for the handler: a signal noted by then means the command is ending, and the traceback is noise."""
+    if not _signal_on_its_way():
+        (_state.outer_hook or threading.__excepthook__)(args)
 
 
 def _handler(signum: int, frame) -> None:
