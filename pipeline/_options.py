@@ -195,6 +195,19 @@ class FormatOptions:
         "--preference", "Preference pairs (chosen/rejected: TRL, LLaMA-Factory ranking, OpenAI DPO, HH-RLHF "
         "transcripts): train on the prompt and the chosen (or rejected) answer as SFT. Without it such records are "
         "refused, never trained on half of the pair."))
+    pair_sides: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--pair-sides", "With --pairs: the paths of a preference record's two answers when they are not chosen/"
+        "rejected (each a string, a turn object or a list of turns): --pair-sides response_0,response_1. Without "
+        "--pair-winner the first is the chosen one.", metavar="A,B"))
+    pair_winner: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
+        "--pair-winner", "With --pair-sides: the field that says which answer is preferred, and its values for A and "
+        "for B: better_response_id=0/1 (PKU-SafeRLHF), labels=1/0 (SHP), winner=model_a/model_b (Chatbot Arena); a "
+        "value may be a comparison (overall_preference=<0/>0). Repeat it and all must agree; a record none picks "
+        "(a tie) is dead-lettered as no_preference.", metavar="FIELD=A/B", kind="pairs"))
+    pair_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--pair-prompt", "With --pairs: the path of a preference record's prompt (a string or a list of messages) "
+        "when it is not prompt/question/query, instruction or conversations: --pair-prompt history (SHP).",
+        metavar="PATH"))
     train_on: TrainOn = dataclasses.field(default=TrainOn.ASSISTANT, metadata=cli(
         "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
@@ -211,11 +224,13 @@ class FormatOptions:
         "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
-    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree")
+    _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree", "pair_sides",
+                        "pair_prompt")
     """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
 
     def __post_init__(self) -> None:
-        for name, flag in (("fields", "--field"), ("roles", "--roles"), ("transcript_markers", "--transcript-marker")):
+        for name, flag in (("fields", "--field"), ("roles", "--roles"), ("transcript_markers", "--transcript-marker"),
+                           ("pair_winner", "--pair-winner")):
             object.__setattr__(self, name, _pairs(getattr(self, name), flag))
         for name in self._NAMES_SOMETHING:
             value = getattr(self, name)
@@ -246,6 +261,7 @@ class FormatOptions:
         if self.tree is not None and (self.fields or self.messages_field is not None or self.format is not Format.AUTO):
             raise PackstreamError(f"--tree {self.tree} reads a message tree; it does not combine with --field, "
                                   "--messages-field or --format")
+        self._check_pair_fields()
         for path, flag in [(f, "--field") for f, _ in self.fields] + [(self.messages_field, "--messages-field"),
                                                                      (self.tree, "--tree")]:
             if path is not None:
@@ -272,6 +288,48 @@ class FormatOptions:
             if role not in ROLES or not marker.strip():
                 raise PackstreamError(f"--transcript-marker {marker!r}={role}: needs a non-empty marker and a role "
                                       f"in {', '.join(ROLES)}")
+
+    def sides(self) -> tuple[str, str]:
+        """The paths of a preference record's two answers (``--pair-sides``; chosen, rejected by default)."""
+        if self.pair_sides is None:
+            return ("chosen", "rejected")
+        a, b = (p.strip() for p in self.pair_sides.split(","))
+        return a, b
+
+    def maps_pairs(self) -> bool:
+        """Whether options name a preference record's fields (``--pair-sides``, ``--pair-prompt``)."""
+        return self.pair_sides is not None or self.pair_prompt is not None
+
+    def _check_pair_fields(self) -> None:
+        if self.pair_sides is not None:
+            parts = [p.strip() for p in self.pair_sides.split(",")]
+            if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
+                raise PackstreamError(f"--pair-sides {self.pair_sides!r} must name two different answer fields, A,B: "
+                                      "e.g. --pair-sides response_0,response_1")
+        for field, spec in self.pair_winner:
+            values = spec.split("/")
+            if not field or len(values) != 2 or not all(v.strip() for v in values):
+                raise PackstreamError(f"--pair-winner {field}={spec}: must look like FIELD=A/B, the field's value when "
+                                      "the first --pair-sides answer is preferred, then when the second is: e.g. "
+                                      "--pair-winner better_response_id=0/1, or overall_preference=<0/>0")
+            for v in values:
+                op, number = winner_test(v)
+                if op and number is None:
+                    raise PackstreamError(f"--pair-winner {field}={spec}: {v!r} compares with a number; e.g. <0, >=3")
+        if self.pair_winner and self.pair_sides is None:
+            raise PackstreamError("--pair-winner picks between the two answers --pair-sides names; add --pair-sides A,B "
+                                  "(e.g. --pair-sides response_0,response_1)")
+        for path, flag in [(self.pair_prompt, "--pair-prompt"), *((f, "--pair-winner") for f, _ in self.pair_winner),
+                           *((p, "--pair-sides") for p in (self.sides() if self.pair_sides else ()))]:
+            if path is not None:
+                try:
+                    parse_path(path)
+                except ValueError as e:
+                    raise PackstreamError(f"{flag}: {e}") from None
+        if self.maps_pairs() and (self.fields or self.messages_field is not None or self.tree is not None
+                                  or self.format is not Format.AUTO):
+            raise PackstreamError("--pair-sides/--pair-prompt name a preference record's fields; they do not combine "
+                                  "with --field, --messages-field, --tree or --format")
 
     def format_dict(self) -> dict[str, Any]:
         """JSON-ready, for manifest.json."""
@@ -451,6 +509,9 @@ class PackOptions(FormatOptions):
             if not isinstance(spec, DatasetSpec):
                 raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
         for spec in self.datasets():
+            if spec.format.maps_pairs() and not self.pairs:
+                raise PackstreamError(f"data set {spec.name!r}: --pair-sides/--pair-winner/--pair-prompt name the fields "
+                                      "of preference pairs, which --pairs packs; add --pairs")
             if spec.format.tokenized_with not in (None, self.tokenizer):
                 raise PackstreamError(
                     f"--tokenized-with {spec.format.tokenized_with!r} (data set {spec.name!r}) differs from --tokenizer "
@@ -518,8 +579,25 @@ def _enum(cls, value, name):
         raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
+_WINNER_OPS = ("<=", ">=", "!=", "<", ">", "==")
+
+
+def winner_test(value: str) -> tuple[str, Optional[float]]:
+    """One side of a ``--pair-winner`` value: ``("", None)`` for a literal, else the comparison and its number
+    (None when it is not a number)."""
+    v = value.strip()
+    op = next((o for o in _WINNER_OPS if v.startswith(o)), "")
+    if not op:
+        return "", None
+    try:
+        number = float(v[len(op):])
+    except ValueError:
+        return op, None
+    return op, number if math.isfinite(number) else None
+
+
 _EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
-             "tokenized_with": DEFAULT_TOKENIZER}
+             "tokenized_with": DEFAULT_TOKENIZER, "pair_sides": "response_0,response_1", "pair_prompt": "history"}
 
 
 def _flag(cls, name: str) -> str:

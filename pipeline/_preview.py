@@ -63,9 +63,13 @@ def preview(options: PackOptions, n: int) -> list[dict]:
             convs = []
             if not isinstance(record, Rejected):
                 try:
-                    item["format"] = detect(record, fmt)
-                    # --pairs reads each side as --preference does; the mapping shown is the chosen side's
-                    convs = [pair_conversations(record, fmt)[0]] if options.pairs else conversations(record, fmt)
+                    if options.pairs:  # read as a pair whatever else its keys match (--pair-sides: no layout's keys)
+                        # each side is read as --preference does; the mapping shown is the chosen side's
+                        convs = [pair_conversations(record, fmt)[0]]
+                        item["format"] = "preference"
+                    else:
+                        item["format"] = detect(record, fmt)
+                        convs = conversations(record, fmt)
                 except Rejected:
                     pass
             encoded = encoder.encode([(f.dataset, f.source, position, record)])

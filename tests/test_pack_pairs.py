@@ -212,3 +212,37 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked():
             want = alone[at].gather(1, ids[0, at + 1, None])[:, 0].sum()
             assert abs(float(lp.sum[s]) - float(want)) <= 1e-5
     assert len(lp.chosen) == len(PUBLIC)
+
+
+def test_label_picked_pairs_pack_and_verify(tmp_path):
+    """PKU-SafeRLHF's layout (two responses and the index of the better one) under --pair-sides/--pair-winner:
+    each pair's chosen completion is the picked response, ties are dead-lettered as no_preference, the counts
+    reconcile and verify --inputs re-derives the rows from the options the manifest records."""
+    rng = random.Random(5)
+    records, answers = [], {}
+    for i in range(24):
+        q, a, b = _text(rng, 6), _text(rng, rng.randint(1, 20)), _text(rng, rng.randint(1, 20))
+        better = i % 3 if i % 8 else None  # 0, 1 or 2 (no such response); None: unlabelled
+        records.append({"id": f"p{i}", "prompt": q, "response_0": a, "response_1": b, "better_response_id": better,
+                        "safer_response_id": 0})
+        if better in (0, 1):
+            answers[f"p{i}"] = (a, b) if better == 0 else (b, a)
+    path = tmp_path / "pku.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    options = PackOptions(inputs=(str(path),), output=str(tmp_path / "out"), pairs=True, max_tokens=256,
+                          pair_sides="response_0,response_1", pair_winner=(("better_response_id", "0/1"),))
+    c = run(options)["counts"]
+    assert c["examples_packed"] == len(answers) and c["rejected_by_reason"] == {"no_preference": len(records) - len(answers)}
+    assert c["records_read"] == c["examples_packed"] + c["rejected"] == len(records)
+    assert c["normalization"]["ignored_field:safer_response_id"] == len(answers)
+    tok = load_tokenizer(options.tokenizer)
+    seen = set()
+    for row in _rows(options.output):
+        spans, ids = row["completion_spans"], row["input_ids"]
+        for j, pid in enumerate(row["pair_ids"]):
+            key = pid.rsplit(":", 1)[1]
+            seen.add(key)
+            assert tok.decode(ids[spans[2 * j]:spans[2 * j + 1]]).startswith(answers[key][j % 2])
+    assert seen == set(answers)
+    report = verify(options.output, inputs=(), announce=lambda _: None)
+    assert report.ok, [str(p) for p in report.problems[:5]]

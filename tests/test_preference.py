@@ -182,3 +182,100 @@ def test_other_records_are_not_pairs():
            "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}
     conv = normalize(rec, FormatOptions())
     assert conv.shape == "messages" and {"ignored_field:chosen", "ignored_field:rejected"} <= set(conv.notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Named fields (--pair-sides, --pair-winner, --pair-prompt): label-picked pairs (PKU-SafeRLHF, SHP,
+# Chatbot Arena, HelpSteer-style scores, one-hot winner columns).
+
+LABELLED = {  # name: (options, write(record, a, b, picks) -> record, prompt in the record)
+    "pku": (dict(pair_sides="response_0,response_1", pair_winner=(("better_response_id", "0/1"),)),
+            lambda q, a, b, k: {"prompt": q, "response_0": a, "response_1": b, "better_response_id": k,
+                                "safer_response_id": 1 - k}),
+    "shp": (dict(pair_sides="human_ref_A,human_ref_B", pair_winner=(("labels", "1/0"),), pair_prompt="history"),
+            lambda q, a, b, k: {"post_id": "x", "history": q, "human_ref_A": a, "human_ref_B": b, "labels": 1 - k}),
+    "arena": (dict(pair_sides="conversation_a,conversation_b", pair_winner=(("winner", "model_a/model_b"),)),
+              lambda q, a, b, k: {"model_a": "m1", "model_b": "m2", "winner": ["model_a", "model_b"][k],
+                                  "conversation_a": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                  "conversation_b": [{"role": "user", "content": q}, {"role": "assistant", "content": b}]}),
+    "score": (dict(pair_sides="r.first,r.second", pair_winner=(("pref", "<0/>0"),), pair_prompt="ctx[0]"),
+              lambda q, a, b, k: {"ctx": [q, "unused"], "r": {"first": a, "second": b, "model": "m"},
+                                  "pref": [-2.5, 3][k]}),
+    "one-hot": (dict(pair_sides="response_a,response_b",
+                     pair_winner=(("winner_model_a", "1/0"), ("winner_model_b", "0/1"))),
+                lambda q, a, b, k: {"prompt": q, "response_a": a, "response_b": b, "winner_model_a": 1 - k,
+                                    "winner_model_b": k, "tie": False}),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(pair=pairs(), kind=st.sampled_from(sorted(LABELLED)), first=st.booleans())
+def test_named_fields_pick_the_preferred_answer(pair, kind, first):
+    """The answer the label picks is the chosen side, the other the rejected one, under the prompt; every field
+    the options do not name is counted as ignored (nested neighbours of a path too)."""
+    from pipeline._formats import pair_conversations
+
+    _, _, q, a, b = pair
+    opts, write_ = LABELLED[kind]
+    rec = write_(q, a, b, 0 if first else 1)
+    chosen, rejected = pair_conversations(rec, FormatOptions(**opts))
+    won, lost = (a, b) if first else (b, a)
+    assert [(m["role"], m["content"]) for m in chosen.messages] == [("user", q), ("assistant", won)], rec
+    assert [(m["role"], m["content"]) for m in rejected.messages] == [("user", q), ("assistant", lost)], rec
+    ignored = {k.split(":", 1)[1] for k in chosen.notes if k.startswith("ignored_field:")}
+    want = {"pku": {"safer_response_id"}, "shp": {"post_id"}, "arena": {"model_a", "model_b"},
+            "score": {"ctx[1:]", "r.model"}, "one-hot": {"tie"}}[kind]
+    assert ignored == want, (kind, chosen.notes)
+
+
+@pytest.mark.parametrize("kind,rec,words", [
+    ("pku", {"prompt": "q", "response_0": "a", "response_1": "b", "better_response_id": 2}, "picks neither"),
+    ("pku", {"prompt": "q", "response_0": "a", "response_1": "b", "better_response_id": None}, "picks neither"),
+    ("pku", {"prompt": "q", "response_0": "a", "response_1": "b", "better_response_id": True}, "picks neither"),
+    ("arena", {"winner": "tie (bothbad)", "conversation_a": [], "conversation_b": []}, "picks neither"),
+    ("score", {"ctx": ["q"], "r": {"first": "a", "second": "b"}, "pref": 0}, "picks neither"),
+    ("score", {"ctx": ["q"], "r": {"first": "a", "second": "b"}, "pref": "3"}, "picks neither"),
+    ("one-hot", {"prompt": "q", "response_a": "a", "response_b": "b", "winner_model_a": 1, "winner_model_b": 1,
+                 "tie": False}, "disagree"),
+    ("one-hot", {"prompt": "q", "response_a": "a", "response_b": "b", "winner_model_a": 0, "winner_model_b": 0,
+                 "tie": 1}, "disagree"),  # a tie: the two columns pick different answers
+])
+def test_a_tie_or_a_missing_label_is_no_preference(kind, rec, words):
+    from pipeline._formats import pair_conversations
+
+    with pytest.raises(Rejected) as e:
+        pair_conversations(rec, FormatOptions(**LABELLED[kind][0]))
+    assert e.value.reason is Reason.NO_PREFERENCE and words in e.value.detail, e.value.detail
+
+
+def test_named_fields_missing_or_beside_a_layouts_fields():
+    from pipeline._formats import pair_conversations
+
+    o = FormatOptions(**LABELLED["pku"][0])
+    with pytest.raises(Rejected) as e:
+        pair_conversations({"prompt": "q", "response_0": "a", "better_response_id": 0}, o)
+    assert e.value.reason is Reason.MISSING_FIELD and "'response_1' (--pair-sides)" in e.value.detail
+    # A record that also holds chosen/rejected (and, beside --pair-prompt, a prompt): the named fields are read,
+    # the others counted; never silently mixed.
+    rec = {"question": "other", "history": "q", "chosen": "x", "rejected": "y", "response_0": "a", "response_1": "b",
+           "better_response_id": 1}
+    c, r = pair_conversations(rec, FormatOptions(**LABELLED["pku"][0], pair_prompt="history"))
+    assert [m["content"] for m in c.messages] == ["q", "b"] and [m["content"] for m in r.messages] == ["q", "a"]
+    assert {"ignored_field:question", "ignored_field:chosen", "ignored_field:rejected"} <= set(c.notes)
+
+
+@pytest.mark.parametrize("opts,words", [
+    (dict(pair_sides="a"), "two different answer fields"),
+    (dict(pair_sides="a,a"), "two different answer fields"),
+    (dict(pair_sides="a,b", pair_winner=(("w", "1"),)), "FIELD=A/B"),
+    (dict(pair_sides="a,b", pair_winner=(("w", "<x/1"),)), "compares with a number"),
+    (dict(pair_winner=(("w", "1/0"),)), "add --pair-sides"),
+    (dict(pair_sides="a,b[", ), "not a field path"),
+    (dict(pair_prompt=""), "is empty"),
+    (dict(pair_sides="a,b", messages_field="m"), "do not combine"),
+])
+def test_named_field_options_are_checked(opts, words):
+    from packers import PackstreamError
+
+    with pytest.raises(PackstreamError, match=words):
+        FormatOptions(**opts)

@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     PREFERENCE_PAIR = "preference_pair"
     NOT_A_PAIR = "not_a_pair"
     PAIR_PROMPT_MISMATCH = "pair_prompt_mismatch"
+    NO_PREFERENCE = "no_preference"
 
 
 class Rejected(Exception):

@@ -64,6 +64,11 @@ def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversatio
     from pipeline._formats import preference
     from pipeline._options import Preference
 
+    ignored: list[str] = []
+    mapping: list[str] = []
+    if options.maps_pairs():  # --pair-sides/--pair-winner/--pair-prompt: the record as one of the layouts
+        mapped = preference.mapped_pair(record, options)
+        record, ignored, mapping = mapped.record, mapped.ignored, mapped.mapping
     if not isinstance(record, dict) or preference.layout(record) is None:
         try:
             shape = detect(record, options) if isinstance(record, dict) else f"a JSON {_kind(record)}"
@@ -73,8 +78,8 @@ def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversatio
                                           f"non_preferred_output; see docs/formats.md), and this record reads as "
                                           f"{shape}; pack it without --pairs")
     shape = REGISTRY[preference.SHAPE.name]
-    chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side))
-                        for side in (Preference.CHOSEN, Preference.REJECTED))
+    chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side), ignored=ignored,
+                                mapping=mapping) for side in (Preference.CHOSEN, Preference.REJECTED))
     if len(chosen) != 1 or len(rejected) != 1:
         raise InternalError(f"the preference shape read {len(chosen)} and {len(rejected)} conversations, not one each")
     return chosen[0], rejected[0]
@@ -119,9 +124,14 @@ def _conversations(record: Any, options: FormatOptions) -> list[Conversation]:
     return read_as(REGISTRY[detect(record, options)], record, options)
 
 
-def read_as(shape: Shape, record: dict, options: FormatOptions) -> list[Conversation]:
-    """``record`` read as ``shape`` (detection done), through the steps every shape shares."""
+def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequence[str] = (),
+            mapping: Sequence[str] = ()) -> list[Conversation]:
+    """``record`` read as ``shape`` (detection done), through the steps every shape shares. ``ignored``: fields
+    counted as not read beside the record's own (a record rewritten by options); ``mapping``: how it was."""
     ctx = Ctx(options)
+    ctx.mapping.extend(mapping)
+    for key in ignored:
+        ctx.ignore(key)
     used = shape.top_keys(record, options)
     if not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
         _media_check(record, skip=tuple(used))

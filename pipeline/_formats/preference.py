@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Optional
 
-from pipeline._formats._base import (Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
+from pipeline._formats._base import (MISSING, Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
                                      _one_slot, _short)
 from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _tools, _turn, _turn_list)
 from pipeline._formats.alpaca import history_turns
@@ -216,6 +216,113 @@ def _shared_prefix(chosen: list[Turn], rejected: list[Turn]) -> tuple[list[Turn]
     if n == len(chosen) or n == len(rejected):
         n = max(0, min(len(chosen), len(rejected)) - 1)
     return chosen[:n], chosen[n:], rejected[n:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Pairs whose fields options name (--pair-sides, --pair-winner, --pair-prompt): PKU-SafeRLHF's
+# response_0/response_1 + better_response_id, SHP's history + human_ref_A/B + labels, Chatbot Arena's
+# conversation_a/b + winner. The record is rewritten into the layouts above, and read as they are.
+
+ANSWER_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
+PROMPT_FIELDS = (*PROMPT_KEYS, "instruction", "input", "context", "history", "conversations")
+"""Keys the layouts read as a prompt: beside ``--pair-prompt`` they are not read (counted as ignored)."""
+
+
+@dataclasses.dataclass
+class MappedPair:
+    """A record of named fields, as a record of the layouts above."""
+
+    record: dict
+    ignored: list[str]
+    """Fields of the original record that the rewritten one does not read (counted as ignored)."""
+    mapping: list[str]
+
+
+def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
+    """``record`` read through ``--pair-sides``/``--pair-winner``/``--pair-prompt``, or :class:`Rejected`.
+
+    >>> o = FormatOptions(pair_sides="response_0,response_1", pair_winner=(("better_response_id", "0/1"),))
+    >>> m = mapped_pair({"prompt": "Hi", "response_0": "Go.", "response_1": "Hello!", "better_response_id": 1}, o)
+    >>> m.record, m.mapping
+    ({'prompt': 'Hi', 'chosen': 'Hello!', 'rejected': 'Go.'}, ['response_1 (better_response_id=1) -> chosen, response_0 -> rejected'])
+    """
+    from pipeline._formats._paths import resolve, top_key, unused_beside_paths
+
+    if not isinstance(record, dict):
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    a, b = o.sides()
+    paths = [a, b, *(f for f, _ in o.pair_winner), *([o.pair_prompt] if o.pair_prompt else [])]
+    for path, flag in zip(paths, ["--pair-sides"] * 2 + ["--pair-winner"] * len(o.pair_winner) + ["--pair-prompt"]):
+        if resolve(record, path) is MISSING:
+            raise Rejected(Reason.MISSING_FIELD, f"field {path!r} ({flag}) is missing from this record; it has keys "
+                                                 f"[{_keys(record)}]")
+    first = _winner(record, o, a, b) if o.pair_winner else 0
+    won, lost = (a, b) if first == 0 else (b, a)
+    why = f" ({', '.join(f'{f}={_short(resolve(record, f))}' for f, _ in o.pair_winner)})" if o.pair_winner else ""
+    mapping = [f"{won}{why} -> chosen, {lost} -> rejected"] if (a, b) != ("chosen", "rejected") else []
+    used = {top_key(record, p) for p in paths}
+    out: dict = {}
+    ignored: list[str] = []
+    names = set(ANSWER_KEYS) | (set(PROMPT_FIELDS) if o.pair_prompt else set())
+    for key, value in record.items():
+        if key in used:
+            continue
+        if key in names:  # a layout would read it in place of the named field: not read, counted
+            ignored.append(key)
+        else:
+            out[key] = value
+    if o.pair_prompt:
+        out["prompt"] = resolve(record, o.pair_prompt)
+        mapping.append(f"{o.pair_prompt} -> prompt")
+    out["chosen"], out["rejected"] = resolve(record, won), resolve(record, lost)
+    notes = Ctx(o)
+    unused_beside_paths(record, [p for p in paths if p not in record], notes)  # beside a nested path: counted
+    ignored += [k.split(":", 1)[1] for k in notes.notes if k.startswith("ignored_field:")]
+    return MappedPair(out, ignored, mapping)
+
+
+def _winner(record: dict, o: FormatOptions, a: str, b: str) -> int:
+    """0 when every ``--pair-winner`` rule picks answer ``a``, 1 when every one picks ``b``; else ``no_preference``."""
+    from pipeline._formats._paths import resolve
+
+    picks = []
+    for field, spec in o.pair_winner:
+        value = resolve(record, field)
+        hits = [_matches(value, v) for v in spec.split("/")]
+        picks.append(hits.index(True) if hits.count(True) == 1 else None)
+        if picks[-1] is None:
+            said = ("both answers" if all(hits) else "neither answer")
+            raise Rejected(Reason.NO_PREFERENCE, f"{field} is {_short(value)}, which picks {said} (--pair-winner "
+                                                 f"{field}={spec}: {spec.split('/')[0]} for {a}, {spec.split('/')[1]} "
+                                                 f"for {b}); a tie or a missing label is not a pair")
+    if len(set(picks)) > 1:
+        said = ", ".join(f"{f} picks {(a, b)[k]}" for (f, _), k in zip(o.pair_winner, picks))
+        raise Rejected(Reason.NO_PREFERENCE, f"the --pair-winner fields disagree ({said}); a pair needs one preferred "
+                                             "answer")
+    return picks[0]
+
+
+def _matches(value: Any, spec: str) -> bool:
+    """Whether a label ``value`` is the ``--pair-winner`` value ``spec`` (a literal, or a comparison with a number)."""
+    from pipeline._options import winner_test
+
+    op, number = winner_test(spec)
+    spec = spec.strip()
+    if op:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or number is None:
+            return False
+        return {"<": value < number, ">": value > number, "<=": value <= number, ">=": value >= number,
+                "==": value == number, "!=": value != number}[op]
+    if isinstance(value, bool):
+        return spec.lower() == str(value).lower()
+    if isinstance(value, (int, float)):
+        try:
+            return float(spec) == value
+        except ValueError:
+            return False
+    if value is None:
+        return spec == "null"
+    return isinstance(value, str) and value.strip() == spec
 
 
 def read(record: dict, ctx: Ctx) -> list[Draft]:
