@@ -292,6 +292,9 @@ OPTION_SETS = [
     {"preference": "rejected", "roles": "a=user,b=assistant"},
     {"chat_template": QWEN_LIKE},
     {"chat_template": QWEN_LIKE, "mask_reasoning": True},
+    {"pairs": True},
+    {"pairs": True, "pair_sides": "chosen,a", "pair_winner": "label=1/0,q=<0/>=0", "pair_prompt": "history"},
+    {"pairs": True, "pair_sides": "turns,choices[0].turns", "pair_prompt": "messages[0].content"},
 ]
 REASONS = {r.value for r in Reason}
 

@@ -279,3 +279,35 @@ def test_named_field_options_are_checked(opts, words):
 
     with pytest.raises(PackstreamError, match=words):
         FormatOptions(**opts)
+
+
+def test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason():
+    """Fuzzed values under the named fields (answers, labels, prompts of every JSON type): each record is one
+    packed pair or one dead letter with a reason; nothing else escapes."""
+    from pipeline import PackOptions
+    from pipeline._encode import Encoder
+    from tests.test_fuzz_formats import REASONS, SETTINGS, json_values, leaves, turns_
+
+    encoder = Encoder(PackOptions(inputs=("-",), pairs=True, pair_sides="r.a,r.b", pair_prompt="ctx",
+                                  pair_winner=(("w", "0/1"), ("s", "<=0/>0"))))
+    answer = st.one_of(leaves, turns_, json_values)
+    record = st.fixed_dictionaries(
+        {"r": st.one_of(st.fixed_dictionaries({"a": answer, "b": answer}), json_values),
+         "ctx": st.one_of(leaves, turns_, json_values), "w": st.one_of(st.sampled_from([0, 1, "0", 1.0, True]), json_values),
+         "s": st.one_of(st.integers(-2, 2), st.floats(allow_nan=True), json_values)},
+        optional={"chosen": answer, "prompt": leaves, "system": leaves, "tools": json_values})
+    seen = set()
+
+    @settings(max_examples=400, **SETTINGS)
+    @given(rec=record)
+    def run(rec):
+        out = encoder.encode([(0, "fuzz.jsonl", 1, rec)])
+        assert len(out.rejected) + len(out.batch.ids) == 1
+        for dead in out.rejected:
+            assert dead["reason"] in REASONS and dead["detail"], dead
+            seen.add(dead["reason"])
+        if out.batch.ids:
+            seen.add("packed")
+
+    run()
+    assert {"packed", "no_preference"} <= seen, seen
