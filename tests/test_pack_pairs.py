@@ -173,7 +173,34 @@ PUBLIC = {
 }
 
 
-def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked():
+# Public sets that keep their answers under other names and pick one by a label: they pack with the documented
+# options (docs/formats.md, "Pairs under other names"), the label choosing A (the chosen side) in each.
+PUBLIC_NAMED = {
+    "PKU-Alignment/PKU-SafeRLHF": (
+        {"prompt": Q, "response_0": B, "response_1": A, "prompt_source": "x", "is_response_0_safe": True,
+         "better_response_id": 1, "safer_response_id": 0},
+        dict(pair_sides="response_0,response_1", pair_winner=(("better_response_id", "0/1"),))),
+    "stanfordnlp/SHP": (
+        {"post_id": "p1", "domain": "askscience_train", "history": Q, "c_root_id_A": "a", "c_root_id_B": "b",
+         "human_ref_A": B, "human_ref_B": A, "labels": 0, "score_A": 3, "score_B": 40},
+        dict(pair_sides="human_ref_A,human_ref_B", pair_winner=(("labels", "1/0"),), pair_prompt="history")),
+    "lmsys/chatbot_arena_conversations": (
+        {"question_id": "q1", "model_a": "m1", "model_b": "m2", "winner": "model_a", "judge": "arena_user",
+         "conversation_a": [U, {"role": "assistant", "content": A}], "conversation_b": [U, {"role": "assistant", "content": B}],
+         "turn": 1, "language": "English"},
+        dict(pair_sides="conversation_a,conversation_b", pair_winner=(("winner", "model_a/model_b"),))),
+    "nvidia/HelpSteer3 (preference)": (
+        {"domain": "general", "language": "english", "context": [U], "response1": A, "response2": B,
+         "overall_preference": -2, "individual_preference": [{"score": -2, "reasoning": "r"}]},
+        dict(pair_sides="response1,response2", pair_winner=(("overall_preference", "<0/>0"),), pair_prompt="context")),
+    "lvwerra/stack-exchange-paired": (
+        {"qid": 1, "question": Q, "date": "2020", "metadata": ["u"], "response_j": A, "response_k": B},
+        dict(pair_sides="response_j,response_k", pair_prompt="question")),
+}
+
+
+@pytest.mark.parametrize("name", ["named-by-layout", *PUBLIC_NAMED])
+def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked(name):
     import pyarrow as pa
     import torch
 
@@ -183,17 +210,19 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked():
     from tests._shards import Example, compact_vocab
     from tests.test_exactness import tiny_model
 
-    options = PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=512)
+    records, named = (list(PUBLIC.values()), {}) if name == "named-by-layout" else ([PUBLIC_NAMED[name][0]],
+                                                                                   PUBLIC_NAMED[name][1])
+    options = PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=512, **named)
     encoder = Encoder(options)
     tok = encoder.renderer.tok
-    enc = encoder.encode([(0, "public.jsonl", i, r) for i, r in enumerate(PUBLIC.values())])
-    assert not enc.rejected and len(enc.batch) == len(PUBLIC), enc.rejected
+    enc = encoder.encode([(0, "public.jsonl", i, r) for i, r in enumerate(records)])
+    assert not enc.rejected and len(enc.batch) == len(records), enc.rejected
     b = enc.batch
     for i in range(len(b)):
         a, z, cut = int(b.offsets[i]), int(b.offsets[i + 1]), int(b.cuts[i])
         for (x, y), answer in (((a, a + cut), A), ((a + cut, z), B)):
             ids, mask = b.input_ids[x:y], b.loss_mask[x:y]
-            assert Q in tok.decode(ids[mask == 0]) and tok.decode(ids[mask == 1]).startswith(answer), list(PUBLIC)[i]
+            assert Q in tok.decode(ids[mask == 0]) and tok.decode(ids[mask == 1]).startswith(answer), (name, i)
     rows = pa.Table.from_batches([_rows.pack_group(b, options, encoder.eos_id).batch]).to_pylist()
     # token ids folded into the tiny model's vocabulary (97): ids seen, most frequent first
     fold = compact_vocab([Example("all", [t for r in rows for t in r["input_ids"]], [])], 97)
@@ -211,7 +240,7 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked():
             at = torch.nonzero(comp[cu[s] + 1:cu[s + 1]])[:, 0]
             want = alone[at].gather(1, ids[0, at + 1, None])[:, 0].sum()
             assert abs(float(lp.sum[s]) - float(want)) <= 1e-5
-    assert len(lp.chosen) == len(PUBLIC)
+    assert len(lp.chosen) == len(records)
 
 
 def test_label_picked_pairs_pack_and_verify(tmp_path):
