@@ -612,6 +612,13 @@ def test_tool_call_objects_are_tool_calls_with_their_arguments():
                                    {"role": "assistant", "content": {"answer": "4", "confidence": 0.9}}]},
                      FormatOptions(content_key="answer"))
     assert conv.messages[1]["content"] == "4" and conv.notes == {"ignored_field:messages[].content.confidence": 1}
+    # Every call kind one reader knows, every reader knows: Anthropic's tool_use object under an assistant field was
+    # not taken for a call (the turn read as empty, the record refused as no_assistant_turn).
+    for kind in ("function", "tool_use", "tool_call", "function_call"):
+        call = {"type": kind, "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+        conv = normalize({"q": "Weather in Oslo?", "a": call}, FormatOptions(fields=(("q", "user"), ("a", "assistant"))))
+        assert conv.messages[1]["tool_calls"] == [{"type": "function", "id": "t1", "function": {
+            "name": "get_weather", "arguments": {"city": "Oslo"}}}] and conv.notes == {}, kind
 
 
 def test_messages_field_with_fields_after_it():

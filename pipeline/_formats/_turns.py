@@ -43,7 +43,10 @@ MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
 
 _TEXT_PARTS = {"text", "input_text", "output_text"}
 _REASONING_PARTS = {"reasoning", "thinking", "reasoning_text"}
-_CALL_PARTS = {"tool_call", "function_call", "tool_use"}
+_CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
+"""The ``type`` of a tool-call object (OpenAI's function, Anthropic's tool_use, ...): one list for every reader."""
+_CALL_PARTS = frozenset(_CALL_KINDS) - {"function"}
+"""Content parts that are tool calls (a part typed ``function`` is not a call in any published format)."""
 _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file",
                 "input_file", "document", "image_file"}
 
@@ -170,7 +173,6 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
 
 
 _ARGS_KEYS = ("arguments", "parameters", "input")
-_CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
 
 
 def _is_call(obj: Any) -> bool:
@@ -179,7 +181,7 @@ def _is_call(obj: Any) -> bool:
         return False
     fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
     return isinstance(fn.get("name"), str) and any(k in fn for k in _ARGS_KEYS) and \
-        obj.get("type") in (None, "function", "tool_call", "function_call")
+        obj.get("type") in (None, *_CALL_KINDS)
 
 
 def _looks_like_calls(value: Any) -> bool:
