@@ -390,6 +390,7 @@ def _distributed_worker(rank: int, world: int, store: str, out: str, leaky_rank:
         return fully_shard(model, mesh=mesh)
 
     result = {}
+    done = False
     try:
         for name, wrap in (("ddp", DistributedDataParallel), ("fsdp2", fsdp2)):
             model = wrap(gpt_oss("eager").train())
@@ -406,8 +407,11 @@ def _distributed_worker(rank: int, world: int, store: str, out: str, leaky_rank:
                 result[f"{name} llama"] = "ok"
             except PackstreamError as e:
                 result[f"{name} llama"] = str(e)
+        done = True
     finally:
         Path(f"{out}.{rank}").write_text(json.dumps(result))
+        if done:  # both ranks here before either tears gloo down (else a rank can abort: SIGABRT, "terminate called")
+            dist.barrier()
         dist.destroy_process_group()
 
 

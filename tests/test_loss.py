@@ -216,6 +216,7 @@ def _ranks_worker(rank: int, world: int, store: str, folder: str, out: str) -> N
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     result = {}
+    done = False
     try:
         for weighting in WEIGHTINGS:
             for ga in (1, 4):
@@ -230,8 +231,11 @@ def _ranks_worker(rank: int, world: int, store: str, folder: str, out: str) -> N
                     key = f"{weighting}/{ga}/{which}"
                     result[key] = {"loss": mean.item() / world, "ids": ids, "steps": len(steps), "len": len(ds)}
                     torch.save(grads, f"{out}.{key.replace('/', '_')}.{rank}.pt")
+        done = True
     finally:
         Path(f"{out}.{rank}.json").write_text(json.dumps(result))
+        if done:  # both ranks here before either tears gloo down (else a rank can abort: SIGABRT, "terminate called")
+            dist.barrier()
         dist.destroy_process_group()
 
 
