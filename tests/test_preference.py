@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline._formats import Reason, Rejected, normalize
@@ -300,6 +300,8 @@ def test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason():
 
     @settings(max_examples=400, **SETTINGS)
     @given(rec=record)
+    @example(rec={"r": {"a": "yes", "b": "no"}, "ctx": "q?", "w": 1, "s": 2})  # packed: both rules pick b
+    @example(rec={"r": {"a": "yes", "b": "no"}, "ctx": "q?", "w": 1, "s": -1})  # the rules disagree
     def run(rec):
         out = encoder.encode([(0, "fuzz.jsonl", 1, rec)])
         assert len(out.rejected) + len(out.batch.ids) == 1

@@ -259,7 +259,7 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     first = _winner(record, o, a, b) if o.pair_winner else 0
     won, lost = (a, b) if first == 0 else (b, a)
     why = f" ({', '.join(f'{f}={_short(resolve(record, f))}' for f, _ in o.pair_winner)})" if o.pair_winner else ""
-    mapping = [f"{won}{why} -> chosen, {lost} -> rejected"] if (a, b) != ("chosen", "rejected") else []
+    mapping = [f"{won}{why} -> chosen, {lost} -> rejected"] if (a, b) != ("chosen", "rejected") or why else []
     used = {top_key(record, p) for p in paths}
     out: dict = {}
     ignored: list[str] = []
