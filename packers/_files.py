@@ -53,6 +53,17 @@ def show_path(path: Any) -> str:
     return s if s.isprintable() else repr(s)
 
 
+def check_utf8_name(path: str, what: str) -> None:
+    """Refuse a path whose name is not UTF-8 (bytes the file system could not decode, held as surrogate escapes):
+    source names, example ids, the manifest and Arrow all store names as UTF-8 text."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PackstreamError(f"{what} {show_path(path)} has a name that is not valid UTF-8; packstream stores names "
+                              "as UTF-8: rename it (e.g. convmv -f latin1 -t utf8), or link it under a UTF-8 name and "
+                              "give that") from None
+
+
 def _what(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a folder"

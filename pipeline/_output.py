@@ -37,7 +37,7 @@ import time
 from typing import Optional, Sequence
 
 from packers import PackstreamError
-from packers._files import show_path
+from packers._files import check_utf8_name, show_path
 from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
 from pipeline._write import GUARD_MARK, join
 
@@ -58,6 +58,7 @@ def normalize_output(output: str) -> str:
     if not output or not output.strip():
         raise PackstreamError("--output is empty; give a folder for the packed data, e.g. -o packed/")
     shown = show_path(output)
+    check_utf8_name(output, "--output")
     if output.startswith("file://"):  # a local path as a URL: file:///abs/path (file://localhost/abs/path)
         rest = output[len("file://"):]
         host, slash, path = rest.partition("/")

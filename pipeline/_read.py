@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Optional
 import orjson
 
 from packers import PackstreamError
-from packers._files import MAX_JSON_DEPTH, check_regular, open_checked, show_path, value_depth
+from packers._files import MAX_JSON_DEPTH, check_regular, check_utf8_name, open_checked, show_path, value_depth
 from pipeline._formats import Reason, Rejected
 
 _TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -276,6 +276,7 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
                 raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
                                       f"({shown}); {_fix_for(unread)}, or name only the files to read")
             for p, k in usable:
+                check_utf8_name(p, "input")
                 if not remote and k != "hf_disk":
                     check_regular(p, "input")
                 real = p if remote else os.path.realpath(p)

@@ -399,6 +399,31 @@ def test_negative_seed_is_one_error(tmp_path, args):
 
 
 # ------------------------------------------------------------------------------------------------
+# Names the file system gives as bytes that are not UTF-8 (surrogate escapes in Python): a traceback from
+# the first hash or Arrow write of the name, now one error naming the path and the fix.
+
+
+def test_a_name_that_is_not_utf8_is_one_error(tmp_path):
+    line = b'{"instruction": "q", "output": "a"}\n'
+    try:
+        odd = tmp_path / os.fsdecode(b"caf\xe9.jsonl")
+        odd.write_bytes(line)
+        folder = tmp_path / os.fsdecode(b"d\xff")
+        folder.mkdir()
+        (folder / "ok.jsonl").write_bytes(line)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(line)
+    for args in (["pack", str(odd), "-o", str(tmp_path / "o1")], ["pack", str(tmp_path), "-o", str(tmp_path.parent / "o2")],
+                 ["pack", str(folder), "-o", str(tmp_path / "o3")], ["preview", str(odd)], ["estimate", str(folder)]):
+        one_error(cli(*args), "not valid UTF-8", "rename it")
+    out = tmp_path / os.fsdecode(b"out\xff")
+    one_error(cli("pack", str(good), "-o", str(out)), "--output", "not valid UTF-8")
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------
 # The byte-level fuzz
 
 
