@@ -56,6 +56,13 @@ class TreePaths(str, enum.Enum):
     BEST = "best"  #: the best-ranked reply at each step (rank 0 first)
 
 
+class PairBest(str, enum.Enum):
+    """Which score is the best answer of a ranked list (``--pair-ranked``)."""
+
+    HIGH = "high"  #: the highest score (ratings: UltraFeedback's overall_score)
+    LOW = "low"  #: the lowest (ranks: Nectar's rank 1)
+
+
 class TrainOn(str, enum.Enum):
     """Which tokens are training targets."""
 
@@ -204,6 +211,13 @@ class FormatOptions:
         "for B: better_response_id=0/1 (PKU-SafeRLHF), labels=1/0 (SHP), winner=model_a/model_b (Chatbot Arena); a "
         "value may be a comparison (overall_preference=<0/>0). Repeat it and all must agree; a record none picks "
         "(a tie) is dead-lettered as no_preference.", metavar="FIELD=A/B", kind="pairs"))
+    pair_ranked: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--pair-ranked", "With --pairs: a list of scored answers, as LIST=TEXT/SCORE (each item's answer key and score "
+        "key): the best-scored answer is chosen, the worst rejected, the others counted as ignored; "
+        "--pair-ranked completions=response/overall_score (UltraFeedback), answers=answer/rank with --pair-best low "
+        "(Nectar).", metavar="LIST=TEXT/SCORE"))
+    pair_best: PairBest = dataclasses.field(default=PairBest.HIGH, metadata=cli(
+        "--pair-best", "With --pair-ranked: whether the highest score (a rating) or the lowest (a rank) is the best."))
     pair_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--pair-prompt", "With --pairs: the path of a preference record's prompt (a string or a list of messages) "
         "when it is not prompt/question/query, instruction or conversations: --pair-prompt history (SHP).",
@@ -225,7 +239,7 @@ class FormatOptions:
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
     _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree", "pair_sides",
-                        "pair_prompt")
+                        "pair_prompt", "pair_ranked")
     """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
 
     def __post_init__(self) -> None:
@@ -239,7 +253,7 @@ class FormatOptions:
                 raise PackstreamError(f"{flag} {value!r} is empty; give a name, e.g. {flag} "
                                       f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
-                               ("same_role", SameRole), ("tree_paths", TreePaths)):
+                               ("same_role", SameRole), ("tree_paths", TreePaths), ("pair_best", PairBest)):
             object.__setattr__(self, enum_name, _enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", _enum(Preference, self.preference, "preference"))
@@ -297,8 +311,16 @@ class FormatOptions:
         return a, b
 
     def maps_pairs(self) -> bool:
-        """Whether options name a preference record's fields (``--pair-sides``, ``--pair-prompt``)."""
-        return self.pair_sides is not None or self.pair_prompt is not None
+        """Whether options name a preference record's fields (``--pair-sides``, ``--pair-ranked``, ``--pair-prompt``)."""
+        return self.pair_sides is not None or self.pair_ranked is not None or self.pair_prompt is not None
+
+    def ranked(self) -> Optional[tuple[str, str, str]]:
+        """``--pair-ranked LIST=TEXT/SCORE`` as (list path, text key, score key), or None."""
+        if self.pair_ranked is None:
+            return None
+        path, _, keys = self.pair_ranked.partition("=")
+        text, _, score = keys.partition("/")
+        return path.strip(), text.strip(), score.strip()
 
     def _check_pair_fields(self) -> None:
         if self.pair_sides is not None:
@@ -316,10 +338,23 @@ class FormatOptions:
                 op, number = winner_test(v)
                 if op and number is None:
                     raise PackstreamError(f"--pair-winner {field}={spec}: {v!r} compares with a number; e.g. <0, >=3")
+        if self.pair_ranked is not None:
+            path, text, score = self.ranked()
+            if not (path and text and score) or "=" not in self.pair_ranked or "/" not in self.pair_ranked:
+                raise PackstreamError(f"--pair-ranked {self.pair_ranked!r} must look like LIST=TEXT/SCORE: the list of "
+                                      "answers, then each item's answer key and score key, e.g. --pair-ranked "
+                                      "completions=response/overall_score")
+            if self.pair_sides is not None or self.pair_winner:
+                raise PackstreamError("--pair-ranked picks the two answers from a list itself; it does not combine with "
+                                      "--pair-sides or --pair-winner")
+        elif self.pair_best is not PairBest.HIGH:
+            raise PackstreamError(f"--pair-best {self.pair_best.value} says which score of a --pair-ranked list is best; "
+                                  "add --pair-ranked LIST=TEXT/SCORE")
         if self.pair_winner and self.pair_sides is None:
             raise PackstreamError("--pair-winner picks between the two answers --pair-sides names; add --pair-sides A,B "
                                   "(e.g. --pair-sides response_0,response_1)")
         for path, flag in [(self.pair_prompt, "--pair-prompt"), *((f, "--pair-winner") for f, _ in self.pair_winner),
+                           *(((self.ranked()[0], "--pair-ranked"),) if self.pair_ranked else ()),
                            *((p, "--pair-sides") for p in (self.sides() if self.pair_sides else ()))]:
             if path is not None:
                 try:
@@ -328,8 +363,8 @@ class FormatOptions:
                     raise PackstreamError(f"{flag}: {e}") from None
         if self.maps_pairs() and (self.fields or self.messages_field is not None or self.tree is not None
                                   or self.format is not Format.AUTO):
-            raise PackstreamError("--pair-sides/--pair-prompt name a preference record's fields; they do not combine "
-                                  "with --field, --messages-field, --tree or --format")
+            raise PackstreamError("--pair-sides/--pair-ranked/--pair-prompt name a preference record's fields; they do "
+                                  "not combine with --field, --messages-field, --tree or --format")
 
     def format_dict(self) -> dict[str, Any]:
         """JSON-ready, for manifest.json."""
@@ -510,7 +545,7 @@ class PackOptions(FormatOptions):
                 raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
         for spec in self.datasets():
             if spec.format.maps_pairs() and not self.pairs:
-                raise PackstreamError(f"data set {spec.name!r}: --pair-sides/--pair-winner/--pair-prompt name the fields "
+                raise PackstreamError(f"data set {spec.name!r}: --pair-sides/--pair-ranked/--pair-prompt name the fields "
                                       "of preference pairs, which --pairs packs; add --pairs")
             if spec.format.tokenized_with not in (None, self.tokenizer):
                 raise PackstreamError(
@@ -597,7 +632,8 @@ def winner_test(value: str) -> tuple[str, Optional[float]]:
 
 
 _EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
-             "tokenized_with": DEFAULT_TOKENIZER, "pair_sides": "response_0,response_1", "pair_prompt": "history"}
+             "tokenized_with": DEFAULT_TOKENIZER, "pair_sides": "response_0,response_1", "pair_prompt": "history",
+             "pair_ranked": "completions=response/overall_score"}
 
 
 def _flag(cls, name: str) -> str:

@@ -70,8 +70,9 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                     else:
                         item["format"] = detect(record, fmt)
                         convs = conversations(record, fmt)
-                except Rejected:
-                    pass
+                except Rejected as r:
+                    if options.pairs and r.reason is not Reason.NOT_A_PAIR:
+                        item["format"] = "preference"  # a pair, refused (a tie, a prompt mismatch): say what it is
             encoded = encoder.encode([(f.dataset, f.source, position, record)])
             dead = {d.get("example_id"): d for d in encoded.rejected}
             packed = dict(zip(encoded.batch.ids, range(len(encoded.batch.ids))))

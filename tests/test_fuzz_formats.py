@@ -295,6 +295,7 @@ OPTION_SETS = [
     {"pairs": True},
     {"pairs": True, "pair_sides": "chosen,a", "pair_winner": "label=1/0,q=<0/>=0", "pair_prompt": "history"},
     {"pairs": True, "pair_sides": "turns,choices[0].turns", "pair_prompt": "messages[0].content"},
+    {"pairs": True, "pair_ranked": "choices=turns/label", "pair_best": "low"},
 ]
 REASONS = {r.value for r in Reason}
 

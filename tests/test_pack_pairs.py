@@ -163,6 +163,8 @@ PUBLIC = {
         "score_chosen": 9.0, "score_rejected": 4.0},
     "Anthropic/hh-rlhf": {"chosen": f"\n\nHuman: {Q}\n\nAssistant: {A}", "rejected": f"\n\nHuman: {Q}\n\nAssistant: {B}"},
     "Intel/orca_dpo_pairs": {"system": "You are a helpful assistant.", "question": Q, "chosen": A, "rejected": B},
+    "Dahoas/full-hh-rlhf": {  # HH-RLHF split into a transcript prompt and the answers
+        "prompt": f"\n\nHuman: {Q}\n\nAssistant:", "response": f" {A}", "chosen": f" {A}", "rejected": f" {B}"},
     "trl-lib explicit prompt (conversational)": {
         "prompt": [U], "chosen": [{"role": "assistant", "content": A}], "rejected": [{"role": "assistant", "content": B}]},
     "llamafactory dpo_en_demo": {"conversations": [{"from": "human", "value": Q}],
@@ -193,6 +195,18 @@ PUBLIC_NAMED = {
         {"domain": "general", "language": "english", "context": [U], "response1": A, "response2": B,
          "overall_preference": -2, "individual_preference": [{"score": -2, "reasoning": "r"}]},
         dict(pair_sides="response1,response2", pair_winner=(("overall_preference", "<0/>0"),), pair_prompt="context")),
+    "openbmb/UltraFeedback": (
+        {"source": "evol_instruct", "instruction": Q, "models": ["m1", "m2", "m3"],
+         "completions": [{"model": "m1", "response": "Maybe eight.", "overall_score": 6.5, "critique": "c"},
+                         {"model": "m2", "response": B, "overall_score": 2.0, "critique": "c"},
+                         {"model": "m3", "response": A, "overall_score": 9.0, "critique": "c"}], "correct_answers": []},
+        dict(pair_ranked="completions=response/overall_score")),
+    "berkeley-nest/Nectar": (
+        {"prompt": f"\n\nHuman: {Q}\n\nAssistant:", "answers": [
+            {"answer": A, "model": "m1", "rank": 1.0}, {"answer": "Maybe eight.", "model": "m2", "rank": 2.0},
+            {"answer": B, "model": "m3", "rank": 3.0}], "turns": 1, "num_responses": 3, "source": ["x"],
+         "good_natured": True},
+        dict(pair_ranked="answers=answer/rank", pair_best="low")),
     "lvwerra/stack-exchange-paired": (
         {"qid": 1, "question": Q, "date": "2020", "metadata": ["u"], "response_j": A, "response_k": B},
         dict(pair_sides="response_j,response_k", pair_prompt="question")),

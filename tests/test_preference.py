@@ -313,3 +313,88 @@ def test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason():
 
     run()
     assert {"packed", "no_preference"} <= seen, seen
+
+    ranked = Encoder(PackOptions(inputs=("-",), pairs=True, pair_ranked="c=t/s"))
+    item = st.one_of(st.fixed_dictionaries({"t": answer, "s": st.one_of(st.integers(), st.floats(), json_values)},
+                                           optional={"m": json_values}), json_values)
+
+    @settings(max_examples=300, **SETTINGS)
+    @given(rec=st.fixed_dictionaries({"prompt": st.one_of(leaves, turns_), "c": st.one_of(st.lists(item, max_size=4),
+                                                                                           json_values)}))
+    @example(rec={"prompt": "q", "c": [{"t": "yes", "s": 2}, {"t": "no", "s": 1}]})
+    def run_ranked(rec):
+        out = ranked.encode([(0, "fuzz.jsonl", 1, rec)])
+        assert len(out.rejected) + len(out.batch.ids) == 1
+        for dead in out.rejected:
+            assert dead["reason"] in REASONS and dead["detail"], dead
+
+    run_ranked()
+
+
+@settings(max_examples=200, deadline=None)
+@given(q=words, items=st.lists(st.tuples(words, st.one_of(st.integers(-3, 9), st.floats(-5, 5), st.none(),
+                                                            st.just("N/A"))), min_size=0, max_size=5),
+       best=st.sampled_from(["high", "low"]))
+def test_ranked_answers_pick_the_best_and_the_worst(q, items, best):
+    """--pair-ranked: the best-scored answer is chosen and the worst rejected (ties: the first in list order);
+    unscored items are skipped and counted; fewer than two distinct scores is no_preference."""
+    from pipeline._formats import pair_conversations
+
+    rec = {"instruction": q, "completions": [{"response": a, "overall_score": s, "model": "m"} for a, s in items]}
+    o = FormatOptions(pair_ranked="completions=response/overall_score", pair_best=best)
+    scored = [(i, s) for i, (_, s) in enumerate(items) if isinstance(s, (int, float))]
+    if len({s for _, s in scored}) < 2:
+        with pytest.raises(Rejected) as e:
+            pair_conversations(rec, o)
+        assert e.value.reason is Reason.NO_PREFERENCE, e.value
+        return
+    sign = 1 if best == "high" else -1
+    top = max(sign * s for _, s in scored)
+    bottom = min(sign * s for _, s in scored)
+    want_c = items[next(i for i, s in scored if sign * s == top)][0]
+    want_r = items[next(i for i, s in scored if sign * s == bottom)][0]
+    chosen, rejected = pair_conversations(rec, o)
+    assert [(m["role"], m["content"]) for m in chosen.messages] == [("user", q), ("assistant", want_c)]
+    assert [(m["role"], m["content"]) for m in rejected.messages] == [("user", q), ("assistant", want_r)]
+    ignored = {k for k in chosen.notes if k.startswith("ignored_field:completions[")}
+    assert len([k for k in ignored if k.endswith(".model")]) == 2  # the two answers' other keys
+    assert len(ignored) == 2 + len(items) - 2  # every other item, scored or not, counted once
+
+
+def test_ranked_answers_that_cannot_be_read():
+    from pipeline._formats import pair_conversations
+
+    o = FormatOptions(pair_ranked="answers=answer/rank", pair_best="low")
+    for rec, reason in (({"prompt": "q", "answers": "a"}, Reason.BAD_TYPE),
+                        ({"prompt": "q", "answers": [{"answer": "a", "rank": 1}, {"text": "b", "rank": 2}]}, Reason.MISSING_FIELD),
+                        ({"prompt": "q"}, Reason.MISSING_FIELD)):
+        with pytest.raises(Rejected) as e:
+            pair_conversations(rec, o)
+        assert e.value.reason is reason, (rec, e.value)
+
+
+def test_a_transcript_prompt_is_read_as_its_turns():
+    """HH-RLHF split into prompt and answers (Dahoas/full-hh-rlhf, Nectar): a prompt that begins with a speaker
+    marker and ends on the assistant's is the conversation so far; a prompt that only mentions markers is text."""
+    rec = {"prompt": "\n\nHuman: 2+2?\n\nAssistant: 4.\n\nHuman: And 3+3?\n\nAssistant:", "chosen": " 6.", "rejected": " 7."}
+    p = preference_turns(rec)
+    assert [(t.role, t.content) for t in p.prompt] == [("user", "2+2?"), ("assistant", "4."), ("user", "And 3+3?")]
+    assert [t.content for t in p.chosen] == ["6."]  # the space after "Assistant:" is the transcript's, not the answer's
+    for text in ("Write a dialogue.\n\nHuman: hi\n\nAssistant:", "\n\nHuman: hi\n\nAssistant: hello",
+                 "\n\nAssistant:"):
+        p = preference_turns({"prompt": text, "chosen": "a", "rejected": "b"})
+        assert [(t.role, t.content) for t in p.prompt] == [("user", text)], text
+
+
+@pytest.mark.parametrize("opts,words", [
+    (dict(pair_ranked="completions"), "LIST=TEXT/SCORE"),
+    (dict(pair_ranked="completions=response"), "LIST=TEXT/SCORE"),
+    (dict(pair_ranked="c=r/s", pair_sides="a,b"), "does not combine"),
+    (dict(pair_best="low"), "add --pair-ranked"),
+    (dict(pair_best="middle"), "--pair-best .middle. is not one of high, low"),
+])
+def test_ranked_options_are_checked(opts, words):
+    from packers import PackstreamError
+
+    with pytest.raises(PackstreamError, match=words):
+        FormatOptions(**opts)

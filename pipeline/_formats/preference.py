@@ -127,8 +127,11 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
     else:
         prompt = []
     a, b = SIDES.get(kind, ("chosen", "rejected"))
-    chosen = _side(record[a], a, prompt, ctx, implicit=kind == "implicit")
-    rejected = _side(record[b], b, prompt, ctx, implicit=kind == "implicit")
+    # after a transcript prompt ("...\n\nAssistant:") an answer string starts with the space that followed the
+    # marker; in a turn of its own that space is not part of the answer (a transcript's own turns are stripped too)
+    spaced = kind == "prompt" and bool(prompt) and prompt[0].at.startswith(f"{_prompt_key(record)} turn ")
+    chosen, rejected = (_side(record[k].lstrip() if spaced and isinstance(record[k], str) else record[k], k, prompt,
+                              ctx, implicit=kind == "implicit") for k in (a, b))
     if kind == "implicit":
         prompt, chosen, rejected = _shared_prefix(chosen, rejected)
         ctx.mapping.append(f"{a}/{b}: the shared {len(prompt)} turns are the prompt")
@@ -175,8 +178,28 @@ def _explicit_prompt(record: dict, ctx: Ctx) -> list[Turn]:
     if isinstance(value, list) and any(isinstance(m, dict) for m in value):
         ctx.mapping.append(f"{key}[] -> prompt")
         return _turn_list(value, key, ctx)
+    turns = _transcript_prompt(value, key, ctx)
+    if turns is not None:
+        ctx.mapping.append(f"{key} -> prompt (a transcript: {len(turns)} turns)")
+        return turns
     ctx.mapping.append(f"{key} -> prompt")
     return [Turn("user", _content(value, key, ctx, "user").text, key)]
+
+
+def _transcript_prompt(value: Any, key: str, ctx: Ctx) -> Optional[list[Turn]]:
+    """A prompt written as a transcript that begins with a speaker marker and ends on the assistant's, waiting
+    for the answer ("\n\nHuman: Hi\n\nAssistant:"; HH-RLHF split into prompt and answers, Nectar): its turns.
+    None for any other prompt (text that merely mentions a marker is the user's words)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        turns = _transcript(value, key, Ctx(ctx.o))
+    except Rejected:
+        return None
+    if (len(turns) < 2 or turns[0].at.endswith("(text before the first marker)") or turns[-1].role != "assistant"
+            or turns[-1].content or not any(t.role == "user" for t in turns)):
+        return None
+    return turns[:-1]
 
 
 def _side(value: Any, key: str, prompt: list[Turn], ctx: Ctx, implicit: bool) -> list[Turn]:
@@ -250,19 +273,26 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
 
     if not isinstance(record, dict):
         raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
-    a, b = o.sides()
-    paths = [a, b, *(f for f, _ in o.pair_winner), *([o.pair_prompt] if o.pair_prompt else [])]
-    for path, flag in zip(paths, ["--pair-sides"] * 2 + ["--pair-winner"] * len(o.pair_winner) + ["--pair-prompt"]):
+    ranked = o.ranked()
+    a, b = o.sides() if ranked is None else (ranked[0], ranked[0])
+    named = [(a, "--pair-sides"), (b, "--pair-sides")] if ranked is None else [(a, "--pair-ranked")]
+    named += [(f, "--pair-winner") for f, _ in o.pair_winner] + ([(o.pair_prompt, "--pair-prompt")] if o.pair_prompt else [])
+    paths = [p for p, _ in named]
+    for path, flag in named:
         if resolve(record, path) is MISSING:
             raise Rejected(Reason.MISSING_FIELD, f"field {path!r} ({flag}) is missing from this record; it has keys "
                                                  f"[{_keys(record)}]")
-    first = _winner(record, o, a, b) if o.pair_winner else 0
-    won, lost = (a, b) if first == 0 else (b, a)
-    why = f" ({', '.join(f'{f}={_short(resolve(record, f))}' for f, _ in o.pair_winner)})" if o.pair_winner else ""
-    mapping = [f"{won}{why} -> chosen, {lost} -> rejected"] if (a, b) != ("chosen", "rejected") or why else []
+    ignored: list[str] = []
+    if ranked is not None:
+        chosen, rejected, mapping = _ranked(resolve(record, a), ranked, o, ignored)
+    else:
+        first = _winner(record, o, a, b) if o.pair_winner else 0
+        won, lost = (a, b) if first == 0 else (b, a)
+        why = f" ({', '.join(f'{f}={_short(resolve(record, f))}' for f, _ in o.pair_winner)})" if o.pair_winner else ""
+        mapping = [f"{won}{why} -> chosen, {lost} -> rejected"] if (a, b) != ("chosen", "rejected") or why else []
+        chosen, rejected = resolve(record, won), resolve(record, lost)
     used = {top_key(record, p) for p in paths}
     out: dict = {}
-    ignored: list[str] = []
     names = set(ANSWER_KEYS) | (set(PROMPT_FIELDS) if o.pair_prompt else set())
     for key, value in record.items():
         if key in used:
@@ -274,11 +304,49 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     if o.pair_prompt:
         out["prompt"] = resolve(record, o.pair_prompt)
         mapping.append(f"{o.pair_prompt} -> prompt")
-    out["chosen"], out["rejected"] = resolve(record, won), resolve(record, lost)
+    out["chosen"], out["rejected"] = chosen, rejected
     notes = Ctx(o)
     unused_beside_paths(record, [p for p in paths if p not in record], notes)  # beside a nested path: counted
     ignored += [k.split(":", 1)[1] for k in notes.notes if k.startswith("ignored_field:")]
     return MappedPair(out, ignored, mapping)
+
+
+def _ranked(items: Any, ranked: tuple[str, str, str], o: FormatOptions, ignored: list[str]) -> tuple[Any, Any, list[str]]:
+    """``--pair-ranked``: the best- and the worst-scored answer of a list (ties: the first in list order); the
+    items between them, unscored items and the two items' other keys are counted in ``ignored``."""
+    from pipeline._options import PairBest
+
+    path, text, score = ranked
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise Rejected(Reason.BAD_TYPE, f"{path} is {_kind(items)}, expected a list of scored answers "
+                                        f"{{{text}, {score}}} (--pair-ranked {o.pair_ranked})")
+    scored = []
+    for i, item in enumerate(items):
+        value = item.get(score)
+        if text not in item:
+            raise Rejected(Reason.MISSING_FIELD, f"{path}[{i}] has no {text!r} (--pair-ranked {o.pair_ranked}); its keys "
+                                                 f"are [{_keys(item)}]")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            ignored.append(f"{path}[{i}]")  # unscored ("N/A", null): not compared, counted
+        else:
+            scored.append((i, value))
+    if len(scored) < 2:
+        raise Rejected(Reason.NO_PREFERENCE, f"{path} holds {len(scored)} scored answer(s) (--pair-ranked "
+                                             f"{o.pair_ranked}); a pair needs two with different scores")
+    sign = 1 if o.pair_best is PairBest.HIGH else -1
+    best = max(scored, key=lambda t: (sign * t[1], -t[0]))
+    worst = min(scored, key=lambda t: (sign * t[1], t[0]))
+    if best[1] == worst[1]:
+        raise Rejected(Reason.NO_PREFERENCE, f"every scored answer of {path} has {score} {_short(best[1])} "
+                                             f"(--pair-ranked {o.pair_ranked}); a tie is not a pair")
+    for i, _ in scored:
+        if i not in (best[0], worst[0]):
+            ignored.append(f"{path}[{i}]")
+    for i in (best[0], worst[0]):
+        ignored += [f"{path}[{i}].{k}" for k in items[i] if k not in (text, score)]
+    mapping = [f"{path}[{best[0]}].{text} ({score} {_short(best[1])}) -> chosen, {path}[{worst[0]}].{text} "
+               f"({score} {_short(worst[1])}) -> rejected"]
+    return items[best[0]][text], items[worst[0]][text], mapping
 
 
 def _winner(record: dict, o: FormatOptions, a: str, b: str) -> int:
