@@ -12,11 +12,16 @@ instruction         ``instruction`` (+ ``input``/``context``, ``history``) + ``c
 prompt              ``prompt`` (or ``question``, ``query``; a string or a list of messages) +
                     ``chosen``/``rejected`` as strings, turn objects or lists of messages (TRL's
                     explicit prompt; Intel/orca_dpo_pairs, with ``system``). A chosen list that
-                    repeats the prompt's turns first has them read once.
+                    repeats the prompt's turns first has them read once; a prompt string that is
+                    a transcript ending on "Assistant:" (Dahoas/full-hh-rlhf) is its turns.
 implicit            ``chosen``/``rejected`` as whole conversations that share their beginning:
                     lists of messages (TRL's implicit prompt, UltraFeedback) or transcript strings
                     ("Human: ... Assistant: ...", HH-RLHF); the prompt is the shared turns
 ==================  ==========================================================================
+
+Other records name their fields by options (:func:`mapped_pair`): ``--pair-sides`` and
+``--pair-winner`` (two answers and the label that picks one), ``--pair-ranked`` (a scored list),
+``--pair-prompt``; the record is rewritten into one of the layouts above.
 
 :func:`preference_turns` is the API for packing pairs: one record -> ``(prompt, chosen,
 rejected)`` turn lists before hygiene, the ``system`` column as the prompt's first turn; or
@@ -242,9 +247,10 @@ def _shared_prefix(chosen: list[Turn], rejected: list[Turn]) -> tuple[list[Turn]
 
 
 # ------------------------------------------------------------------------------------------------
-# Pairs whose fields options name (--pair-sides, --pair-winner, --pair-prompt): PKU-SafeRLHF's
+# Pairs whose fields options name (--pair-sides, --pair-winner, --pair-ranked, --pair-prompt): PKU-SafeRLHF's
 # response_0/response_1 + better_response_id, SHP's history + human_ref_A/B + labels, Chatbot Arena's
-# conversation_a/b + winner. The record is rewritten into the layouts above, and read as they are.
+# conversation_a/b + winner, UltraFeedback's scored completions, Nectar's ranked answers. The record is
+# rewritten into the layouts above, and read as they are.
 
 ANSWER_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
 PROMPT_FIELDS = (*PROMPT_KEYS, "instruction", "input", "context", "history", "conversations")
@@ -262,7 +268,8 @@ class MappedPair:
 
 
 def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
-    """``record`` read through ``--pair-sides``/``--pair-winner``/``--pair-prompt``, or :class:`Rejected`.
+    """``record`` read through ``--pair-sides``/``--pair-winner``/``--pair-ranked``/``--pair-prompt``, or
+    :class:`Rejected`.
 
     >>> o = FormatOptions(pair_sides="response_0,response_1", pair_winner=(("better_response_id", "0/1"),))
     >>> m = mapped_pair({"prompt": "Hi", "response_0": "Go.", "response_1": "Hello!", "better_response_id": 1}, o)
