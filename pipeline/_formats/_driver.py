@@ -66,7 +66,7 @@ def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversatio
 
     ignored: list[str] = []
     mapping: list[str] = []
-    if options.maps_pairs():  # --pair-sides/--pair-winner/--pair-prompt: the record as one of the layouts
+    if options.maps_pairs():  # --pair-sides/--pair-winner/--pair-ranked/--pair-prompt: the record as a layout
         mapped = preference.mapped_pair(record, options)
         record, ignored, mapping = mapped.record, mapped.ignored, mapped.mapping
     if not isinstance(record, dict) or preference.layout(record) is None:
