@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import math
+import operator
 import os
 import re
 import typing
@@ -614,14 +615,16 @@ def _enum(cls, value, name):
         raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
-_WINNER_OPS = ("<=", ">=", "!=", "<", ">", "==")
+WINNER_OPS = {"<=": operator.le, ">=": operator.ge, "!=": operator.ne, "<": operator.lt, ">": operator.gt,
+              "==": operator.eq}
+"""The comparisons a ``--pair-winner`` value may start with (two-character ones first, for the prefix match)."""
 
 
 def winner_test(value: str) -> tuple[str, Optional[float]]:
     """One side of a ``--pair-winner`` value: ``("", None)`` for a literal, else the comparison and its number
     (None when it is not a number)."""
     v = value.strip()
-    op = next((o for o in _WINNER_OPS if v.startswith(o)), "")
+    op = next((o for o in WINNER_OPS if v.startswith(o)), "")
     if not op:
         return "", None
     try:

@@ -281,8 +281,7 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     if not isinstance(record, dict):
         raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
     ranked = o.ranked()
-    a, b = o.sides() if ranked is None else (ranked[0], ranked[0])
-    named = [(a, "--pair-sides"), (b, "--pair-sides")] if ranked is None else [(a, "--pair-ranked")]
+    named = [(p, "--pair-sides") for p in o.sides()] if ranked is None else [(ranked[0], "--pair-ranked")]
     named += [(f, "--pair-winner") for f, _ in o.pair_winner] + ([(o.pair_prompt, "--pair-prompt")] if o.pair_prompt else [])
     paths = [p for p, _ in named]
     for path, flag in named:
@@ -291,8 +290,9 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
                                                  f"[{_keys(record)}]")
     ignored: list[str] = []
     if ranked is not None:
-        chosen, rejected, mapping = _ranked(resolve(record, a), ranked, o, ignored)
+        chosen, rejected, mapping = _ranked(resolve(record, ranked[0]), ranked, o, ignored)
     else:
+        a, b = o.sides()
         first = _winner(record, o, a, b) if o.pair_winner else 0
         won, lost = (a, b) if first == 0 else (b, a)
         why = f" ({', '.join(f'{f}={_short(resolve(record, f))}' for f, _ in o.pair_winner)})" if o.pair_winner else ""
@@ -379,15 +379,14 @@ def _winner(record: dict, o: FormatOptions, a: str, b: str) -> int:
 
 def _matches(value: Any, spec: str) -> bool:
     """Whether a label ``value`` is the ``--pair-winner`` value ``spec`` (a literal, or a comparison with a number)."""
-    from pipeline._options import winner_test
+    from pipeline._options import WINNER_OPS, winner_test
 
     op, number = winner_test(spec)
     spec = spec.strip()
     if op:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or number is None:
             return False
-        return {"<": value < number, ">": value > number, "<=": value <= number, ">=": value >= number,
-                "==": value == number, "!=": value != number}[op]
+        return WINNER_OPS[op](value, number)
     if isinstance(value, bool):
         return spec.lower() == str(value).lower()
     if isinstance(value, (int, float)):
