@@ -423,6 +423,27 @@ def test_a_name_that_is_not_utf8_is_one_error(tmp_path):
     assert not out.exists()
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.binary(min_size=1, max_size=12).filter(lambda b: b"/" not in b and b"\0" not in b
+                                                                  and b not in (b".", b"..")), min_size=1, max_size=3))
+def test_any_file_names_list_as_utf8_or_refuse_in_one_line(tmp_path_factory, names):
+    """Whatever bytes the file system gives as names, the inputs listed carry UTF-8 paths and source names (what
+    ids, the manifest and Arrow store), or the listing refuses with a PackstreamError."""
+    folder = tmp_path_factory.mktemp("names")
+    for k, name in enumerate(dict.fromkeys(names)):
+        try:
+            (folder / os.fsdecode(name + b".jsonl")).write_bytes(b'{"text": "%d"}\n' % k)
+        except (OSError, UnicodeError):
+            return  # a name this file system refuses
+    try:
+        files = _read.expand_inputs((str(folder),))
+    except PackstreamError as e:
+        assert "\n" not in str(e)
+        return
+    for f in files:
+        assert f.path.encode("utf-8") and f.source.encode("utf-8")  # UnicodeEncodeError: a name Arrow cannot store
+
+
 # ------------------------------------------------------------------------------------------------
 # The byte-level fuzz
 
