@@ -5,7 +5,7 @@
 Writes one run of ``--shards`` small shards (tests/_shards.py, random examples at budget 512) and a
 remote copy of it in fsspec's memory filesystem, then times, in this process:
 
-* ``manifest``: reading and checking manifest.json (:func:`packers._manifest.load_manifest`: the
+* ``manifest``: reading and checking manifest.json (:func:`packers.manifest.load_manifest`: the
   checked open, the typed reader, the self-consistency checks);
 * ``open``: ``PackedDataset(folder)``, everything it checks before the first batch (the manifest,
   every shard's size, schema, schema metadata against its entry, Arrow structure, row counts);
@@ -72,7 +72,7 @@ def main() -> None:
     import fsspec
 
     from packers import PackedDataset
-    from packers._manifest import load_manifest
+    from packers.manifest import load_manifest
     from tests import _shards
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-open-"))

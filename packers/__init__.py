@@ -4,9 +4,9 @@ Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDa
 ``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ...) import torch on first use.
 """
 
-from packers._errors import ContractError, InternalError, PackstreamError
+from packers.errors import ContractError, InternalError, PackstreamError
 from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_pairs, pack_stream
-from packers._schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
+from packers.schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
 from packers._stats import PackStats, pack_stats
 
 _TORCH_NAMES = {

@@ -52,7 +52,7 @@ from typing import Any, Self
 
 import torch
 
-from packers._errors import PackstreamError
+from packers.errors import PackstreamError
 
 VARLEN_NAME = "packstream_varlen"
 """Default name of the varlen backend in transformers' ``AttentionInterface``."""

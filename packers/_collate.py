@@ -46,7 +46,7 @@ other (max logit error about 0.2-0.8). Passing ``use_cache=False`` in the batch 
 >>> f["input_ids"].shape, f["cu_seq_lens_q"].tolist(), f["max_length_q"]
 (torch.Size([1, 16]), [0, 4, 6, 8, 13, 16], 8)
 
-Rows of preference pairs (``packstream pack --pairs``, see :mod:`packers._schema`) also give what a
+Rows of preference pairs (``packstream pack --pairs``, see :mod:`packers.schema`) also give what a
 DPO-style loss needs: which tokens are completions, and which sequences make a pair. One row, two
 pairs (``p`` prompt, ``c`` completion)::
 
@@ -75,7 +75,7 @@ from typing import Any, Mapping, Sequence, TypedDict
 import numpy as np
 import torch
 
-from packers._errors import ContractError, PackstreamError
+from packers.errors import ContractError, PackstreamError
 
 IGNORE_INDEX = -100
 """The label of a token that is not a training target (the ``ignore_index`` of the HF losses)."""

@@ -38,9 +38,9 @@ import pyarrow.compute as pc
 import torch
 import torch.utils.data
 
-from packers._errors import ContractError, PackstreamError
-from packers._files import check_regular, open_checked, show_path
-from packers._manifest import (
+from packers.errors import ContractError, PackstreamError, parse_enum
+from packers.files import check_regular, open_checked, show_path
+from packers.manifest import (
     LOCK,
     MANIFEST,
     SHARD_NAME,
@@ -70,8 +70,8 @@ from packers._plan import (
     step_denominators,
 )
 
-from packers._rowcheck import Batch, Failure, check_batch, gather
-from packers._schema import PLACE_KEYS, SCHEMA, count_targets, read_metadata
+from packers.rowcheck import Batch, Failure, check_batch, gather
+from packers.schema import PLACE_KEYS, SCHEMA, count_targets, read_metadata
 
 
 def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Sequence[str]) -> str:
@@ -586,8 +586,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 "same number of steps (nothing repeated, nothing dropped); remove drop_last="
             )
         default_rank, default_world = _default_rank_world()
-        batch_by, balance, loss_weighting = (_enum(BatchBy, batch_by, "batch_by"), _enum(Balance, balance, "balance"),
-                                             _enum(LossWeighting, loss_weighting, "loss_weighting"))
+        batch_by, balance, loss_weighting = (parse_enum(BatchBy, batch_by, "batch_by"), parse_enum(Balance, balance, "balance"),
+                                             parse_enum(LossWeighting, loss_weighting, "loss_weighting"))
         if cost is not None and not isinstance(cost, CostModel):
             raise PackstreamError(f"cost={cost!r}; pass a packers.CostModel (e.g. CostModel.from_config(model.config))")
         self.sampling = Sampling(
@@ -863,13 +863,6 @@ class PackedDataset(torch.utils.data.IterableDataset):
         the lists of rows) and any DataLoader option except ``batch_size``/``sampler``/``persistent_workers``.
         """
         return PackedLoader(self, **kwargs)
-
-
-def _enum(kind: type, value: Any, name: str) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise PackstreamError(f"{name}={value!r}; use one of {[v.value for v in kind]}") from None
 
 
 def _as_is(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

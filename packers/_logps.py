@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from packers._errors import PackstreamError
+from packers.errors import PackstreamError
 from packers._loss import _check_vocab
 
 

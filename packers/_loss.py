@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from packers._collate import IGNORE_INDEX
-from packers._errors import PackstreamError
+from packers.errors import PackstreamError
 
 
 def _check_vocab(token_ids: torch.Tensor, vocab: int) -> None:

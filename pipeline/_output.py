@@ -1,6 +1,6 @@
 """The output folder: packstream owns it, one run at a time, and commits by writing the manifest last.
 
-The protocol of one ``packstream pack`` run (the contract is :mod:`packers._manifest`)::
+The protocol of one ``packstream pack`` run (the contract is :mod:`packers.manifest`)::
 
     check     --output is a folder of its own: not "", not "/", not an input, not inside or around one
     claim     create .packstream.lock exclusively (O_EXCL locally; a create-if-absent precondition on
@@ -37,8 +37,8 @@ import time
 from typing import Optional, Sequence
 
 from packers import PackstreamError
-from packers._files import check_utf8_name, show_path
-from packers._manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
+from packers.files import check_utf8_name, show_path
+from packers.manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
 from pipeline._write import GUARD_MARK, join
 
 OWN_NAMES = ("rejected.jsonl", "README.md", MANIFEST)
@@ -390,7 +390,7 @@ def _guarded(output: str, names: Sequence[str]) -> bool:
     """The folder holds packstream's own "not complete" card: a run that never finished (its lock removed by hand)."""
     if "README.md" not in names:
         return False
-    from packers._files import MiB, read_checked
+    from packers.files import MiB, read_checked
 
     from pipeline._write import beam_open
 

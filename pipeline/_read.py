@@ -6,7 +6,7 @@ plain or compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet, Arrow (IPC 
 Hugging Face ``save_to_disk`` folders. Each input is checked against its name before the job
 starts (its magic bytes; a small compressed stream decompressed whole), so a mislabelled, empty or
 unsupported file is a clear CLI error naming the fix, not a worker traceback. Every file is opened
-through :func:`packers._files.open_checked`.
+through :func:`packers.files.open_checked`.
 
 Positions: 1-based line numbers for JSONL, 0-based row indices for everything else.
 A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Rejected`.
@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Optional
 import orjson
 
 from packers import PackstreamError
-from packers._files import MAX_JSON_DEPTH, check_regular, check_utf8_name, open_checked, show_path, value_depth
+from packers.files import MAX_JSON_DEPTH, check_regular, check_utf8_name, open_checked, show_path, value_depth
 from pipeline._formats import Reason, Rejected
 
 _TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -56,7 +56,7 @@ class InputFile:
 
 
 def open_raw(path: str):
-    """An input's bytes as a binary stream, through the one checked open (:func:`packers._files.open_checked`:
+    """An input's bytes as a binary stream, through the one checked open (:func:`packers.files.open_checked`:
     regular files only, so a FIFO or ``/dev/zero`` is one error line); local files directly (no Beam
     import), anything else through Beam's FileSystems (gs://, s3://, ...), uncompressed."""
     return open_checked(path, what="input", opener=_beam_open)
@@ -535,7 +535,7 @@ def _too_deep(depth: "int | None" = None) -> Rejected:
 
 
 def _checked(record: Any, raw: bytes) -> Any:
-    """``record``, or a Rejected when it nests deeper than :data:`packers._files.MAX_JSON_DEPTH` (counted on the
+    """``record``, or a Rejected when it nests deeper than :data:`packers.files.MAX_JSON_DEPTH` (counted on the
     parsed value, breadth first and stopping past the bound; only when its text holds that many brackets)."""
     if len(raw) > 2 * MAX_JSON_DEPTH and raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         depth = value_depth(record)
@@ -551,7 +551,7 @@ def parse_line(raw: bytes, max_bytes: int, first: bool = False) -> Any:
     lines of ``estimate``. orjson parses the common case (several times faster than ``json``);
     anything it refuses is parsed again by ``json`` for the exact error, a byte-order mark, NaN,
     or a lone surrogate. Whatever a parser refuses costs this record alone: invalid UTF-8, bad
-    JSON, nesting deeper than :data:`packers._files.MAX_JSON_DEPTH` (orjson stops at 1,024 levels
+    JSON, nesting deeper than :data:`packers.files.MAX_JSON_DEPTH` (orjson stops at 1,024 levels
     and ``json`` at Python's recursion limit, both in C), an integer of more digits than Python
     converts. Integers stay exact at any size (see :data:`_LONG_DIGITS`).
     """
@@ -635,7 +635,7 @@ def json_items(blocks: Iterable[bytes], max_bytes: int, wrapped: bool = False) -
     holds one item (at most ``max_bytes`` plus one block) whatever the size of the file; each
     item is then parsed on its own by :func:`parse_line`, so an item that a parser refuses costs
     that item alone. An item larger than ``max_bytes`` comes out as its size (an ``int``), one
-    nested deeper than :data:`packers._files.MAX_JSON_DEPTH` as a Rejected; neither is held. A
+    nested deeper than :data:`packers.files.MAX_JSON_DEPTH` as a Rejected; neither is held. A
     stream that breaks off, holds an empty item (``[1,,2]``) or data after the array raises
     ValueError naming the byte (the items before it have come out).
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 import packers
 from packers import LongPolicy
-from packers._manifest import escape_source
+from packers.manifest import escape_source
 from pipeline._formats import Reason
 from pipeline._options import PackOptions, TruncateSide
 

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from packers import PackstreamError
-from packers._files import check_regular, load_json, read_checked, show_path
+from packers.files import check_regular, load_json, read_checked, show_path
 from pipeline._options import DEFAULT_TOKENIZER
 
 _PLAIN_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
@@ -184,7 +184,7 @@ def check_eos(tok, name: str) -> None:
     eos = tok.eos_token
     if eos is None:
         return
-    from packers._files import show_path
+    from packers.files import show_path
 
     backend = tok.backend_tokenizer
     vocab_id, eos_id = backend.token_to_id(eos), tok.eos_token_id

@@ -5,10 +5,10 @@ row, sequence, example id, input record, or the manifest key) and what (the chec
 got). Nothing in the folder is trusted:
 
 * **The manifest.** Only a complete ``manifest.json`` is read, through the checked open and the typed
-  reader (:mod:`packers._manifest`): a folder without one (a run still writing, a killed run, not
+  reader (:mod:`packers.manifest`): a folder without one (a run still writing, a killed run, not
   packstream's), with ``"status": "failed"``, or with one that is not a regular file, too big, too
   deep or of the wrong types is a problem that says so, and nothing else is opened. Every place the
-  manifest contradicts itself (:func:`packers._manifest.inconsistencies`) is a problem of its own.
+  manifest contradicts itself (:func:`packers.manifest.inconsistencies`) is a problem of its own.
 * **Files.** Exactly the shards the manifest lists are opened (train and validation), only by
   the names the contract allows, only inside the folder. Every other ``*.arrow``/``*.parquet``
   is reported by name (a stray copy, another run's shard), and so are ``.tmp-*`` leftovers and
@@ -16,7 +16,7 @@ got). Nothing in the folder is trusted:
   every file the manifest lists must exist.
 * **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema equals
   :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
-  implies (:func:`packers._manifest.expected_metadata`: the run's, and the shard's own run id, split,
+  implies (:func:`packers.manifest.expected_metadata`: the run's, and the shard's own run id, split,
   index and count), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
   increasing), loss_mask values only 0 or 1, ``num_targets``, the pair columns (empty, or in a run of
@@ -56,13 +56,13 @@ import pyarrow as pa
 
 import packers
 from packers import ContractError, InternalError, PackstreamError
-from packers._files import load_json, show_path
-from packers._manifest import (
+from packers.files import load_json, show_path
+from packers.manifest import (
     LOCK, MANIFEST, MAX_DEAD_LETTER_BYTES, TMP_PREFIX, Manifest, RowChecks, ShardEntry, expected_metadata,
     inconsistencies, is_datasets_cache, missing_manifest, require_complete,
 )
-from packers._rowcheck import Failure, gather, check_batch
-from packers._schema import PAIR_COLUMNS
+from packers.rowcheck import Failure, gather, check_batch
+from packers.schema import PAIR_COLUMNS
 import pipeline._read as _read
 import pipeline._rows as _rows
 import pipeline._write as _write
@@ -242,7 +242,7 @@ def _open_shard(folder: str, name: str, limit: int) -> tuple[int, str, Callable[
     """(bytes, sha256, a function that parses the shard). Local files are opened through the checked open (a
     FIFO or a device is refused, never read), hashed in blocks and memory-mapped; a remote one is read whole,
     at most ``limit`` bytes (its manifest size). PackstreamError when it cannot be read."""
-    from packers._files import open_checked
+    from packers.files import open_checked
 
     path = _path(folder, name)
     ext = name.rsplit(".", 1)[-1]
@@ -413,7 +413,7 @@ _CHECK_CHUNK = 1024
 def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: np.ndarray, exs: list, ex_off: np.ndarray,
                              checks: RowChecks) -> None:
     """``num_targets`` and the pair columns of the structurally good rows, by the loader's own vectorized checks
-    (:func:`packers._rowcheck.check_batch`; the flags verify reports itself are off): every broken row once."""
+    (:func:`packers.rowcheck.check_batch`; the flags verify reports itself are off): every broken row once."""
     plain = dataclasses.replace(checks, eos_at_boundaries=False, targets_in_every_sequence=False, all_targets=False)
     for c0 in range(0, len(good), _CHECK_CHUNK):
         idx = good[c0:c0 + _CHECK_CHUNK]
@@ -530,7 +530,7 @@ def _short(v: Any, limit: int = 80) -> str:
 def _check_counts(m: Manifest, measured: dict[str, dict], stored: _Stored, dead: _Dead, complete: bool,
                   report: Report) -> None:
     """The manifest's counts against what the files hold (that they reconcile among themselves and with the
-    shard entries is :func:`packers._manifest.inconsistencies`, reported with the manifest)."""
+    shard entries is :func:`packers.manifest.inconsistencies`, reported with the manifest)."""
     c = m.counts
 
     def expect(key: str, got: Any, holder: str = "the files hold") -> None:

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 import packers
 from packers import PackstreamError
-from packers._manifest import shard_name  # noqa: F401 - the writers' name for shards
+from packers.manifest import shard_name  # noqa: F401 - the writers' name for shards
 from pipeline._rows import reject_sort_key
 
 
@@ -78,7 +78,7 @@ def join(folder: str, name: str) -> str:
 
 def beam_open(path: str):
     """A remote file (gs://, s3://, ...) as a binary stream through Beam's FileSystems, uncompressed: the
-    ``opener`` the checked open (:mod:`packers._files`) uses for anything that is not a local path."""
+    ``opener`` the checked open (:mod:`packers.files`) uses for anything that is not a local path."""
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.open(path, compression_type="uncompressed")
@@ -86,8 +86,8 @@ def beam_open(path: str):
 
 def read_bytes(path: str, *, what: str, limit: int, fix: str = "") -> bytes:
     """A whole file's bytes, local or remote (no decompression), through the checked open: a regular file of
-    at most ``limit`` bytes, else one PackstreamError line (:func:`packers._files.read_checked`)."""
-    from packers._files import read_checked
+    at most ``limit`` bytes, else one PackstreamError line (:func:`packers.files.read_checked`)."""
+    from packers.files import read_checked
 
     return read_checked(path, what=what, limit=limit, fix=fix, opener=beam_open)
 
@@ -96,7 +96,7 @@ def read_lines(path: str, *, what: str, line_limit: int) -> Iterator[tuple[int, 
     """``(line number, line)`` of a local or remote JSON-lines file, read one line at a time through the
     checked open (a FIFO or a device is refused, never read): memory stays one line, and a line longer than
     ``line_limit`` bytes (``/dev/zero``'s endless line, a damaged file) is one PackstreamError line."""
-    from packers._files import open_checked, show_path
+    from packers.files import open_checked, show_path
 
     with open_checked(path, what=what, opener=beam_open) as f:
         number = 0
@@ -109,9 +109,9 @@ def read_lines(path: str, *, what: str, line_limit: int) -> Iterator[tuple[int, 
 
 
 def read_manifest(folder: str, *, consistent: bool = True, files_only: bool = False):
-    """The checked :class:`packers._manifest.Manifest` of the local or remote output ``folder`` (see
-    :func:`packers._manifest.load_manifest`)."""
-    from packers._manifest import MANIFEST, load_manifest
+    """The checked :class:`packers.manifest.Manifest` of the local or remote output ``folder`` (see
+    :func:`packers.manifest.load_manifest`)."""
+    from packers.manifest import MANIFEST, load_manifest
 
     return load_manifest(join(folder, MANIFEST), folder, opener=beam_open, consistent=consistent,
                          files_only=files_only)
@@ -183,12 +183,12 @@ class ShardWriter:
     def __init__(self, folder: str, name: str, schema: pa.Schema, output_format: str):
         from apache_beam.io.filesystems import FileSystems
 
-        from packers._manifest import shard_place
-        from packers._schema import place_metadata
+        from packers.manifest import shard_place
+        from packers.schema import place_metadata
 
         place = shard_place(name)
         if place is None:
-            raise packers.InternalError(f"{name!r} is not a shard name (packers._manifest.shard_name makes them)")
+            raise packers.InternalError(f"{name!r} is not a shard name (packers.manifest.shard_name makes them)")
         # Each shard carries its own place (run id, split, index, count): readers hold it against the manifest.
         schema = schema.with_metadata(place_metadata(schema.metadata, split=place[0], shard_index=place[1],
                                                      shard_count=place[2]))

@@ -36,6 +36,7 @@ logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(
 
 from packers import PackstreamError
 from pipeline import _signals
+from pipeline._exit import ExitCode
 from pipeline._progress import LogFormat
 
 
@@ -78,12 +79,6 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     return inputs, beam_args
 
 
-EXIT_USER_ERROR = 2
-"""Bad input, bad option or a bad output folder: one ``error: ...`` line, no traceback."""
-EXIT_TOO_MANY_REJECTED = 3
-"""The job finished but rejected more than ``--max-reject-fraction`` of the records."""
-
-
 def printable(text: str) -> str:
     """``text`` fit for one line of a terminal: every control or other non-printable character (a newline or a
     terminal escape in a path, a value or a file name) shown as its escape, so it cannot split or colour the line.
@@ -96,7 +91,7 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _fail(e: "Exception | str", code: int = EXIT_USER_ERROR, reporter=None, summary: "dict | None" = None) -> None:
+def _fail(e: "Exception | str", code: int = ExitCode.USER_ERROR, reporter=None, summary: "dict | None" = None) -> None:
     """The one way a command ends with an error: one ``error:`` line (through :func:`printable`), exit ``code``."""
     if summary is not None:
         click.echo(summary_table(summary), err=True)
@@ -231,7 +226,7 @@ def build_options(paths: Sequence[str], params: dict[str, Any], *, output_requir
 def read_text_file(path: str, flag: str) -> str:
     """A small text file given on the command line (a template), as UTF-8 text, or a clear error: read
     through the one checked open (a FIFO, a device or a file over 4 MiB is one error line)."""
-    from packers._files import read_checked, show_path
+    from packers.files import read_checked, show_path
 
     data = read_checked(path, what=f"{flag} file", limit=4 * 2**20, fix="a chat template is a few KB")
     try:
@@ -275,7 +270,7 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
         reporter = _progress.for_cli(LogFormat(log_format), quiet, progress, log_interval)
         manifest = run(options, beam_args, progress=reporter)
     except TooManyRejected as e:
-        _fail(e, EXIT_TOO_MANY_REJECTED, reporter, summary=e.manifest)
+        _fail(e, ExitCode.REJECTED, reporter, summary=e.manifest)
     except _signals.Interrupted as e:
         _fail(e, e.exit_code, reporter)
     except PackstreamError as e:
@@ -466,10 +461,6 @@ def inspect_command(folder, as_json, plots_dir, no_plots):
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else _inspect.format_report(report))
 
 
-EXIT_VERIFY_FAILED = 1
-"""``packstream verify`` found at least one mismatch."""
-
-
 @main.command("verify")
 @click.argument("folder", metavar="DIR")
 @click.argument("input_paths", nargs=-1, metavar="[INPUT]...")
@@ -507,7 +498,7 @@ def verify_command(folder, input_paths, with_inputs, trust_remote_code, max_prob
     click.echo(report.summary())
     if not report.ok:
         click.secho(f"FAILED: {report.count} problem(s)", fg="red", err=True)
-        sys.exit(EXIT_VERIFY_FAILED)
+        sys.exit(ExitCode.VERIFY_FAILED)
     click.secho("OK", fg="green")
 
 

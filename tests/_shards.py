@@ -4,7 +4,7 @@ Shards for the loader's tests and benchmarks without ``packstream pack`` (the Be
 which costs seconds of start-up per run): a shard is an uncompressed Arrow IPC *stream* file
 named ``train-0000k-of-0000n.arrow`` with :func:`packers.shard_schema`, loadable by
 ``datasets.Dataset.from_file``, and the folder gets the complete ``manifest.json`` of the
-output-folder contract (:mod:`packers._manifest`), as a finished run writes it. Packing here is a
+output-folder contract (:mod:`packers.manifest`), as a finished run writes it. Packing here is a
 plain first-fit decreasing; the pipeline's own strategies are tested elsewhere, and the examples
 read the pipeline's output.
 """
@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from packers import CONTRACT_VERSION, read_metadata, shard_schema
-from packers._manifest import MANIFEST, REJECTED, SHARD_NAME, Status, shard_place
-from packers._schema import Side, count_targets, place_metadata
+from packers.manifest import MANIFEST, REJECTED, SHARD_NAME, Status, shard_place
+from packers.schema import Side, count_targets, place_metadata
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """``../shared/data`` from the repository root (absent in some checkouts: tests skip then)."""

@@ -1,4 +1,4 @@
-"""The one checked open (packers._files): regular files only, bounded size, bounded JSON depth, one-line messages."""
+"""The one checked open (packers.files): regular files only, bounded size, bounded JSON depth, one-line messages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from packers import PackstreamError
-from packers._files import MAX_JSON_DEPTH, load_json, open_checked, read_checked, show_path, value_depth
+from packers.files import MAX_JSON_DEPTH, load_json, open_checked, read_checked, show_path, value_depth
 
 
 def test_regular_file_reads(tmp_path):

@@ -4,7 +4,7 @@ One real ``pack`` output (two train and two validation shards) is packed once; e
 it as a careless or hostile user would, and runs the readers on it (tests/_abuse.py: ``verify``,
 ``inspect``, ``PackedDataset``, ``pack --overwrite``, each within a time bound).
 
-* **The manifest agrees with itself** (:func:`packers._manifest.inconsistencies`): a shard listed twice,
+* **The manifest agrees with itself** (:func:`packers.manifest.inconsistencies`): a shard listed twice,
   one left out of the list, a split label that contradicts the shard's name, counts that do not add up
   are refused before any shard is opened.
 * **And with the shards** (their schema metadata: run id, split, index, count). Edits that keep the

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 import packers
 from packers import PackstreamError
-from packers._files import MAX_JSON_DEPTH
+from packers.files import MAX_JSON_DEPTH
 from pipeline import _read
 from pipeline._formats import Reason, Rejected
 from pipeline._options import PackOptions
@@ -627,7 +627,7 @@ OPENERS = {"open", "io.open", "os.open", "gzip.open", "bz2.open", "lzma.open", "
            "pa.OSFile", "Tokenizer.from_file"}
 ALLOWED: dict[tuple[str, str], str] = {
     # (module, function) -> why a raw open is right there
-    ("packers/_files.py", "open_checked"): "the checked open itself",
+    ("packers/files.py", "open_checked"): "the checked open itself",
     ("pipeline/_read.py", "_beam_open"): "the remote opener handed to open_checked",
     ("pipeline/_render.py", "<module>"): "the built-in template, a package resource",
     ("packers/_attention.py", "_refuse_in_class_tables"): "transformers' own installed source",
@@ -647,11 +647,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/_signals.py", "_fire"): "a writer: the seeded signal point's marker (tests only)",
     ("pipeline/_signals.py", "mute"): "os.devnull, for a stopping process's stderr",
     ("pipeline/_signals.py", "worker_pids"): "the kernel's /proc/PID/stat and cmdline (this run's own workers)",
-    ("pipeline/_write.py", "beam_open"): "the remote opener packers._files' checked open calls (Beam's FileSystems)",
+    ("pipeline/_write.py", "beam_open"): "the remote opener packers.files' checked open calls (Beam's FileSystems)",
     ("pipeline/_inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
     ("pipeline/_inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
     # Output folders (manifests, shards, dead letters, locks): issue 16's folder side (16B, 16C)
-    # moves these behind packers._files; each one leaves this list when it does.
+    # moves these behind packers.files; each one leaves this list when it does.
     ("packers/_loader.py", "_read_schema"): "16B",
     ("pipeline/_inspect.py", "__init__"): "16B",
     ("pipeline/_output.py", "_read_lock"): "16C",
@@ -663,8 +663,8 @@ ALLOWED: dict[tuple[str, str], str] = {
 def _raw_opens() -> set[tuple[str, str]]:
     found = set()
     for pkg in ("pipeline", "packers"):
-        for path in sorted((ROOT / pkg).glob("*.py")):
-            rel = f"{pkg}/{path.name}"
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
             tree = ast.parse(path.read_text())
             funcs = [(n, n.name) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             owner: dict[int, str] = {}
@@ -683,6 +683,6 @@ def _raw_opens() -> set[tuple[str, str]]:
 def test_no_raw_open_of_a_user_named_file():
     found = _raw_opens()
     unlisted = sorted(found - set(ALLOWED))
-    assert not unlisted, f"raw opens outside packers._files: {unlisted}; use open_checked/read_checked, or list a writer"
+    assert not unlisted, f"raw opens outside packers.files: {unlisted}; use open_checked/read_checked, or list a writer"
     stale = sorted(set(ALLOWED) - found)
     assert not stale, f"listed but no raw open there any more: {stale}; remove them from ALLOWED"

@@ -25,9 +25,9 @@ LAYERS = {
     "encode": {"pipeline._encode"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals",
-               "pipeline._parallel", "pipeline._trace"},
-    "core": {"packers._pack", "packers._stats", "packers._schema", "packers._errors", "packers._manifest", "packers._files",
-             "packers._rowcheck", "packers"},
+               "pipeline._parallel", "pipeline._trace", "pipeline._exit"},
+    "core": {"packers._pack", "packers._stats", "packers.schema", "packers.errors", "packers.manifest", "packers.files",
+             "packers.rowcheck", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",
                "packers._loss"},
 }

@@ -31,8 +31,8 @@ import pyarrow as pa
 import pytest
 
 from packers import ContractError, PackedDataset, PackstreamError
-from packers._rowcheck import Batch, gather, check_batch
-from packers._manifest import RowChecks
+from packers.rowcheck import Batch, gather, check_batch
+from packers.manifest import RowChecks
 from tests._shards import Example, pack_first_fit, recount, write_manifest, write_shards
 
 BUDGET = 64

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import packers
 from packers import ContractError, PackstreamError, Side, pack, pack_pairs, validate_row
-from packers._manifest import RowChecks
+from packers.manifest import RowChecks
 from packers._pack import truncate_pairs
-from packers._rowcheck import Batch, check_batch, gather
+from packers.rowcheck import Batch, check_batch, gather
 from pipeline import _rows
 from pipeline._options import PackOptions
 from tests._shards import Pair, make_pair_row, make_row, random_examples, random_pairs

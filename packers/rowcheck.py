@@ -4,6 +4,9 @@ One vectorized definition (numpy and pyarrow, no torch) that the loader runs on 
 yields (:class:`packers.PackedDataset`) and ``packstream verify`` runs over whole shards. The
 per-row definition it follows is :func:`packers.validate_row`; ``tests/test_loader_trust.py``
 holds the two equal on random valid and broken rows.
+
+A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
+has no leading underscore; users reach the same names through :mod:`packers`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packers._manifest import RowChecks
+from packers.manifest import RowChecks
 
 
 # -- reading: every gathered batch is checked against the contract and the manifest's row_checks ----------
@@ -100,7 +103,7 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
     alternating chosen/rejected, a pair's two sides sharing their pair id and their prompt tokens, each
     span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; then what the
     manifest says every row of the run satisfies: ``eos_at_boundaries``, ``targets_in_every_sequence``,
-    ``all_targets`` (see :mod:`packers._manifest`).
+    ``all_targets`` (see :mod:`packers.manifest`).
     """
     L, M = b.lengths["input_ids"].astype(np.int64), b.lengths["loss_mask"]
     O, E = b.lengths["seq_offsets"].astype(np.int64), pc.list_value_length(b.example_ids).to_numpy()
@@ -215,7 +218,7 @@ def _flat_strings(col: Any) -> pa.Array:
 
 def _check_pair_columns(b: Batch, pairs: bool, nseq: np.ndarray, seq_start: np.ndarray, seq_end: np.ndarray,
                         row_base: np.ndarray, ids: np.ndarray, mask: np.ndarray, at_sequence) -> Failure | None:
-    """The pair columns of :func:`check_batch` (see :mod:`packers._schema`); ``pairs``: the run packed pairs."""
+    """The pair columns of :func:`check_batch` (see :mod:`packers.schema`); ``pairs``: the run packed pairs."""
     S, P = b.lengths["sides"].astype(np.int64), b.lengths["completion_spans"].astype(np.int64)
     I = pc.list_value_length(b.pair_ids).to_numpy().astype(np.int64)
     want = nseq if pairs else np.zeros_like(nseq)

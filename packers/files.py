@@ -27,7 +27,10 @@ Messages name the file, what it is, the limit and the fix. Paths are shown throu
 >>> load_json(b"[" * 600 + b"]" * 600, what="manifest.json")
 Traceback (most recent call last):
 ...
-packers._errors.PackstreamError: manifest.json: JSON nested deeper than 512 levels; this is not a file packstream wrote or reads
+packers.errors.PackstreamError: manifest.json: JSON nested deeper than 512 levels; this is not a file packstream wrote or reads
+
+A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
+has no leading underscore; users reach the same names through :mod:`packers`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import os
 import stat
 from typing import IO, Any, Callable, Optional
 
-from packers._errors import PackstreamError
+from packers.errors import PackstreamError
 
 MAX_JSON_DEPTH = 512
 """The deepest JSON nesting any packstream file or input record may have. A manifest nests 4 levels,

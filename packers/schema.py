@@ -61,7 +61,7 @@ the token budget, the tokenizer's name and a hash of its vocabulary, the pad/eos
 the shard belongs: the ``run_id`` of the run that wrote it (``manifest.json`` has the same), its
 ``split``, and its place ``shard_index`` of ``shard_count`` in that split. A reader holds these
 against the manifest's entry for the file, so a shard listed twice, renamed, moved to another
-split or taken from another run is refused without reading a row (:mod:`packers._manifest`).
+split or taken from another run is refused without reading a row (:mod:`packers.manifest`).
 
 Version history: 1, the first five columns; 2 (this), ``num_targets`` and the pair columns. A
 version 1 folder is refused with "repack" (:func:`read_metadata`).
@@ -74,7 +74,7 @@ version 1 folder is refused with "repack" (:func:`read_metadata`).
 >>> validate_row({**row, "seq_offsets": [0, 6, 9]}, budget=16)
 Traceback (most recent call last):
 ...
-packers._errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
+packers.errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
 >>> pair = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 9, 2, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
 ...         "seq_offsets": [0, 6, 11], "example_ids": ["dpo@1#chosen", "dpo@1#rejected"], "num_tokens": 11,
 ...         "num_targets": 5, "pair_ids": ["dpo@1", "dpo@1"], "sides": [0, 1], "completion_spans": [3, 6, 9, 11]}
@@ -82,7 +82,10 @@ packers._errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
 >>> validate_row({**pair, "input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 2, 30, 1]}, budget=16)
 Traceback (most recent call last):
 ...
-packers._errors.ContractError: pair dpo@1: the prompts differ (chosen [5, 9, 2], rejected [5, 8, 2])
+packers.errors.ContractError: pair dpo@1: the prompts differ (chosen [5, 9, 2], rejected [5, 8, 2])
+
+A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
+has no leading underscore; users reach the same names through :mod:`packers`.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from packers._errors import ContractError
+from packers.errors import ContractError
 
 CONTRACT_VERSION = 2
 """Bump on any incompatible change to :data:`SCHEMA` or its metadata keys (see the version history above)."""

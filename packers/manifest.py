@@ -41,7 +41,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
     config, counts, inputs   the run's options and counts (see docs/operations.md)
 
 **One typed reader.** :func:`load_manifest` reads ``manifest.json`` through the checked open
-(:func:`packers._files.read_checked`: a regular file, at most :data:`MAX_MANIFEST_BYTES`, JSON at most
+(:func:`packers.files.read_checked`: a regular file, at most :data:`MAX_MANIFEST_BYTES`, JSON at most
 512 levels deep) and :func:`parse_manifest` turns it into a frozen :class:`Manifest`: every key a
 reader uses has its type and range checked, and the manifest must agree with itself
 (:func:`inconsistencies`): counts equal the sums of the shard entries and reconcile, each split's
@@ -57,7 +57,10 @@ split, index, count: :func:`expected_metadata`) is then held against its entry.
 >>> parse_manifest(b'{"status": "complete", "files": ["../../.bashrc"]}', "out")
 Traceback (most recent call last):
 ...
-packers._errors.ContractError: out: manifest.json files[0] is '../../.bashrc', expected a file name packstream writes (a shard name, rejected.jsonl or README.md); the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack
+packers.errors.ContractError: out: manifest.json files[0] is '../../.bashrc', expected a file name packstream writes (a shard name, rejected.jsonl or README.md); the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack
+
+A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
+has no leading underscore; users reach the same names through :mod:`packers`.
 """
 
 from __future__ import annotations
@@ -68,9 +71,9 @@ import re
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
-from packers._errors import ContractError, PackstreamError
-from packers._files import MiB, load_json, read_checked, show_path
-from packers._schema import CONTRACT_VERSION
+from packers.errors import ContractError, PackstreamError
+from packers.files import MiB, load_json, read_checked, show_path
+from packers.schema import CONTRACT_VERSION
 
 MANIFEST = "manifest.json"
 LOCK = ".packstream.lock"
