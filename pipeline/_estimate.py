@@ -76,12 +76,6 @@ class InputSample:
     """Records parsed to take the sample: ``len(sample)``, or all of them for whole-file formats."""
 
 
-def _size(path: str) -> int:
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.match([path])[0].metadata_list[0].size_in_bytes
-
-
 def _evenly(n: int, k: int) -> list[int]:
     """``min(n, k)`` indices spread evenly over ``range(n)``."""
     if n <= k:
@@ -110,7 +104,7 @@ def _jsonl_sample(f: _read.InputFile, k: int, max_bytes: int, rng: random.Random
                 if j < k:
                     kept[j] = (lineno, raw)
         return _parse_lines(sorted(kept), max_bytes), n, True
-    size = _size(f.path)
+    size = _read.input_bytes(f)
     if size <= _SMALL:
         lines = list(_read._jsonl_texts(f, max_bytes))
         return _parse_lines([lines[i] for i in _evenly(len(lines), k)], max_bytes), len(lines), True
@@ -314,20 +308,10 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
     return float(empty), (desc["bytes"] - empty) / desc["tokens"]
 
 
-def _input_bytes(f: _read.InputFile) -> int:
-    """The input's size as the job sizes shards from it (a datasets folder counts 0, as there)."""
-    if f.kind == "hf_disk":
-        return 0
-    try:
-        return _size(f.path)
-    except Exception:  # noqa: BLE001 - as the job: an unsizable input adds nothing
-        return 0
-
-
 def _read_tasks(f: _read.InputFile, records: int, task_bytes: int = _read.TASK_BYTES) -> int:
     """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
     if f.kind == "jsonl" and _read.compression(f.path) is None:
-        return max(1, math.ceil(_input_bytes(f) / task_bytes))
+        return max(1, math.ceil(_read.input_bytes(f) / task_bytes))
     if f.kind in ("parquet", "hf_disk"):
         return max(1, math.ceil(records / _read.TASK_ROWS))
     return 1
@@ -348,7 +332,7 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
     started = time.perf_counter()
     specs = options.datasets()
     files, _ = _read.expand_datasets(specs)
-    input_bytes = sum(_input_bytes(f) for f in files)
+    input_bytes = sum(_read.input_bytes(f) for f in files)
     par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes)
     workers = par.workers
     t = time.perf_counter()
@@ -371,7 +355,7 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
     rejected = {r: n for r, n in rejected.items() if n}
 
     weighted = sum(e.sample.records * specs[e.sample.file.dataset].weight for e in encoded)
-    groups, shards = _write.shard_layout(options, weighted, sum(_input_bytes(f) for f in files))
+    groups, shards = _write.shard_layout(options, weighted, sum(_read.input_bytes(f) for f in files))
     budget = options.max_tokens
     splits: dict[str, dict[str, Any]] = {}
     for split in ("train", "validation") if options.validation_fraction > 0 else ("train",):

@@ -610,7 +610,7 @@ def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict
     inputs: the output is too. ``task_bytes`` and ``lanes`` only say how the read tasks are cut and
     spread, which never changes the output."""
     weights = [d.weight for d in options.datasets()]
-    records = sum(_expected_records(f) * weights[f.dataset] for f in files)
+    records = sum(_read.expected_records(f) * weights[f.dataset] for f in files)
     groups, shards = _write.shard_layout(options, records, size)
     digest = _write.run_digest(options.to_dict(), _input_entries(files), identity)
     meta = packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
@@ -623,26 +623,6 @@ def _plan(options: PackOptions, files: Sequence[_read.InputFile], identity: dict
 def _input_entries(files: Sequence[_read.InputFile]) -> list[dict]:
     """The manifest's ``inputs``."""
     return [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset} for f in files]
-
-
-def _expected_records(f: _read.InputFile) -> int:
-    if "://" not in f.path or f.kind in ("parquet", "hf_disk"):
-        try:
-            return _read.count_records(f)
-        except Exception:  # noqa: BLE001 - the count only sizes groups; a corrupt file is reported by the reader
-            pass
-    return max(1, _size(f) // 1024)
-
-
-def _size(f: _read.InputFile) -> int:
-    if f.kind == "hf_disk":
-        return 0
-    from apache_beam.io.filesystems import FileSystems
-
-    try:
-        return int(FileSystems.match([f.path])[0].metadata_list[0].size_in_bytes)
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
@@ -842,7 +822,7 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
     with _trace.span("launch_tokenizer"):
         identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
         _check_launch(options, identity)
-    sizes = [_size(f) for f in files]
+    sizes = [_read.input_bytes(f) for f in files]
     size = sum(sizes)
     par = _parallel.choose(options.workers, options.tokenizer_threads, size)
     pipe_opts, runner = pipeline_options(beam_args, par.workers)

@@ -1030,6 +1030,30 @@ def count_records(f: InputFile) -> int:
     return sum(1 for _ in read_file(f, 2**31 - 1))
 
 
+def input_bytes(f: InputFile) -> int:
+    """An input's size in bytes, as the job sizes groups and shards from it (a datasets folder, or an
+    input that cannot be sized, counts 0)."""
+    if f.kind == "hf_disk":
+        return 0
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        return int(FileSystems.match([f.path])[0].metadata_list[0].size_in_bytes)
+    except Exception:  # noqa: BLE001 - an unsizable input adds nothing; the reader reports what is wrong with it
+        return 0
+
+
+def expected_records(f: InputFile) -> int:
+    """Records in one input for sizing a run: counted where that is cheap (local files, Parquet and datasets
+    folders anywhere), else about one per KiB."""
+    if "://" not in f.path or f.kind in ("parquet", "hf_disk"):
+        try:
+            return count_records(f)
+        except Exception:  # noqa: BLE001 - the count only sizes groups; a corrupt file is reported by the reader
+            pass
+    return max(1, input_bytes(f) // 1024)
+
+
 def read_task(t: ReadTask, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """``(position, record or Rejected)`` for every record of one task (see :func:`read_file`)."""
     f = t.file
