@@ -5,7 +5,7 @@ about 128 elements per partition, and a ``GroupByKey`` (``Bag.groupby``) keeps i
 number of partitions. So the job's few inputs (often one file) arrive as one partition, and
 every read task planned from them would be read by one Dask worker, one after the other::
 
-    Create(files)      1 partition     PlanReads -> 60 tasks, all in partition 0
+    Create(files)      1 partition     CutTasks -> 60 tasks, all in partition 0
     Spread (groupby)   1 partition     -> one worker encodes all 60
 
 The job therefore shuffles its read tasks together with ``lanes`` empty keys that come in

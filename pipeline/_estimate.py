@@ -139,7 +139,7 @@ def _parquet_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, i
 
     with _read.open_raw(f.path) as fh:
         pf = pq.ParquetFile(fh)
-        plan = _read.row_plan(pf.schema_arrow)
+        decoder = _read.row_decoder(pf.schema_arrow)
         n = pf.metadata.num_rows
         starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
         wanted = _evenly(n, k)
@@ -147,7 +147,7 @@ def _parquet_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, i
         for i in wanted:
             g = int(np.searchsorted(starts, i, side="right") - 1)
             if g not in cache:
-                cache = {g: _read.table_rows(pf.read_row_group(g), max_bytes, plan)}  # one group in memory at a time
+                cache = {g: _read.table_rows(pf.read_row_group(g), max_bytes, decoder)}  # one group in memory at a time
             sample.append((i, cache[g][i - starts[g]]))
     return sample, n, True
 
@@ -159,7 +159,7 @@ def _hf_sample(f: _read.InputFile, k: int, max_bytes: int) -> tuple[list, int, b
     if f.split:
         ds = ds[f.split]
     wanted = _evenly(len(ds), k)
-    rows = _read.table_rows(ds.with_format("arrow").select(wanted)[:], max_bytes, _read.row_plan(ds.features.arrow_schema))
+    rows = _read.table_rows(ds.with_format("arrow").select(wanted)[:], max_bytes, _read.row_decoder(ds.features.arrow_schema))
     return list(zip(wanted, rows)), len(ds), True
 
 
@@ -229,7 +229,7 @@ def _encode_sample(s: InputSample, encoder, options: PackOptions, rng: np.random
     if options.pairs:  # the job's rules for pairs: an item is a pair, its sides kept as pack_pairs keeps them
         if batch.cuts is None:
             batch = dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
-        result, prompt = _rows.plan_pairs(batch, options, dead, stats)
+        result, prompt = _rows.pack_pair_group(batch, options, dead, stats)
         ex = result.order[0::2] // 2
         kept_c, kept_r = result.stops[0::2], result.stops[1::2]
         off, cut = batch.offsets[ex], batch.cuts[ex]
@@ -309,7 +309,7 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
 
 
 def _read_tasks(f: _read.InputFile, records: int, task_bytes: int = _read.TASK_BYTES) -> int:
-    """About how many read tasks the job splits an input into (pipeline._read.plan_tasks)."""
+    """About how many read tasks the job splits an input into (pipeline._read.cut_tasks)."""
     if f.kind == "jsonl" and _read.compression(f.path) is None:
         return max(1, math.ceil(_read.input_bytes(f) / task_bytes))
     if f.kind in ("parquet", "hf_disk"):

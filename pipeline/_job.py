@@ -2,7 +2,7 @@
 
 ::
 
-    Create(inputs) -> PlanReads -> Spread -> EncodeTasks ------------------------------+
+    Create(inputs) -> CutTasks -> Spread -> EncodeTasks ------------------------------+
                       (split big     (tasks    read a task, normalize, render,          |
                        files)        over the  tokenize (pipeline._encode), spill the   |
                                      workers)  examples per packing group to disk       |
@@ -753,9 +753,9 @@ def local_runner(workers: int, command: Optional[str] = None):
     return FnApiRunner(default_environment=SubprocessSDKEnvironment.from_command_string(command))
 
 
-def _plan_reads(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
+def _cut_tasks(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
     with _trace.span("plan_reads", source=f.source) as info:
-        tasks = _read.plan_tasks(f, task_bytes)
+        tasks = _read.cut_tasks(f, task_bytes)
         info["tasks"] = len(tasks)
     return tasks
 
@@ -766,7 +766,7 @@ def build(p, options: PackOptions, plan: Plan, identity: dict, files, notes) -> 
     tasks = (
         p
         | "Inputs" >> beam.Create(files)
-        | "PlanReads" >> beam.FlatMap(_plan_reads, plan.task_bytes)
+        | "CutTasks" >> beam.FlatMap(_cut_tasks, plan.task_bytes)
         | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
     )
     if plan.lanes:  # Dask: a shuffle keeps its input's partitions, so give it plan.lanes more (Create splits)

@@ -332,7 +332,7 @@ def prompt_lengths(batch: ExampleBatch) -> np.ndarray:
     return first - batch.offsets[:-1]
 
 
-def plan_pairs(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
+def pack_pair_group(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
     """Pack a group of pairs (:func:`packers.pack_pairs`, the --long policy for pairs). Returns the result (its
     sequences: ``2 * i`` pair ``i``'s chosen side, ``2 * i + 1`` its rejected side) and the prompt lengths;
     dead-letters the pairs it drops and counts the ones it truncates."""
@@ -370,7 +370,7 @@ def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, r
         if len(batch):
             raise packers.InternalError("a --pairs run got examples that are not pairs")
         batch = dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
-    result, prompt = plan_pairs(batch, options, rejected, stats)
+    result, prompt = pack_pair_group(batch, options, rejected, stats)
     seqs = result.order
     ex, side = seqs // 2, seqs % 2
     starts = np.where(side == 0, 0, batch.cuts[ex])

@@ -600,13 +600,13 @@ def options_from_config(config: dict, inputs: Sequence[str], output: str,
 
 
 @dataclasses.dataclass
-class _InputPlan:
+class _InputCheck:
     options: PackOptions
     files: list
 
 
 def _prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote_code: bool,
-                    announce: Callable[[str], None], report: Report) -> Optional[_InputPlan]:
+                    announce: Callable[[str], None], report: Report) -> Optional[_InputCheck]:
     """Options and inputs of the run, and its tokenizer (loaded here, before the shards are read, so a
     tokenizer that cannot be loaded fails at once). None, with a problem, when the inputs differ."""
     from pipeline._tokenizer import tokenizer_identity
@@ -632,13 +632,13 @@ def _prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remot
         report.add("tokenizer", f"{name!r} here has vocab sha256 {identity['vocab_sha256'][:16]}…, the run used "
                                 f"{m.tokenizer.vocab_sha256[:16]}…; cannot re-tokenize")
         return None
-    return _InputPlan(options, files)
+    return _InputCheck(options, files)
 
 
 def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: dict) -> Iterable[list]:
     """The inputs as the job reads them (per read task, chunks of --batch-size), a corrupt rest as one dead letter."""
     for f in files:
-        for task in _read.plan_tasks(f):
+        for task in _read.cut_tasks(f):
             chunk: list = []
             try:
                 for position, record in _read.read_task(task, options.max_record_bytes):
@@ -656,7 +656,7 @@ def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: 
                 yield chunk
 
 
-def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, dead: _Dead, report: Report) -> None:
+def _check_inputs(folder: str, m: Manifest, plan: _InputCheck, stored: _Stored, dead: _Dead, report: Report) -> None:
     """Every input record: packed with the same tokens, dead-lettered for the same reason, or not sampled."""
     from pipeline._encode import Encoder, add_counts
 
@@ -679,7 +679,7 @@ def _check_inputs(folder: str, m: Manifest, plan: _InputPlan, stored: _Stored, d
             stats: dict[str, int] = {}
             if options.pairs:  # the job's rules for pairs, on this pair alone: two sides, or a dead letter
                 rejected = []
-                result, _ = _rows.plan_pairs(batch.take([i]), options, rejected, stats)
+                result, _ = _rows.pack_pair_group(batch.take([i]), options, rejected, stats)
                 if rejected:
                     candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i],
                                                            rejected[0]["reason"], stats))

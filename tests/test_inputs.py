@@ -78,7 +78,7 @@ def read_all(path: Path, kind: str, max_bytes: int = 1 << 20, task_bytes: int | 
     """``(position, record or Rejected)`` of every task of one input, in task order (a break: a CorruptInput item)."""
     f = _read.InputFile(str(path), path.name, kind)
     out: list = []
-    for task in _read.plan_tasks(f, task_bytes):
+    for task in _read.cut_tasks(f, task_bytes):
         try:
             for item in _read.read_task(task, max_bytes):
                 out.append(item)
@@ -157,7 +157,7 @@ def test_lone_cr_lines_number_alike_in_every_task(tmp_path):
     p = tmp_path / "a.jsonl"
     p.write_bytes(body)
     got = read_all(p, "jsonl", task_bytes=1024)
-    assert len(_read.plan_tasks(_read.InputFile(str(p), "a", "jsonl"), 1024)) > 5
+    assert len(_read.cut_tasks(_read.InputFile(str(p), "a", "jsonl"), 1024)) > 5
     assert [(pos, r) for pos, r in got] == [(n, json.loads(raw)) for n, raw in truth_lines(body)]
 
 
@@ -192,7 +192,7 @@ def test_one_line_rule_everywhere(data, cuts, task):
         fh.write(data)
         fh.flush()
         f = _read.InputFile(fh.name, "a", "jsonl")
-        tasks = _read.plan_tasks(f, task)
+        tasks = _read.cut_tasks(f, task)
         seen = [(n, raw) for t in tasks for n, raw in _read._jsonl_texts(f, 1 << 20, t.start, t.stop, t.first)]
     assert seen == truth_lines(data)
     assert [t.start for t in tasks[1:]] == [t.stop for t in tasks[:-1]]
@@ -599,7 +599,7 @@ def test_fuzz_through_the_job(tmp_path, monkeypatch, seed):
     corpora = {"a.jsonl": jsonl_corpus(seed, 300), "b.json": json_corpus(seed, 120)}
     for name, c in corpora.items():
         (data / name).write_bytes(c.data)
-    assert len(_read.plan_tasks(_read.InputFile(str(data / "a.jsonl"), "a.jsonl", "jsonl"))) > 10
+    assert len(_read.cut_tasks(_read.InputFile(str(data / "a.jsonl"), "a.jsonl", "jsonl"))) > 10
     out = tmp_path / "out"
     manifest = run(PackOptions(inputs=(str(data),), output=str(out), max_tokens=256, num_shards=2))
     packed = {eid for row in read_rows(out) for eid in row["example_ids"]}

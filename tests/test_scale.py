@@ -53,7 +53,7 @@ def test_tasks_of_any_size_read_every_line_once(lines, ending, last_newline, tas
             f.write(text)
         f = _read.InputFile(path, "x.jsonl", "jsonl")
         whole = [(pos, repr(rec)) for pos, rec in _read.read_file(f, 2**20)]
-        tasks = _read.plan_tasks(f, task_bytes)
+        tasks = _read.cut_tasks(f, task_bytes)
         cut = [(pos, repr(rec)) for t in tasks for pos, rec in _read.read_task(t, 2**20)]
     assert cut == whole
     assert len({t.name for t in tasks}) == len(tasks)  # names the tasks' spill files: unique
