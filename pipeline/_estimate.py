@@ -40,7 +40,7 @@ import numpy as np
 
 import packers
 from packers import PackstreamError
-import pipeline._parallel as _parallel
+from pipeline._workers import parallel as _parallel
 import pipeline._read as _read
 import pipeline._rows as _rows
 import pipeline._write as _write

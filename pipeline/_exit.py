@@ -6,7 +6,7 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
-    """How a command ended. A signal N ends a command with 128 + N (:func:`pipeline._signals.exit_code`)."""
+    """How a command ended. A signal N ends a command with 128 + N (:func:`pipeline._workers.signals.exit_code`)."""
 
     OK = 0
     VERIFY_FAILED = 1

@@ -6,18 +6,19 @@ is over. Progress therefore travels through small files instead::
 
     launcher (this process)                      each process that runs DoFns
     -----------------------------------------    ---------------------------------------------
-    Progress.watch(files):                       Counter(ns, name).inc(n):
-      mkdtemp(), set $PACKSTREAM_PROGRESS_DIR      the Beam counter += n, then record(name, n):
-      thread, every --log-interval:                  counts[name] += n, and at most every 0.25 s
-        read_counts(): sum <dir>/*.json  <------     write <dir>/<pid>.json (temp name, os.replace)
+    Progress.watch(files) -> folder:             Counter(ns, name, folder).inc(n):
+      mkdtemp(); the folder goes to every          the Beam counter += n, then record(folder,
+      step in the run's context                    name, n): counts[name] += n, and at most
+      thread, every --log-interval:                every 0.25 s write <folder>/<pid>.json
+        read_counts(): sum <dir>/*.json  <------   (temp name, os.replace)
         render a line or a JSON event
-      on exit: unset the variable, remove <dir>
+      on exit: remove the folder
 
-The folder is a fresh temporary folder outside the output, the environment variable is how
-the runner's worker subprocesses learn it (they inherit the launcher's environment), and a
-process without the variable (a Dataflow, Flink or Spark worker) records nothing. Progress
-never touches the output folder, so it cannot change the output's bytes; a progress file that
-cannot be written or read is skipped, never an error.
+The folder is a fresh temporary folder outside the output; the steps get its name with the rest
+of the run's context (:class:`pipeline._job._context.RunContext`), which Beam hands to every
+worker. A remote run (Dataflow, Flink, Spark) is not watched: its steps get no folder and record
+nothing. Progress never touches the output folder, so it cannot change the output's bytes; a
+progress file that cannot be written or read is skipped, never an error.
 
 The percentage and the ETA follow the stage that limits the run. First *tokenizing*: records
 encoded (read, normalized, rendered and tokenized) out of the input's records, counted in a
@@ -42,7 +43,6 @@ import threading
 import time
 from typing import IO, Any, Iterator, Optional, Sequence
 
-ENV = "PACKSTREAM_PROGRESS_DIR"
 FLUSH_S = 0.25
 COUNTERS = ("records_read", "records_encoded", "examples_tokenized", "tokens", "rows")
 RATE_WINDOW_S = 20.0
@@ -62,9 +62,8 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"dir": None, "counts": {}, "flushed": 0.0}
 
 
-def record(name: str, n: int = 1) -> None:
-    """Add ``n`` to counter ``name`` of this process, if a launcher is watching."""
-    folder = os.environ.get(ENV)
+def record(folder: Optional[str], name: str, n: int = 1) -> None:
+    """Add ``n`` to counter ``name`` of this process, for the launcher watching ``folder`` (None: none is)."""
     if not folder:
         return
     with _lock:
@@ -80,10 +79,9 @@ def record(name: str, n: int = 1) -> None:
     _write(folder, body)
 
 
-def flush() -> None:
-    """Write this process's counts now (a step calls it when a task ends: increments that came within
-    FLUSH_S of the last write would otherwise wait for the next one, which may never come)."""
-    folder = os.environ.get(ENV)
+def flush(folder: Optional[str]) -> None:
+    """Write this process's counts into ``folder`` now (a step calls it when a task ends: increments that came
+    within FLUSH_S of the last write would otherwise wait for the next one, which may never come)."""
     if not folder:
         return
     with _lock:
@@ -95,17 +93,17 @@ def flush() -> None:
 
 
 class Counter:
-    """A Beam metrics counter that also feeds :func:`record`: a drop-in for ``Metrics.counter``."""
+    """A Beam metrics counter that also feeds :func:`record` (``folder``: the watching launcher's, or None)."""
 
-    def __init__(self, namespace: str, name: str):
+    def __init__(self, namespace: str, name: str, folder: Optional[str]):
         from apache_beam.metrics import Metrics
 
-        self.name = name
+        self.name, self.folder = name, folder
         self.metric = Metrics.counter(namespace, name)
 
     def inc(self, n: int = 1) -> None:
         self.metric.inc(n)
-        record(self.name, n)
+        record(self.folder, self.name, n)
 
 
 def _write(folder: str, body: str) -> None:
@@ -180,18 +178,17 @@ class Progress:
     # -- the job side -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def watch(self, files: Sequence[Any]) -> Iterator[None]:
-        """Set up the progress folder, report until the block ends, then clean up."""
+    def watch(self, files: Sequence[Any]) -> Iterator[str]:
+        """Set up the progress folder (yielded: the steps count into it), report until the block ends, then
+        clean up."""
         folder = tempfile.mkdtemp(prefix="packstream-progress-")
-        previous = os.environ.get(ENV)
-        os.environ[ENV] = folder
         stop = threading.Event()
         threading.Thread(target=self._count_total, args=(files,), daemon=True, name="packstream-total").start()
         reporter = threading.Thread(target=self._loop, args=(folder, stop), daemon=True, name="packstream-progress")
         self.started = time.monotonic()
         reporter.start()
         try:
-            yield
+            yield folder
             stop.set()
             reporter.join(timeout=5)
             if self.fmt is LogFormat.JSON:  # the last progress event holds the final counts
@@ -200,10 +197,6 @@ class Progress:
             stop.set()
             reporter.join(timeout=5)
             self._clear()
-            if previous is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = previous
             shutil.rmtree(folder, ignore_errors=True)
 
     def _count_total(self, files: Sequence[Any]) -> None:
@@ -326,10 +319,11 @@ class Progress:
 
 
 def watching(progress: Optional[Progress], files: Sequence[Any], *, local: bool, budget: int = 0
-             ) -> contextlib.AbstractContextManager:
-    """``progress.watch(files)`` for a local run; nothing for none, or for a remote runner."""
+             ) -> contextlib.AbstractContextManager[Optional[str]]:
+    """``progress.watch(files)`` for a local run (it yields the progress folder); None for no progress, or for a
+    remote runner."""
     if progress is None or not local:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(None)
     progress.budget = budget or progress.budget
     return progress.watch(files)
 

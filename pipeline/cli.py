@@ -15,10 +15,10 @@ from typing import Any, Sequence
 
 import click
 
-# Import-time chatter that says nothing to a packstream user: Beam's optional GCP clients and
-# transformers' "PyTorch was not found" (the job needs only tokenizers).
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from packers import PackstreamError
+from pipeline._exit import ExitCode
+from pipeline._progress import LogFormat
+from pipeline._workers import signals
 
 
 class _DropImportNoise(logging.Filter):
@@ -28,16 +28,20 @@ class _DropImportNoise(logging.Filter):
         return not any(n in record.getMessage() for n in self.NOISE)
 
 
-logging.getLogger().addFilter(_DropImportNoise())
-# packstream starts local worker processes itself (pipeline._worker) with Beam's in-memory mode's
-# option name; Beam warns about that combination, and relays each worker's own start-up warnings.
-logging.getLogger("apache_beam.runners.portability.fn_api_runner.fn_runner").addFilter(_DropImportNoise())
-logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
+_NOISE = _DropImportNoise()
 
-from packers import PackstreamError
-from pipeline import _signals
-from pipeline._exit import ExitCode
-from pipeline._progress import LogFormat
+
+def _quiet_libraries() -> None:
+    """Silence what says nothing to a packstream user, before a command imports the libraries that say it:
+    Beam's optional GCP clients, transformers' "PyTorch was not found" (the job needs only tokenizers), and
+    Beam's warning about the local worker processes packstream starts itself (pipeline._workers, with Beam's
+    in-memory mode's option name), with each worker's start-up warnings it relays. Called by every command."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("", "apache_beam.runners.portability.fn_api_runner.fn_runner"):
+        if _NOISE not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_NOISE)
+    logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
 
 
 def bundled_sample() -> str:
@@ -56,18 +60,17 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     PackstreamError (one ``error:`` line), never Beam's usage text; the runner is checked here too,
     in either spelling (``--runner=X`` or ``--runner X``).
     """
-    from pipeline._job import beam_option_parser, runner_args
+    from pipeline._job import beam_flags, runner_args, unknown_beam_args
 
     if any("dask" in t.lower() for t in tokens):
         try:  # registers DaskOptions (--dask_client_address, ...) with Beam's option parser
             import apache_beam.runners.dask.dask_runner  # noqa: F401
         except ImportError:
             pass
-    parser = beam_option_parser()
-    _, unknown = parser.parse_known_args(list(tokens))
+    unknown = unknown_beam_args(tokens)
     bad = [t for t in unknown if t.startswith("-")]
     if bad:
-        known = [o for a in parser._actions for o in a.option_strings] + list(own_options)
+        known = beam_flags() + list(own_options)
         name = bad[0].split("=", 1)[0]
         hint = difflib.get_close_matches(name, known, n=1)
         raise click.UsageError(
@@ -95,7 +98,7 @@ def _fail(e: "Exception | str", code: int = ExitCode.USER_ERROR, reporter=None, 
     """The one way a command ends with an error: one ``error:`` line (through :func:`printable`), exit ``code``."""
     if summary is not None:
         click.echo(summary_table(summary), err=True)
-    _signals.unmute_stderr()
+    signals.unmute_stderr()
     click.secho(f"error: {printable(str(e))}", fg="red", err=True)
     if reporter is not None:
         reporter.error(str(e), code)  # --log-format json: the batch log ends with an error event
@@ -103,21 +106,23 @@ def _fail(e: "Exception | str", code: int = ExitCode.USER_ERROR, reporter=None, 
 
 
 class _Commands(click.Group):
-    """The ``packstream`` group: every command runs with SIGINT, SIGTERM and SIGHUP handled (one line, exit
-    128 + the signal; pipeline._signals), and a click usage error's message is one printable line too."""
+    """The ``packstream`` group: every command runs with the libraries' noise silenced, with SIGINT, SIGTERM and
+    SIGHUP handled (one line, exit 128 + the signal; pipeline._workers.signals), and a click usage error's
+    message is one printable line too."""
 
     def main(self, *args, **kwargs):
-        with _signals.handling():
+        _quiet_libraries()
+        with signals.handling():
             try:
                 return super().main(*args, **kwargs)
             except SystemExit:
                 raise
             except BaseException as e:
-                signum = _signals.received()
+                signum = signals.received()
                 if signum is None:
                     raise
-                _fail(e if isinstance(e, _signals.Interrupted) else f"interrupted by {_signals.name(signum)}",
-                      _signals.exit_code(signum))
+                _fail(e if isinstance(e, signals.Interrupted) else f"interrupted by {signals.name(signum)}",
+                      signals.exit_code(signum))
 
     def invoke(self, ctx):
         try:
@@ -125,14 +130,6 @@ class _Commands(click.Group):
         except click.ClickException as e:
             e.message = printable(e.message)
             raise
-
-
-class _NoUserErrorTracebacks(logging.Filter):
-    """Beam logs a failing DoFn's traceback before re-raising; a user error gets one line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, PackstreamError) and not isinstance(record.msg, PackstreamError)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -268,20 +265,13 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
             _print_estimate(options, sample, log_format, quiet)
             return
         reporter = _progress.for_cli(LogFormat(log_format), quiet, progress, log_interval)
-        manifest = run(options, beam_args, progress=reporter)
+        manifest = run(options, beam_args, progress=reporter, quiet=quiet)
     except TooManyRejected as e:
         _fail(e, ExitCode.REJECTED, reporter, summary=e.manifest)
-    except _signals.Interrupted as e:
+    except signals.Interrupted as e:
         _fail(e, e.exit_code, reporter)
-    except PackstreamError as e:
+    except PackstreamError as e:  # a worker's user error too: it comes back as the failed manifest's error
         _fail(e, reporter=reporter)
-    except Exception as e:  # a Beam job failure wraps the worker's exception: surface user errors cleanly
-        if _signals.received() is not None:
-            raise
-        msg = _user_error_in(e)
-        if msg is None:
-            raise
-        _fail(msg, reporter=reporter)
     if "counts" not in manifest:  # a Flex Template launch: Dataflow runs the job graph later
         if not quiet:
             click.echo(f"job graph written to {manifest['template_location']}; Dataflow runs it next")
@@ -293,15 +283,12 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
 
 
 def _quiet_logs(quiet: bool) -> None:
-    # Dask's scheduler and nannies log every worker start and stop at INFO: noise to a packstream user.
+    """Dask's scheduler and nannies log every worker start and stop at INFO: noise to a packstream user. ``quiet``:
+    only errors (local worker processes log nothing below an error anyway: pipeline._workers.worker)."""
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core", "distributed.worker"):
         logging.getLogger(name).setLevel(logging.WARNING if not quiet else logging.ERROR)
     if quiet:
         logging.getLogger().setLevel(logging.ERROR)
-        os.environ["PACKSTREAM_QUIET"] = "1"  # worker processes inherit it (pipeline._job silences their logs)
-    beam_log = logging.getLogger("apache_beam.runners.common")
-    if not any(isinstance(f, _NoUserErrorTracebacks) for f in beam_log.filters):
-        beam_log.addFilter(_NoUserErrorTracebacks())
 
 
 @main.command("estimate")
@@ -359,15 +346,6 @@ def _print_estimate(options, sample: int, log_format: str, quiet: bool) -> None:
         click.echo(json.dumps({"event": "estimate", **est}, sort_keys=True))
     else:
         click.echo(format_estimate(est))
-
-
-def _user_error_in(e: BaseException) -> "str | None":
-    """The PackstreamError message inside a Beam failure, if that is what it was."""
-    text = str(e)
-    for name in ("PackstreamError: ", "ContractError: "):
-        if name in text:
-            return text.split(name, 1)[1].splitlines()[0].strip(" '\"[]")
-    return None
 
 
 def summary_table(manifest: dict) -> str:

@@ -53,7 +53,7 @@ def test_dask_runner_output_is_byte_identical(tmp_path, monkeypatch):
                                             "--tokenizer-threads", "1"])
     assert on_dask.exit_code == 0, on_dask.output
     # The read tasks came in more Dask partitions (EncodeTasks is set up once per each) than the inputs (7
-    # files) have: the lanes spread them, so every worker gets some (pipeline._dask).
+    # files) have: the lanes spread them, so every worker gets some (pipeline._workers.on_dask).
     spans = _trace.read(str(trace))
     assert sum(s["span"] == "encode_setup" for s in spans) >= 16
     assert sum(s["span"] == "encode_task" for s in spans) >= 4

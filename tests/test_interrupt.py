@@ -1,7 +1,7 @@
 """Interruption (issue 16, causes 3 and 6): SIGINT, SIGTERM and SIGHUP at seeded points in every phase of a run.
 
 Each case runs ``packstream pack`` in a process of its own (its own session, like a shell job) with
-``--workers 1`` or ``2``; the hook of :mod:`pipeline._signals` (``PACKSTREAM_SIGNAL_AT``) sends the
+``--workers 1`` or ``2``; the hook of :mod:`pipeline._workers.signals` (``PACKSTREAM_SIGNAL_AT``) sends the
 signal from inside the phase, at its N-th pass, to the launcher's process group (what a terminal
 does for Ctrl-C and hang-up) or to the launcher alone (``kill PID``). Then:
 
@@ -32,7 +32,7 @@ import pytest
 from click.testing import CliRunner
 
 import packers
-from pipeline import _signals
+from pipeline._workers import signals as _signals
 from pipeline.cli import bundled_sample, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_every_signal_in_every_phase(inputs, clean, tmp_path, phase, sig, worker
 
 _THREAD_RACE = """
 import os, signal, sys, threading, time
-from pipeline import _signals
+from pipeline._workers import signals as _signals
 
 def boom():
     raise RuntimeError("Worker subprocess exited with return code -15")

@@ -2,9 +2,10 @@
 only the layers below it, packing needs no torch, training needs no pipeline.
 
     Face     pipeline/cli.py, pipeline/__init__.py
-    Job      the Beam composites, progress, workers   Tools   verify, inspect, estimate, preview
+    Job      the Beam composites and launcher, progress   Tools   verify, inspect, estimate, preview
     Encode   one stage: records -> encoded examples + typed rejections
-    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, signals, parallel, trace
+    Workers  the processes: signals, local workers, the warm pool, sharing cores, Dask
+    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, trace
     Core     packers: pack, stats, schema, errors, manifest, files     Loader   packers: collate, dataset, attention
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
@@ -19,23 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "face": {"pipeline.cli", "pipeline"},
-    "job": {"pipeline._job", "pipeline._progress", "pipeline._worker", "pipeline._pool", "pipeline._handoff",
-            "pipeline._dask"},
+    "job": {"pipeline._job", "pipeline._progress"},
     "tools": {"pipeline._verify", "pipeline._inspect", "pipeline._estimate", "pipeline._preview"},
     "encode": {"pipeline._encode"},
+    "workers": {"pipeline._workers"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
-               "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals",
-               "pipeline._parallel", "pipeline._trace", "pipeline._exit"},
+               "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
+               "pipeline._exit"},
     "core": {"packers._pack", "packers._stats", "packers.schema", "packers.errors", "packers.manifest", "packers.files",
              "packers.rowcheck", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",
                "packers._loss"},
 }
 ALLOWED = {  # what each layer may import, besides itself
-    "face": {"job", "tools", "encode", "stages", "core", "loader"},
-    "job": {"encode", "stages", "core"},
-    "tools": {"encode", "stages", "core"},
+    "face": {"job", "tools", "encode", "workers", "stages", "core", "loader"},
+    "job": {"encode", "workers", "stages", "core"},
+    "tools": {"encode", "workers", "stages", "core"},
     "encode": {"stages", "core"},
+    "workers": {"stages", "core"},
     "stages": {"core"},
     "core": set(),
     "loader": {"core"},
@@ -120,7 +122,7 @@ def test_packing_needs_no_torch_and_training_no_pipeline():
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
-        if _layer(m) in ("core", "stages", "encode", "job", "tools") and m != "packers":
+        if _layer(m) in ("core", "stages", "workers", "encode", "job", "tools") and m != "packers":
             assert not any(x == "torch" or x.startswith("torch.") for x in names), f"{m} imports torch at module level"
         if m.startswith("packers"):
             assert not any(x.startswith("pipeline") for x in names), f"{m} imports the pipeline"

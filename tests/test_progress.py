@@ -6,6 +6,7 @@ import glob
 import io
 import json
 import os
+import tempfile
 
 import pytest
 from click.testing import CliRunner
@@ -22,15 +23,14 @@ PROGRESS_KEYS = {"event", "stage", "elapsed_s", "records_read", "records_encoded
 def progress_dir(tmp_path, monkeypatch):
     folder = tmp_path / "progress"
     folder.mkdir()
-    monkeypatch.setenv(_progress.ENV, str(folder))
     monkeypatch.setattr(_progress, "FLUSH_S", 0.0)  # write on every increment
     return folder
 
 
 def test_record_writes_one_file_per_process_and_read_counts_sums_them(progress_dir):
-    _progress.record("records_read", 5)
-    _progress.record("records_read", 2)
-    _progress.record("tokens", 100)
+    _progress.record(str(progress_dir), "records_read", 5)
+    _progress.record(str(progress_dir), "records_read", 2)
+    _progress.record(str(progress_dir), "tokens", 100)
     # Another worker process's file, as a subprocess worker would write it.
     (progress_dir / "99999999.json").write_text(json.dumps({"records_read": 10, "rows": 1}))
     (progress_dir / "99999999.json.tmp").write_text("{half a write")  # ignored: not renamed yet
@@ -40,8 +40,12 @@ def test_record_writes_one_file_per_process_and_read_counts_sums_them(progress_d
 
 
 def test_record_is_a_no_op_without_a_watching_launcher(tmp_path, monkeypatch):
-    monkeypatch.delenv(_progress.ENV, raising=False)
-    _progress.record("records_read", 3)
+    monkeypatch.setattr(_progress, "FLUSH_S", 0.0)
+    monkeypatch.chdir(tmp_path)
+    _progress.record(None, "records_read", 3)
+    _progress.flush(None)
+    _progress.Counter("packstream", "rows", None).inc(2)
+    assert os.listdir(tmp_path) == []  # no file anywhere: a remote worker's steps get no folder
     assert _progress.read_counts(str(tmp_path / "nowhere")) == {k: 0 for k in _progress.COUNTERS}
 
 
@@ -49,13 +53,12 @@ def test_a_new_folder_starts_new_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(_progress, "FLUSH_S", 0.0)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        monkeypatch.setenv(_progress.ENV, str(tmp_path / name))
-        _progress.record("rows", 4)
+        _progress.record(str(tmp_path / name), "rows", 4)
         assert _progress.read_counts(str(tmp_path / name))["rows"] == 4
 
 
 def test_counter_feeds_beam_and_progress(progress_dir):
-    c = _progress.Counter("packstream", "rows")
+    c = _progress.Counter("packstream", "rows", str(progress_dir))
     c.inc(3)
     assert _progress.read_counts(str(progress_dir))["rows"] == 3
 
@@ -112,13 +115,16 @@ def test_for_cli_modes(monkeypatch):
         _progress.for_cli(LogFormat.JSON, quiet=False, progress=None, interval=0)
 
 
-def test_watching_a_remote_runner_does_nothing(monkeypatch):
-    monkeypatch.delenv(_progress.ENV, raising=False)
+def test_watching_a_remote_runner_does_nothing():
     p = Progress(LogFormat.JSON, io.StringIO(), interval=0.05)
-    with _progress.watching(p, [], local=False):
-        assert _progress.ENV not in os.environ
-    with _progress.watching(None, [], local=True):
-        assert _progress.ENV not in os.environ
+    with _progress.watching(p, [], local=False) as folder:
+        assert folder is None  # the steps get no folder: they record nothing
+    with _progress.watching(None, [], local=True) as folder:
+        assert folder is None
+    assert p.events == []
+    with _progress.watching(p, [], local=True) as folder:  # a local run: a fresh folder, gone afterwards
+        assert os.path.isdir(folder) and os.listdir(folder) == []
+    assert not os.path.exists(folder) and p.events[-1]["event"] == "progress"
 
 
 def _shards_and_rejects(folder) -> dict[str, bytes]:
@@ -128,7 +134,9 @@ def _shards_and_rejects(folder) -> dict[str, bytes]:
 
 def test_json_log_of_a_real_run_and_output_unchanged(tmp_path, monkeypatch):
     """--log-format json: progress lines, then a done event with the manifest's counts; same bytes as --quiet."""
-    monkeypatch.delenv(_progress.ENV, raising=False)
+    temp = tmp_path / "temp"  # the run's own temporary folders (progress, outcome) go here, and must go away
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     runner = CliRunner()
     logged = runner.invoke(main, ["pack", "--output", str(tmp_path / "a"), "--max-tokens", "256",
                                   "--log-format", "json", "--log-interval", "0.1"])
@@ -142,8 +150,8 @@ def test_json_log_of_a_real_run_and_output_unchanged(tmp_path, monkeypatch):
     assert done["event"] == "done" and done["counts"] == manifest["counts"]
     assert done["output"] == str(tmp_path / "a") and done["shards"] == len(manifest["shards"])
     assert {e["records_total"] for e in progress} <= {None, manifest["counts"]["records_read"]}
-    # The progress folder is gone and the variable unset: nothing leaks into the next run.
-    assert _progress.ENV not in os.environ
+    # The progress folder (and the outcome file) are gone: nothing leaks into the next run.
+    assert os.listdir(temp) == []
     assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".tmp")]
 
     quiet = runner.invoke(main, ["pack", "--output", str(tmp_path / "b"), "--max-tokens", "256", "--quiet"])

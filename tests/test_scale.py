@@ -2,9 +2,9 @@
 
 * the read plan: tasks of any size cover every line of a JSONL file exactly once, at its line number;
 * the job: the same bytes whatever the task size (a group's examples are sorted before packing);
-* local workers forked warm from the launcher (pipeline._pool): the same bytes as one process, and
+* local workers forked warm from the launcher (pipeline._workers.pool): the same bytes as one process, and
   no process left behind, even when the launcher dies;
-* ``--workers`` / ``--tokenizer-threads`` auto (pipeline._parallel).
+* ``--workers`` / ``--tokenizer-threads`` auto (pipeline._workers.parallel).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import PackOptions, _parallel, _read, _trace, run
+from pipeline import PackOptions, _read, _trace, run
+from pipeline._workers import parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,11 +158,11 @@ def test_idle_pool_workers_end_with_the_pool_or_the_launcher(tmp_path):
     """close() reaps them; a launcher that dies without closing (SIGKILL) leaves none behind either."""
     script = textwrap.dedent("""
         import json, os, sys
-        from pipeline import _pool
-        closed = _pool.WorkerPool(2)
+        from pipeline._workers import pool
+        closed = pool.WorkerPool(2)
         pids = list(closed.pids)
         closed.close()
-        orphaned = _pool.WorkerPool(2)
+        orphaned = pool.WorkerPool(2)
         print(json.dumps({"closed": pids, "orphaned": orphaned.pids}), flush=True)
         os._exit(0)  # as if killed: the pool is never closed
     """)
@@ -205,10 +206,10 @@ def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
 
 
 def test_a_handoff_without_a_pool_starts_a_cold_worker(tmp_path):
-    from pipeline import _handoff
+    from pipeline._workers import handoff
 
     (tmp_path / "lock").touch()
-    assert _handoff._claim(str(tmp_path)) is None  # nothing listening: the handoff execs python -m pipeline._worker
+    assert handoff._claim(str(tmp_path)) is None  # nothing listening: the handoff becomes a cold worker
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,17 +229,17 @@ MIB = 2**20
     (64, 1000 * MIB, (32, 2)),
 ])
 def test_auto_parallelism(cores, size, expected):
-    p = _parallel.choose(0, 0, size, n_cores=cores)
+    p = parallel.choose(0, 0, size, n_cores=cores)
     assert (p.workers, p.threads) == expected, p.why
     assert p.workers * p.threads <= cores
 
 
 def test_given_workers_and_threads_are_kept():
     def pair(*args):
-        p = _parallel.choose(*args)
+        p = parallel.choose(*args)
         return p.workers, p.threads
 
     assert pair(3, 0, 0, 16) == (3, 5)
     assert pair(0, 4, 10**12, 16) == (4, 4)
     assert pair(2, 8, 0, 2) == (2, 8)
-    assert _parallel.tokenizer_env(1) == {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert parallel.tokenizer_env(1) == {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -1,10 +1,10 @@
-"""The worker command of a local run with a warm pool (:mod:`pipeline._pool`); the standard library only.
+"""The worker command of a local run with a warm pool (:mod:`pipeline._workers.pool`); the standard library only.
 
 FnApiRunner starts every worker as a shell command with the runner's addresses in its
-environment. This one runs as ``python -I -S pipeline/_handoff.py POOL`` (no site packages: it
-starts in milliseconds), gives its environment to an idle forked worker of the pool, and waits
-for that worker's exit code, which it exits with. Where no pool worker is free (or the pool is
-gone) it becomes a cold worker instead: ``python -m pipeline._worker``.
+environment. This one runs as ``python -I -S .../handoff.py POOL LAUNCHER_PID`` (no site
+packages: it starts in milliseconds), gives its environment to an idle forked worker of the pool,
+and waits for that worker's exit code, which it exits with. Where no pool worker is free (or the
+pool is gone) it becomes a cold worker instead: ``python -m pipeline._workers.worker LAUNCHER_PID``.
 """
 
 import fcntl
@@ -44,7 +44,7 @@ def main() -> int:
     except OSError:
         conn = None
     if conn is None:
-        os.execv(sys.executable, [sys.executable, "-m", "pipeline._worker"])
+        os.execv(sys.executable, [sys.executable, "-m", "pipeline._workers.worker", *sys.argv[2:3]])
     conn.sendall(json.dumps(dict(os.environ)).encode() + b"\n")
     reply = conn.makefile("rb").readline().strip()
     return int(reply) if reply.lstrip(b"-").isdigit() else 1

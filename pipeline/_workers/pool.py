@@ -1,14 +1,14 @@
 """Warm local workers: forked from the launcher once it has imported Beam and loaded the tokenizer.
 
 ``packstream pack --workers N`` runs Beam's FnApiRunner in multi-process mode, which starts each
-worker as a shell command. A cold worker (``python -m pipeline._worker``) then imports Beam and
+worker as a shell command. A cold worker (:mod:`pipeline._workers.worker`) then imports Beam and
 loads the tokenizer itself: ~3 CPU-seconds before it reads a record, on every run
 (``bench/bench_scale.py --cores``, "start-up / worker"). The launcher has done both already, so
 it forks its N workers instead, before it starts any thread or server, and they wait::
 
     launcher  imports, tokenizer --fork--> N children, each listening on <pool>/w<i>.sock
               plan, claim, run the job
-              FnApiRunner: "python -I -S pipeline/_handoff.py <pool>"  (x N, milliseconds each)
+              FnApiRunner: "python -I -S .../handoff.py <pool> <pid>"  (x N, milliseconds each)
                  handoff --connect--> an idle child: it takes the handoff's environment (the
                                       runner's addresses), runs the SDK worker, replies its exit code
               the job ends: close() reaps every child (idle ones are told to stop)
@@ -34,9 +34,9 @@ import threading
 import time
 from typing import Optional
 
-from pipeline import _signals
+from pipeline._workers import signals
 
-HANDOFF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_handoff.py")
+HANDOFF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handoff.py")
 
 
 def supported() -> bool:
@@ -50,7 +50,7 @@ class WorkerPool:
     def __init__(self, n: int):
         self.folder = tempfile.mkdtemp(prefix="packstream-pool-")
         self.pids: list[int] = []
-        parent = os.getpid()
+        self.launcher = parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -68,7 +68,7 @@ class WorkerPool:
                         os._exit(code)
                 listener.close()
                 self.pids.append(pid)
-                _signals.register_workers([pid])  # a signal to the launcher stops them too
+                signals.register_workers([pid])  # a signal to the launcher stops them too
         except BaseException:
             self.close()
             raise
@@ -76,10 +76,11 @@ class WorkerPool:
     @property
     def command(self) -> str:
         """The worker command line for ``SubprocessSDKEnvironment``."""
-        # SIGINT and SIGHUP ignored from exec on (as for cold workers: pipeline._signals.worker_command), so a
-        # terminal's signal to the whole group never kills a handoff before it starts, nor prints its traceback.
+        # SIGINT and SIGHUP ignored from exec on (as for cold workers: signals.worker_command), so a terminal's
+        # signal to the whole group never kills a handoff before it starts, nor prints its traceback. The
+        # launcher's pid goes to a cold worker the handoff may become.
         return (f"trap '' INT HUP; exec {shlex.quote(sys.executable)} -I -S {shlex.quote(HANDOFF)} "
-                f"{shlex.quote(self.folder)}")
+                f"{shlex.quote(self.folder)} {self.launcher}")
 
     def close(self, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop idle children, wait for the others (their workers end with the job), then reap every one.
@@ -110,7 +111,7 @@ class WorkerPool:
                     os.waitpid(pid, 0)
                     break
                 time.sleep(0.02)
-        _signals.register_workers(self.pids, add=False)
+        signals.register_workers(self.pids, add=False)
         self.pids = []
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -118,7 +119,7 @@ class WorkerPool:
 def _serve(listener: socket.socket, path: str, parent: int) -> int:
     """A child: wait for a handoff, become the SDK worker it asks for, reply its exit code."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not ours: close() stops us with it
-    _signals.worker_setup()  # Ctrl-C and hang-up are the launcher's to handle; die with the launcher
+    signals.worker_setup(parent)  # Ctrl-C and hang-up are the launcher's to handle; die with the launcher
     listener.settimeout(0.5)
     while True:
         try:
@@ -159,10 +160,10 @@ def _exit_when_closed(conn: socket.socket) -> None:
 
 
 def _run_worker() -> int:
-    from pipeline import _worker
+    from pipeline._workers import worker
 
     try:
-        _worker.main([])
+        worker.main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - the worker logged it to the runner; the exit code says it failed

@@ -6,8 +6,8 @@
           |                                    handler: note the signal, mute every other output
           v                                    (logging, thread tracebacks, stderr), stop the local
     launcher ---- SIGTERM ----> workers        workers, raise Stop in the main thread
-    (handler)                  (ignore SIGINT  -> the job unwinds; pipeline._job makes the folder a
-                                and SIGHUP;       failed output (or finishes a commit that was done)
+    (handler)                  (ignore SIGINT  -> the job unwinds; the launcher (pipeline._job) makes
+                                and SIGHUP;       the folder a failed output (or finishes a commit)
                                 die with the   -> the CLI prints one line, exits 130 / 143 / 129
                                 launcher)
 
@@ -19,11 +19,12 @@
 * A second signal while the first is being handled ends the process at once with the same line
   (the run's lock then stays, and ``--overwrite`` clears what the run left, by its journal).
 * A signal the shell set to be ignored (``nohup``, ``cmd &`` in a script) stays ignored.
-* Local worker processes (``--workers N``, :mod:`pipeline._worker`) ignore SIGINT and SIGHUP (a
-  terminal sends them to the whole process group) and die with their launcher: it stops them.
+* Local worker processes (``--workers N``, :mod:`pipeline._workers.worker`) ignore SIGINT and SIGHUP
+  (a terminal sends them to the whole process group) and die with their launcher: it stops them.
 
 The test hook :func:`at` delivers a signal at a named point of a run (``PACKSTREAM_SIGNAL_AT``,
-read once at import); unset, it is one comparison.
+read once at import); unset, it is one comparison. The hook stays an environment variable: a test
+sets it from outside the process tree, and every process of the run (launcher, workers) reads it.
 """
 
 from __future__ import annotations
@@ -219,11 +220,11 @@ def unmute_stderr() -> None:
         _state.saved_stderr = None
 
 
-WORKER_MODULE = "pipeline._worker"
+WORKER_MODULE = "pipeline._workers.worker"
 
 
 def worker_pids() -> list[int]:
-    """This process's local Beam workers (children running :mod:`pipeline._worker`): /proc, else psutil."""
+    """This process's local Beam workers (children running :mod:`pipeline._workers.worker`): /proc, else psutil."""
     me = os.getpid()
     found: list[int] = []
     try:
@@ -256,7 +257,7 @@ def worker_pids() -> list[int]:
 
 
 _REGISTERED: set[int] = set()
-"""Workers that :func:`worker_pids` cannot find by their command line: forked ones (:mod:`pipeline._pool`)."""
+"""Workers that :func:`worker_pids` cannot find by their command line: forked ones (:mod:`pipeline._workers.pool`)."""
 
 
 def register_workers(pids, add: bool = True) -> None:
@@ -273,20 +274,27 @@ def stop_workers() -> None:
             pass
 
 
-def worker_command() -> str:
-    """The shell command FnApiRunner runs per local worker: SIGINT and SIGHUP ignored from exec on (an ignored
-    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler)."""
+def worker_command(launcher: int) -> str:
+    """The shell command FnApiRunner runs per local worker of launcher ``launcher`` (a pid): SIGINT and SIGHUP
+    ignored from exec on (an ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler)."""
     import shlex
 
-    return f"trap '' INT HUP; exec {shlex.quote(sys.executable)} -m {WORKER_MODULE}"
+    return f"trap '' INT HUP; exec {shlex.quote(sys.executable)} -m {WORKER_MODULE} {int(launcher)}"
 
 
-def worker_setup() -> None:
-    """In a local worker process: ignore the terminal's SIGINT and SIGHUP, and die with the launcher."""
+_launcher: Optional[int] = None
+"""In a worker process: its launcher's pid (:func:`worker_setup`), where the test hook sends a signal."""
+
+
+def worker_setup(launcher: Optional[int]) -> None:
+    """In a local worker process of launcher ``launcher`` (a pid): ignore the terminal's SIGINT and SIGHUP, and
+    die with the launcher."""
+    global _launcher
+    _launcher = launcher
     for s in ("SIGINT", "SIGHUP"):
         if hasattr(signal, s):
             signal.signal(getattr(signal, s), signal.SIG_IGN)
-    launcher = os.environ.get(LAUNCHER_ENV)
     if sys.platform.startswith("linux"):
         try:  # PR_SET_PDEATHSIG: a launcher killed outright (SIGKILL) takes its workers with it
             import ctypes
@@ -294,17 +302,13 @@ def worker_setup() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    if launcher and launcher.isdigit():
+    if launcher is not None:
         try:
-            os.kill(int(launcher), 0)
+            os.kill(launcher, 0)
         except ProcessLookupError:
             os._exit(0)  # the launcher is already gone: nothing of this run may be written any more
         except OSError:
             pass
-
-
-LAUNCHER_ENV = "PACKSTREAM_LAUNCHER_PID"
-"""Set by the launcher for its workers: who to stop with, and where the test hook sends a signal."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,7 +345,7 @@ def _fire(phase: str) -> None:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return  # another worker fired first
-    launcher = int(os.environ.get(LAUNCHER_ENV) or os.getpid())
+    launcher = _launcher or os.getpid()  # a worker's launcher, or this process: the launcher itself
     signum = getattr(signal, f"SIG{sig}")
     if target == "group":
         os.killpg(os.getpgid(launcher), signum)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from pipeline import _parallel, _read
+from pipeline import _read
+from pipeline._workers import parallel
 
 MAX_LANES = 1024
 
@@ -40,7 +41,7 @@ def cluster_threads(pipe_opts) -> Optional[int]:
     opts.pop("npartitions", None)
     opts.pop("partition_size", None)
     if not opts.get("address") and not opts.get("scheduler_file"):
-        return _parallel.cores()
+        return parallel.cores()
     try:
         import distributed
 

@@ -1,0 +1,52 @@
+"""The Beam job behind ``packstream pack``: thin steps around the stages' pure functions, and its launcher.
+
+::
+
+    Create(inputs) -> CutTasks -> Spread -> EncodeTasks ------------------------------+
+                      (split big     (tasks    read a task, normalize, render,          |
+                       files)        over the  tokenize (pipeline._encode), spill the   |
+                                     workers)  examples per packing group to disk       |
+                                                   |                                     |
+                                 Slices: Spilled -> (split, group), Slice(group, file, batch)
+                                                   v                                     |
+                                    ByGroup -> PackGroups: per group, on every worker:   |
+                                               read it back, de-duplicate, split/        |
+                                               truncate, bin-pack, assemble rows, park   |
+                                               them in a packed spill file               |
+                                                   |                                     |
+                                 Pieces: Packed -> (split, shard), Piece(group, file, batch)
+                                                   v                                     |
+                      (every shard) -> ByShard -> WriteShards: per shard, stream its     |
+                                                  groups' rows in group order into the   |
+                                                  shard file, sha256 as the bytes pass   |
+                                                   |                                     |
+                                                   v                                     v
+                                   Collect (one key) -> Finalize: merge the dead letters,
+                                   sum the counts, check they reconcile, then the commit:
+                                   the staged shards renamed into place, manifest.json
+                                   (complete) and the dataset card; or a failed manifest
+                                   and a card that points at no data
+
+Only small values cross a shuffle (tasks, slices, shard descriptions, counts, file names), so
+memory does not grow with the input on any runner; tokens move through spill files
+(:mod:`pipeline._spill`). Every step has one output, of small typed values
+(:mod:`~pipeline._job._outputs`): runners such as Dask support nothing more. Nothing a worker
+finds wrong with the user's data or folder raises: a corrupt input is a dead letter naming the
+file, a failed write or a user error a :class:`~pipeline._job._outputs.Failure` that the manifest
+records, and the launcher turns a failed manifest into one ``error:`` line.
+
+The modules, one job each::
+
+    _context   RunContext: what the launcher decided (options, inputs, tokenizer, Layout); every step gets it
+    _outputs   the typed values the steps emit
+    _steps     the DoFns and the graph
+    _commit    Finalize: counts (_counts), status, manifest, commit; stopped() for a run that did not finish
+    _runner    Beam's options and the runner, through Beam's public API
+    _launch    run(): prepare, then one ExitStack of the run's resources (the folder's claim, the spill,
+               the warm workers, progress) around the job
+"""
+
+from pipeline._job._launch import TooManyRejected, run
+from pipeline._job._runner import DASK_RUNNER, beam_flags, pipeline_options, runner_args, unknown_beam_args
+
+__all__ = ["DASK_RUNNER", "TooManyRejected", "beam_flags", "pipeline_options", "run", "runner_args", "unknown_beam_args"]

@@ -1,0 +1,126 @@
+"""What the launcher decides before the job starts: the run's :class:`RunContext`, which every step gets.
+
+The context is frozen and small enough to pickle: Beam ships one copy of it with every step to
+every worker, so it is also how a run's settings reach the worker processes (no environment
+variables). Everything in it is decided once, at launch, from the options and a cheap look at the
+inputs; nothing in it changes while the job runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import packers
+from pipeline import _read, _rows, _spill, _write
+from pipeline._options import PackOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where examples go: packing groups and output shards per split, from stable hashes of their ids."""
+
+    groups: dict[str, int]
+    """Packing groups per split ("train", "validation")."""
+    shards: dict[str, int]
+    """Output shards per split."""
+
+    def key(self, example_id: str, fraction: float) -> tuple[str, int, int]:
+        """(split, group, shard) of an example (``fraction``: the validation fraction)."""
+        split = _rows.split_of(example_id, fraction)
+        group = _rows.group_of(example_id, self.groups[split])
+        return split, group, group % self.shards[split]
+
+    def shard_names(self, ext: str) -> list[str]:
+        """Every shard's file name, split by split."""
+        return [_write.shard_name(split, i, n, ext) for split, n in sorted(self.shards.items()) for i in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """One run, as the launcher decided it: the options, the inputs, the tokenizer and the layout."""
+
+    options: PackOptions
+    """The options, with the output folder normalized (and, locally, the workers and threads chosen)."""
+    files: tuple[_read.InputFile, ...]
+    read_once: tuple[str, ...]
+    """Notes on inputs named twice and read once (the manifest's ``inputs_read_once``)."""
+    tokenizer: dict
+    """The tokenizer's identity (:func:`pipeline._tokenizer.tokenizer_identity`)."""
+    layout: Layout
+    run_id: str
+    """A fresh id of this launch: the output lock's, the spill folder's and the outcome file's name."""
+    digest: str
+    """The manifest's ``run_id`` (:func:`pipeline._write.run_digest`), also in every shard's schema metadata:
+    the same for a rerun of the same run."""
+    spill: str
+    """The spill folder (:mod:`pipeline._spill`), under the output folder."""
+    task_bytes: int = _read.TASK_BYTES
+    """The size of JSONL read tasks (:func:`pipeline._read.task_bytes`): enough tasks for the workers."""
+    lanes: int = 0
+    """Dask: empty keys shuffled with the read tasks, so that every Dask worker gets some
+    (:mod:`pipeline._workers.on_dask`); 0 elsewhere."""
+    progress: Optional[str] = None
+    """A local run watched for progress: the folder its workers count into (:mod:`pipeline._progress`)."""
+    outcome: Optional[str] = None
+    """A local run: the file where the commit leaves its outcome when the manifest cannot be written."""
+
+    @property
+    def output(self) -> str:
+        return self.options.output
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.tokenizer["eos_token_id"]
+
+    @property
+    def extension(self) -> str:
+        """The shards' file extension."""
+        return "parquet" if self.options.output_format.value == "parquet" else "arrow"
+
+    def schema_metadata(self) -> dict:
+        """The metadata every shard's schema carries."""
+        t = self.tokenizer
+        return packers.schema_metadata(budget=self.options.max_tokens, tokenizer=t["name"],
+                                       vocab_sha256=t["vocab_sha256"], pad_token_id=t["pad_token_id"],
+                                       eos_token_id=t["eos_token_id"], run_id=self.digest)
+
+    def planned_files(self) -> list[str]:
+        """The run's journal: every name it may create in the output folder (besides packstream's ``.tmp-*``
+        names), known before it starts. The lock holds it, and a failed manifest lists it, so --overwrite
+        clears all of it."""
+        return self.layout.shard_names(self.extension) + ["rejected.jsonl", "README.md"]
+
+    def input_entries(self) -> list[dict]:
+        """The manifest's ``inputs``."""
+        return input_entries(self.files)
+
+
+def input_entries(files: Sequence[_read.InputFile]) -> list[dict]:
+    """The manifest's ``inputs``: one entry per input file."""
+    return [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset} for f in files]
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The inputs as the launcher found them: files, notes, the tokenizer's identity and the total size."""
+
+    files: tuple[_read.InputFile, ...]
+    read_once: tuple[str, ...]
+    tokenizer: dict
+    size: int
+
+
+def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = _read.TASK_BYTES,
+           lanes: int = 0) -> RunContext:
+    """The run's context. Groups and shards per split come from a cheap count of the inputs (exact for local
+    JSONL, Parquet and datasets folders; from sizes elsewhere), so they are the same for the same inputs: the
+    output is too. ``task_bytes`` and ``lanes`` only say how the read tasks are cut and spread, which never
+    changes the output."""
+    weights = [d.weight for d in options.datasets()]
+    records = sum(_read.expected_records(f) * weights[f.dataset] for f in inputs.files)
+    groups, shards = _write.shard_layout(options, records, inputs.size)
+    digest = _write.run_digest(options.to_dict(), input_entries(inputs.files), inputs.tokenizer)
+    return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, tokenizer=inputs.tokenizer,
+                      layout=Layout(groups, shards), run_id=run_id, digest=digest,
+                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes, lanes=lanes)

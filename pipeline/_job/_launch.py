@@ -1,0 +1,325 @@
+"""The launcher: :func:`run` decides the run, owns the output folder for it, runs the job and ends it.
+
+::
+
+    prepare     the inputs, the tokenizer (checked once, here), the workers, Beam's options -> Launch
+    run         one ExitStack; each resource is entered once and cleans up after itself, in reverse:
+      owned       the output folder: the claim (lock, journal, guard card); released after the commit,
+                  or, when anything stops the run, stopped(): a failed manifest and guard card (or the
+                  rest of a commit already made), so every reader refuses the folder and --overwrite
+                  can clear it; a signal ends as Interrupted
+      spill       the spill folder under the output, removed
+      outcome     the local outcome file (where the commit says why when it cannot write the manifest)
+      environ     the tokenizer's threads for local workers (the Rust library reads them), restored
+      pool        the warm local workers (forked before any thread starts), reaped (killed on an error)
+      progress    the progress folder and its reporter (local runs)
+      job         Beam runs the graph (pipeline._job._steps); a signal cancels a remote job
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Iterator, Optional, Sequence
+
+from packers import PackstreamError
+from packers.files import show_path
+from packers.manifest import MANIFEST, Status
+from pipeline import _output, _progress, _read, _trace, _write
+from pipeline._exit import ExitCode
+from pipeline._job._commit import Verdict, remove_spill, stopped
+from pipeline._job._context import Inputs, RunContext, decide
+from pipeline._job._runner import DASK_RUNNER, local_runner, pipeline_options
+from pipeline._options import PackOptions
+from pipeline._tokenizer import tokenizer_identity
+from pipeline._workers import on_dask, parallel, pool, signals
+
+
+class TooManyRejected(PackstreamError):
+    """The run packed nothing, or rejected more than ``--max-reject-fraction`` (the CLI exits with 3)."""
+
+    def __init__(self, message: str, manifest: Optional[dict] = None):
+        super().__init__(message)
+        self.manifest = manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the launcher decided before it touches the output folder: the run, and how Beam runs it."""
+
+    ctx: RunContext
+    pipe_opts: Any
+    """Beam's PipelineOptions."""
+    runner: Any
+    """FnApiRunner for a local run; None: the runner ``pipe_opts`` names (Dataflow, Dask, ...)."""
+    workers: int
+    """Local worker processes."""
+    environ: dict[str, str]
+    """The environment that gives local workers their tokenizer threads (empty for a remote runner)."""
+    template: Optional[str]
+    """A Flex Template launch (``--template_location``): where the job graph goes; nothing is run."""
+    avoid: tuple[str, ...]
+    """The inputs and the folders their globs start from: paths the output folder must not touch."""
+
+
+def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[_progress.Progress] = None,
+        *, quiet: bool = False) -> dict:
+    """Build and run the whole job; returns the manifest. Raises PackstreamError on user error.
+
+    ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
+    changes the output. ``quiet``: print no warning. A Flex Template launch (``--template_location``)
+    only writes the job graph: Dataflow runs it later (and writes the manifest), so this returns the
+    config.
+
+    Stopped by a signal (the CLI handles SIGINT, SIGTERM and SIGHUP: :mod:`pipeline._workers.signals`),
+    it raises :class:`~pipeline._workers.signals.Interrupted` once the folder is a failed output.
+    """
+    started = time.time()
+    launch = prepare(options, beam_args, quiet=quiet)
+    manifest = _launched(launch, progress)
+    if "counts" not in manifest:  # a template launch
+        return manifest
+    manifest["elapsed_s"] = round(time.time() - started, 3)
+    if manifest["status"] != Status.COMPLETE.value:
+        if manifest.get("exit_code") == ExitCode.REJECTED:
+            raise TooManyRejected(manifest["error"], manifest)
+        raise PackstreamError(manifest.get("error") or "the run failed")
+    return manifest
+
+
+def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool = False) -> Launch:
+    """Everything decided before the folder is touched: a mistake here writes nothing."""
+    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+
+    options = dataclasses.replace(options, output=_output.normalize_output(options.output))
+    _trace.mark("launch", process_cpu=time.process_time())
+    with _trace.span("launch_inputs"):
+        files, notes = _read.expand_datasets(options.datasets())
+    with _trace.span("launch_tokenizer"):
+        identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+        _check_launch(options, identity, quiet)
+    sizes = [_read.input_bytes(f) for f in files]
+    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes))
+    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size)
+    pipe_opts, runner = pipeline_options(beam_args, par.workers)
+    local = runner is not None
+    task_bytes, lanes = _read.task_bytes(inputs.size, par.workers if local else None), 0
+    if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
+        task_bytes, lanes = on_dask.layout(pipe_opts, files, sizes)
+    if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
+        options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
+    run_id = uuid.uuid4().hex[:12]
+    with _trace.span("launch_context", workers=par.workers, threads=par.threads):
+        ctx = decide(options, inputs, run_id, task_bytes, lanes)
+    if local:
+        ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"))
+    avoid = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
+    return Launch(ctx, pipe_opts, runner, par.workers, par.env() if local else {},
+                  pipe_opts.view_as(GoogleCloudOptions).template_location, tuple(avoid))
+
+
+def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> dict:
+    """Run the job with its resources held (see the module docstring): the manifest, or a template's config."""
+    ctx = launch.ctx
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_owned(launch))
+        stack.callback(remove_spill, ctx.spill)
+        if ctx.outcome:
+            stack.callback(_remove_file, ctx.outcome)
+        stack.enter_context(_environ(launch.environ))
+        runner = launch.runner
+        if runner is not None and launch.workers > 1:
+            warm = stack.enter_context(_pool(launch.workers))
+            if warm is not None:
+                runner = local_runner(launch.workers, warm.command)
+        folder = stack.enter_context(_progress.watching(progress, ctx.files, local=runner is not None,
+                                                        budget=ctx.options.max_tokens))
+        _run_job(dataclasses.replace(ctx, progress=folder), launch.pipe_opts, runner)
+        if launch.template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
+            return {"config": ctx.options.to_dict(), "template_location": launch.template}
+        return _read_manifest(ctx)
+
+
+@contextlib.contextmanager
+def _owned(launch: Launch) -> Iterator[Optional[_output.Claim]]:
+    """The output folder, owned for the run (:mod:`pipeline._output`; a template launch writes nothing there).
+
+    The lock, its journal, the guard card and the clearing happen whole (a signal waits). Released once
+    the block ends; if anything stops the run, the folder is made to explain itself first (:func:`stopped`).
+    """
+    ctx, claim = launch.ctx, None
+    try:
+        signals.at("launch")
+        if not launch.template:
+            with signals.deferred():
+                claim = _output.claim(ctx.output, launch.avoid, ctx.options.overwrite, ctx.run_id,
+                                      ctx.planned_files())
+            signals.set_last_words(f"interrupted again while stopping; {show_path(ctx.output)} holds a partial "
+                                   "output and the run's lock: run again with --overwrite")
+            signals.at("launch")
+        yield claim
+    except BaseException as e:
+        signum = signals.received()
+        if claim is None:
+            if signum is not None:
+                raise signals.Interrupted(signum, f"interrupted by {signals.name(signum)} before anything was "
+                                                  f"written to {show_path(ctx.output)}") from None
+            raise
+        state = stopped(ctx, claim, _why(e, signum))
+        if signum is not None:
+            raise signals.Interrupted(signum, interrupted_message(signum, ctx.output, state)) from None
+        raise
+    if claim is not None:
+        claim.release()
+
+
+def _why(e: BaseException, signum: Optional[int]) -> Verdict:
+    """The failed manifest of a run that ``e`` stopped (``signum``: the signal behind it, if any)."""
+    if signum is not None:
+        return Verdict.failed(f"interrupted by {signals.name(signum)}", signals.exit_code(signum))
+    return Verdict.failed(str(e) if isinstance(e, PackstreamError) else f"the run stopped: {type(e).__name__}: {e}")
+
+
+def interrupted_message(signum: int, output: str, state: str) -> str:
+    """The one line of a run that signal ``signum`` stopped, by what the folder holds (:func:`stopped`'s state)."""
+    what = f"interrupted by {signals.name(signum)}"
+    out = show_path(output)
+    if state == "complete":
+        return f"{what} after the output was committed: {out} is complete (packstream verify {out} checks it)"
+    if state == "failed":
+        return (f"{what}; {out} holds no complete output (its manifest.json says failed, and readers refuse it): "
+                "run the same command with --overwrite to pack again")
+    return (f"{what}; {out} holds a partial output and the run's lock (it could not be marked failed): "
+            "run the same command with --overwrite to clear it and pack again")
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (local workers inherit it) for the block; then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[Optional[pool.WorkerPool]]:
+    """Warm workers, forked now (before any thread or server starts here); None where forking is not safe.
+    Reaped when the block ends; killed if it ends with an error (the folder is then made to explain itself)."""
+    with _trace.span("launch_pool", workers=workers):
+        warm = pool.start(workers)
+    if warm is None:
+        yield None
+        return
+    try:
+        yield warm
+    except BaseException:
+        warm.close(kill=True)
+        raise
+    warm.close()
+
+
+def _run_job(ctx: RunContext, pipe_opts, runner) -> None:
+    """Build the graph and run it to its end. A runner error that the commit explained (the outcome file) is
+    that PackstreamError; a signal cancels a remote job."""
+    import apache_beam as beam
+
+    from pipeline._job._steps import build
+
+    try:
+        p = beam.Pipeline(runner=runner, options=pipe_opts)
+        build(p, ctx)
+        with _trace.span("job"):
+            result = p.run()
+        try:
+            with _trace.span("job_wait"):
+                result.wait_until_finish()
+        except BaseException:
+            if signals.received() is not None:
+                _cancel(result)
+            raise
+        finally:
+            client = getattr(result, "client", None)  # DaskRunner: close the client (and a local cluster)
+            if client is not None:
+                client.close()
+    except PackstreamError:
+        raise
+    except Exception:  # a runner error: our typed outcome (if any) says more than its text
+        if signals.received() is not None:
+            raise
+        outcome = _read_outcome(ctx.outcome)
+        if outcome:
+            raise PackstreamError(outcome["error"]) from None
+        raise
+
+
+def _cancel(result) -> None:
+    """A remote job keeps running after its launcher stops: cancel it (best effort)."""
+    try:
+        result.cancel()
+    except Exception:  # noqa: BLE001 - local runners have nothing to cancel; remote ones may refuse
+        pass
+
+
+def _check_launch(options: PackOptions, identity: dict, quiet: bool) -> None:
+    """What every worker would find wrong alike is found here, once, as one error: the chat template
+    (empty, not compiling, or never ending), an EOS token the vocabulary does not hold as one token.
+    A tokenizer without an EOS gets a warning (unless ``quiet``): examples then end without one."""
+    from pipeline._render import Renderer
+    from pipeline._tokenizer import check_eos, load_tokenizer
+
+    Renderer(options)  # raises PackstreamError; the tokenizer is already loaded (cached per process)
+    check_eos(load_tokenizer(options.tokenizer, options.trust_remote_code), identity["name"])
+    if identity["eos_token"] is None and not quiet:
+        print(f"warning: tokenizer {show_path(identity['name'])} has no EOS token, so examples are packed without one "
+              "and a model trained on them does not learn where an answer ends; set \"eos_token\" in its "
+              "tokenizer_config.json", file=sys.stderr)
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob starts from (the pattern itself when it has no wildcard): an input the output must avoid."""
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?[") and not os.path.exists(pattern):
+            return "/".join(parts[:i]) or "."
+    return pattern
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _read_outcome(path: Optional[str]) -> Optional[dict]:
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_manifest(ctx: RunContext) -> dict:
+    try:
+        return _write.read_manifest(ctx.output).raw
+    except (OSError, PackstreamError) as e:
+        outcome = _read_outcome(ctx.outcome)
+        if outcome:
+            return outcome
+        raise PackstreamError(f"the run ended without writing {ctx.output}/{MANIFEST} ({e}); see the messages "
+                              "above") from None

@@ -1,0 +1,102 @@
+"""What the job's steps emit: one small frozen type per kind of value.
+
+Every step has one output, a mix of these values (runners such as Dask support nothing more), and
+the graph picks each kind out by its type (:func:`only`); the commit sums up the rest
+(:class:`pipeline._job._commit.Reports`, one handler per type)::
+
+    EncodeTasks  -> Spilled, Rejects, Stats, Failure
+    PackGroups   -> Packed, Rejects, Stats, Flags, Failure
+    WriteShards  -> Written, Failure
+    Finalize     <- everything but Spilled and Packed (which feed the next step)
+
+Nothing a worker finds wrong with the user's data or folder raises: a failed write or a user error
+is a :class:`Failure` that the manifest records, and the launcher turns a failed manifest into one
+``error:`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from packers import PackstreamError
+from pipeline._spill import Piece, Slice
+
+
+@dataclasses.dataclass(frozen=True)
+class Spilled:
+    """Examples of one packing group, spilled to disk by one read task."""
+
+    split: str
+    group: int
+    slice: Slice
+
+    def keyed(self) -> tuple[tuple[str, int], Slice]:
+        return (self.split, self.group), self.slice
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Rows of one packing group for one shard, parked in a packed spill file."""
+
+    split: str
+    shard: int
+    piece: Piece
+
+    def keyed(self) -> tuple[tuple[str, int], Piece]:
+        return (self.split, self.shard), self.piece
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejects:
+    """A file of dead letters (one JSON line each) to merge into ``rejected.jsonl``."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counts to add up (records read, examples packed, normalization notes, ...)."""
+
+    counts: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """What one group's rows hold: every boundary after an EOS token, only target tokens."""
+
+    eos_at_boundaries: bool
+    all_targets: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A shard staged under its temporary name: its description for the manifest."""
+
+    shard: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why the run cannot complete (the folder cannot be written, a user error found by a worker)."""
+
+    message: str
+
+    @classmethod
+    def of(cls, e: "OSError | PackstreamError") -> "Failure":
+        return cls(cannot_write(e) if isinstance(e, OSError) else str(e))
+
+
+def cannot_write(e: OSError) -> str:
+    """The one message for a write to the output folder that failed."""
+    return f"cannot write to --output ({type(e).__name__}: {e.strerror or e})"
+
+
+def only(kind: type) -> Callable[[Any], Iterable]:
+    """For ``beam.FlatMap``: the ``(key, value)`` of every ``kind`` value (:class:`Spilled`, :class:`Packed`)."""
+    return lambda item: [item.keyed()] if isinstance(item, kind) else []
+
+
+def reports(item: Any) -> bool:
+    """For ``beam.Filter``: a value for the commit (not one that feeds the next step)."""
+    return not isinstance(item, (Spilled, Packed))
