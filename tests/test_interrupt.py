@@ -1,4 +1,4 @@
-"""Interruption (issue 16, causes 3 and 6): SIGINT, SIGTERM and SIGHUP at seeded points in every phase of a run.
+"""Interruption: SIGINT, SIGTERM and SIGHUP at seeded points in every phase of a run.
 
 Each case runs ``packstream pack`` in a process of its own (its own session, like a shell job) with
 ``--workers 1`` or ``2``; the hook of :mod:`pipeline._workers.signals` (``PACKSTREAM_SIGNAL_AT``) sends the
@@ -13,7 +13,10 @@ does for Ctrl-C and hang-up) or to the launcher alone (``kill PID``). Then:
 * a rerun without ``--overwrite`` is refused as an earlier packstream output (never as files
   packstream did not write), and ``--overwrite`` gives a clean run's bytes, with nothing left over.
 
-The full matrix (7 phases x 3 signals x 2 worker settings) is slow; three cases stay in the fast tier.
+The grid is one case per phase, with the signal, the worker count and the target rotated over the
+phases so that every signal meets both worker counts and both targets (:data:`GRID`); how a signal
+maps to its exit code and its one line is a unit test (tests/test_signals.py). Two cases stay in the
+fast tier.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import pytest
 from click.testing import CliRunner
 
 import packers
-from pipeline._workers import signals as _signals
+from pipeline._workers import signals
 from pipeline.cli import bundled_sample, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,19 +74,19 @@ def clean(inputs, tmp_path_factory):
         counts[phase] = counts.get(phase, 0) + 1
 
     out = tmp_path_factory.mktemp("clean") / "out"
-    real, _signals.at = _signals.at, count
+    real, signals.at = signals.at, count
     try:
         r = CliRunner().invoke(main, ["pack", str(inputs), "-o", str(out), *ARGS])
     finally:
-        _signals.at = real
+        signals.at = real
     assert r.exit_code == 0, r.output
-    assert set(counts) == set(_signals.PHASES), counts
+    assert set(counts) == set(signals.PHASES), counts
     return _files(out), counts
 
 
 def _interrupt(inputs: Path, out: Path, phase: str, n: int, sig: str, target: str, workers: int):
     marker = out.parent / f"{out.name}.fired"
-    env = {**os.environ, _signals.HOOK_ENV: f"{phase}:{n}:{sig}:{target}:{marker}"}
+    env = {**os.environ, signals.HOOK_ENV: f"{phase}:{n}:{sig}:{target}:{marker}"}
     env.pop("PACKSTREAM_QUIET", None)
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(inputs), "-o", str(out), *ARGS,
                         "--workers", str(workers)], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -131,16 +134,32 @@ def check(inputs: Path, expected: dict[str, bytes], out: Path, phase: str, n: in
     shutil.rmtree(out)
 
 
-def _cases() -> list[tuple[str, str, int]]:
-    return [(phase, sig, workers) for phase in _signals.PHASES for sig in SIGNALS for workers in (1, 2)]
-
-
 def _point(counts: dict[str, int], phase: str, sig: str, workers: int) -> tuple[int, str]:
     """A seeded pass of ``phase`` that some process reaches (with 2 workers, one of them makes at least half
     of the passes), and where the signal goes."""
     rng = random.Random(f"{SEED}:{phase}:{sig}:{workers}")
     most = counts[phase] if workers == 1 or phase in LAUNCHER_ONLY | ONE_PROCESS else math.ceil(counts[phase] / 2)
     return rng.randint(1, most), rng.choice(["group", "launcher"])
+
+
+GRID = [  # (phase, signal, workers, target): one case per phase
+    ("launch", "INT", 1, "group"),
+    ("read", "TERM", 2, "group"),
+    ("encode", "HUP", 1, "launcher"),
+    ("spill", "INT", 2, "launcher"),
+    ("pack", "TERM", 1, "launcher"),
+    ("shard_write", "HUP", 2, "group"),
+    ("commit", "INT", 1, "group"),
+]
+
+
+def test_the_grid_covers_every_phase_signal_worker_count_and_target():
+    assert [c[0] for c in GRID] == list(signals.PHASES)
+    for sig in SIGNALS:  # every signal with both worker counts and both targets
+        assert {c[2] for c in GRID if c[1] == sig} == {1, 2}, sig
+        assert {c[3] for c in GRID if c[1] == sig} == {"group", "launcher"}, sig
+    # a terminal's signal to the whole group, and a kill of the launcher alone, each with workers running
+    assert {(w, t) for _, _, w, t in GRID} == {(1, "group"), (1, "launcher"), (2, "group"), (2, "launcher")}
 
 
 @pytest.mark.parametrize("phase,sig,workers", [("shard_write", "INT", 2), ("commit", "TERM", 1)])
@@ -151,28 +170,28 @@ def test_a_signal_ends_with_one_line_and_a_folder_overwrite_cleans(inputs, clean
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase,sig,workers", _cases())
-def test_every_signal_in_every_phase(inputs, clean, tmp_path, phase, sig, workers):
+@pytest.mark.parametrize("phase,sig,workers,target", GRID)
+def test_a_signal_in_every_phase(inputs, clean, tmp_path, phase, sig, workers, target):
     expected, counts = clean
-    n, target = _point(counts, phase, sig, workers)
+    n, _ = _point(counts, phase, sig, workers)
     check(inputs, expected, tmp_path / "out", phase, n, sig, target, workers)
 
 
 _THREAD_RACE = """
 import os, signal, sys, threading, time
-from pipeline._workers import signals as _signals
+from pipeline._workers import signals
 
 def boom():
     raise RuntimeError("Worker subprocess exited with return code -15")
 
-with _signals.handling():
+with signals.handling():
     try:
         threading.Thread(target=boom, name="run_worker").start()
         time.sleep(0.3)
         if sys.argv[1] == "signal":
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
-    except _signals.Stop:
+    except signals.Stop:
         sys.exit(143)
 """
 

@@ -1,0 +1,68 @@
+"""Signal -> exit code and one line, without a subprocess: the CLI's end of an interrupted command.
+
+The end-to-end cases (a real signal in every phase of a real run, the folder left behind) are
+tests/test_interrupt.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline._job._launch import interrupted_message
+from pipeline._workers import signals
+from pipeline.cli import main
+
+SIGNALS = ("INT", "TERM", "HUP")
+
+
+@pytest.fixture
+def after_a_signal():
+    """A handled signal leaves this process as a stopping one (logging off, thread tracebacks muted, the signal
+    noted): put it back for the next test."""
+    hook = threading.excepthook
+    yield
+    logging.disable(logging.NOTSET)
+    threading.excepthook = hook
+    signals._state = signals._State()
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_maps_to_its_exit_code_and_one_line(sig, monkeypatch, tmp_path, after_a_signal):
+    """The CLI's end of a signal: the handler stops the command, which exits 128 + N with one line naming it."""
+    signum = getattr(signal, f"SIG{sig}")
+    assert signals.exit_code(signum) == {"INT": 130, "TERM": 143, "HUP": 129}[sig]
+    assert signals.name(signum) == f"SIG{sig}" and signals.name(999) == "signal 999"
+
+    def interrupted_run(options, beam_args=(), **kw):
+        os.kill(os.getpid(), signum)
+        threading.Event().wait(10)  # the handler raises Stop here
+        raise AssertionError("the signal was not handled")
+
+    monkeypatch.setattr("pipeline._job.run", interrupted_run)
+    r = CliRunner().invoke(main, ["pack", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 128 + signum, r.output
+    assert r.stdout == "" and r.stderr == f"error: interrupted by SIG{sig}\n", r.output
+
+
+@pytest.mark.parametrize("state,words", [
+    ("complete", ["after the output was committed", "is complete", "packstream verify"]),
+    ("failed", ["holds no complete output", "manifest.json says failed", "--overwrite"]),
+    ("locked", ["partial output and the run's lock", "--overwrite"]),
+])
+def test_an_interrupted_run_says_what_its_folder_holds(state, words, monkeypatch, tmp_path):
+    """The launcher's Interrupted (the folder made to explain itself) becomes the one line and the exit code."""
+    line = interrupted_message(signal.SIGTERM, str(tmp_path / "out"), state)
+    assert line.startswith("interrupted by SIGTERM") and all(w in line for w in words), line
+
+    def interrupted_run(options, beam_args=(), **kw):
+        raise signals.Interrupted(signal.SIGTERM, line)
+
+    monkeypatch.setattr("pipeline._job.run", interrupted_run)
+    r = CliRunner().invoke(main, ["pack", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 143 and r.stderr == f"error: {line}\n", r.output
