@@ -345,14 +345,14 @@ def _profile(spans: list[dict], workers: int) -> dict:
             per.setdefault("encode", {})[pid] = per.get("encode", {}).get(pid, 0.0) + overlapped
         elif name == "job" and pid in launcher:
             job_cpu += cpu
-        elif name in ("plan_reads", "pack_group", "write_shard", "finalize"):
-            key = {"plan_reads": "plan", "pack_group": "pack", "write_shard": "write", "finalize": "finalize"}[name]
+        elif name in ("cut_tasks", "pack_group", "write_shard", "finalize"):
+            key = {"cut_tasks": "cut", "pack_group": "pack", "write_shard": "write", "finalize": "finalize"}[name]
             per.setdefault(key, {})[pid] = per.get(key, {}).get(pid, 0.0) + cpu
     total = {k: sum(v.values()) for k, v in per.items()}
     busiest = {k: max(v.values()) for k, v in per.items()}
     model = launch + sum(busiest.values())
     in_launcher = sum(sp["cpu"] for sp in spans if sp["pid"] in launcher and sp["span"] in _WORK)
-    spent = launch + sum(total.get(k, 0.0) for k in ("startup", "plan", "pack", "write", "finalize")) + py + tok
+    spent = launch + sum(total.get(k, 0.0) for k in ("startup", "cut", "pack", "write", "finalize")) + py + tok
     return {"launch": launch, "total": total, "busiest": busiest, "model_s": model, "spent": spent,
             "runner": max(0.0, job_cpu - in_launcher),
             "encode_python": py, "encode_tokenizer": tok, "tasks": counts.get("encode_task", 0),
@@ -360,7 +360,7 @@ def _profile(spans: list[dict], workers: int) -> dict:
             "processes": len({sp["pid"] for sp in spans})}
 
 
-_WORK = ("plan_reads", "encode_setup", "encode_task", "pack_group", "write_shard", "finalize")
+_WORK = ("cut_tasks", "encode_setup", "encode_task", "pack_group", "write_shard", "finalize")
 
 
 def karp_flatt(speedup: float, n: int) -> Optional[float]:
@@ -483,7 +483,7 @@ def cores_table(row: dict) -> list[str]:
             f"| {_fmt(predm.get('16'), '.1f')} / {_fmt(predm.get('64'), '.1f')} | {r['cpu']:.1f} "
             f"| {r['peak_rss'] / 2**20:,.0f} |")
     lines += ["", "Where the CPU time went (seconds, the median run by model; the busiest worker in brackets): the "
-              "launcher before the job (Python, Beam, the tokenizer, the plan); a worker's start-up until its "
+              "launcher before the job (Python, Beam, the tokenizer, the run context); a worker's start-up until its "
               "tokenizer is ready; the read tasks (this job's Python thread + the rest of the process: the "
               "tokenizer); packing the groups; writing the shards; the commit; the launcher coordinating the "
               "job (runner); everything else (other: gRPC and Beam's harness in workers, Dask's own work).", "",

@@ -87,7 +87,6 @@ def clean(inputs, tmp_path_factory):
 def _interrupt(inputs: Path, out: Path, phase: str, n: int, sig: str, target: str, workers: int):
     marker = out.parent / f"{out.name}.fired"
     env = {**os.environ, signals.HOOK_ENV: f"{phase}:{n}:{sig}:{target}:{marker}"}
-    env.pop("PACKSTREAM_QUIET", None)
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(inputs), "-o", str(out), *ARGS,
                         "--workers", str(workers)], cwd=ROOT, env=env, capture_output=True, text=True,
                        start_new_session=True, timeout=600)

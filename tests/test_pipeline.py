@@ -265,12 +265,10 @@ def test_deterministic_across_runs_and_workers(tmp_path):
     data = shared_data()
     base = dict(inputs=(str(data / "oasst"), str(data / "gpteacher")), max_tokens=2048, group_size=500, num_shards=3)
     a = PackOptions(output=str(tmp_path / "a"), **base)
-    b = PackOptions(output=str(tmp_path / "b"), **base)
     c = PackOptions(output=str(tmp_path / "c"), **base)
     run(a)
-    run(b)
-    run(dataclasses.replace(c, workers=2))
-    assert _digest(a.output) == _digest(b.output) == _digest(c.output)
+    run(dataclasses.replace(c, workers=2))  # another run, on other workers: the same bytes
+    assert _digest(a.output) == _digest(c.output)
     assert len(_shards(a.output)) == 3
     # Rows are shuffled: the output order does not follow length.
     lengths = [r["num_tokens"] for r in _rows(a.output)]

@@ -418,13 +418,12 @@ def test_template_problems_are_one_error_at_launch_before_any_output(tmp_path):
         assert not out.exists()
 
 
-def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys, monkeypatch):
+def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys):
     import shutil
 
     from pipeline import _job
     from pipeline._tokenizer import default_tokenizer_path
 
-    monkeypatch.delenv("PACKSTREAM_QUIET", raising=False)
     tok = tmp_path / "tok"
     tok.mkdir()
     shutil.copy(f"{default_tokenizer_path()}/tokenizer.json", tok / "tokenizer.json")  # no config: no EOS

@@ -207,32 +207,23 @@ def test_a_lock_removed_by_hand_leaves_a_folder_overwrite_still_clears(tmp_path,
                                                      "train-00000-of-00001.arrow"]
 
 
-def test_exit_3_leaves_a_failed_manifest_that_readers_refuse(tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"bogus": 1}, {"bogus": 2}])
-    out = tmp_path / "out"
-    r = cli("pack", str(src), "-o", str(out), "--max-reject-fraction", "0.5")
-    assert r.exit_code == 3 and "--max-reject-fraction" in r.output and "unknown_format 2" in r.output, r.output
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "failed" and manifest["exit_code"] == 3
-    with pytest.raises(packers.PackstreamError, match="failed"):
-        packers.PackedDataset(str(out))
-    assert not (out / ".packstream.lock").exists()
-
-
-@pytest.mark.parametrize("records,fraction", [
-    ([{"bogus": 1}, {"answer": 2}, {"messages": []}], "0.5"),   # nothing packed
-    ([GOOD, {"bogus": 1}, {"bogus": 2}], "0.5"),                # too many rejected
+@pytest.mark.parametrize("records,fraction,words", [
+    ([{"bogus": 1}, {"answer": 2}, {"messages": []}], "0.5", ["no example was packed"]),
+    ([GOOD, {"bogus": 1}, {"bogus": 2}], "0.5", ["--max-reject-fraction", "unknown_format 2"]),  # too many rejected
 ])
-def test_an_exit_3_run_publishes_no_data(tmp_path, records, fraction):
-    """Issue 16, cause 6: a failed run's card points at no data, so datasets.load_dataset refuses the folder
-    (it used to load the shards of a run that exited 3), like PackedDataset and verify."""
+def test_an_exit_3_run_leaves_a_failed_manifest_and_publishes_no_data(tmp_path, records, fraction, words):
+    """A failed run's manifest says failed (exit 3), its lock is gone, and its card points at no data, so
+    datasets.load_dataset refuses the folder, like PackedDataset and verify."""
     import datasets
 
     src = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
     r = cli("pack", str(src), "-o", str(out), "--max-reject-fraction", fraction)
     assert r.exit_code == 3 and "unknown_format" in r.output, r.output  # the summary's reasons
-    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+    assert all(w in r.output for w in words), r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["exit_code"] == 3
+    assert not (out / ".packstream.lock").exists()
     card = (out / "README.md").read_text()
     assert "train-*" not in card and "This packstream run failed" in card
     for streaming in (False, True):
@@ -288,6 +279,48 @@ def test_disk_full_while_writing_is_one_error_line_and_a_failed_manifest(tmp_pat
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "No space left" in manifest["error"]
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith((".tmp", ".packstream"))]
+
+
+def test_a_user_error_a_step_finds_is_one_error_line_and_a_failed_manifest(tmp_path, monkeypatch):
+    """A user error found by a step (here: an input that changed under the run) travels to the commit as a
+    typed failure; the launcher raises it from the failed manifest: one line, exit 2, nothing left over."""
+    from pipeline import _read
+
+    def read_task(task, max_bytes):
+        raise packers.PackstreamError(f"input {task.file.source} changed while it was read; pack it again")
+        yield
+
+    monkeypatch.setattr(_read, "read_task", read_task)
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=20)
+    out = tmp_path / "out"
+    r = cli("pack", str(src), "-o", str(out))
+    user_error(r, "input in.jsonl changed while it was read; pack it again")
+    assert "[while running" not in r.output  # the message, not a runner's wrapping of it
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["exit_code"] == 2
+    assert manifest["error"] == "input in.jsonl changed while it was read; pack it again"
+    assert not [n for n in os.listdir(out) if n.startswith((".tmp", ".packstream", "train-"))]
+
+
+def test_a_user_error_in_a_worker_process_is_one_error_line(tmp_path):
+    """The same from a forked worker process (``--workers 2``): no traceback, no runner text, one line."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=50)
+    out = tmp_path / "out"
+    script = (
+        "import sys\n"
+        "from packers import PackstreamError\n"
+        "from pipeline import _rows\n"
+        "def broken(*a, **kw):\n"
+        "    raise PackstreamError('group too odd to pack; fix the input')\n"
+        "_rows.pack_group = broken  # the forked workers inherit it\n"
+        "from pipeline.cli import main\n"
+        f"main(['pack', {str(src)!r}, '-o', {str(out)!r}, '--workers', '2', '--tokenizer-threads', '1'], "
+        "prog_name='packstream')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["error: group too odd to pack; fix the input"], proc.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["error"] == "group too odd to pack; fix the input"
 
 
 def test_a_file_size_limit_while_writing_is_one_error_line(tmp_path):

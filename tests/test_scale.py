@@ -1,6 +1,6 @@
 """Scaling with workers: the output never depends on how the work is cut, spread or who does it.
 
-* the read plan: tasks of any size cover every line of a JSONL file exactly once, at its line number;
+* the read tasks: tasks of any size cover every line of a JSONL file exactly once, at its line number;
 * the job: the same bytes whatever the task size (a group's examples are sorted before packing);
 * local workers forked warm from the launcher (pipeline._workers.pool): the same bytes as one process, and
   no process left behind, even when the launcher dies;
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------
-# The read plan
+# The read tasks
 
 
 _line = st.one_of(

@@ -3,7 +3,7 @@
 Beam's DaskRunner turns each step into a ``dask.bag`` operation. A ``Create`` makes bags of
 about 128 elements per partition, and a ``GroupByKey`` (``Bag.groupby``) keeps its input's
 number of partitions. So the job's few inputs (often one file) arrive as one partition, and
-every read task planned from them would be read by one Dask worker, one after the other::
+every read task cut from them would be read by one Dask worker, one after the other::
 
     Create(files)      1 partition     CutTasks -> 60 tasks, all in partition 0
     Spread (groupby)   1 partition     -> one worker encodes all 60

@@ -6,9 +6,9 @@ loads the tokenizer itself: ~3 CPU-seconds before it reads a record, on every ru
 (``bench/bench_scale.py --cores``, "start-up / worker"). The launcher has done both already, so
 it forks its N workers instead, before it starts any thread or server, and they wait::
 
-    launcher  imports, tokenizer --fork--> N children, each listening on <pool>/w<i>.sock
-              plan, claim, run the job
-              FnApiRunner: "python -I -S .../handoff.py <pool> <pid>"  (x N, milliseconds each)
+    launcher  imports, loads the tokenizer, decides the run, claims the folder
+              --fork--> N children, each listening on <pool>/w<i>.sock
+              runs the job; FnApiRunner: "python -I -S .../handoff.py <pool> <pid>"  (x N, milliseconds each)
                  handoff --connect--> an idle child: it takes the handoff's environment (the
                                       runner's addresses), runs the SDK worker, replies its exit code
               the job ends: close() reaps every child (idle ones are told to stop)
