@@ -2,8 +2,9 @@
 
 Layout: ``_read`` (inputs -> records), ``_formats`` (records -> conversations),
 ``_render`` (conversations -> tokens and loss masks), ``_rows`` (examples -> packed rows),
-``_write`` (rows -> shards, dead letters, manifest, card), ``_job`` (the Beam composites and
-:func:`run`), ``cli`` (the ``packstream`` command).
+``_write`` (rows -> shards, dead letters, manifest, card), ``_job`` (the Beam steps, the commit
+and :func:`run`, the launcher), ``_workers`` (signals and local worker processes), ``cli`` (the
+``packstream`` command).
 """
 
 from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn

@@ -647,7 +647,7 @@ def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: 
                         counts["records_read"] += len(chunk)
                         yield chunk
                         chunk = []
-            except _read.CorruptInput as e:  # as pipeline._job.EncodeTasks: counted as one record
+            except _read.CorruptInput as e:  # as pipeline._job._steps.EncodeTasks: counted as one record
                 where = 0 if e.position is None else e.position + 1
                 expected_dead[(f.source, where, None)] = Reason.CORRUPT_INPUT.value
                 counts["records_read"] += 1

@@ -28,6 +28,8 @@ import time
 import uuid
 from typing import Any, Iterator, Optional, Sequence
 
+import apache_beam as beam
+
 from packers import PackstreamError
 from packers.files import show_path
 from packers.manifest import MANIFEST, Status
@@ -36,6 +38,7 @@ from pipeline._exit import ExitCode
 from pipeline._job._commit import Verdict, remove_spill, stopped
 from pipeline._job._context import Inputs, RunContext, decide
 from pipeline._job._runner import DASK_RUNNER, local_runner, pipeline_options
+from pipeline._job._steps import build
 from pipeline._options import PackOptions
 from pipeline._tokenizer import tokenizer_identity
 from pipeline._workers import on_dask, parallel, pool, signals
@@ -234,10 +237,6 @@ def _pool(workers: int) -> Iterator[Optional[pool.WorkerPool]]:
 def _run_job(ctx: RunContext, pipe_opts, runner) -> None:
     """Build the graph and run it to its end. A runner error that the commit explained (the outcome file) is
     that PackstreamError; a signal cancels a remote job."""
-    import apache_beam as beam
-
-    from pipeline._job._steps import build
-
     try:
         p = beam.Pipeline(runner=runner, options=pipe_opts)
         build(p, ctx)
