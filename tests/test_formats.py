@@ -17,15 +17,16 @@ user already gave, and the fix it names works.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
 from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
+from pipeline._formats import Conversation, Fix, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
+from pipeline._formats._fix import KEY, ROLE
 from pipeline._options import FormatOptions, PackOptions
 from packers import PackstreamError
 
@@ -662,20 +663,6 @@ def test_tool_call_shapes_are_canonical():
 # Refusals: the detail names the value and a fix that works, never an option already given.
 
 
-def _fix(detail: str, given: dict) -> dict:
-    """The options a refusal's detail asks for, added to ``given``."""
-    opts = dict(given)
-    for flag, value in re.findall(r"(--[a-z-]+) ([^\s;,()]+(?:,[^\s;()]+)*)", detail):
-        key = flag[2:].replace("-", "_")
-        if key == "field":
-            opts["fields"] = tuple(opts.get("fields", ())) + (tuple(value.split("=", 1)),)
-        elif key == "roles":
-            opts["roles"] = tuple(opts.get("roles", ())) + (value,)  # "a=user,b=assistant": FormatOptions splits it
-        else:
-            opts[key] = value
-    return opts
-
-
 REFUSALS = [
     # (record, options given, reason, words of the detail) -- and the fix in the detail must work.
     ({"question": "2+2?", "answer": "4"}, {}, "unknown_format", "read it with --field question=user --field answer=assistant"),
@@ -717,15 +704,16 @@ def test_refusal_names_a_fix_that_works(case):
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions(**given))
     assert e.value.reason.value == reason and words in e.value.detail, str(e.value)
-    fix = _fix(e.value.detail.split("read it with", 1)[-1].replace("'", ""), given)
-    if "--role-key KEY" in e.value.detail:
-        fix["role_key"], fix["content_key"] = "who", "said"  # the user names their keys
-        fix["roles"] = (("a", "user"),)
+    fix = e.value.fix  # the detail shows the fix the refusal carries as data, and that fix packs the record
+    assert fix is not None and fix.text() in e.value.detail and not fix.failed, str(e.value)
+    options = fix.applied(FormatOptions(**given))
+    if fix.options == (("role_key", KEY),):  # the user names their keys
+        options = dataclasses.replace(options, role_key="who", content_key="said", roles=(("a", "user"), ("b", "assistant")))
         rec = {"turns": rec["turns"] + [{"who": "b", "said": "yo"}]}
-        fix["roles"] += (("b", "assistant"),)
     if reason == "unknown_role":
-        fix["roles"] = (("customer", "user"), ("agent", "assistant"))  # ROLE filled in by the user
-    conv = normalize(rec, FormatOptions(**{k: v for k, v in fix.items() if v != "ROLE"}))
+        assert fix.options == (("roles", (("customer", ROLE),)),)
+        options = dataclasses.replace(options, roles=(("customer", "user"), ("agent", "assistant")))  # ROLE filled in
+    conv = normalize(rec, options)
     assert any(m["role"] == "assistant" for m in conv.messages)
 
 
@@ -742,10 +730,10 @@ def test_a_given_mapping_is_named_never_suggested_again():
     assert e.value.detail == "field 'dialog' (--messages-field dialog) is missing from this record; it has keys [turns]"
     with pytest.raises(Rejected) as e:
         normalize({"m": [{"role": "user", "content": {"a": "x", "b": "y"}}]}, FormatOptions(messages_field="m", content_key="c"))
-    assert "(--content-key c)" in e.value.detail and "pick" not in e.value.detail
+    assert "(--content-key c)" in e.value.detail and "pick" not in e.value.detail and e.value.fix is None
     with pytest.raises(Rejected) as e:
         normalize({"m": [{"speaker": "narrator", "text": "x"}]}, FormatOptions(messages_field="m", roles=(("a", "user"),)))
-    assert "add it to --roles: narrator=ROLE" in e.value.detail
+    assert "add it to --roles narrator=ROLE" in e.value.detail and e.value.fix == Fix.of(roles=(("narrator", ROLE),))
 
 
 def test_pretokenized_checks():

@@ -12,7 +12,7 @@ import pytest
 from pipeline._encode import Encoder
 from pipeline._formats import Reason, Rejected, _fast, _normalize, normalize
 from pipeline._options import FormatOptions
-from tests.test_formats import _examples, _fix, pack_options
+from tests.test_formats import _examples, pack_options
 
 
 def turns(conv) -> list[tuple[str, str]]:
@@ -57,13 +57,17 @@ def test_alpaca_ambiguity_remedies_work():
     rec, _, _ = AMBIGUOUS_ALPACA[0]
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions())
-    conv = normalize(rec, FormatOptions(**_fix(e.value.detail.split("read both with")[1].split(", or")[0], {})))
+    assert e.value.fix.text() in e.value.detail.split("read both with")[1].split(", or")[0]
+    conv = normalize(rec, e.value.fix.applied(FormatOptions()))
     assert turns(conv) == [("user", "Summarize\n\nThe cat sat.\n\nEXTRA CONTEXT"), ("assistant", "A cat sat.")]
     rec, _, _ = AMBIGUOUS_ALPACA[1]
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions())
-    conv = normalize(rec, FormatOptions(**_fix(e.value.detail.split("pick it with")[1].split(" (or")[0], {})))
+    assert e.value.detail.split("pick it with ")[1].startswith(e.value.fix.text())
+    conv = normalize(rec, e.value.fix.applied(FormatOptions()))
     assert turns(conv) == [("user", "Say hi"), ("assistant", "hi")] and conv.notes == {"ignored_field:response": 1}
+    conv = normalize(rec, e.value.fix.applied(FormatOptions(), alternative=True))  # the other one it names
+    assert turns(conv) == [("user", "Say hi"), ("assistant", "hello there")] and conv.notes == {"ignored_field:output": 1}
 
 
 def test_alpaca_keys_of_one_slot_equal_or_empty_read_the_one_that_holds_text():

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
+from pipeline._formats._fix import Fix
 from pipeline._options import Format, FormatOptions
 
 
@@ -49,15 +50,25 @@ class Reason(str, enum.Enum):
 
 
 class Rejected(Exception):
-    """A record that cannot be packed; ``str()`` is ``"<reason>: <detail>"``."""
+    """A record that cannot be packed; ``str()`` is ``"<reason>: <detail>"``.
 
-    def __init__(self, reason: Reason, detail: str):
-        super().__init__(f"{reason.value}: {detail}")
+    With a ``fix`` (the options that would read the record, as data: :class:`~pipeline._formats._fix.Fix`)
+    the detail is ``detail``, the fix's options, ``after``, then what trying the fix found.
+    """
+
+    def __init__(self, reason: Reason, detail: str, fix: Optional[Fix] = None, after: str = ""):
         self.reason = reason
-        self.detail = detail
+        self.fix = fix
+        self.words = (detail, after)
+        self.detail = detail + (fix.text() if fix else "") + after + (fix.outcome() if fix else "")
+        super().__init__(f"{reason.value}: {self.detail}")
+
+    def with_fix(self, fix: Fix) -> "Rejected":
+        """The same refusal showing ``fix`` (the one it carries, as trying it found it)."""
+        return Rejected(self.reason, self.words[0], fix, self.words[1])
 
     def __reduce__(self):  # pickle (Beam ships read-time rejections between steps) by our own fields
-        return (Rejected, (self.reason, self.detail))
+        return (Rejected, (self.reason, self.words[0], self.fix, self.words[1]))
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from pipeline._formats._base import Ctx, Reason, Rejected, Turn, _blank, _keys, _kind, _one_slot, _same, _short
+from pipeline._formats._fix import KEY, ROLE, Fix
 
 _CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
 
@@ -93,9 +94,8 @@ def _content(value: Any, at: str, ctx: Ctx, role: str, allow_null: bool = False)
         if key is not None:
             raise Rejected(Reason.BAD_TYPE, f"{at} is an object without {key!r} (--content-key {key}); "
                                             f"its keys: [{_keys(value)}]")
-        pick = f"--content-key {strings[0]}" if strings else "--content-key KEY"
-        raise Rejected(Reason.BAD_TYPE, f"{at} is an object with keys [{_keys(value)}], not text; "
-                                        f"pick the key that holds the text: {pick}")
+        raise Rejected(Reason.BAD_TYPE, f"{at} is an object with keys [{_keys(value)}], not text; pick the key that "
+                                        "holds the text: ", Fix.of(content_key=strings[0] if strings else KEY))
     raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(value)}, expected a string")
 
 
@@ -251,9 +251,8 @@ def _speaker_role(raw: Any, at: str, key: str, ctx: Ctx) -> str:
     low = name.lower()
     role = ctx.roles.get(low) or ROLE_ALIASES.get(low)
     if role is None:
-        how = f"add it to --roles: {name}=ROLE" if ctx.o.roles else f"map it with --roles {name}=ROLE"
-        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {name!r}, not a known role; {how} "
-                                            "(ROLE: user, assistant, system or tool)")
+        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {name!r}, not a known role; {roles_verb(ctx)} ",
+                       Fix.of(roles=((name, ROLE),)), " (ROLE: user, assistant, system or tool)")
     ctx.speakers.setdefault(name, "assistant tool call" if role == _CALL else role)
     return role
 
@@ -311,7 +310,7 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
         key = next((k for k in ROLE_KEYS if k in m), None)
         if key is None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'role' (looked for {', '.join(ROLE_KEYS)}); its keys: "
-                                                 f"[{_keys(m)}]; name the speaker key with --role-key KEY")
+                                                 f"[{_keys(m)}]; name the speaker key with ", Fix.of(role_key=KEY))
     used.add(key)
     role = _speaker_role(m[key], at, key, ctx)
     speaker = str(m[key]).lower() if isinstance(m[key], bool) else str(m[key])
@@ -393,13 +392,12 @@ def _content_key(m: dict, at: str, ctx: Ctx, used: set, optional: bool = False) 
         usual = next((v for k, v in _PAIRED_CONTENT.items() if k in m), "content")
         looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
         raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "
-                                             f"[{_keys(m)}]; name the text key with --content-key KEY")
+                                             f"[{_keys(m)}]; name the text key with ", Fix.of(content_key=KEY))
     found, k = _one_slot(m, present)
     if k is not None:
         raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds text under both {found!r} and {k!r} "
-                                               f"({_short(m[found])} vs {_short(m[k])}); name the one to read "
-                                               f"with --content-key {found} (or --content-key {k}), the other is "
-                                               "then counted as an ignored field")
+                                               f"({_short(m[found])} vs {_short(m[k])}); name the one to read with ",
+                       Fix.of(content_key=found, alternative=k), ", the other is then counted as an ignored field")
     used.update(present)  # the others are empty, or the same text: nothing is lost
     return found
 
@@ -426,6 +424,11 @@ def _turn_list(items: Any, where: str, ctx: Ctx, strings_alternate: bool = False
 
 def _is_exchange(m: dict, ctx: Ctx) -> bool:
     return "input" in m and "output" in m and ctx.o.role_key not in m and not any(k in m for k in ROLE_KEYS)
+
+
+def roles_verb(ctx: Ctx) -> str:
+    """How a refusal asks for a ``--roles`` pair: added to the user's, or the first."""
+    return "add it to" if ctx.o.roles else "map it with"
 
 
 def _speaker_words(ctx: Ctx) -> str:

@@ -47,7 +47,8 @@ from typing import Any, Iterator, Optional
 
 from pipeline._formats._base import (MISSING, Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
                                      _one_slot, _short)
-from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _tools, _turn, _turn_list)
+from pipeline._formats._fix import MARKER, ROLE, Fix
+from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _turn, _turn_list)
 from pipeline._formats.alpaca import history_turns
 from pipeline._formats.fields import _transcript
 from pipeline._options import FormatOptions, Preference
@@ -215,8 +216,8 @@ def _side(value: Any, key: str, prompt: list[Turn], ctx: Ctx, implicit: bool) ->
         except Rejected:
             raise Rejected(Reason.MISSING_FIELD, f"{key} is a string without speaker markers and the record has no "
                                                  f"prompt ({', '.join(PROMPT_KEYS)}, instruction or conversations); "
-                                                 "a transcript's own markers are named with --transcript-marker "
-                                                 "MARKER=ROLE") from None
+                                                 "a transcript's own markers are named with ",
+                           Fix.of(transcript_markers=((MARKER, ROLE),))) from None
     elif isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         turns = [Turn("assistant", _content(value, key, ctx, "assistant").text, key)]
     elif isinstance(value, dict) and any(k in value for k in ROLE_KEYS + ((ctx.o.role_key,) if ctx.o.role_key else ())):
@@ -405,8 +406,8 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
     if side is None:
         a, b = SIDES.get(kind, ("chosen", "rejected"))
         raise Rejected(Reason.PREFERENCE_PAIR, f"the record is a preference pair ({kind} layout: {a} and {b}); train the "
-                                               f"chosen answer as SFT with --preference chosen, or pack both sides as "
-                                               "pairs with --pairs")
+                                               "chosen answer as SFT with ", Fix.of(preference=Preference.CHOSEN),
+                       ", or pack both sides as pairs with --pairs")
     pair = preference_turns(record, ctx.o, ctx)
     ctx.note("other_side_not_trained")
     answer = pair.chosen if side is Preference.CHOSEN else pair.rejected
