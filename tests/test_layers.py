@@ -4,7 +4,7 @@ only the layers below it, packing needs no torch, training needs no pipeline.
     Face     pipeline/cli.py, pipeline/__init__.py
     Job      the Beam composites, progress, workers   Tools   verify, inspect, estimate, preview
     Encode   one stage: records -> encoded examples + typed rejections
-    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, signals, parallel, trace
+    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, signals, parallel, trace, report
     Core     packers: pack, stats, schema, errors, manifest, files     Loader   packers: collate, dataset, attention
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
@@ -25,7 +25,7 @@ LAYERS = {
     "encode": {"pipeline._encode"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals",
-               "pipeline._parallel", "pipeline._trace", "pipeline._exit"},
+               "pipeline._parallel", "pipeline._trace", "pipeline._exit", "pipeline._report"},
     "core": {"packers._pack", "packers._stats", "packers.schema", "packers.errors", "packers.manifest", "packers.files",
              "packers.rowcheck", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",

@@ -59,16 +59,16 @@ class Rejected(Exception):
     def __init__(self, reason: Reason, detail: str, fix: Optional[Fix] = None, after: str = ""):
         self.reason = reason
         self.fix = fix
-        self.words = (detail, after)
+        self._around = (detail, after)
         self.detail = detail + (fix.text() if fix else "") + after + (fix.outcome() if fix else "")
         super().__init__(f"{reason.value}: {self.detail}")
 
     def with_fix(self, fix: Fix) -> "Rejected":
         """The same refusal showing ``fix`` (the one it carries, as trying it found it)."""
-        return Rejected(self.reason, self.words[0], fix, self.words[1])
+        return Rejected(self.reason, self._around[0], fix, self._around[1])
 
     def __reduce__(self):  # pickle (Beam ships read-time rejections between steps) by our own fields
-        return (Rejected, (self.reason, self.words[0], self.fix, self.words[1]))
+        return (Rejected, (self.reason, self._around[0], self.fix, self._around[1]))
 
 
 @dataclasses.dataclass
@@ -130,6 +130,12 @@ def _keys(record: dict) -> str:
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def missing_mapped(paths: Sequence[str], asked: str, record: dict) -> Rejected:
+    """A record that lacks fields options map (``asked``: the options, in words): named, never suggested again."""
+    what = ", ".join(repr(p) for p in paths)
+    return Rejected(Reason.MISSING_FIELD, f"field {what} ({asked}) is missing from this record; it has keys [{_keys(record)}]")
 
 
 def _blank(value: Any) -> bool:

@@ -111,9 +111,11 @@ class Fix:
             if _has_hole(value):
                 continue
             have = getattr(given, name)
-            new = _merged(have, value) if name in _PAIRS else value
-            if new != have:
-                out[name] = new
+            if name not in _PAIRS:
+                if value != have:
+                    out[name] = value
+            elif any(p not in have for p in value):  # a pair given already is not the fix's to set
+                out[name] = _merged(have, tuple(p for p in value if p not in have))
         if out:
             out.update({name: FormatOptions.__dataclass_fields__[name].default for name in self.drop})
         return out

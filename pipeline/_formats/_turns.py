@@ -48,6 +48,8 @@ _CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
 """The ``type`` of a tool-call object (OpenAI's function, Anthropic's tool_use, ...): one list for every reader."""
 _CALL_PARTS = frozenset(_CALL_KINDS) - {"function"}
 """Content parts that are tool calls (a part typed ``function`` is not a call in any published format)."""
+_TEXT_ONLY = "packstream packs text only: drop records with media, or their media"
+"""How a refusal of media ends (``parts`` or ``keys`` follows)."""
 _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file",
                 "input_file", "document", "image_file"}
 
@@ -142,8 +144,7 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
         if kind is None:
             media = [k for k in part if k in _MEDIA_PARTS]
             if media:
-                raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; packstream packs text only: "
-                                                        "drop records with media, or their media parts")
+                raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; {_TEXT_ONLY} parts")
             texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content"), ctx))
         elif not isinstance(kind, str):
             raise Rejected(Reason.BAD_TYPE, f"{where}.type is {_kind(kind)}, expected a string such as 'text'")
@@ -164,8 +165,7 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
             else:  # Anthropic tool_use: the part is the call
                 calls.extend(_tool_calls(part, where, ctx))
         elif kind in _MEDIA_PARTS:
-            raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; packstream packs text only: drop "
-                                                    "records with media, or their media parts")
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; {_TEXT_ONLY} parts")
         else:
             raise Rejected(Reason.BAD_TYPE, f"{where} has type {kind!r}; content parts of type text, reasoning, "
                                             "thinking and tool_call are read")
@@ -244,8 +244,13 @@ def _tool_call(call: Any, at: str, ctx: Optional[Ctx] = None) -> dict:
 # Turn lists: OpenAI messages, ShareGPT, dialogue corpora (speaker/text), --messages-field.
 
 
+def speaker_name(raw: Any) -> str:
+    """A speaker as the data names it: JSON true/false as written (``is_human: true``), anything else as text."""
+    return str(raw).lower() if isinstance(raw, bool) else str(raw)
+
+
 def _speaker_role(raw: Any, at: str, key: str, ctx: Ctx) -> str:
-    name = str(raw).lower() if isinstance(raw, bool) else str(raw) if isinstance(raw, (str, int)) else None
+    name = speaker_name(raw) if isinstance(raw, (str, int)) else None
     if name is None:
         raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {_kind(raw)} {_short(raw)}, expected a speaker name")
     low = name.lower()
@@ -257,17 +262,21 @@ def _speaker_role(raw: Any, at: str, key: str, ctx: Ctx) -> str:
     return role
 
 
+def flag01(value: Any) -> Optional[bool]:
+    """A 0/1 flag as JSON writes it (true/false, 0/1, 0.0/1.0), or None when ``value`` is none of these."""
+    if isinstance(value, bool):
+        return value
+    return bool(value) if isinstance(value, (int, float)) and value in (0, 1) else None
+
+
 def _train_flag(m: dict, at: str) -> Optional[bool]:
     flag = None
     for key in TRAIN_KEYS:
         if key not in m or m[key] is None:
             continue
         v = m[key]
-        if isinstance(v, bool):
-            b = v
-        elif isinstance(v, (int, float)) and v in (0, 1):
-            b = bool(v)
-        else:
+        b = flag01(v)
+        if b is None:
             raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}; a turn's {key} must be 0 or 1 (true/false): "
                                             "packstream's loss mask is 0/1 per token")
         if flag is not None and flag != b:
@@ -295,8 +304,7 @@ def _unused_turn_keys(m: dict, used: set, at: str, where: str, ctx: Ctx, one: bo
         if k in used or _blank(v):
             continue
         if k in MEDIA_KEYS:
-            raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; packstream packs text only: drop records "
-                                                    "with media, or their media keys")
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; {_TEXT_ONLY} keys")
         ctx.ignore(f"{where}.{k}" if one else f"{where}[].{k}")
 
 
@@ -305,7 +313,7 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
     if o.role_key is not None:
         key = o.role_key
         if key not in m:
-            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--role-key {key}); its keys: [{_keys(m)}]")
+            raise _no_named_key(at, key, "--role-key", m)
     else:
         key = next((k for k in ROLE_KEYS if k in m), None)
         if key is None:
@@ -313,7 +321,7 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
                                                  f"[{_keys(m)}]; name the speaker key with ", Fix.of(role_key=KEY))
     used.add(key)
     role = _speaker_role(m[key], at, key, ctx)
-    speaker = str(m[key]).lower() if isinstance(m[key], bool) else str(m[key])
+    speaker = speaker_name(m[key])
     calls: list = []
     if role == _CALL:  # ShareGPT function_call: the value is the call
         ckey = _content_key(m, at, ctx, used)
@@ -373,6 +381,10 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
     return t
 
 
+def _no_named_key(at: str, key: str, flag: str, m: dict) -> Rejected:
+    return Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} ({flag} {key}); its keys: [{_keys(m)}]")
+
+
 _PAIRED_CONTENT = {"from": "value", "speaker": "text"}  # the text key that goes with a speaker key, by convention
 
 
@@ -388,7 +400,7 @@ def _content_key(m: dict, at: str, ctx: Ctx, used: set, optional: bool = False) 
         if optional:
             return None
         if key is not None:
-            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--content-key {key}); its keys: [{_keys(m)}]")
+            raise _no_named_key(at, key, "--content-key", m)
         usual = next((v for k, v in _PAIRED_CONTENT.items() if k in m), "content")
         looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
         raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "

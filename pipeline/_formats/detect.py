@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 from pipeline._formats import (alpaca, fields, messages, messages_field, preference, prompt_completion, segments, sharegpt,
                                text, tokens, tree, xlam)
-from pipeline._formats._base import ID_KEYS, Reason, Rejected, Shape, _keys
+from pipeline._formats._base import ID_KEYS, Reason, Rejected, Shape, _keys, missing_mapped
 from pipeline._formats._fix import NAME, ROLE, Fix
-from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS
+from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, speaker_name
 from pipeline._options import Format, FormatOptions
 
 ORDER: tuple[Shape, ...] = (  # first matching claim wins; reorder only with a test (tests/test_formats.py OVERLAPS)
@@ -88,9 +88,7 @@ def detect(record: Any, options: FormatOptions = FormatOptions()) -> str:
         if shape.claims.mapped is None and not shape.claims.missing(record, o):
             return shape.name
     if missing:  # a mapping was given for this data: name what it lacks, never "pass --field"
-        what = ", ".join(repr(p) for p in missing)
-        raise Rejected(Reason.MISSING_FIELD, f"field {what} ({asked}) is missing from this record; it has keys "
-                                             f"[{_keys(record)}]")
+        raise missing_mapped(missing, asked, record)
     fix, words = suggest(record)
     raise Rejected(Reason.UNKNOWN_FORMAT, f"keys [{_keys(record)}] match no format ({KNOWN_KEYS}); read it with ",
                    fix, words)
@@ -178,8 +176,7 @@ def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
             return None
         rk = cands[0]
         opts = {"role_key": rk, **opts}
-    names = list(dict.fromkeys(str(m[rk]).lower() if isinstance(m.get(rk), bool) else str(m.get(rk))
-                               for m in v if rk in m))
+    names = list(dict.fromkeys(speaker_name(m[rk]) for m in v if rk in m))
     unknown = [n for n in names if n.lower() not in ROLE_ALIASES]
     if not unknown:
         return opts, ""

@@ -46,7 +46,7 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 from pipeline._formats._base import (MISSING, Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
-                                     _one_slot, _short)
+                                     _one_slot, _short, missing_mapped)
 from pipeline._formats._fix import MARKER, ROLE, Fix
 from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _turn, _turn_list)
 from pipeline._formats.alpaca import history_turns
@@ -113,8 +113,7 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
     not given). To pack both sides whole, normalize the record twice with ``--preference chosen`` and
     ``--preference rejected``: the two conversations share the prompt's tokens.
     """
-    if not isinstance(record, dict):
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    _an_object(record)
     ctx = ctx if ctx is not None else Ctx(options)
     kind = layout(record)
     if kind is None:
@@ -151,6 +150,11 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
         ctx.mapping.append(f"{a}/{b}: whole conversations; their shared {len(shared)} turns are the prompt")
     _system_column(record, prompt, ctx)
     return PreferenceTurns(prompt, chosen, rejected, kind, tools)
+
+
+def _an_object(record: Any) -> None:
+    if not isinstance(record, dict):
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
 
 
 def _openai_input(record: dict, ctx: Ctx) -> tuple[list[Turn], Any]:
@@ -279,16 +283,14 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     """
     from pipeline._formats._paths import resolve, top_key, unused_beside_paths
 
-    if not isinstance(record, dict):
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    _an_object(record)
     ranked = o.ranked()
     named = [(p, "--pair-sides") for p in o.sides()] if ranked is None else [(ranked[0], "--pair-ranked")]
     named += [(f, "--pair-winner") for f, _ in o.pair_winner] + ([(o.pair_prompt, "--pair-prompt")] if o.pair_prompt else [])
     paths = [p for p, _ in named]
     for path, flag in named:
         if resolve(record, path) is MISSING:
-            raise Rejected(Reason.MISSING_FIELD, f"field {path!r} ({flag}) is missing from this record; it has keys "
-                                                 f"[{_keys(record)}]")
+            raise missing_mapped([path], flag, record)
     ignored: list[str] = []
     if ranked is not None:
         chosen, rejected, mapping = _ranked(resolve(record, ranked[0]), ranked, o, ignored)
