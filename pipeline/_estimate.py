@@ -462,6 +462,8 @@ def _duration(s: float) -> str:
 
 def format_estimate(e: dict[str, Any]) -> str:
     """The estimate as a two-column table, counted like ``pack``'s summary."""
+    from pipeline._report import table
+
     exact = all(i["records_exact"] for i in e["inputs"])
     lines = [
         ("records", f"{e['records']:,}" + ("" if exact else " (projected from file sizes)")),
@@ -491,5 +493,4 @@ def format_estimate(e: dict[str, Any]) -> str:
         ("output", f"~{human_bytes(e['output_bytes'])} in {e['shards']} shard(s)"),
         (f"local run time (--workers {e['workers']})", f"~{_duration(e['local_seconds'])}"),
     ]
-    width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+    return table(lines)

@@ -431,6 +431,7 @@ def default_plots_dir(folder: str) -> str:
 def format_report(r: dict[str, Any]) -> str:
     """The report as a two-column table, counted like ``pack``'s summary."""
     from pipeline._estimate import human_bytes
+    from pipeline._report import table
 
     el, rt, epr = r["example_length"], r["row_tokens"], r["examples_per_row"]
     pct = lambda d: "  ".join(f"p{p} {d[f'p{p}']:,}" for p in PERCENTILES)  # noqa: E731
@@ -473,5 +474,4 @@ def format_report(r: dict[str, Any]) -> str:
         ]
     lines += [("WARNING", w) for w in r["warnings"]]
     lines += [(f"plot {k}", v) for k, v in r["plots"].items()]
-    width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+    return table(lines)

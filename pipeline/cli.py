@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
 import functools
+import json
 import logging
 import os
 import sys
@@ -18,6 +20,7 @@ import click
 from packers import PackstreamError
 from pipeline._exit import ExitCode
 from pipeline._progress import LogFormat
+from pipeline._report import printable, summary_table
 from pipeline._workers import signals
 
 
@@ -82,18 +85,6 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     return inputs, beam_args
 
 
-def printable(text: str) -> str:
-    """``text`` fit for one line of a terminal: every control or other non-printable character (a newline or a
-    terminal escape in a path, a value or a file name) shown as its escape, so it cannot split or colour the line.
-
-    >>> printable("out\\nput\\x1b[31m")
-    'out\\\\nput\\\\x1b[31m'
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _fail(e: "Exception | str", code: int = ExitCode.USER_ERROR, reporter=None, summary: "dict | None" = None) -> None:
     """The one way a command ends with an error: one ``error:`` line (through :func:`printable`), exit ``code``."""
     if summary is not None:
@@ -103,6 +94,15 @@ def _fail(e: "Exception | str", code: int = ExitCode.USER_ERROR, reporter=None, 
     if reporter is not None:
         reporter.error(str(e), code)  # --log-format json: the batch log ends with an error event
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """A user error (PackstreamError) inside ends the command as :func:`_fail` does: one line, exit 2."""
+    try:
+        yield
+    except PackstreamError as e:
+        _fail(e)
 
 
 class _Commands(click.Group):
@@ -302,12 +302,10 @@ def estimate_command(inputs, sample, as_json, quiet, **params):
 
     Takes the options of `packstream pack` that shape the output (no --output needed).
     """
-    try:
+    with _user_errors():
         options = build_options(inputs, params)
         _quiet_logs(quiet)
         _print_estimate(options, sample, "json" if as_json else "text", quiet)
-    except PackstreamError as e:
-        _fail(e)
 
 
 @main.command("preview")
@@ -324,14 +322,12 @@ def preview_command(inputs, n, color, **params):
     """
     from pipeline import _preview
 
-    try:
+    with _user_errors():
         options = build_options(inputs, params)
         if n < 1:
             raise PackstreamError(f"-n {n} must be >= 1 records per input")
         use_color = sys.stdout.isatty() if color is None else color
         click.echo(_preview.format_preview(_preview.preview(options, n), color=use_color))
-    except PackstreamError as e:
-        _fail(e)
 
 
 def _print_estimate(options, sample: int, log_format: str, quiet: bool) -> None:
@@ -341,79 +337,11 @@ def _print_estimate(options, sample: int, log_format: str, quiet: bool) -> None:
     if quiet:
         return
     if LogFormat(log_format) is LogFormat.JSON:
-        import json
-
         click.echo(json.dumps({"event": "estimate", **est}, sort_keys=True))
     else:
         click.echo(format_estimate(est))
 
 
-def summary_table(manifest: dict) -> str:
-    """The run's counts for people: every reason a record left the main path, with its first case."""
-    c = manifest["counts"]
-    first = c.get("first_rejected", {})
-
-    def reason_lines(reasons: dict) -> list[tuple[str, str]]:
-        out = []
-        for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]):
-            f = first.get(k)
-            out.append((f"  {printable(k)}", f"{v:,}" + (
-                f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(_one_line(f['detail']))}" if f else "")))
-        return out
-
-    lines = [
-        ("records read", f"{c['records_read']:,}"
-         + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")
-         + (f"  (+{c['extra_paths']:,} more message-tree paths)" if c.get("extra_paths") else "")),
-        ("pairs packed" if manifest["config"].get("pairs") else "examples packed", f"{c['examples_packed']:,}"),
-    ]
-    if c.get("not_sampled"):
-        lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
-    lines += [("rejected", f"{c['rejected']:,}"), *reason_lines(c["rejected_by_reason"])]
-    too_long = {"too_long": c["dropped_too_long"]} if c["dropped_too_long"] else {}
-    lines += [(f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"),
-              *[(k, v.split("  ", 1)[1] if "  " in v else "") for k, v in reason_lines(too_long) if "e.g." in v]]
-    lines.append(("truncated / split examples", f"{c['truncated_examples']:,} / {c['split_examples']:,}"
-                  + (f"  ({c['no_target_pieces']:,} pieces without a target dropped)" if c.get("no_target_pieces") else "")))
-    notes = c.get("normalization", {})
-    shaped = {k: v for k, v in notes.items() if not k.startswith("ignored_field:")}
-    ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
-    for k, v in shaped.items():
-        unit = _note_unit(k)
-        lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
-    if ignored:
-        shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
-        lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
-    lines += [
-        ("rows", f"{c['rows']:,}  (lower bound {c['lower_bound']:,}, "
-                 f"+{(c['rows'] / c['lower_bound'] - 1) if c['lower_bound'] else 0:.2%})"),
-        ("tokens", f"{c['tokens']:,}  ({c['target_tokens']:,} targets)"),
-        ("fill", f"{c['fill']:.3%}"),
-        ("examples per row", f"{c['examples_per_row']:.2f}"),
-    ]
-    if manifest["config"].get("pairs"):
-        lines.append(("pairs per row", f"{c['examples_packed'] / c['rows'] if c['rows'] else 0:.2f}  (each pair: its "
-                                       "chosen and rejected sequences, side by side)"))
-    splits = c.get("splits", {})
-    if len(splits) > 1:
-        lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
-    lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
-    if "elapsed_s" in manifest:
-        lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
-    width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
-
-
-def _note_unit(key: str) -> str:
-    """What a normalization note counts (pipeline._formats adds each note per thing, not per record)."""
-    from pipeline._formats import NOTE_UNITS
-
-    return NOTE_UNITS.get(key, "")
-
-
-def _one_line(text: str, limit: int = 160) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @main.command("inspect")
@@ -428,14 +356,10 @@ def inspect_command(folder, as_json, plots_dir, no_plots):
     split), reading only their num_tokens, seq_offsets, loss_mask and example_ids columns; counts
     what left the main path as pack's summary does (local, gs://, s3://).
     """
-    import json
-
     from pipeline import _inspect
 
-    try:
+    with _user_errors():
         report = _inspect.inspect(folder, None if no_plots else (plots_dir or _inspect.default_plots_dir(folder)))
-    except PackstreamError as e:
-        _fail(e)
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else _inspect.format_report(report))
 
 
@@ -464,11 +388,9 @@ def verify_command(folder, input_paths, with_inputs, trust_remote_code, max_prob
 
     if input_paths and not with_inputs:
         raise click.UsageError(f"unexpected argument {input_paths[0]!r}; put --inputs before input paths")
-    try:
+    with _user_errors():
         report = verify(folder, tuple(input_paths) if with_inputs else None, trust_remote_code=trust_remote_code,
                         announce=lambda line: click.echo(line, err=True))
-    except PackstreamError as e:
-        _fail(e)
     for p in report.problems[:max_problems]:
         click.echo(printable(str(p)))
     if report.count > max_problems:

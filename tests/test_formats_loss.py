@@ -12,7 +12,7 @@ import pytest
 from pipeline._encode import Encoder
 from pipeline._formats import Reason, Rejected, _fast, _normalize, normalize
 from pipeline._options import FormatOptions
-from tests.test_formats import _examples, _fix, pack_options
+from tests.test_formats import _examples, pack_options
 
 
 def turns(conv) -> list[tuple[str, str]]:
@@ -57,13 +57,17 @@ def test_alpaca_ambiguity_remedies_work():
     rec, _, _ = AMBIGUOUS_ALPACA[0]
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions())
-    conv = normalize(rec, FormatOptions(**_fix(e.value.detail.split("read both with")[1].split(", or")[0], {})))
+    assert e.value.fix.text() in e.value.detail.split("read both with")[1].split(", or")[0]
+    conv = normalize(rec, e.value.fix.applied(FormatOptions()))
     assert turns(conv) == [("user", "Summarize\n\nThe cat sat.\n\nEXTRA CONTEXT"), ("assistant", "A cat sat.")]
     rec, _, _ = AMBIGUOUS_ALPACA[1]
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions())
-    conv = normalize(rec, FormatOptions(**_fix(e.value.detail.split("pick it with")[1].split(" (or")[0], {})))
+    assert e.value.detail.split("pick it with ")[1].startswith(e.value.fix.text())
+    conv = normalize(rec, e.value.fix.applied(FormatOptions()))
     assert turns(conv) == [("user", "Say hi"), ("assistant", "hi")] and conv.notes == {"ignored_field:response": 1}
+    conv = normalize(rec, e.value.fix.applied(FormatOptions(), alternative=True))  # the other one it names
+    assert turns(conv) == [("user", "Say hi"), ("assistant", "hello there")] and conv.notes == {"ignored_field:output": 1}
 
 
 def test_alpaca_keys_of_one_slot_equal_or_empty_read_the_one_that_holds_text():
@@ -100,7 +104,7 @@ def test_turns_with_different_flags_keep_their_own_loss_mask():
 def test_a_flagged_off_turn_does_not_untrain_its_unflagged_neighbour():
     rec = {"id": 7, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "NOT TRAINED", "weight": 0},
                                       {"from": "gpt", "value": "DEFAULT"}]}
-    conv = normalize(rec, FormatOptions())  # was refused as no_assistant_turn
+    conv = normalize(rec, FormatOptions())  # the unflagged answer is the target: not no_assistant_turn
     assert turns(conv)[-1] == ("assistant", "DEFAULT") and conv.train == [None, False, None]
     full, trained = encode(rec)
     assert full.index("NOT TRAINED") < full.index("DEFAULT")

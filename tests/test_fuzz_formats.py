@@ -40,7 +40,8 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 
 # ------------------------------------------------------------------------------------------------
-# The rules of issue 9, written here on their own: what a list of (role, content) turns becomes.
+# The hygiene rules (pipeline._formats._hygiene), written here on their own: what a list of (role, content) turns
+# becomes.
 
 
 def expected(turns: list[tuple[str, str]], fmt: FormatOptions):

@@ -1,16 +1,19 @@
-"""Every fix a refusal or ``preview`` prints reads the record it was printed for, whole.
+"""Every fix a refusal carries reads the record it was refused for, whole, and its detail names exactly that fix.
 
-A refusal's detail names options (``--field question=user ...``, ``--content-key answer``,
-``--preference chosen``) only after they were tried on the record: with them it packs, and no
-field below the top level that holds text is left unread (top-level keys left over are named in
-the detail as counted). Values the user must choose stay placeholders (``--content-key KEY``,
-``--roles customer=ROLE``). Checked here with an independent reading of the detail, on the
-fixture records, the refusals of test_formats.py, records of public shapes, and generated records.
+A refusal that options would fix carries them as data (:class:`pipeline._formats.Fix`: ``--field
+question=user ...``, ``--content-key answer``, ``--preference chosen``), and its detail is rendered from
+it. Checked here on the fixture records, the refusals of test_formats.py, records of public shapes and
+generated records: applied to the options given, the fix (and the alternative it names) packs the record,
+and no field below the top level that holds text is left unread (top-level keys left over are in the fix's
+``leaves``, named in the detail); or its values are holes for the user to fill (``--content-key KEY``,
+``--roles customer=ROLE``). An independent reading of the detail's text finds exactly the concrete options
+of the fix, so no option is named in words that the data does not hold.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._formats import Rejected, conversations
+from pipeline._formats import Fix, Hole, Reason, Rejected, conversations
 from pipeline._options import FormatOptions, PackOptions
 from pipeline._preview import preview
 from packers import PackstreamError
@@ -29,7 +32,8 @@ PAIRS = {"--field": "fields", "--roles": "roles", "--transcript-marker": "transc
 
 
 def printed_fix(detail: str, given: dict) -> dict:
-    """The options a detail asks for (concrete values only), added to ``given``; {} when it asks for none."""
+    """The options a text asks for (concrete values only, read here from the words), added to ``given``; {} when
+    it asks for none."""
     fix: dict = {}
     g = FormatOptions(**given)
     for flag, raw in re.findall(r"(?<![\w-])(--[a-z-]+) ('[^']*'|[^\s;,()]+(?:,[^\s;,()]+)*)", detail):
@@ -78,32 +82,49 @@ def _values(record: dict, path: str) -> list:
     return vals
 
 
+def _holes(value: Any) -> bool:
+    return isinstance(value, Hole) or (isinstance(value, tuple) and any(map(_holes, value)))
+
+
 def check_refusal(record: dict, given: dict) -> int:
-    """Refused under ``given``? Then the fix it prints reads the record whole. Returns the number of fixes checked."""
+    """Refused under ``given`` with a fix? Then the fix reads the record whole, or shows holes; and the detail names
+    exactly its options. Returns the number of fixes tried here (0 or 1)."""
+    options = FormatOptions(**given)
     try:
-        conversations(record, FormatOptions(**given))
+        conversations(record, options)
         return 0
-    except (Rejected, PackstreamError) as e:
-        detail = getattr(e, "detail", str(e))
-    fix = printed_fix(detail, given)
-    if not fix:
-        return 0
-    try:
-        options = FormatOptions(**{**FormatOptions(**given).__dict__, **fix})
-    except PackstreamError as e:
-        raise AssertionError(f"the printed fix {fix} is not even valid options ({e}): {detail}")
-    try:
-        convs = conversations(record, options)
     except Rejected as e:
-        raise AssertionError(f"the printed fix {fix} does not pack the record ({e}): {detail}") from None
-    for c in convs:
-        for note in c.notes:
-            path = note.split(":", 1)[1] if note.startswith("ignored_field:") else None
-            if path is not None and re.search(r"[.\[]", path):
-                assert not any(map(_holds_text, _values(record, path))), \
-                    f"the printed fix {fix} leaves {path} unread: {detail}"
-            elif path is not None:
-                assert path in detail, f"the printed fix leaves {path} unread and the detail does not say so: {detail}"
+        r = e
+    fix = r.fix
+    # The words name exactly the options the data holds (no concrete option in the prose around it).
+    assert printed_fix(r.detail, given) == printed_fix(fix.text() if fix else "", given), r.detail
+    if fix is None:
+        return 0
+    assert fix.text() in r.detail and r.detail.endswith(fix.outcome()), r.detail
+    copy = pickle.loads(pickle.dumps(r))  # Beam ships refusals between steps
+    assert (copy.reason, copy.detail, copy.fix) == (r.reason, r.detail, r.fix)
+    if fix.failed or not fix.changes(options):  # nothing to try: the values are the user's to fill in
+        assert fix.failed or _holes(fix.options), f"a fix that holds nothing to try and no hole: {r.detail}"
+        assert not fix.failed or not fix.changes(options), f"a failed fix shows a value: {r.detail}"
+        return 0
+    for alternative in (False, True) if fix.alternative is not None else (False,):
+        try:
+            tried = fix.applied(options, alternative)
+        except PackstreamError as e:
+            raise AssertionError(f"the fix {fix} is not even valid options ({e}): {r.detail}") from None
+        try:
+            convs = conversations(record, tried)
+        except Rejected as e:
+            raise AssertionError(f"the fix {fix} does not pack the record ({e}): {r.detail}") from None
+        for c in convs:
+            for note in c.notes:
+                path = note.split(":", 1)[1] if note.startswith("ignored_field:") else None
+                if path is not None and re.search(r"[.\[]", path):
+                    assert not any(map(_holds_text, _values(record, path))), \
+                        f"the fix {fix} leaves {path} unread: {r.detail}"
+                elif path is not None and not alternative:
+                    assert path in fix.leaves and path in r.detail, \
+                        f"the fix leaves {path} unread and the detail does not say so: {r.detail}"
     return 1
 
 
@@ -169,6 +190,58 @@ def test_preview_prints_the_same_checked_fixes(tmp_path):
     assert refused
     for it in refused:
         rec = PUBLIC[it["position"] - 1]
-        fix = printed_fix(it["detail"], {})
-        if fix:
-            assert conversations(rec, FormatOptions(**fix)), it["detail"]
+        with pytest.raises(Rejected) as e:
+            conversations(rec, FormatOptions())
+        assert it["detail"] == e.value.detail  # rendered from the same fix
+        if e.value.fix is not None and e.value.fix.changes(FormatOptions()):
+            assert conversations(rec, e.value.fix.applied(FormatOptions())), it["detail"]
+
+
+def test_a_refusal_without_a_fix_and_one_with_a_fix_pickle_whole():
+    plain = Rejected(Reason.BAD_TYPE, "x is int, expected a string")
+    assert str(plain) == "bad_type: x is int, expected a string" and plain.fix is None
+    fixed = Rejected(Reason.UNKNOWN_ROLE, "m[0].from is 'bob'; map it with ", Fix.of(roles=(("bob", Hole("ROLE")),)),
+                     " (ROLE: user or assistant)")
+    assert fixed.detail == "m[0].from is 'bob'; map it with --roles bob=ROLE (ROLE: user or assistant)"
+    tried = fixed.with_fix(fixed.fix.holes(FormatOptions()))  # a value with a hole is left as it is
+    assert tried.detail == fixed.detail + " (no single option found that reads this record whole; check the record "\
+                                          "with packstream preview)"
+    for r in (plain, fixed, tried):
+        copy = pickle.loads(pickle.dumps(r))
+        assert (type(copy), copy.reason, copy.detail, copy.fix, str(copy)) == (Rejected, r.reason, r.detail, r.fix, str(r))
+
+
+names = st.text(alphabet="abcAB_[]0. <|>'", min_size=1, max_size=6)
+FIXES = st.one_of(
+    st.builds(lambda k, alt: Fix.of(content_key=k, alternative=alt), st.one_of(names, st.just(Hole("KEY"))),
+              st.one_of(st.none(), names)),
+    st.builds(lambda p, pairs: Fix.of(messages_field=p, roles=pairs), names,
+              st.lists(st.tuples(names, st.sampled_from(["user", "assistant", Hole("ROLE")])), min_size=1, max_size=3)
+              .map(tuple)),
+    st.builds(lambda pairs, drop: Fix.of(fields=pairs, drop=drop), st.lists(st.tuples(names, st.sampled_from(
+        ["user", "assistant", "system"])), min_size=1, max_size=3).map(tuple), st.sampled_from([(), ("roles",)])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fix=FIXES, given_fields=st.lists(st.tuples(names, st.sampled_from(["user", "assistant"])), max_size=2))
+def test_a_fix_is_typed_as_it_is_tried_and_its_holes_hold_nothing_to_try(fix, given_fields):
+    """The text names each option once per value it sets; what trying sets is the fix's own values (pairs merged
+    by name); its holes leave nothing to try and show each option still."""
+    try:
+        given_ = FormatOptions(fields=tuple(given_fields))
+    except PackstreamError:
+        return
+    text = fix.text()
+    for name, value in fix.options:
+        flag = "--" + {"fields": "field"}.get(name, name).replace("_", "-")
+        assert flag in text
+        changed = fix.changes(given_).get(name)
+        if changed is not None and name in ("fields", "roles"):
+            assert all(p in changed for p in value) and all(n in dict(changed) for n, _ in getattr(given_, name))
+        elif changed is not None:
+            assert changed == value
+    holed = fix.holes(given_)
+    assert holed.failed and not holed.changes(given_) and holed.outcome().startswith(" (no single option")
+    assert [n for n, _ in holed.options] == [n for n, _ in fix.options]
+    assert pickle.loads(pickle.dumps(fix)) == fix

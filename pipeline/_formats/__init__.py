@@ -27,7 +27,9 @@ alpaca             ``instruction`` + ``output``/``response`` (+ ``input``, ``sys
 text               ``text``
 =================  =========================================================================
 
-A record of no known shape is refused with a suggestion computed from its own keys.
+A record of no known shape is refused with a suggestion computed from its own keys. A refusal that
+options would fix carries them as data (:class:`Fix`): its detail is rendered from them, and they are
+tried on the record first (values that do not read it whole become holes, ``--content-key KEY``).
 
 Conversation hygiene, the same for every conversational shape and run once by the driver
 (:mod:`pipeline._formats._hygiene`), each step counted in ``notes``: empty turns are dropped;
@@ -45,8 +47,8 @@ path (``ignored_field:conversation.system``, ``ignored_field:choices[1:]``). Two
 different text for one slot (Alpaca ``input``/``context``, ``output``/``response``/``instances``;
 a turn's ``content``/``text``/``value``; two reasoning keys) refuse the record as ``ambiguous_field``.
 
-Layout: ``_base`` (types), ``_turns`` (turn objects, content, tool calls), ``_hygiene``,
-``_paths``, ``detect`` (ORDER, detect, suggest), ``_driver`` (normalize), and one module per shape.
+Layout: ``_base`` (types), ``_fix`` (a refusal's fix), ``_turns`` (turn objects, content, tool calls),
+``_hygiene``, ``_paths``, ``detect`` (ORDER, detect, suggest), ``_driver`` (normalize), and one module per shape.
 
 >>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
 >>> c.shape, c.messages
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
 from pipeline._formats._driver import _fast, _normalize, conversations, normalize, pair_conversations
+from pipeline._formats._fix import Fix, Hole
 from pipeline._formats._hygiene import target_flags
 from pipeline._formats._paths import resolve
 from pipeline._formats._turns import ROLE_ALIASES
@@ -77,9 +80,8 @@ from pipeline._formats.preference import PreferenceTurns, preference_turns
 from pipeline._options import FormatOptions, parse_path
 
 __all__ = [
-    "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "FormatOptions", "PreferenceTurns",
-    "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path", "preference_turns",
-    "resolve", "suggest",
-    "target_flags",
+    "NOTE_KEYS", "NOTE_UNITS", "ORDER", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
+    "PreferenceTurns", "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
+    "preference_turns", "resolve", "suggest", "target_flags",
     "_fast", "_normalize",
 ]

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
+from pipeline._formats._fix import Fix
 from pipeline._options import Format, FormatOptions
 
 
@@ -49,15 +50,25 @@ class Reason(str, enum.Enum):
 
 
 class Rejected(Exception):
-    """A record that cannot be packed; ``str()`` is ``"<reason>: <detail>"``."""
+    """A record that cannot be packed; ``str()`` is ``"<reason>: <detail>"``.
 
-    def __init__(self, reason: Reason, detail: str):
-        super().__init__(f"{reason.value}: {detail}")
+    With a ``fix`` (the options that would read the record, as data: :class:`~pipeline._formats._fix.Fix`)
+    the detail is ``detail``, the fix's options, ``after``, then what trying the fix found.
+    """
+
+    def __init__(self, reason: Reason, detail: str, fix: Optional[Fix] = None, after: str = ""):
         self.reason = reason
-        self.detail = detail
+        self.fix = fix
+        self._around = (detail, after)
+        self.detail = detail + (fix.text() if fix else "") + after + (fix.outcome() if fix else "")
+        super().__init__(f"{reason.value}: {self.detail}")
+
+    def with_fix(self, fix: Fix) -> "Rejected":
+        """The same refusal showing ``fix`` (the one it carries, as trying it found it)."""
+        return Rejected(self.reason, self._around[0], fix, self._around[1])
 
     def __reduce__(self):  # pickle (Beam ships read-time rejections between steps) by our own fields
-        return (Rejected, (self.reason, self.detail))
+        return (Rejected, (self.reason, self._around[0], self.fix, self._around[1]))
 
 
 @dataclasses.dataclass
@@ -119,6 +130,12 @@ def _keys(record: dict) -> str:
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def missing_mapped(paths: Sequence[str], asked: str, record: dict) -> Rejected:
+    """A record that lacks fields options map (``asked``: the options, in words): named, never suggested again."""
+    what = ", ".join(repr(p) for p in paths)
+    return Rejected(Reason.MISSING_FIELD, f"field {what} ({asked}) is missing from this record; it has keys [{_keys(record)}]")
 
 
 def _blank(value: Any) -> bool:

@@ -7,7 +7,7 @@
       the record:           ignored top-level keys, fields beside followed paths (counted once)
       each conversation:    renderable
 
-A refusal whose detail suggests options is checked: the suggestion is printed only when it reads the
+A refusal that carries a fix (options, as data) is checked: its values are shown only when they read the
 record whole (:func:`_validated`).
 
 A record yields one conversation, or several (one per kept path of a message tree): the record's
@@ -24,7 +24,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from packers import InternalError, PackstreamError
-from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank, _kind
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -215,37 +215,7 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Validated suggestions: a refusal's detail names options only when they read the record whole.
-
-_FLAG_RE = re.compile(r"(?<![\w-])(--[a-z][a-z-]*)(?:[ =]('[^']*'|\"[^\"]*\"|[^\s;,()'\"]+(?:,[^\s;,()'\"]+)*))?")
-_PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]+\b")  # KEY, ROLE, NAME=ROLE, PATH, MARKER=ROLE: the user fills them in
-_PAIRS = {"--field": "fields", "--roles": "roles", "--transcript-marker": "transcript_markers"}
-_SCALARS = {f.metadata["cli"]["flag"]: f.name for f in dataclasses.fields(FormatOptions)
-            if "cli" in f.metadata and f.name not in _PAIRS.values()}
-
-
-def suggested_options(detail: str, options: FormatOptions) -> Optional[dict]:
-    """The options a refusal's detail suggests (``--flag value`` pairs with concrete values that the user did not
-    already give), as FormatOptions overrides; None when it suggests none."""
-    fix: dict = {}
-    for flag, raw in _FLAG_RE.findall(detail):
-        value = raw.strip("'\"")
-        if not value or _PLACEHOLDER.search(value):
-            continue
-        if flag in _PAIRS:
-            name = _PAIRS[flag]
-            pairs = [tuple(p.split("=", 1)) for p in value.split(",") if "=" in p]
-            new = [p for p in pairs if p not in getattr(options, name)]
-            if new:
-                fix[name] = tuple(fix.get(name, getattr(options, name))) + tuple(new)
-        elif flag in _SCALARS:
-            name = _SCALARS[flag]
-            given = getattr(options, name)
-            if str(getattr(given, "value", given)) != value:
-                fix[name] = value
-    if "instead of --field" in detail and "messages_field" in fix:
-        fix["fields"] = ()
-    return fix or None
+# Tried fixes: a refusal shows concrete options only when they read the record whole.
 
 
 def _text_below_top(record: dict, note: str) -> bool:
@@ -279,34 +249,21 @@ def _holds_text(value: Any) -> bool:
 
 
 def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
-    """``r``, when the options its detail suggests read the record whole (packed, no text left unread below the top
-    level); else the same refusal with the suggestion's values left to the user (``--content-key KEY``)."""
-    fix = suggested_options(r.detail, options) if isinstance(record, dict) else None
-    if fix is None:
+    """``r`` as its fix, tried on the record, finds it: the fix (and its alternative) read the record whole
+    (packed, no text left unread below the top level), naming the top-level fields left unread; or no value
+    of it does, and its values are the user's to choose (holes). A fix with nothing to try is shown as it is."""
+    fix = r.fix
+    if fix is None or not isinstance(record, dict) or not fix.changes(options):
         return r
-    try:
-        convs = _conversations(record, dataclasses.replace(options, **fix))
-    except (Rejected, PackstreamError, ValueError, TypeError):
-        convs = None
-    if convs is not None and not any(_text_below_top(record, n.split(":", 1)[1]) for c in convs for n in c.notes
-                                     if n.startswith("ignored_field:")):
-        left = sorted({n.split(":", 1)[1] for c in convs for n in c.notes if n.startswith("ignored_field:")})
-        if not left:
-            return r
-        return Rejected(r.reason, f"{r.detail} ({', '.join(left)} then counted as ignored)")
-    return Rejected(r.reason, _unsuggested(r.detail, options) + " (no single option found that reads this record "
-                                                                 "whole; check the record with packstream preview)")
-
-
-def _unsuggested(detail: str, options: FormatOptions) -> str:
-    """The detail with each suggested value replaced by what the user must choose."""
-    def swap(m: re.Match) -> str:
-        flag, raw = m.group(1), m.group(2)
-        if not raw or _PLACEHOLDER.search(raw) or suggested_options(m.group(0), options) is None:
-            return m.group(0)
-        return f"{flag} {_HOLES.get(flag, 'VALUE')}"
-    return _FLAG_RE.sub(swap, detail)
-
-
-_HOLES = {"--field": "NAME=ROLE", "--roles": "NAME=ROLE", "--transcript-marker": "MARKER=ROLE", "--messages-field": "PATH",
-          "--role-key": "KEY", "--content-key": "KEY", "--tree": "PATH"}
+    left: list[str] = []
+    for alternative in (False, True) if fix.alternative is not None else (False,):
+        try:
+            convs = _conversations(record, fix.applied(options, alternative))
+        except (Rejected, PackstreamError, ValueError, TypeError):
+            return r.with_fix(fix.holes(options))
+        ignored = sorted({n.split(":", 1)[1] for c in convs for n in c.notes if n.startswith("ignored_field:")})
+        if any(_text_below_top(record, name) for name in ignored):
+            return r.with_fix(fix.holes(options))
+        if not alternative:
+            left = ignored
+    return r.with_fix(dataclasses.replace(fix, leaves=tuple(left))) if left else r

@@ -22,7 +22,8 @@ import re
 from typing import Any
 
 from pipeline._formats._base import Conversation, Ctx, Reason, Rejected, Turn
-from pipeline._formats._turns import _speaker_words
+from pipeline._formats._fix import Fix
+from pipeline._formats._turns import _speaker_words, roles_verb
 from pipeline._options import LeadingAssistant, SameRole, TrainOn
 
 _THINK_RE = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
@@ -106,11 +107,11 @@ def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
         ctx.flagged_off += turns.pop().train is False
     ctx.note("trailing_turns_trimmed", n - len(turns))
     if not any(t.role == "assistant" for t in turns):
-        raise Rejected(Reason.NO_ASSISTANT_TURN, _no_assistant_detail(ctx))
+        raise _no_assistant(ctx)
     return turns
 
 
-def _no_assistant_detail(ctx: Ctx) -> str:
+def _no_assistant(ctx: Ctx) -> Rejected:
     said = []
     empty = sum(t.role == "assistant" and t.empty() for t in ctx.turns_read)
     if empty:
@@ -122,15 +123,15 @@ def _no_assistant_detail(ctx: Ctx) -> str:
     if ctx.speakers:
         said.append(f"speakers: {_speaker_words(ctx)}")
     if all(t.role == "system" for t in ctx.turns_read):
-        return "the conversation has only a system turn"
+        return Rejected(Reason.NO_ASSISTANT_TURN, "the conversation has only a system turn")
     detail = "the conversation has no assistant turn to train on" + (" (" + "; ".join(said) + ")" if said else "")
     # A dialogue corpus whose answering side has a name that is not an assistant alias (MultiWOZ's SYSTEM).
     others = [s for s, r in ctx.speakers.items() if r in ("user", "system")]
     if len(others) >= 2 and not any(r.startswith("assistant") for r in ctx.speakers.values()):
         answering = next((s for s in others if ctx.speakers[s] == "system"), others[-1])
-        how = "add it to --roles" if ctx.o.roles else "map it with --roles"
-        detail += f"; if {answering!r} is the answering side, {how} {answering}=assistant"
-    return detail
+        return Rejected(Reason.NO_ASSISTANT_TURN, f"{detail}; if {answering!r} is the answering side, {roles_verb(ctx)} ",
+                        Fix.of(roles=((answering, "assistant"),)))
+    return Rejected(Reason.NO_ASSISTANT_TURN, detail)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from pipeline._formats._base import Ctx, Reason, Rejected, Turn, _blank, _keys, _kind, _one_slot, _same, _short
+from pipeline._formats._fix import KEY, ROLE, Fix
 
 _CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
 
@@ -47,6 +48,8 @@ _CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
 """The ``type`` of a tool-call object (OpenAI's function, Anthropic's tool_use, ...): one list for every reader."""
 _CALL_PARTS = frozenset(_CALL_KINDS) - {"function"}
 """Content parts that are tool calls (a part typed ``function`` is not a call in any published format)."""
+_TEXT_ONLY = "packstream packs text only: drop records with media, or their media"
+"""How a refusal of media ends (``parts`` or ``keys`` follows)."""
 _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file",
                 "input_file", "document", "image_file"}
 
@@ -93,9 +96,8 @@ def _content(value: Any, at: str, ctx: Ctx, role: str, allow_null: bool = False)
         if key is not None:
             raise Rejected(Reason.BAD_TYPE, f"{at} is an object without {key!r} (--content-key {key}); "
                                             f"its keys: [{_keys(value)}]")
-        pick = f"--content-key {strings[0]}" if strings else "--content-key KEY"
-        raise Rejected(Reason.BAD_TYPE, f"{at} is an object with keys [{_keys(value)}], not text; "
-                                        f"pick the key that holds the text: {pick}")
+        raise Rejected(Reason.BAD_TYPE, f"{at} is an object with keys [{_keys(value)}], not text; pick the key that "
+                                        "holds the text: ", Fix.of(content_key=strings[0] if strings else KEY))
     raise Rejected(Reason.BAD_TYPE, f"{at} is {_kind(value)}, expected a string")
 
 
@@ -142,8 +144,7 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
         if kind is None:
             media = [k for k in part if k in _MEDIA_PARTS]
             if media:
-                raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; packstream packs text only: "
-                                                        "drop records with media, or their media parts")
+                raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; {_TEXT_ONLY} parts")
             texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content"), ctx))
         elif not isinstance(kind, str):
             raise Rejected(Reason.BAD_TYPE, f"{where}.type is {_kind(kind)}, expected a string such as 'text'")
@@ -164,8 +165,7 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
             else:  # Anthropic tool_use: the part is the call
                 calls.extend(_tool_calls(part, where, ctx))
         elif kind in _MEDIA_PARTS:
-            raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; packstream packs text only: drop "
-                                                    "records with media, or their media parts")
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; {_TEXT_ONLY} parts")
         else:
             raise Rejected(Reason.BAD_TYPE, f"{where} has type {kind!r}; content parts of type text, reasoning, "
                                             "thinking and tool_call are read")
@@ -244,18 +244,29 @@ def _tool_call(call: Any, at: str, ctx: Optional[Ctx] = None) -> dict:
 # Turn lists: OpenAI messages, ShareGPT, dialogue corpora (speaker/text), --messages-field.
 
 
+def speaker_name(raw: Any) -> str:
+    """A speaker as the data names it: JSON true/false as written (``is_human: true``), anything else as text."""
+    return str(raw).lower() if isinstance(raw, bool) else str(raw)
+
+
 def _speaker_role(raw: Any, at: str, key: str, ctx: Ctx) -> str:
-    name = str(raw).lower() if isinstance(raw, bool) else str(raw) if isinstance(raw, (str, int)) else None
+    name = speaker_name(raw) if isinstance(raw, (str, int)) else None
     if name is None:
         raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {_kind(raw)} {_short(raw)}, expected a speaker name")
     low = name.lower()
     role = ctx.roles.get(low) or ROLE_ALIASES.get(low)
     if role is None:
-        how = f"add it to --roles: {name}=ROLE" if ctx.o.roles else f"map it with --roles {name}=ROLE"
-        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {name!r}, not a known role; {how} "
-                                            "(ROLE: user, assistant, system or tool)")
+        raise Rejected(Reason.UNKNOWN_ROLE, f"{at}.{key} is {name!r}, not a known role; {roles_verb(ctx)} ",
+                       Fix.of(roles=((name, ROLE),)), " (ROLE: user, assistant, system or tool)")
     ctx.speakers.setdefault(name, "assistant tool call" if role == _CALL else role)
     return role
+
+
+def flag01(value: Any) -> Optional[bool]:
+    """A 0/1 flag as JSON writes it (true/false, 0/1, 0.0/1.0), or None when ``value`` is none of these."""
+    if isinstance(value, bool):
+        return value
+    return bool(value) if isinstance(value, (int, float)) and value in (0, 1) else None
 
 
 def _train_flag(m: dict, at: str) -> Optional[bool]:
@@ -264,11 +275,8 @@ def _train_flag(m: dict, at: str) -> Optional[bool]:
         if key not in m or m[key] is None:
             continue
         v = m[key]
-        if isinstance(v, bool):
-            b = v
-        elif isinstance(v, (int, float)) and v in (0, 1):
-            b = bool(v)
-        else:
+        b = flag01(v)
+        if b is None:
             raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}; a turn's {key} must be 0 or 1 (true/false): "
                                             "packstream's loss mask is 0/1 per token")
         if flag is not None and flag != b:
@@ -296,8 +304,7 @@ def _unused_turn_keys(m: dict, used: set, at: str, where: str, ctx: Ctx, one: bo
         if k in used or _blank(v):
             continue
         if k in MEDIA_KEYS:
-            raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; packstream packs text only: drop records "
-                                                    "with media, or their media keys")
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{k} holds media; {_TEXT_ONLY} keys")
         ctx.ignore(f"{where}.{k}" if one else f"{where}[].{k}")
 
 
@@ -306,15 +313,15 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
     if o.role_key is not None:
         key = o.role_key
         if key not in m:
-            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--role-key {key}); its keys: [{_keys(m)}]")
+            raise _no_named_key(at, key, "--role-key", m)
     else:
         key = next((k for k in ROLE_KEYS if k in m), None)
         if key is None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'role' (looked for {', '.join(ROLE_KEYS)}); its keys: "
-                                                 f"[{_keys(m)}]; name the speaker key with --role-key KEY")
+                                                 f"[{_keys(m)}]; name the speaker key with ", Fix.of(role_key=KEY))
     used.add(key)
     role = _speaker_role(m[key], at, key, ctx)
-    speaker = str(m[key]).lower() if isinstance(m[key], bool) else str(m[key])
+    speaker = speaker_name(m[key])
     calls: list = []
     if role == _CALL:  # ShareGPT function_call: the value is the call
         ckey = _content_key(m, at, ctx, used)
@@ -374,6 +381,10 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
     return t
 
 
+def _no_named_key(at: str, key: str, flag: str, m: dict) -> Rejected:
+    return Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} ({flag} {key}); its keys: [{_keys(m)}]")
+
+
 _PAIRED_CONTENT = {"from": "value", "speaker": "text"}  # the text key that goes with a speaker key, by convention
 
 
@@ -389,17 +400,16 @@ def _content_key(m: dict, at: str, ctx: Ctx, used: set, optional: bool = False) 
         if optional:
             return None
         if key is not None:
-            raise Rejected(Reason.MISSING_FIELD, f"{at} has no {key!r} (--content-key {key}); its keys: [{_keys(m)}]")
+            raise _no_named_key(at, key, "--content-key", m)
         usual = next((v for k, v in _PAIRED_CONTENT.items() if k in m), "content")
         looked = [usual] + [k for k in CONTENT_KEYS if k != usual]
         raise Rejected(Reason.MISSING_FIELD, f"{at} has no {usual!r} (looked for {', '.join(looked)}); its keys: "
-                                             f"[{_keys(m)}]; name the text key with --content-key KEY")
+                                             f"[{_keys(m)}]; name the text key with ", Fix.of(content_key=KEY))
     found, k = _one_slot(m, present)
     if k is not None:
         raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds text under both {found!r} and {k!r} "
-                                               f"({_short(m[found])} vs {_short(m[k])}); name the one to read "
-                                               f"with --content-key {found} (or --content-key {k}), the other is "
-                                               "then counted as an ignored field")
+                                               f"({_short(m[found])} vs {_short(m[k])}); name the one to read with ",
+                       Fix.of(content_key=found, alternative=k), ", the other is then counted as an ignored field")
     used.update(present)  # the others are empty, or the same text: nothing is lost
     return found
 
@@ -426,6 +436,11 @@ def _turn_list(items: Any, where: str, ctx: Ctx, strings_alternate: bool = False
 
 def _is_exchange(m: dict, ctx: Ctx) -> bool:
     return "input" in m and "output" in m and ctx.o.role_key not in m and not any(k in m for k in ROLE_KEYS)
+
+
+def roles_verb(ctx: Ctx) -> str:
+    """How a refusal asks for a ``--roles`` pair: added to the user's, or the first."""
+    return "add it to" if ctx.o.roles else "map it with"
 
 
 def _speaker_words(ctx: Ctx) -> str:

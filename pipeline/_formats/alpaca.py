@@ -18,6 +18,7 @@ from typing import Optional
 
 from pipeline._formats._base import (Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
                                      _one_slot, _short, all_of, has, has_any)
+from pipeline._formats._fix import Fix
 from pipeline._formats._turns import _content, _unused_turn_keys
 from pipeline._options import Format
 
@@ -30,28 +31,31 @@ def _alpaca_key(record: dict, keys: tuple[str, ...]) -> Optional[str]:
     present). Two that hold different things make the record ambiguous: neither is dropped unseen."""
     found, other = _one_slot(record, keys)
     if other is not None:
-        raise Rejected(Reason.AMBIGUOUS_FIELD, _alpaca_ambiguity(record, found, other))
+        raise _ambiguity(record, found, other)
     return found
 
 
-def _alpaca_ambiguity(record: dict, a: str, b: str) -> str:
-    said = f"{a} and {b} both hold something ({_short(record[a])} vs {_short(record[b])})"
-    head = ["system=system"] if isinstance(record.get("system"), str) and record["system"].strip() else []
-    head.append("instruction=user")
-    inputs = [k for k in _ALPACA_INPUTS if k in record and not _blank(record[k])]
+def _ambiguity(record: dict, a: str, b: str) -> Rejected:
+    """Two keys of one slot hold different things: the ``--field`` mapping that reads both (or picks one)."""
+    said = f"{a} and {b} both hold something ({_short(record[a])} vs {_short(record[b])}), and alpaca reads one"
+    head = (("system", "system"),) if isinstance(record.get("system"), str) and record["system"].strip() else ()
+    head += (("instruction", "user"),)
+    inputs = tuple((k, "user") for k in _ALPACA_INPUTS if k in record and not _blank(record[k]))
     lost = " (history is then not read)" if not _blank(record.get("history")) else ""
     if a in _ALPACA_INPUTS:  # input and context: both are the user's
         answer = next((k for k in ("output", "response") if k in record and not _blank(record[k])), None)
         if answer is None:
-            return f"{said}, and alpaca reads one input; keep one of them in the data"
-        fields = " ".join(f"--field {f}" for f in head + [f"{k}=user" for k in inputs] + [f"{answer}=assistant"])
-        return f"{said}, and alpaca reads one input; read both with {fields}{lost}, or keep one in the data"
-    fields = " ".join(f"--field {f}" for f in head + [f"{k}=user" for k in inputs[:1]])
+            return Rejected(Reason.AMBIGUOUS_FIELD, f"{said} input; keep one of them in the data")
+        return Rejected(Reason.AMBIGUOUS_FIELD, f"{said} input; read both with ",
+                        Fix.of(fields=head + inputs + ((answer, "assistant"),)), f"{lost}, or keep one in the data")
+    fields = head + inputs[:1] + ((a, "assistant"),)
     if b == "instances":  # an answer beside self-instruct instances
-        return (f"{said}, and alpaca reads one answer; read {a} with {fields} --field {a}=assistant (instances is then "
-                f"counted as an ignored field){lost}, or drop {a} from the data to read the instances")
-    return (f"{said}, and alpaca reads one answer; pick it with {fields} --field {a}=assistant (or --field "
-            f"{b}=assistant), the other is then counted as an ignored field{lost}")
+        return Rejected(Reason.AMBIGUOUS_FIELD, f"{said} answer; read {a} with ", Fix.of(fields=fields),
+                        f" (instances is then counted as an ignored field){lost}, or drop {a} from the data to read "
+                        "the instances")
+    return Rejected(Reason.AMBIGUOUS_FIELD, f"{said} answer; pick it with ",
+                    Fix.of(fields=fields, alternative=((b, "assistant"),)),
+                    f", the other is then counted as an ignored field{lost}")
 
 
 def history_turns(record: dict, ctx: Ctx) -> list[Turn]:

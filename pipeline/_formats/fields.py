@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn
+from pipeline._formats._fix import MARKER, ROLE, Fix
 from pipeline._formats._paths import resolve, top_key
 from pipeline._formats._turns import ROLE_KEYS, _content, _looks_like_calls, _tool_calls, _turn
 from pipeline._options import ROLES, FormatOptions
@@ -68,10 +69,11 @@ def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
         if any(markers[m.group(m.lastgroup)] == "assistant" for m in loose):
             found = loose
     if not found:
-        given = " (yours from --transcript-marker included)" if ctx.o.transcript_markers else ""
-        hint = "" if ctx.o.transcript_markers else "; add yours with --transcript-marker MARKER=ROLE, once per marker (Q:=user)"
-        raise Rejected(Reason.BAD_TYPE, f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, "
-                                        f"System:, ### Human, ### Assistant{given}){hint}")
+        said = f"{at} holds no speaker markers (looked for Human:, Assistant:, User:, System:, ### Human, ### Assistant"
+        if ctx.o.transcript_markers:
+            raise Rejected(Reason.BAD_TYPE, f"{said} (yours from --transcript-marker included))")
+        raise Rejected(Reason.BAD_TYPE, f"{said}); add yours with ", Fix.of(transcript_markers=((MARKER, ROLE),)),
+                       ", once per marker (Q:=user)")
     turns = []
     lead = text[: found[0].start()].strip()
     if lead:
@@ -111,13 +113,13 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
             t = _turn(value, path, ctx, where=path, one=True)
             if t.role != role:
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} is a turn object of role {t.role} ({t.speaker!r}), "
-                                                f"mapped as {role}; map it with --field {path}={t.role}")
+                                                f"mapped as {role}; map it with ", Fix.of(fields=((path, t.role),)))
             (after if columns else before).append(t)
             ctx.mapping.append(f"{path} -> {role} (a turn object)")
         elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
             if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} holds a list of turn objects, not {role} texts; "
-                                                f"read it with --messages-field {path} instead of --field")
+                                                "read it with ", Fix.of(messages_field=path, drop=("fields",)))
             columns.append((path, role, value))
             ctx.mapping.append(f"{path}[] -> {role}")
         else:

@@ -46,8 +46,9 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 from pipeline._formats._base import (MISSING, Claim, Ctx, Draft, Need, Reason, Rejected, Shape, Turn, _blank, _keys, _kind,
-                                     _one_slot, _short)
-from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _tools, _turn, _turn_list)
+                                     _one_slot, _short, missing_mapped)
+from pipeline._formats._fix import MARKER, ROLE, Fix
+from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _turn, _turn_list)
 from pipeline._formats.alpaca import history_turns
 from pipeline._formats.fields import _transcript
 from pipeline._options import FormatOptions, Preference
@@ -112,8 +113,7 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
     not given). To pack both sides whole, normalize the record twice with ``--preference chosen`` and
     ``--preference rejected``: the two conversations share the prompt's tokens.
     """
-    if not isinstance(record, dict):
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    _an_object(record)
     ctx = ctx if ctx is not None else Ctx(options)
     kind = layout(record)
     if kind is None:
@@ -150,6 +150,11 @@ def preference_turns(record: dict, options: FormatOptions = FormatOptions(), ctx
         ctx.mapping.append(f"{a}/{b}: whole conversations; their shared {len(shared)} turns are the prompt")
     _system_column(record, prompt, ctx)
     return PreferenceTurns(prompt, chosen, rejected, kind, tools)
+
+
+def _an_object(record: Any) -> None:
+    if not isinstance(record, dict):
+        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
 
 
 def _openai_input(record: dict, ctx: Ctx) -> tuple[list[Turn], Any]:
@@ -215,8 +220,8 @@ def _side(value: Any, key: str, prompt: list[Turn], ctx: Ctx, implicit: bool) ->
         except Rejected:
             raise Rejected(Reason.MISSING_FIELD, f"{key} is a string without speaker markers and the record has no "
                                                  f"prompt ({', '.join(PROMPT_KEYS)}, instruction or conversations); "
-                                                 "a transcript's own markers are named with --transcript-marker "
-                                                 "MARKER=ROLE") from None
+                                                 "a transcript's own markers are named with ",
+                           Fix.of(transcript_markers=((MARKER, ROLE),))) from None
     elif isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         turns = [Turn("assistant", _content(value, key, ctx, "assistant").text, key)]
     elif isinstance(value, dict) and any(k in value for k in ROLE_KEYS + ((ctx.o.role_key,) if ctx.o.role_key else ())):
@@ -278,16 +283,14 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     """
     from pipeline._formats._paths import resolve, top_key, unused_beside_paths
 
-    if not isinstance(record, dict):
-        raise Rejected(Reason.NOT_AN_OBJECT, f"record is {_kind(record)}, expected a preference object")
+    _an_object(record)
     ranked = o.ranked()
     named = [(p, "--pair-sides") for p in o.sides()] if ranked is None else [(ranked[0], "--pair-ranked")]
     named += [(f, "--pair-winner") for f, _ in o.pair_winner] + ([(o.pair_prompt, "--pair-prompt")] if o.pair_prompt else [])
     paths = [p for p, _ in named]
     for path, flag in named:
         if resolve(record, path) is MISSING:
-            raise Rejected(Reason.MISSING_FIELD, f"field {path!r} ({flag}) is missing from this record; it has keys "
-                                                 f"[{_keys(record)}]")
+            raise missing_mapped([path], flag, record)
     ignored: list[str] = []
     if ranked is not None:
         chosen, rejected, mapping = _ranked(resolve(record, ranked[0]), ranked, o, ignored)
@@ -405,8 +408,8 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
     if side is None:
         a, b = SIDES.get(kind, ("chosen", "rejected"))
         raise Rejected(Reason.PREFERENCE_PAIR, f"the record is a preference pair ({kind} layout: {a} and {b}); train the "
-                                               f"chosen answer as SFT with --preference chosen, or pack both sides as "
-                                               "pairs with --pairs")
+                                               "chosen answer as SFT with ", Fix.of(preference=Preference.CHOSEN),
+                       ", or pack both sides as pairs with --pairs")
     pair = preference_turns(record, ctx.o, ctx)
     ctx.note("other_side_not_trained")
     answer = pair.chosen if side is Preference.CHOSEN else pair.rejected

@@ -11,7 +11,7 @@ Trained exactly where labelled, with no template and no EOS added.
 from __future__ import annotations
 
 from pipeline._formats._base import Ctx, Draft, Reason, Rejected, Shape, _keys, _kind, _short, all_of, has, is_list
-from pipeline._formats._turns import _content, _count_unread
+from pipeline._formats._turns import _content, _count_unread, flag01
 from pipeline._options import Format
 
 
@@ -32,11 +32,11 @@ def _read_segments(record: dict, ctx: Ctx) -> list[tuple[str, bool]]:
         key = next((k for k in ("label", "train", "training") if k in s), None)
         if key is None:
             raise Rejected(Reason.MISSING_FIELD, f"{at} has no 'label' (true: trained, false: context)")
-        v = s[key]
-        if not (isinstance(v, bool) or (isinstance(v, (int, float)) and v in (0, 1))):
-            raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(v)}, expected true or false")
+        label = flag01(s[key])
+        if label is None:
+            raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_short(s[key])}, expected true or false")
         _count_unread(s, {"text", key}, at, ctx)
-        out.append((text, bool(v)))
+        out.append((text, label))
     ctx.mapping.append(f"segments[]: text, label ({sum(t for _, t in out)} of {len(out)} trained)")
     return out
 

@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any, Optional
 
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank, _kind
+from pipeline._formats._fix import Fix
 from pipeline._formats._paths import resolve, top_key
 from pipeline._formats._turns import TRAIN_KEYS, _turn_object, _unused_turn_keys, _where
 from pipeline._options import TreePaths
@@ -129,8 +130,8 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
     best = ctx.o.tree_paths is TreePaths.BEST
     if not best and root.turn is not None and (n := _leaves(root)) > MAX_PATHS:
         raise Rejected(Reason.RECORD_TOO_LARGE, f"the tree under {path} has {n:,} root-to-leaf paths, more than the "
-                                                f"{MAX_PATHS:,} one record may expand to; use --tree-paths best (one "
-                                                "path per tree), or split the tree into several records")
+                                                f"{MAX_PATHS:,} one record may expand to; use ",
+                       Fix.of(tree_paths=TreePaths.BEST), " (one path per tree), or split the tree into several records")
     paths = _paths(root, best)
     if not paths:
         raise Rejected(Reason.NO_ASSISTANT_TURN, f"the tree under {path} has no assistant reply "

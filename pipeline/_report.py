@@ -1,0 +1,95 @@
+"""Text for people: the label/value tables of ``pack``'s summary, ``inspect`` and ``estimate``, and lines fit
+for a terminal.
+
+:func:`table` lays out every one of them; :func:`summary_table` is pack's (its counts, the first case of each
+reason a record left the main path); ``inspect`` and ``estimate`` build their rows beside their reports
+(:func:`pipeline._inspect.format_report`, :func:`pipeline._estimate.format_estimate`).
+
+>>> print(table([("rows", "12"), ("examples per row", "3.50")]))
+rows              12
+examples per row  3.50
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from pipeline._formats import NOTE_UNITS
+
+
+def table(rows: Iterable[tuple[str, str]]) -> str:
+    """Two columns: the labels padded to one width, two spaces, the values."""
+    rows = list(rows)
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def printable(text: str) -> str:
+    """``text`` fit for one line of a terminal: every control or other non-printable character (a newline or a
+    terminal escape in a path, a value or a file name) shown as its escape, so it cannot split or colour the line.
+
+    >>> printable("out\\nput\\x1b[31m")
+    'out\\\\nput\\\\x1b[31m'
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """``text`` with its runs of whitespace as one space, cut to ``limit`` characters (the cut marked ``…``)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summary_table(manifest: dict) -> str:
+    """The run's counts for people: every reason a record left the main path, with its first case."""
+    c = manifest["counts"]
+    first = c.get("first_rejected", {})
+
+    def case(reason: str) -> str:
+        f = first.get(reason)
+        return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(one_line(f['detail']))}" if f else ""
+
+    lines = [
+        ("records read", f"{c['records_read']:,}"
+         + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")
+         + (f"  (+{c['extra_paths']:,} more message-tree paths)" if c.get("extra_paths") else "")),
+        ("pairs packed" if manifest["config"].get("pairs") else "examples packed", f"{c['examples_packed']:,}"),
+    ]
+    if c.get("not_sampled"):
+        lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
+    lines += [("rejected", f"{c['rejected']:,}"),
+              *[(f"  {printable(k)}", f"{v:,}" + case(k))
+                for k, v in sorted(c["rejected_by_reason"].items(), key=lambda kv: -kv[1])]]
+    lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
+    if c["dropped_too_long"] and case("too_long"):
+        lines.append(("  too_long", case("too_long").lstrip()))
+    lines.append(("truncated / split examples", f"{c['truncated_examples']:,} / {c['split_examples']:,}"
+                  + (f"  ({c['no_target_pieces']:,} pieces without a target dropped)" if c.get("no_target_pieces") else "")))
+    notes = c.get("normalization", {})
+    ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
+    for k, v in notes.items():
+        if not k.startswith("ignored_field:"):
+            unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
+            lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
+    if ignored:
+        shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
+        lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
+    lines += [
+        ("rows", f"{c['rows']:,}  (lower bound {c['lower_bound']:,}, "
+                 f"+{(c['rows'] / c['lower_bound'] - 1) if c['lower_bound'] else 0:.2%})"),
+        ("tokens", f"{c['tokens']:,}  ({c['target_tokens']:,} targets)"),
+        ("fill", f"{c['fill']:.3%}"),
+        ("examples per row", f"{c['examples_per_row']:.2f}"),
+    ]
+    if manifest["config"].get("pairs"):
+        lines.append(("pairs per row", f"{c['examples_packed'] / c['rows'] if c['rows'] else 0:.2f}  (each pair: its "
+                                       "chosen and rejected sequences, side by side)"))
+    splits = c.get("splits", {})
+    if len(splits) > 1:
+        lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
+    lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
+    if "elapsed_s" in manifest:
+        lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
+    return table(lines)
