@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline import OutputFormat, PackOptions, run
-from pipeline import _estimate
-from pipeline._estimate import estimate, human_bytes, sample_input
+from pipeline._tools import estimate as estimate_module
+from pipeline._tools.estimate import estimate, human_bytes, sample_input
 from pipeline._options import FormatOptions, load_config
 from pipeline._read import expand_inputs, read_file
 from pipeline.cli import bundled_sample, main
@@ -64,7 +64,7 @@ def test_counts_and_samples_every_format(inputs, monkeypatch):
         # Spread over the whole input, not its head.
         assert max(positions) > 0.8 * truth[name], (name, max(positions))
     # Large JSONL: seeks to evenly spaced offsets, counts lines exactly (local), parses with the job's reader.
-    monkeypatch.setattr(_estimate, "_SMALL", 1000)
+    monkeypatch.setattr(estimate_module, "_SMALL", 1000)
     s = sample_input(files["a.jsonl"], k=50)
     assert s.records == 3001 and s.exact and len(s.sample) == 50
     assert any(type(r).__name__ == "Rejected" for _, r in sample_input(files["a.jsonl"], k=3001).sample)
@@ -190,14 +190,15 @@ def test_estimate_is_within_1_percent_of_the_real_run(tmp_path):
 
 
 def test_tools_do_not_import_the_job():
-    """Layering (STYLE.md): verify, inspect and estimate use the stages (_read, _encode, _rows, _write), never _job."""
+    """Layering (STYLE.md): the tools (pipeline._tools) use the stages (_read, _encode, _rows, _write), never _job."""
     import ast
     import pathlib
 
     import pipeline
 
-    for name in ("_verify", "_inspect", "_estimate"):
-        tree = ast.parse((pathlib.Path(pipeline.__file__).parent / f"{name}.py").read_text())
+    for path in sorted((pathlib.Path(pipeline.__file__).parent / "_tools").rglob("*.py")):
+        name = path.name
+        tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {f"pipeline.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)

@@ -590,7 +590,7 @@ def test_fuzz_through_the_job(tmp_path, monkeypatch, seed):
     """The corpora of one seed, packed by the real job in tasks of 1 KiB; verify --inputs reconciles."""
     from pipeline import run
     from pipeline._rows import example_id
-    from pipeline._verify import verify
+    from pipeline._tools.verify import verify
     from tests.test_verify import read_rows
 
     monkeypatch.setattr(_read, "TASK_BYTES", 1024)
@@ -648,14 +648,14 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/_signals.py", "mute"): "os.devnull, for a stopping process's stderr",
     ("pipeline/_signals.py", "worker_pids"): "the kernel's /proc/PID/stat and cmdline (this run's own workers)",
     ("pipeline/_write.py", "beam_open"): "the remote opener packers.files' checked open calls (Beam's FileSystems)",
-    ("pipeline/_inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
-    ("pipeline/_inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
+    ("pipeline/_tools/inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
+    ("pipeline/_tools/inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
     # Output folders (manifests, shards, dead letters, locks): issue 16's folder side (16B, 16C)
     # moves these behind packers.files; each one leaves this list when it does.
     ("packers/_loader.py", "_read_schema"): "16B",
-    ("pipeline/_inspect.py", "__init__"): "16B",
+    ("pipeline/_tools/inspect.py", "__init__"): "16B",
     ("pipeline/_output.py", "_read_lock"): "16C",
-    ("pipeline/_verify.py", "parse"): "16B",
+    ("pipeline/_tools/verify.py", "parse"): "16B",
     ("pipeline/_write.py", "lines"): "16B",
 }
 

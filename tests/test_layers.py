@@ -21,7 +21,7 @@ LAYERS = {
     "face": {"pipeline.cli", "pipeline"},
     "job": {"pipeline._job", "pipeline._progress", "pipeline._worker", "pipeline._pool", "pipeline._handoff",
             "pipeline._dask"},
-    "tools": {"pipeline._verify", "pipeline._inspect", "pipeline._estimate", "pipeline._preview"},
+    "tools": {"pipeline._tools"},
     "encode": {"pipeline._encode"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._signals",

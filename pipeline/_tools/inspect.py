@@ -430,7 +430,7 @@ def default_plots_dir(folder: str) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as a two-column table, counted like ``pack``'s summary."""
-    from pipeline._estimate import human_bytes
+    from pipeline._tools.estimate import human_bytes
 
     el, rt, epr = r["example_length"], r["row_tokens"], r["examples_per_row"]
     pct = lambda d: "  ".join(f"p{p} {d[f'p{p}']:,}" for p in PERCENTILES)  # noqa: E731
