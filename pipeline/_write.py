@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import posixpath
 import uuid
 from typing import Any, Iterator, Optional, Sequence
@@ -74,6 +75,16 @@ def join(folder: str, name: str) -> str:
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.join(folder, name) if "://" in folder else posixpath.join(folder, name)
+
+
+def list_folder(folder: str) -> list[str]:
+    """The names in a local or remote (gs://, s3://, ...) folder, sorted."""
+    if "://" in folder:
+        from apache_beam.io.filesystems import FileSystems
+
+        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
+        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
+    return sorted(os.listdir(folder))
 
 
 def beam_open(path: str):
