@@ -276,7 +276,7 @@ def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
     ``id``): the later one is a ``duplicate_id`` dead letter. Two examples with one id at the same
     place (source and position) are one record read twice, or two records numbered alike: a bug
     in the reader, never a duplicate in the data, so the run stops with an InternalError rather
-    than drop a record (issue 16: lone CRs once shifted line numbers between read tasks).
+    than drop a record (a line rule that two read tasks count differently would number lines alike).
     """
     # By id, then source, then position: numpy's string order is Python's (code points), and ties are rare.
     order = np.lexsort((np.asarray(batch.positions, dtype=np.int64), np.asarray(batch.sources, dtype=str),

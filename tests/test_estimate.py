@@ -1,7 +1,7 @@
 """``packstream estimate``: sampling, the job's own stages on the sample, predictions held against real runs.
 
 The wall-time prediction is measured by ``bench/bench_estimate.py``, not asserted here: it depends
-on the machine's load (issue 10.9). The counts are deterministic and held tightly.
+on the machine's load. The counts are deterministic and held tightly.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ MAX_CONFIG_DEPTH = 32
 """The deepest nesting of a --config (a data set's options nest 3 levels)."""
 MAX_CONFIG_EXPANDED = 4 << 20
 """The most a --config may expand to, in characters of its values plus one per node, every alias
-counted where it is used: YAML aliases let 1 MiB of text stand for gigabytes (issue 16)."""
+counted where it is used: YAML aliases let 1 MiB of text stand for gigabytes."""
 
 
 def load_yaml(data: bytes, what: str) -> Any:

@@ -207,6 +207,12 @@ class CorruptInput(PackstreamError):
         super().__init__(message)
         self.position = position
 
+    @property
+    def rest_at(self) -> int:
+        """The position of the dead letter that stands for the rest of the file: the one after the last good
+        record (0 when none was read)."""
+        return 0 if self.position is None else self.position + 1
+
 
 def read_file(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """``(position, record or Rejected)`` for every record of one input.

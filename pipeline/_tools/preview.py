@@ -38,7 +38,7 @@ def records(f, max_bytes: int) -> Iterator[tuple[int, Any]]:
     try:
         yield from read_file(f, max_bytes)
     except CorruptInput as e:
-        yield (0 if e.position is None else e.position + 1), Rejected(Reason.CORRUPT_INPUT, str(e))
+        yield e.rest_at, Rejected(Reason.CORRUPT_INPUT, str(e))
 
 
 def preview(options: PackOptions, n: int) -> list[dict]:

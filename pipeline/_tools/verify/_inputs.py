@@ -103,8 +103,7 @@ def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: 
                         yield chunk
                         chunk = []
             except _read.CorruptInput as e:  # as pipeline._job.EncodeTasks: counted as one record
-                where = 0 if e.position is None else e.position + 1
-                expected_dead[(f.source, where, None)] = Reason.CORRUPT_INPUT.value
+                expected_dead[(f.source, e.rest_at, None)] = Reason.CORRUPT_INPUT.value
                 counts["records_read"] += 1
             if chunk:
                 counts["records_read"] += len(chunk)
