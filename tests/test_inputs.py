@@ -274,17 +274,28 @@ def test_a_json_file_that_breaks_is_corrupt_after_the_last_good_item(tmp_path, d
     assert [pos for pos, _ in got[:-1]] == list(range(0 if position is None else position + 1))
 
 
-def test_deep_json_through_pack_preview_and_estimate(tmp_path):
+def test_deep_json_costs_that_item_alone(tmp_path):
+    """An item nested 100,000 levels deep in a JSON array never leaves the reader as a value: it is refused at its
+    position, so the encode stage dead-letters it exactly as ``pack`` writes it to rejected.jsonl and packs the
+    rest; preview shows it refused, and estimate's sample and estimate run over it."""
+    from pipeline._encode import Encoder
+
     good = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
     body = [json.dumps(g).encode() for g in good]
     body.insert(2, b'{"text": "x", "d": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     p = tmp_path / "deep.json"
     p.write_bytes(b"[" + b",".join(body) + b"]")
-    out = tmp_path / "out"
-    r = cli("pack", str(p), "-o", str(out), "-q")
-    assert r.exit_code == 0, r.output
-    (dead,) = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    options = PackOptions(inputs=(str(p),), output=str(tmp_path / "out"))
+    (f,) = _read.expand_datasets(options.datasets())[0]  # the launch check
+    items = list(_read.read_file(f, options.max_record_bytes))
+    assert [pos for pos, _ in items] == [0, 1, 2, 3, 4] and [isinstance(r, Rejected) for _, r in items].count(True) == 1
+    enc = Encoder(options).encode([(f.dataset, f.source, pos, rec) for pos, rec in items])
+    (dead,) = enc.rejected
     assert dead["position"] == 2 and dead["reason"] == "malformed_json" and "levels deep" in dead["detail"]
+    assert len(enc.batch) == 4
+    sampled = _read.sample(f, 10, options.max_record_bytes).items
+    assert [(pos, getattr(r, "reason", None)) for pos, r in sampled] == [
+        (pos, getattr(r, "reason", None)) for pos, r in items]
     r = cli("preview", str(p), "-n", "10", "--no-color")
     assert r.exit_code == 0 and "record 2: shape not recognised  REFUSED malformed_json" in r.output, r.output
     r = cli("estimate", str(p), "--json")
