@@ -33,7 +33,7 @@ import re
 import threading
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from click.testing import CliRunner

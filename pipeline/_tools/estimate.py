@@ -167,9 +167,7 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
 
     import pyarrow as pa
 
-    schema = pa.schema(packers.SCHEMA, metadata=packers.schema_metadata(
-        budget=options.max_tokens, tokenizer=identity["name"], vocab_sha256=identity["vocab_sha256"],
-        pad_token_id=identity["pad_token_id"], eos_token_id=identity["eos_token_id"], run_id="0" * 16))
+    schema = pa.schema(packers.SCHEMA, metadata=_write.run_metadata(options, identity, "0" * 16))
     fmt = options.output_format.value
     ext = "parquet" if fmt == "parquet" else "arrow"
     with tempfile.TemporaryDirectory(prefix="packstream-estimate-") as tmp:
