@@ -2,9 +2,10 @@
 
 For each input, the readers' :func:`pipeline._read.sample` takes about ``k`` records spread over
 the whole file, read as the job reads them, and counts the records (exactly where that is cheap;
-otherwise file bytes / sampled bytes per record). :func:`estimate` then runs the job's own stages on the sample: the encode stage
-(:meth:`pipeline._encode.Encoder.encode`: normalize, render, tokenize, sample or repeat per data
-set) and the long-example policy (:func:`pipeline._rows.pieces`), and extrapolates::
+otherwise file bytes / sampled bytes per record). :func:`estimate` then runs the job's own stages
+on the sample: the encode stage (:meth:`pipeline._encode.Encoder.encode`: normalize, render,
+tokenize, sample or repeat per data set) and the long-example policy (:func:`pipeline._rows.pieces`),
+and extrapolates::
 
     per input f     N_f records (counted or projected), k_f sampled; scale_f = N_f / k_f
     counts          rejected by reason, not sampled, repeated copies, dropped for length,
