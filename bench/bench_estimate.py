@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         return 2
     sys.path.insert(0, str(ROOT))
     from pipeline import PackOptions, run
-    from pipeline._estimate import estimate
+    from pipeline._tools.estimate import estimate
 
     out = tempfile.mkdtemp(prefix="bench-estimate-")
     try:

@@ -74,6 +74,19 @@ class _Prepared:
     rejected: list[dict] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def add_segments(self, segments: list[tuple[str, bool]], owner: int) -> None:
+        """The ``(text, is_target)`` segments of one example (or side), owned by ``owner``."""
+        self.texts.extend(t for t, _ in segments)
+        self.flags.extend(y for _, y in segments)
+        self.owner.extend(itertools.repeat(owner, len(segments)))
+
+    def token_arrays(self, encs: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The segments' tokens (``encs``: one encoding per segment) as flat ids, their mask, and each segment's
+        token count."""
+        seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
+        return ids, np.repeat(np.asarray(self.flags, dtype=np.uint8), seg_lens), seg_lens
+
 
 def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     for k, v in more.items():
@@ -151,9 +164,7 @@ class Encoder:
                 if p.pairs:
                     sides, notes = self.prepare_pair(record, fmt)
                     for k, segs in enumerate(sides):
-                        p.texts.extend(t for t, _ in segs)
-                        p.flags.extend(y for _, y in segs)
-                        p.owner.extend(itertools.repeat(2 * len(p.meta) + k, len(segs)))
+                        p.add_segments(segs, 2 * len(p.meta) + k)
                     add_counts(p.counts, notes)
                     p.meta.append((eid, source, position, dataset))
                     continue
@@ -169,13 +180,10 @@ class Encoder:
                     if conv.tokens is not None:
                         p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                     else:
+                        segs = self.renderer.segments(conv, fmt)
                         if not self.renderer.appends_eos(conv):  # labelled segments: trained exactly as labelled
                             p.no_eos.add(len(p.meta))
-                        segs = self.renderer.segments(conv, fmt)
-                        i = len(p.meta)
-                        p.texts.extend(t for t, _ in segs)
-                        p.flags.extend(y for _, y in segs)
-                        p.owner.extend(itertools.repeat(i, len(segs)))
+                        p.add_segments(segs, len(p.meta))
                     add_counts(p.counts, conv.notes)
                 except Rejected as r:
                     p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, ceid))
@@ -231,9 +239,7 @@ class Encoder:
             return self._finish_pairs(p, encs)
         rejected, counts, kept_meta, direct = p.rejected, p.counts, p.meta, p.direct
         n = len(kept_meta)
-        seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
-        mask = np.repeat(np.asarray(p.flags, dtype=np.uint8), seg_lens)
+        ids, mask, seg_lens = p.token_arrays(encs)
         rec_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
         if direct:  # splice pre-tokenized examples in at their place
             ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
@@ -272,9 +278,7 @@ class Encoder:
         example per pair (chosen tokens, then rejected; ``cuts``)."""
         rejected, meta = p.rejected, p.meta
         n = len(meta)
-        seg_lens = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(seg_lens.sum()))
-        mask = np.repeat(np.asarray(p.flags, dtype=np.uint8), seg_lens)
+        ids, mask, seg_lens = p.token_arrays(encs)
         side_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=2 * n).astype(np.int64)
         ids, mask, side_lens = self._append_eos(ids, mask, side_lens, set())
         ends = np.cumsum(side_lens)

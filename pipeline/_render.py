@@ -245,8 +245,8 @@ class JinjaTemplate:
         self.tools = self._renders("zq7tool", [_PROBE_USER], tools=[tool])
 
     def _check_ends(self) -> None:
-        """A template that cannot render the smallest conversation in time would time out on every record (issue 16:
-        1,000 records took 2.8 h): that is one launch error, found by one probe."""
+        """A template that cannot render the smallest conversation in time would time out on every record (1,000
+        records would take hours): that is one launch error, found by one probe."""
         probe = [_PROBE_USER, {"role": "assistant", "content": "packstream probe answer"}]
         try:
             with WATCHDOG.limit(TEMPLATE_SECONDS):

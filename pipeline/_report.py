@@ -3,7 +3,7 @@ for a terminal.
 
 :func:`table` lays out every one of them; :func:`summary_table` is pack's (its counts, the first case of each
 reason a record left the main path); ``inspect`` and ``estimate`` build their rows beside their reports
-(:func:`pipeline._inspect.format_report`, :func:`pipeline._estimate.format_estimate`).
+(:func:`pipeline._tools.inspect.format_report`, :func:`pipeline._tools.estimate.format_estimate`).
 
 >>> print(table([("rows", "12"), ("examples per row", "3.50")]))
 rows              12

@@ -276,7 +276,7 @@ def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
     ``id``): the later one is a ``duplicate_id`` dead letter. Two examples with one id at the same
     place (source and position) are one record read twice, or two records numbered alike: a bug
     in the reader, never a duplicate in the data, so the run stops with an InternalError rather
-    than drop a record (issue 16: lone CRs once shifted line numbers between read tasks).
+    than drop a record (a line rule that two read tasks count differently would number lines alike).
     """
     # By id, then source, then position: numpy's string order is Python's (code points), and ties are rare.
     order = np.lexsort((np.asarray(batch.positions, dtype=np.int64), np.asarray(batch.sources, dtype=str),
@@ -301,7 +301,7 @@ def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
 
 
 def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) -> Group:
-    """Grouped mode: de-duplicate, split/truncate, plan and assemble one group of examples (or of pairs)."""
+    """Grouped mode: de-duplicate, split/truncate, bin-pack and assemble one group of examples (or of pairs)."""
     stats: dict[str, int] = {}
     batch, rejected = dedupe(batch)
     stats["duplicates"] = len(rejected)
@@ -312,12 +312,18 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
                           refine=options.refine and options.max_per_row is None)
     if len(result.dropped) or len(result.empty):  # pieces fit the budget and are never empty
         raise packers.InternalError(f"pack() dropped {len(result.dropped)} / emptied {len(result.empty)} pieces")
-    stats["examples_packed"] = len(np.unique(ex))
-    stats["pieces"] = int(len(result.order))
-    parts = parts[result.order]
-    suffixes = ["" if p < 0 else f"#{p}" for p in parts.tolist()]
-    group = assemble(batch, ex[result.order], starts[result.order], stops[result.order], suffixes,
-                     result.row_offsets, options.seed, eos_id, options.max_tokens)
+    o = result.order
+    suffixes = ["" if p < 0 else f"#{p}" for p in parts[o].tolist()]
+    placed = Placement(ex[o], starts[o], stops[o], suffixes, result.row_offsets)
+    return _finish(batch, placed, options, eos_id, rejected, stats)
+
+
+def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_id: int | None, rejected: list[dict],
+            stats: dict[str, int]) -> Group:
+    """The group of placed pieces: its rows (:func:`assemble`), dead letters and counts."""
+    stats["examples_packed"] = len(np.unique(placed.ex))
+    stats["pieces"] = int(len(placed.ex))
+    group = assemble(batch, placed, options, eos_id)
     stats["rows"] = group.batch.num_rows
     group.rejected = rejected
     group.stats = stats
@@ -363,43 +369,58 @@ def pack_pair_group(batch: ExampleBatch, options: PackOptions, rejected: list[di
     return result, prompt
 
 
+def as_pairs(batch: ExampleBatch) -> ExampleBatch:
+    """``batch`` as a batch of pairs: an empty batch gets empty cuts; examples that are not pairs are a bug."""
+    if batch.cuts is not None:
+        return batch
+    if len(batch):
+        raise packers.InternalError("a --pairs run got examples that are not pairs")
+    return dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
+
+
 def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, rejected: list[dict],
                 stats: dict[str, int]) -> Group:
     """:func:`pack_group` for pairs: each pair one item, its two sides adjacent in one row, chosen first."""
-    if batch.cuts is None:
-        if len(batch):
-            raise packers.InternalError("a --pairs run got examples that are not pairs")
-        batch = dataclasses.replace(batch, cuts=np.zeros(0, np.int64))
+    batch = as_pairs(batch)
     result, prompt = pack_pair_group(batch, options, rejected, stats)
     seqs = result.order
     ex, side = seqs // 2, seqs % 2
     starts = np.where(side == 0, 0, batch.cuts[ex])
-    stops = starts + result.stops
-    stats["examples_packed"] = len(np.unique(ex))
-    stats["pieces"] = int(len(seqs))
     suffixes = [packers.Side(s).suffix for s in side.tolist()]
-    group = assemble(batch, ex, starts, stops, suffixes, result.row_offsets, options.seed, eos_id, options.max_tokens,
-                     pairs=(prompt[ex], side))
-    stats["rows"] = group.batch.num_rows
-    group.rejected = rejected
-    group.stats = stats
-    return group
+    placed = Placement(ex, starts, starts + result.stops, suffixes, result.row_offsets, prompts=prompt[ex], sides=side)
+    return _finish(batch, placed, options, eos_id, rejected, stats)
 
 
 def _list(offsets: np.ndarray, values: np.ndarray | list, typ: pa.DataType) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, typ))
 
 
-def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, suffixes: list[str],
-             row_offsets: np.ndarray, seed: int, eos_id: int | None, budget: int,
-             pairs: tuple[np.ndarray, np.ndarray] | None = None) -> Group:
-    """Rows from placed pieces (row ``r`` is pieces ``row_offsets[r]:row_offsets[r+1]``), shuffled by a seeded key.
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Pieces placed in rows: row ``r`` is pieces ``row_offsets[r]:row_offsets[r+1]``; piece ``j`` is tokens
+    ``[starts[j], stops[j])`` of example ``ex[j]``, with id ``batch.ids[ex[j]] + suffixes[j]``.
 
-    Piece ``j`` is tokens ``[starts[j], stops[j])`` of example ``ex[j]``, with id ``batch.ids[ex[j]] + suffixes[j]``.
-    With ``pairs = (prompts, sides)`` (pieces are the sides of pairs), piece ``j``'s completion is everything after
-    its first ``prompts[j]`` tokens, its side ``sides[j]`` (0 chosen, 1 rejected), and the rows get their pair
-    columns; the rows' contract checks (pairs adjacent, chosen first) are the loader's and verify's.
+    For the sides of pairs, ``prompts[j]`` is piece ``j``'s prompt length (its completion is everything after)
+    and ``sides[j]`` its side (0 chosen, 1 rejected); both None for plain examples.
     """
+
+    ex: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    suffixes: list[str]
+    row_offsets: np.ndarray
+    prompts: np.ndarray | None = None
+    sides: np.ndarray | None = None
+
+
+def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_id: int | None) -> Group:
+    """The rows of placed pieces, shuffled by a key seeded with ``--seed``.
+
+    Rows of pairs get their pair columns; the rows' contract checks (pairs adjacent, chosen first) are the
+    loader's and verify's.
+    """
+    ex, starts, stops, suffixes, row_offsets = placed.ex, placed.starts, placed.stops, placed.suffixes, placed.row_offsets
+    seed, budget = options.seed, options.max_tokens
     piece_ids = [batch.ids[e] + sfx for e, sfx in zip(ex.tolist(), suffixes)]
     rows = len(row_offsets) - 1
     first = row_offsets[:-1].tolist()
@@ -429,15 +450,14 @@ def assemble(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.
     at_first = np.bincount(np.repeat(np.arange(rows), row_pieces), weights=loss_mask[csum - piece_lens],
                            minlength=rows).astype(np.int64) if rows else np.zeros(0, np.int64)
     num_targets = mask_cum[tok_row_off[1:]] - mask_cum[tok_row_off[:-1]] - at_first
-    if pairs is None:
+    if placed.sides is None:
         none = np.zeros(rows + 1, np.int64)
         pair_cols = [_list(none, [], pa.string()), _list(none, np.zeros(0, np.uint8), pa.uint8()),
                      _list(none, np.zeros(0, np.int32), pa.int32())]
     else:
         seq_start = ends - piece_lens  # row-relative
-        prompts, sides = pairs
-        spans = np.stack([seq_start + prompts[piece_order], ends], axis=1).ravel()
-        sides = sides[piece_order]
+        spans = np.stack([seq_start + placed.prompts[piece_order], ends], axis=1).ravel()
+        sides = placed.sides[piece_order]
         pair_cols = [_list(row_start_piece, [batch.ids[e] for e in ex[piece_order].tolist()], pa.string()),
                      _list(row_start_piece, sides.astype(np.uint8), pa.uint8()),
                      _list(2 * row_start_piece, spans, pa.int32())]

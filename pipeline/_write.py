@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import posixpath
 import uuid
 from typing import Any, Iterator, Optional, Sequence
@@ -70,10 +71,28 @@ def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def run_metadata(options, identity: dict, run_id: str) -> dict:
+    """The schema metadata of every shard of a run (:func:`packers.schema_metadata`): its budget, its tokenizer's
+    identity (:func:`pipeline._tokenizer.tokenizer_identity`) and ``run_id``; each shard adds its own place."""
+    return packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
+                                   vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
+                                   eos_token_id=identity["eos_token_id"], run_id=run_id)
+
+
 def join(folder: str, name: str) -> str:
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.join(folder, name) if "://" in folder else posixpath.join(folder, name)
+
+
+def list_folder(folder: str) -> list[str]:
+    """The names in a local or remote (gs://, s3://, ...) folder, sorted."""
+    if "://" in folder:
+        from apache_beam.io.filesystems import FileSystems
+
+        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
+        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
+    return sorted(os.listdir(folder))
 
 
 def beam_open(path: str):

@@ -320,7 +320,7 @@ def preview_command(inputs, n, color, **params):
     For each record: the detected format and the mapping used, the rendered text with the training
     targets highlighted, token counts, or the rejection reason with its remedy. No Beam; quick.
     """
-    from pipeline import _preview
+    from pipeline._tools import preview as _preview
 
     with _user_errors():
         options = build_options(inputs, params)
@@ -331,7 +331,7 @@ def preview_command(inputs, n, color, **params):
 
 
 def _print_estimate(options, sample: int, log_format: str, quiet: bool) -> None:
-    from pipeline._estimate import estimate, format_estimate
+    from pipeline._tools.estimate import estimate, format_estimate
 
     est = estimate(options, sample=sample)
     if quiet:
@@ -356,7 +356,7 @@ def inspect_command(folder, as_json, plots_dir, no_plots):
     split), reading only their num_tokens, seq_offsets, loss_mask and example_ids columns; counts
     what left the main path as pack's summary does (local, gs://, s3://).
     """
-    from pipeline import _inspect
+    from pipeline._tools import inspect as _inspect
 
     with _user_errors():
         report = _inspect.inspect(folder, None if no_plots else (plots_dir or _inspect.default_plots_dir(folder)))
@@ -384,7 +384,7 @@ def verify_command(folder, input_paths, with_inputs, trust_remote_code, max_prob
 
     Example: packstream verify out/ --inputs data/*.jsonl
     """
-    from pipeline._verify import verify
+    from pipeline._tools.verify import verify
 
     if input_paths and not with_inputs:
         raise click.UsageError(f"unexpected argument {input_paths[0]!r}; put --inputs before input paths")

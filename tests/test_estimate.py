@@ -1,7 +1,7 @@
 """``packstream estimate``: sampling, the job's own stages on the sample, predictions held against real runs.
 
 The wall-time prediction is measured by ``bench/bench_estimate.py``, not asserted here: it depends
-on the machine's load (issue 10.9). The counts are deterministic and held tightly.
+on the machine's load. The counts are deterministic and held tightly.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline import OutputFormat, PackOptions, run
-from pipeline import _estimate
-from pipeline._estimate import estimate, human_bytes, sample_input
+from pipeline._read import _sample, sample
+from pipeline._tools.estimate import estimate, human_bytes
 from pipeline._options import FormatOptions, load_config
 from pipeline._read import expand_inputs, read_file
 from pipeline.cli import bundled_sample, main
@@ -57,17 +57,17 @@ def test_counts_and_samples_every_format(inputs, monkeypatch):
     truth = {name: sum(1 for _ in read_file(f, 2**24)) for name, f in files.items()}
     assert truth == {"a.jsonl": 3001, "b.jsonl.gz": 1234, "c.json": 777, "d.parquet": 2500}
     for name, f in files.items():
-        s = sample_input(f, k=100)
-        assert s.records == truth[name] and s.exact and 95 <= len(s.sample) <= 100, name
-        positions = [p for p, _ in s.sample]
+        s = sample(f, 100, 2**24)
+        assert s.records == truth[name] and s.exact and 95 <= len(s.items) <= 100, name
+        positions = [p for p, _ in s.items]
         assert positions == sorted(positions) or name == "b.jsonl.gz"
         # Spread over the whole input, not its head.
         assert max(positions) > 0.8 * truth[name], (name, max(positions))
     # Large JSONL: seeks to evenly spaced offsets, counts lines exactly (local), parses with the job's reader.
-    monkeypatch.setattr(_estimate, "_SMALL", 1000)
-    s = sample_input(files["a.jsonl"], k=50)
-    assert s.records == 3001 and s.exact and len(s.sample) == 50
-    assert any(type(r).__name__ == "Rejected" for _, r in sample_input(files["a.jsonl"], k=3001).sample)
+    monkeypatch.setattr(_sample, "WHOLE_JSONL_BYTES", 1000)
+    s = sample(files["a.jsonl"], 50, 2**24)
+    assert s.records == 3001 and s.exact and len(s.items) == 50
+    assert any(type(r).__name__ == "Rejected" for _, r in sample(files["a.jsonl"], 3001, 2**24).items)
 
 
 def _same_counts(e: dict, c: dict) -> None:
@@ -190,16 +190,32 @@ def test_estimate_is_within_1_percent_of_the_real_run(tmp_path):
 
 
 def test_tools_do_not_import_the_job():
-    """Layering (STYLE.md): verify, inspect and estimate use the stages (_read, _encode, _rows, _write), never _job."""
+    """Layering (STYLE.md): the tools (pipeline._tools) use the stages (_read, _encode, _rows, _write), never _job."""
     import ast
     import pathlib
 
     import pipeline
 
-    for name in ("_verify", "_inspect", "_estimate"):
-        tree = ast.parse((pathlib.Path(pipeline.__file__).parent / f"{name}.py").read_text())
+    for path in sorted((pathlib.Path(pipeline.__file__).parent / "_tools").rglob("*.py")):
+        name = path.name
+        tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {f"pipeline.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                      and n.module == "pipeline" for a in n.names}
         assert "pipeline._job" not in imported, name
+
+
+def test_seeks_that_land_in_one_long_line_sample_distinct_places(tmp_path, monkeypatch):
+    """A big JSONL file of lines longer than the seek spacing: two seeks may land in one line and take the line
+    after it. Each sampled record gets its own position, so no two sampled examples claim one place (which the
+    job's dedupe refuses as a reader bug), and the estimate runs."""
+    recs = [{"instruction": f"q{i} " + "long " * 2000, "output": f"a{i}"} for i in range(40)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(_sample, "WHOLE_JSONL_BYTES", 1000)
+    f = expand_inputs((str(tmp_path / "long.jsonl"),))[0]
+    s = sample(f, 100, 2**24)
+    positions = [p for p, _ in s.items]
+    assert s.records == 40 and len(positions) > 40 and positions == sorted(set(positions))  # lines taken twice
+    e = estimate(PackOptions(inputs=(str(tmp_path),), output=str(tmp_path / "o"), max_tokens=8192), sample=100)
+    assert e["records"] == 40 and e["sampled_records"] == len(positions)

@@ -30,7 +30,7 @@ import pytest
 from pipeline import PackOptions, run
 from pipeline import _read, _rows, _spill, _write
 from pipeline._encode import Encoder
-from pipeline._verify import verify
+from pipeline._tools.verify import verify
 from pipeline.cli import bundled_sample
 
 

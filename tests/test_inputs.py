@@ -33,7 +33,7 @@ import re
 import threading
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -193,7 +193,7 @@ def test_one_line_rule_everywhere(data, cuts, task):
         fh.flush()
         f = _read.InputFile(fh.name, "a", "jsonl")
         tasks = _read.cut_tasks(f, task)
-        seen = [(n, raw) for t in tasks for n, raw in _read._jsonl_texts(f, 1 << 20, t.start, t.stop, t.first)]
+        seen = [(n, raw) for t in tasks for n, raw in _read.jsonl_texts(f, 1 << 20, t.start, t.stop, t.first)]
     assert seen == truth_lines(data)
     assert [t.start for t in tasks[1:]] == [t.stop for t in tasks[:-1]]
 
@@ -274,17 +274,28 @@ def test_a_json_file_that_breaks_is_corrupt_after_the_last_good_item(tmp_path, d
     assert [pos for pos, _ in got[:-1]] == list(range(0 if position is None else position + 1))
 
 
-def test_deep_json_through_pack_preview_and_estimate(tmp_path):
+def test_deep_json_costs_that_item_alone(tmp_path):
+    """An item nested 100,000 levels deep in a JSON array never leaves the reader as a value: it is refused at its
+    position, so the encode stage dead-letters it exactly as ``pack`` writes it to rejected.jsonl and packs the
+    rest; preview shows it refused, and estimate's sample and estimate run over it."""
+    from pipeline._encode import Encoder
+
     good = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
     body = [json.dumps(g).encode() for g in good]
     body.insert(2, b'{"text": "x", "d": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     p = tmp_path / "deep.json"
     p.write_bytes(b"[" + b",".join(body) + b"]")
-    out = tmp_path / "out"
-    r = cli("pack", str(p), "-o", str(out), "-q")
-    assert r.exit_code == 0, r.output
-    (dead,) = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
+    options = PackOptions(inputs=(str(p),), output=str(tmp_path / "out"))
+    (f,) = _read.expand_datasets(options.datasets())[0]  # the launch check
+    items = list(_read.read_file(f, options.max_record_bytes))
+    assert [pos for pos, _ in items] == [0, 1, 2, 3, 4] and [isinstance(r, Rejected) for _, r in items].count(True) == 1
+    enc = Encoder(options).encode([(f.dataset, f.source, pos, rec) for pos, rec in items])
+    (dead,) = enc.rejected
     assert dead["position"] == 2 and dead["reason"] == "malformed_json" and "levels deep" in dead["detail"]
+    assert len(enc.batch) == 4
+    sampled = _read.sample(f, 10, options.max_record_bytes).items
+    assert [(pos, getattr(r, "reason", None)) for pos, r in sampled] == [
+        (pos, getattr(r, "reason", None)) for pos, r in items]
     r = cli("preview", str(p), "-n", "10", "--no-color")
     assert r.exit_code == 0 and "record 2: shape not recognised  REFUSED malformed_json" in r.output, r.output
     r = cli("estimate", str(p), "--json")
@@ -590,10 +601,12 @@ def test_fuzz_through_the_job(tmp_path, monkeypatch, seed):
     """The corpora of one seed, packed by the real job in tasks of 1 KiB; verify --inputs reconciles."""
     from pipeline import run
     from pipeline._rows import example_id
-    from pipeline._verify import verify
+    from pipeline._tools.verify import verify
     from tests.test_verify import read_rows
 
-    monkeypatch.setattr(_read, "TASK_BYTES", 1024)
+    from pipeline._read import _tasks
+
+    monkeypatch.setattr(_tasks, "TASK_BYTES", 1024)
     data = tmp_path / "in"
     data.mkdir()
     corpora = {"a.jsonl": jsonl_corpus(seed, 300), "b.json": json_corpus(seed, 120)}
@@ -628,7 +641,7 @@ OPENERS = {"open", "io.open", "os.open", "gzip.open", "bz2.open", "lzma.open", "
 ALLOWED: dict[tuple[str, str], str] = {
     # (module, function) -> why a raw open is right there
     ("packers/files.py", "open_checked"): "the checked open itself",
-    ("pipeline/_read.py", "_beam_open"): "the remote opener handed to open_checked",
+    ("pipeline/_read/_files.py", "_beam_open"): "the remote opener handed to open_checked",
     ("pipeline/_render.py", "<module>"): "the built-in template, a package resource",
     ("packers/_attention.py", "_refuse_in_class_tables"): "transformers' own installed source",
     ("pipeline/_output.py", "_create_exclusive"): "a writer",
@@ -648,14 +661,14 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/_workers/signals.py", "mute"): "os.devnull, for a stopping process's stderr",
     ("pipeline/_workers/signals.py", "worker_pids"): "the kernel's /proc/PID/stat and cmdline (this run's own workers)",
     ("pipeline/_write.py", "beam_open"): "the remote opener packers.files' checked open calls (Beam's FileSystems)",
-    ("pipeline/_inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
-    ("pipeline/_inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
+    ("pipeline/_tools/inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
+    ("pipeline/_tools/inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
     # Output folders (manifests, shards, dead letters, locks): issue 16's folder side (16B, 16C)
     # moves these behind packers.files; each one leaves this list when it does.
     ("packers/_loader.py", "_read_schema"): "16B",
-    ("pipeline/_inspect.py", "__init__"): "16B",
+    ("pipeline/_tools/inspect.py", "__init__"): "16B",
     ("pipeline/_output.py", "_read_lock"): "16C",
-    ("pipeline/_verify.py", "parse"): "16B",
+    ("pipeline/_tools/verify/_shards.py", "parse"): "16B",
     ("pipeline/_write.py", "lines"): "16B",
 }
 

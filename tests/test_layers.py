@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "face": {"pipeline.cli", "pipeline"},
     "job": {"pipeline._job", "pipeline._progress"},
-    "tools": {"pipeline._verify", "pipeline._inspect", "pipeline._estimate", "pipeline._preview"},
+    "tools": {"pipeline._tools"},
     "encode": {"pipeline._encode"},
     "workers": {"pipeline._workers"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",

@@ -18,7 +18,7 @@ import pytest
 import packers
 from pipeline import PackOptions, run
 from pipeline._tokenizer import load_tokenizer
-from pipeline._verify import verify
+from pipeline._tools.verify import verify
 from tests.test_pipeline import _rows
 
 WORDS = "alpha beta gamma delta prime river stone cloud seven ninety quiet answer".split()
@@ -137,7 +137,7 @@ def test_encoder_pair_example():
 
 
 def test_preview_shows_both_sides():
-    from pipeline._preview import format_preview, preview
+    from pipeline._tools.preview import format_preview, preview
 
     items = preview(PackOptions(inputs=("tests/shapes/preference_trl.jsonl",), pairs=True), n=2)
     for it in items:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from pipeline._formats import detect
 from pipeline._options import FormatOptions, PackOptions
-from pipeline._preview import format_preview, inputs, preview
+from pipeline._tools.preview import format_preview, inputs, preview
 from pipeline.cli import main
 from tests.conftest import GSM8K_FIELDS, shared_data
 from tests.test_formats import SHAPES, SHAPES_DIR, chatml, load

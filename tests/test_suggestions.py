@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from pipeline._formats import Fix, Hole, Reason, Rejected, conversations
 from pipeline._options import FormatOptions, PackOptions
-from pipeline._preview import preview
+from pipeline._tools.preview import preview
 from packers import PackstreamError
 from tests.test_formats import REFUSALS, SHAPES, load
 from tests.test_fuzz_formats import SKELETONS

@@ -38,7 +38,7 @@ def records(f, max_bytes: int) -> Iterator[tuple[int, Any]]:
     try:
         yield from read_file(f, max_bytes)
     except CorruptInput as e:
-        yield (0 if e.position is None else e.position + 1), Rejected(Reason.CORRUPT_INPUT, str(e))
+        yield e.rest_at, Rejected(Reason.CORRUPT_INPUT, str(e))
 
 
 def preview(options: PackOptions, n: int) -> list[dict]:
@@ -133,7 +133,7 @@ _GREEN, _DIM, _RED, _BOLD, _RESET = "\x1b[32m", "\x1b[2m", "\x1b[31m", "\x1b[1m"
 
 def format_preview(items: list[dict], color: bool) -> str:
     """Items of :func:`preview` as text: targets in green (``color``) or inside ``[[...]]``."""
-    from pipeline._read import _kind
+    from pipeline._read import file_kind
 
     c = (lambda code, s: f"{code}{s}{_RESET}") if color else (lambda code, s: s)  # noqa: E731
     out: list[str] = []
@@ -142,7 +142,7 @@ def format_preview(items: list[dict], color: bool) -> str:
         if it["source"] != source:
             source = it["source"]
             out.append(c(_BOLD, f"== {source}") + ("" if it["dataset"] == "default" else f"  (data set {it['dataset']})"))
-        where = f"line {it['position']}" if _kind(str(source)) == "jsonl" else f"record {it['position']}"
+        where = f"line {it['position']}" if file_kind(str(source)) == "jsonl" else f"record {it['position']}"
         shape = it.get("format", "shape not recognised")
         if "path" in it:  # one of the conversations of a message tree
             where += f", path {it['path']}"

@@ -88,20 +88,11 @@ REPORT_KEYS: dict[str, Any] = {
 _SPLIT_KEYS = ("shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill")
 
 
-def _list(folder: str) -> list[str]:
-    if "://" in folder:
-        from apache_beam.io.filesystems import FileSystems
-
-        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
-        return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
-    return sorted(os.listdir(folder))
-
-
 def load_manifest(folder: str) -> tuple[Manifest, list[str]]:
     """The complete, checked manifest of ``folder`` and the folder's file names; PackstreamError if there is
     none, or it cannot be trusted (see :mod:`packers.manifest`)."""
     try:
-        names = _list(folder)
+        names = _write.list_folder(folder)
     except (OSError, ValueError) as e:
         raise PackstreamError(f"{show_path(folder)} cannot be listed ({e}); pass the --output folder of packstream "
                               "pack") from None
@@ -430,8 +421,8 @@ def default_plots_dir(folder: str) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as a two-column table, counted like ``pack``'s summary."""
-    from pipeline._estimate import human_bytes
     from pipeline._report import table
+    from pipeline._tools.estimate import human_bytes
 
     el, rt, epr = r["example_length"], r["row_tokens"], r["examples_per_row"]
     pct = lambda d: "  ".join(f"p{p} {d[f'p{p}']:,}" for p in PERCENTILES)  # noqa: E731

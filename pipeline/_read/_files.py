@@ -1,0 +1,186 @@
+"""Input files: the kind a name says, the one checked open, decompression, and bytes in blocks.
+
+An input's kind comes from its name (:data:`SUPPORTED`): JSONL (``.jsonl``, ``.ndjson``) and JSON
+arrays (``.json``), plain or compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet and Arrow; a
+Hugging Face ``save_to_disk`` folder is known by its ``state.json`` or ``dataset_dict.json``. Every
+file is opened through :func:`packers.files.open_checked`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import os
+import posixpath
+from typing import Any, Iterator, Optional
+
+from packers.files import open_checked
+
+_TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File name endings -> input kind (the one table; everything else is derived from it)."""
+COMPRESSIONS = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh"}
+"""Compressions of JSONL and JSON inputs -> the magic bytes their streams start with."""
+CODEC = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}
+_COMPRESSIBLE = ("jsonl", "json")
+SUPPORTED = tuple(ext + c for ext, kind in _TYPES.items() for c in ("", *(COMPRESSIONS if kind in _COMPRESSIBLE else ())))
+OTHER_COMPRESSIONS = {".lz4": "lz4 -d", ".zip": "unzip", ".snappy": "a Snappy tool", ".br": "brotli -d",
+                       ".zz": "a zlib tool", ".lzma": "xz -d", ".z": "uncompress", ".tar": "tar -xf", ".tgz": "tar -xzf",
+                       ".7z": "7z x", ".rar": "unrar x"}
+"""Compressions and archives packstream does not read, and the command that undoes each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputFile:
+    path: str
+    source: str
+    """Short, stable name used in example ids and dead letters (path relative to the common root)."""
+    kind: str  # jsonl | json | parquet | arrow | hf_disk
+    split: str = ""
+    dataset: int = 0
+    """Index of the data set (``PackOptions.datasets()``) whose format options apply."""
+
+
+def open_raw(path: str):
+    """An input's bytes as a binary stream, through the one checked open (:func:`packers.files.open_checked`:
+    regular files only, so a FIFO or ``/dev/zero`` is one error line); local files directly (no Beam
+    import), anything else through Beam's FileSystems (gs://, s3://, ...), uncompressed."""
+    return open_checked(path, what="input", opener=_beam_open)
+
+
+def _beam_open(path: str):
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(path, compression_type="uncompressed")
+
+
+def compression(path: str) -> Optional[str]:
+    """The compression suffix of a JSONL or JSON input (``.gz``, ``.zst``, ``.xz``, ``.bz2``), or None."""
+    low = path.lower()
+    for c in COMPRESSIONS:
+        if low.endswith(c) and _TYPES.get(posixpath.splitext(low[: -len(c)])[1]) in _COMPRESSIBLE:
+            return c
+    return None
+
+
+def file_kind(path: str) -> str | None:
+    """The input kind a file name says (``data.jsonl.zst``: jsonl), or None.
+
+    >>> [file_kind(p) for p in ("a/b.ndjson.zst", "b.JSON.bz2", "b.parquet", "b.parquet.gz", "b.jsonl.lz4")]
+    ['jsonl', 'json', 'parquet', None, None]
+    """
+    low = path.lower()
+    c = compression(low)
+    return _TYPES.get(posixpath.splitext(low[: len(low) - len(c or "")])[1])
+
+
+def supported_text() -> str:
+    """The supported inputs, for messages."""
+    plain = ", ".join(ext for ext in _TYPES)
+    return (f"{plain} (JSONL and JSON also compressed: {', '.join(COMPRESSIONS)}), or a datasets save_to_disk folder")
+
+
+def looks_like_data(name: str) -> bool:
+    """A file name that says data packstream does not read (``a.jsonl.lz4``, ``shard.parquet.gz``, ``data.zip``):
+    a folder holding one is noted, never skipped in silence."""
+    low = name.lower()
+    return low.endswith(tuple(OTHER_COMPRESSIONS)) or any(f"{ext}." in low for ext in _TYPES)
+
+
+def fix_for(paths: list[str]) -> str:
+    """What to do about files no reader supports: the command that undoes a compression packstream does not
+    read, else a rename."""
+    for p in paths:
+        low = p.lower()
+        for ext, command in OTHER_COMPRESSIONS.items():
+            if low.endswith(ext):
+                return (f"packstream does not read {ext} files: decompress them first ({command}), or recompress "
+                        "JSONL/JSON as .zst, .gz, .xz or .bz2")
+    return "name each file for its type (data.jsonl for JSON lines, data.json for a JSON array, data.parquet, ...)"
+
+
+def is_hf_disk(path: str) -> bool:
+    """Whether ``path`` is a datasets ``save_to_disk`` folder."""
+    if "://" not in path:
+        return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json"))
+    from apache_beam.io.filesystems import FileSystems
+
+    return any(
+        FileSystems.exists(FileSystems.join(path, name)) for name in ("state.json", "dataset_dict.json")
+    )
+
+
+def hf_dataset(f: "InputFile"):
+    """The ``datasets.Dataset`` of a datasets-folder input (its split, for a DatasetDict)."""
+    import datasets
+
+    ds = datasets.load_from_disk(f.path)
+    return ds[f.split] if f.split else ds
+
+
+_BLOCK = 1 << 20
+"""Bytes read at a time by the line and JSON readers."""
+BOM = b"\xef\xbb\xbf"
+
+
+@contextlib.contextmanager
+def open_bytes(path: str) -> Iterator[Any]:
+    """The file's bytes, decompressed by its suffix (:data:`COMPRESSIONS`).
+
+    Each decompressor raises at a stream that breaks off, so the rest of the file never vanishes
+    without a trace (see :func:`pipeline._read.read_file`): Python's gzip (not Beam's ``CompressedFile``, which
+    stops silently at a truncated member), bz2 and lzma, and pyarrow's zstd (already a dependency;
+    the ``zstandard`` package's stream reader ends silently at a truncated frame).
+    """
+    c = compression(path)
+    with open_raw(path) as raw:
+        if c is None:
+            yield raw
+        elif c == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield stream
+        elif c == ".bz2":
+            import bz2
+
+            with bz2.BZ2File(raw, mode="rb") as stream:
+                yield stream
+        elif c == ".xz":
+            import lzma
+
+            with lzma.LZMAFile(raw, mode="rb") as stream:
+                yield stream
+        else:
+            import pyarrow as pa
+
+            with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
+                yield _SmallReads(stream)
+
+
+class _SmallReads:
+    """A stream whose ``read1`` asks for at most 64 KiB: pyarrow's decompressing stream raises at a break and
+    drops what that one call decoded, so small calls hand over all but the last 64 KiB before the break."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def read(self, n: int = -1) -> bytes:
+        return self.stream.read() if n is None or n < 0 else self.stream.read(n)
+
+    def read1(self, n: int = -1) -> bytes:
+        return self.stream.read(1 << 16 if n is None or n < 0 else min(n, 1 << 16))
+
+
+def read_blocks(fh, limit: Optional[int] = None, size: int = _BLOCK) -> Iterator[bytes]:
+    """The bytes of ``fh`` from its position, up to ``size`` at a time, at most ``limit`` of them in all.
+
+    ``read1`` where the stream has it: a decompressing stream then hands over what it has decoded
+    before it raises at a break (a truncated gzip), so the records before the break are read."""
+    read = getattr(fh, "read1", None) or fh.read
+    while limit is None or limit > 0:
+        block = read(size if limit is None else min(size, limit))
+        if not block:
+            return
+        if limit is not None:
+            limit -= len(block)
+        yield block
+

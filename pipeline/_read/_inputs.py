@@ -1,0 +1,250 @@
+"""Inputs: the files, globs and folders of every data set -> checked :class:`InputFile` s.
+
+Inputs are local, or anything Beam's ``FileSystems`` reads (gs://, s3://). Each input is checked
+against its name before the job starts (its magic bytes; a small compressed stream decompressed
+whole), so a mislabelled, empty or unsupported file is a clear CLI error naming the fix, not a
+worker traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import zlib
+
+from packers import PackstreamError
+from packers.files import check_regular, check_utf8_name, show_path
+from pipeline._read._files import (
+    CODEC, COMPRESSIONS, InputFile, compression, file_kind, fix_for, is_hf_disk, looks_like_data, open_bytes, open_raw,
+    read_blocks, supported_text,
+)
+from pipeline._read._json import json_texts
+
+
+def _sniff(path: str, kind: str) -> None:
+    """Refuse a file whose bytes do not match its extension, or that is empty."""
+    try:
+        with open_raw(path) as f:
+            head = raw_head = f.read(4096)
+    except (OSError, IOError) as e:  # permissions, a folder named like a file, a vanished file
+        raise PackstreamError(f"cannot read input {path}: {type(e).__name__}: {e}; check the path and its permissions") from None
+    if not head:
+        raise PackstreamError(f"input {path} is empty; remove it from the inputs")
+    c = compression(path)
+    if c is not None:
+        if not head.startswith(COMPRESSIONS[c]):
+            raise PackstreamError(f"input {show_path(path)} ends in {c} but is not {CODEC[c]} data (starts with {head[:6]!r}); "
+                                  "rename it to what it is, or recompress it")
+        try:
+            # A small file is decompressed whole here, so a break in it is a launch error (bounded: a
+            # few KiB of zstd or xz can stand for gigabytes).
+            with open_bytes(path) as fh:
+                head = fh.read(4096)
+                if len(head) == 4096 and len(raw_head) < 4096:
+                    for _ in read_blocks(fh, limit=64 * 2**20):
+                        pass
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            raise PackstreamError(f"input {show_path(path)} is a corrupt or truncated {CODEC[c]} file ({e}); re-create it") from None
+    if kind == "parquet" and head[:4] != b"PAR1":
+        raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
+    if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
+        raise PackstreamError(f"input {path} has extension .arrow but is not an Arrow IPC file (starts with {head[:8]!r})")
+    if kind in ("jsonl", "json"):
+        stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+        if not stripped:
+            raise PackstreamError(f"input {path} holds only whitespace; remove it from the inputs")
+        if stripped[:1] not in (b"{", b"["):
+            raise PackstreamError(
+                f"input {path} has extension {kind} but does not start with a JSON object or array "
+                f"(starts with {stripped[:12]!r}); check the file type"
+            )
+        if kind == "jsonl" and stripped.split(b"\n", 1)[0].strip() == b"[":
+            raise PackstreamError(
+                f"input {path} holds a JSON array spread over lines, not JSON Lines (one object per line); "
+                "rename it to .json"
+            )
+        if kind == "json" and len(head) < 4096:  # all of it is here: a break is a launch error, as for gzip
+            try:
+                for _ in json_texts(InputFile(path, path, kind), 2**31 - 1):
+                    pass
+            except ValueError as e:
+                raise PackstreamError(f"input {path} is not valid JSON ({e}); fix the file or convert it to JSONL") from None
+        if kind == "jsonl" and stripped[:1] == b"[" and _one_line(path):
+            raise PackstreamError(
+                f"input {path} holds one JSON array on a single line, not JSON Lines (one object per line): its "
+                "records would be one rejected line; rename it to .json"
+            )
+
+
+def _one_line(path: str) -> bool:
+    """Whether the file holds a single non-blank line (LF, CRLF or CR line ends)."""
+    with open_bytes(path) as f:
+        seen_end = False
+        for block in iter(lambda: f.read(2**20), b""):
+            if seen_end:
+                if block.strip():
+                    return False
+                continue
+            for sep in (b"\n", b"\r"):
+                i = block.find(sep)
+                if i >= 0:
+                    seen_end = True
+                    if block[i:].strip():
+                        return False
+                    break
+    return True
+
+
+def _local_matches(pattern: str) -> list[str]:
+    """Absolute paths of the local files (or datasets folders) that ``pattern`` names.
+
+    A name that exists is taken literally, before any glob expansion (so ``a[1].jsonl`` is that
+    file); a folder is walked recursively, skipping hidden names (``.tmp-*``, ``.git``) and not
+    following symlinked folders; otherwise the pattern is a glob (``**`` recursive).
+    """
+    import glob
+
+    if os.path.lexists(pattern):
+        path = os.path.abspath(pattern)
+        if not os.path.isdir(path) or is_hf_disk(path):
+            return [path]
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            if is_hf_disk(dirpath) and dirpath != path:
+                out.append(dirpath)
+                dirnames[:] = []
+                continue
+            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")
+                    and (file_kind(f) or looks_like_data(f))]
+        if not any(file_kind(p) or is_hf_disk(p) for p in out):
+            raise PackstreamError(
+                f"input folder {show_path(pattern)} holds no supported file (supported: {supported_text()}; hidden "
+                f"names are skipped); {fix_for(out)}"
+            )
+        return out
+    return sorted(os.path.abspath(p) for p in glob.glob(pattern, recursive=True)
+                  if not os.path.isdir(p) or is_hf_disk(p))
+
+
+def _remote_matches(pattern: str) -> list[str]:
+    from apache_beam.io.filesystems import FileSystems
+
+    if is_hf_disk(pattern):
+        return [pattern.rstrip("/")]
+    try:
+        if FileSystems.exists(pattern):  # literal name first
+            return [pattern]
+        literal_dir = not any(c in pattern for c in "*?[")
+        query = FileSystems.join(pattern, "**") if literal_dir else pattern
+        return sorted(m.path for m in FileSystems.match([query])[0].metadata_list)
+    except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError (or worse) for unreadable or unknown schemes
+        raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
+
+
+def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
+    """Resolve every data set's files, globs and folders into checked inputs, plus notes on duplicates.
+
+    Local paths are made absolute and de-duplicated by real path (``d/./x.jsonl``, a symlink to a
+    file already named): the first name is kept and the others are noted. Each input's source
+    name is its path relative to the common root of all inputs. A file named by two data sets is
+    an error: it would be read twice, in two shapes.
+    """
+    found: list[tuple[str, str, int]] = []  # (path, kind, dataset)
+    owner: dict[str, tuple[str, int]] = {}  # real path -> (first path, dataset)
+    notes: list[str] = []
+    for d, spec in enumerate(datasets):
+        for pattern in spec.paths:
+            if not pattern:
+                raise PackstreamError("an input path is empty; give a file, glob or folder")
+            remote = "://" in pattern
+            paths = _remote_matches(pattern) if remote else _local_matches(pattern)
+            if not paths:
+                raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
+            usable = [(p, "hf_disk" if is_hf_disk(p) else file_kind(p)) for p in paths]
+            skipped = [p for p, k in usable if not k]
+            usable = [(p, k) for p, k in usable if k]
+            if not usable:
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} matches no supported file ({shown}); supported: "
+                                      f"{supported_text()}; {fix_for(skipped)}")
+            unread = [p for p in skipped if looks_like_data(posixpath.basename(p))]
+            if unread:  # data no reader supports is refused, never skipped in silence
+                shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
+                raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
+                                      f"({shown}); {fix_for(unread)}, or name only the files to read")
+            for p, k in usable:
+                check_utf8_name(p, "input")
+                if not remote and k != "hf_disk":
+                    check_regular(p, "input")
+                real = p if remote else os.path.realpath(p)
+                if real in owner:
+                    first, first_d = owner[real]
+                    if first_d != d:
+                        raise PackstreamError(
+                            f"input {p} is named by two data sets ({datasets[first_d].name!r} and {spec.name!r}); "
+                            "give each file to one data set"
+                        )
+                    if first != p:
+                        notes.append(f"{p} is the same file as {first}; read once")
+                    continue
+                owner[real] = (p, d)
+                found.append((p, k, d))
+    for p, k, _ in found:
+        if k != "hf_disk":
+            _sniff(p, k)
+    found.sort(key=lambda t: t[0])
+    root = _common_root([p for p, _, _ in found])
+    out = []
+    for p, k, d in found:
+        source = p[len(root):].lstrip("/") if root else p
+        source = source or posixpath.basename(p.rstrip("/"))
+        if k == "hf_disk":
+            out.extend(_hf_splits(p, source, d, datasets[d].split))
+        else:
+            out.append(InputFile(p, source, k, dataset=d))
+    return out, notes
+
+
+def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
+    """The inputs of one data set (see :func:`expand_datasets`)."""
+    from pipeline._options import DatasetSpec, FormatOptions
+
+    return expand_datasets((DatasetSpec(name="default", paths=tuple(patterns), format=FormatOptions()),))[0]
+
+
+def _common_root(paths: list[str]) -> str:
+    """The folder shared by all paths, ending at a path component (one path: its own folder)."""
+    if not paths:
+        return ""
+    if len(paths) == 1:
+        return posixpath.dirname(paths[0].rstrip("/"))
+    split = [p.rstrip("/").split("/") for p in paths]
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    root = "/".join(common)
+    if len(common) == min(len(s) for s in split):  # one path is a prefix folder of another: keep a name
+        root = "/".join(common[:-1])
+    if "://" in paths[0] and "://" not in root + "/":  # never cut inside the scheme
+        return ""
+    return root
+
+
+def _hf_splits(path: str, source: str, dataset: int = 0, split: "str | None" = None) -> list[InputFile]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError, ValueError, or worse on a broken folder
+        raise PackstreamError(f"cannot open datasets folder {path}: {e}") from None
+    names = sorted(ds) if isinstance(ds, datasets.DatasetDict) else []
+    if split is not None:
+        if split not in names:
+            raise PackstreamError(f"datasets folder {path} has no split {split!r}; it has {names or 'no splits'}")
+        return [InputFile(path, f"{source}[{split}]", "hf_disk", split, dataset)]
+    if names:
+        return [InputFile(path, f"{source}[{name}]", "hf_disk", name, dataset) for name in names]
+    return [InputFile(path, source, "hf_disk", "", dataset)]

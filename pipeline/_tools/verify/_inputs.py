@@ -1,0 +1,290 @@
+"""``--inputs``: every input record re-read and re-encoded with the run's configuration, then reconciled with the
+shards and the dead letters: packed with the same tokens, dead-lettered for the same reason, or not sampled."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+import packers
+from packers import PackstreamError
+from packers.manifest import MANIFEST, Manifest
+import pipeline._read as _read
+import pipeline._rows as _rows
+from pipeline._formats import Reason
+from pipeline._options import DatasetSpec, FormatOptions, PackOptions
+from pipeline._tools.verify._base import Report, record_place
+from pipeline._tools.verify._folder import Dead
+from pipeline._tools.verify._shards import Stored, open_shard, piece_digest
+
+_MISMATCH_DETAILS = 1_000
+"""Pieces whose re-encoded tokens are kept to explain a mismatch position by position."""
+
+
+def options_from_config(config: dict, inputs: Sequence[str], output: str,
+                        trust_remote_code: bool = False) -> PackOptions:
+    """The :class:`PackOptions` of a finished run, from ``manifest.json``'s ``config`` (data sets included).
+
+    ``inputs`` replaces the recorded INPUT paths (not possible for a ``--config`` run: its data sets
+    name their own paths). ``trust_remote_code`` comes from the caller, never from the manifest.
+    """
+    names = {f.name for f in dataclasses.fields(PackOptions)}
+    fmt_names = {f.name for f in dataclasses.fields(FormatOptions)}
+    given = ("config", "inputs", "output", "trust_remote_code")  # set below, never taken from the manifest as is
+    kw = {k: v for k, v in config.items() if k in names and k not in given}
+    try:
+        specs = tuple(
+            DatasetSpec(name=d["name"], paths=tuple(d["paths"]), weight=d.get("weight", 1.0), split=d.get("split"),
+                        format=FormatOptions(**{k: v for k, v in d.items() if k in fmt_names}))
+            for d in config.get("config") or ()
+        )
+        if specs and inputs:
+            raise PackstreamError("this run read --config data sets, each with its own paths; verify --inputs re-reads "
+                                  "the paths recorded in manifest.json: give no INPUT paths")
+        kw.update(config=specs, inputs=() if specs else tuple(inputs) or tuple(config.get("inputs") or ()),
+                  output=output, trust_remote_code=trust_remote_code)
+        return PackOptions(**kw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PackstreamError(f"manifest.json config cannot be read back into options ({type(e).__name__}: {e}); "
+                              "it was written by another packstream version: verify with that version") from None
+
+
+@dataclasses.dataclass
+class InputCheck:
+    """The run's options, rebuilt from its manifest, and its inputs as they resolve now."""
+
+    options: PackOptions
+    files: list
+
+
+def prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote_code: bool,
+                    announce: Callable[[str], None], report: Report) -> Optional[InputCheck]:
+    """Options and inputs of the run, and its tokenizer (loaded here, before the shards are read, so a
+    tokenizer that cannot be loaded fails at once). None, with a problem, when the inputs differ."""
+    from pipeline._tokenizer import tokenizer_identity
+
+    options = options_from_config(m.config, inputs, folder, trust_remote_code)
+    files, _ = _read.expand_datasets(options.datasets())  # PackstreamError: the inputs cannot be read
+    want = sorted({i.source for i in m.inputs})
+    got = sorted({f.source for f in files})
+    if want != got:
+        report.add("inputs", f"resolve to sources {got}, the manifest has {want}; pass the same inputs as the pack run")
+        return None
+    name = options.tokenizer
+    announce(f"verify: loading tokenizer {name!r} (named in {folder}/{MANIFEST}); its own code "
+             + ("may run (--trust-remote-code)" if trust_remote_code else
+                "will not run (the manifest cannot allow it; only --trust-remote-code does)"))
+    try:
+        identity = tokenizer_identity(name, trust_remote_code)
+    except PackstreamError as e:
+        hint = "" if trust_remote_code else ("; verify never runs a tokenizer's own code unless you pass "
+                                             "--trust-remote-code (whatever manifest.json says)")
+        raise PackstreamError(f"{e}{hint}") from None
+    if identity["vocab_sha256"] != m.tokenizer.vocab_sha256:
+        report.add("tokenizer", f"{name!r} here has vocab sha256 {identity['vocab_sha256'][:16]}…, the run used "
+                                f"{m.tokenizer.vocab_sha256[:16]}…; cannot re-tokenize")
+        return None
+    return InputCheck(options, files)
+
+
+def _chunks(files: Iterable, options: PackOptions, counts: dict, expected_dead: dict) -> Iterable[list]:
+    """The inputs as the job reads them (per read task, chunks of --batch-size), a corrupt rest as one dead letter."""
+    for f in files:
+        for task in _read.cut_tasks(f):
+            chunk: list = []
+            try:
+                for position, record in _read.read_task(task, options.max_record_bytes):
+                    chunk.append((f.dataset, f.source, position, record))
+                    if len(chunk) == options.batch_size:
+                        counts["records_read"] += len(chunk)
+                        yield chunk
+                        chunk = []
+            except _read.CorruptInput as e:  # as pipeline._job.EncodeTasks: counted as one record
+                expected_dead[(f.source, e.rest_at, None)] = Reason.CORRUPT_INPUT.value
+                counts["records_read"] += 1
+            if chunk:
+                counts["records_read"] += len(chunk)
+                yield chunk
+
+
+@dataclasses.dataclass
+class _Reread:
+    """What re-reading and re-encoding the inputs gives."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"records_read": 0})
+    """records_read, and the encode stage's counts (not_sampled, repeated_copies, extra_paths)."""
+    dead: dict[tuple[str, int, Optional[str]], str] = dataclasses.field(default_factory=dict)
+    """(source, position, example id) -> the reason it is dead-lettered."""
+    candidates: dict[str, list[tuple[str, int, Any, dict]]] = dataclasses.field(default_factory=dict)
+    """Example id -> (source, position, [(piece id, digest)] or a dead-letter reason, its --long stats), per record
+    that gave it (more than one: a duplicate id)."""
+    details: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """Piece id -> re-encoded (2, n) tokens, for a mismatch's message."""
+
+
+def check_inputs(folder: str, m: Manifest, check: InputCheck, stored: Stored, dead: Dead, report: Report) -> None:
+    """Every input record: packed with the same tokens, dead-lettered for the same reason, or not sampled."""
+    from pipeline._encode import add_counts
+
+    again = _reread(check.options, check.files, stored)
+    report.records = again.counts["records_read"]
+    expected: dict[str, tuple[str, int, bytes]] = {}
+    totals: dict[str, int] = {}
+    for eid, (source, position, outcome, stats) in _winners(again).items():
+        add_counts(totals, stats)
+        if isinstance(outcome, str):
+            again.dead[(source, position, eid)] = outcome
+            continue
+        totals["examples_packed"] = totals.get("examples_packed", 0) + bool(outcome)  # as len(np.unique(ex))
+        for pid, d in outcome:
+            expected[pid] = (source, position, d)
+    _compare_pieces(folder, stored, dead, expected, again.details, report)
+    _compare_dead_letters(dead, again.dead, report)
+    _compare_counts(m, again.counts, totals, report)
+
+
+def _reread(options: PackOptions, files: list, stored: Stored) -> _Reread:
+    """Every record read, encoded and cut (or refused) as the job does, its pieces' digests taken."""
+    from pipeline._encode import Encoder, add_counts
+
+    encoder = Encoder(options)
+    again = _Reread()
+    for chunk in _chunks(files, options, again.counts, again.dead):
+        enc = encoder.encode(chunk)
+        add_counts(again.counts, enc.counts)
+        for r in enc.rejected:
+            again.dead[(r["source"], r["position"], r.get("example_id"))] = r["reason"]
+        batch = enc.batch
+        for i, eid in enumerate(batch.ids):
+            stats: dict[str, int] = {}
+            spans = _spans(batch, i, options, stats)
+            outcome: Any = spans
+            if not isinstance(spans, str):
+                o, outcome = int(batch.offsets[i]), []
+                for part, a, b in spans:
+                    pid = eid + part if isinstance(part, str) else eid if part < 0 else f"{eid}#{part}"
+                    ids, mask = batch.input_ids[o + a:o + b], batch.loss_mask[o + a:o + b]
+                    d = piece_digest(ids, mask)
+                    if pid in stored.digest and stored.digest[pid] != d and len(again.details) < _MISMATCH_DETAILS:
+                        again.details[pid] = np.stack([ids.astype(np.int64), mask.astype(np.int64)])
+                    outcome.append((pid, d))
+            again.candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i], outcome, stats))
+    return again
+
+
+def _spans(batch: _rows.ExampleBatch, i: int, options: PackOptions, stats: dict[str, int]) -> "list[tuple] | str":
+    """Example ``i``'s pieces as the job cuts them, ``(part, start, stop)`` (part: -1 whole, ``k`` the ``#k`` piece,
+    or a pair's side suffix), by the job's rules on this example alone; or the reason it is dead-lettered."""
+    rejected: list[dict] = []
+    if options.pairs:  # the job's rules for pairs, on this pair alone: two sides, or a dead letter
+        result, _ = _rows.pack_pair_group(batch.take([i]), options, rejected, stats)
+        if rejected:
+            return rejected[0]["reason"]
+        cut = int(batch.cuts[i])
+        return [(packers.Side(side).suffix, (0 if side == 0 else cut), (0 if side == 0 else cut) + int(n))
+                for side, n in zip(result.order.tolist(), result.stops.tolist())]
+    n = int(batch.offsets[i + 1] - batch.offsets[i])
+    if n <= options.max_tokens:
+        return [(-1, 0, n)]
+    _, a, b, parts = _rows.pieces(batch.take([i]), options, rejected, stats)  # the job's --long rules
+    if rejected:
+        return rejected[0]["reason"]
+    return list(zip(parts.tolist(), a.tolist(), b.tolist()))
+
+
+def _winners(again: _Reread) -> dict[str, tuple[str, int, Any, dict]]:
+    """The record each example id is kept from: the first by (source, position) (pipeline._rows.dedupe); the
+    others are added to ``again.dead`` as duplicates."""
+    winners: dict[str, tuple[str, int, Any, dict]] = {}
+    repeated = [e for e, c in again.candidates.items() if len(c) > 1]
+    for eid, c in again.candidates.items():
+        if len(c) == 1:
+            winners[eid] = c[0]
+    if repeated:
+        flat = [(eid, s, p) for eid in repeated for s, p, _, _ in again.candidates[eid]]
+        probe = _rows.ExampleBatch.from_arrays([x[0] for x in flat], [x[1] for x in flat], [x[2] for x in flat],
+                                               np.zeros(len(flat), np.int64), np.zeros(0, np.int32),
+                                               np.zeros(0, np.uint8))
+        kept, dups = _rows.dedupe(probe)
+        for eid, s, p in zip(kept.ids, kept.sources, kept.positions):
+            winners[eid] = next(c for c in again.candidates[eid] if c[0] == s and c[1] == p)
+        for r in dups:
+            again.dead[(r["source"], r["position"], r["example_id"])] = r["reason"]
+    return winners
+
+
+def _compare_pieces(folder: str, stored: Stored, dead: Dead, expected: dict[str, tuple[str, int, bytes]],
+                    details: dict[str, np.ndarray], report: Report) -> None:
+    """Packed pieces against the stored ones."""
+    dead_at = {k[:2]: r["reason"] for k, r in dead.by_key.items()}
+    tables: dict[int, pa.Table] = {}  # shards parsed again to explain mismatches, once each
+    for pid, (source, position, d) in expected.items():
+        if pid not in stored.loc:
+            why = dead_at.get((source, position))
+            report.add(f"input {source}:{position}", f"should be packed as {pid!r} but is not in any shard"
+                                                     + (f" (rejected.jsonl says {why})" if why else ""))
+        elif pid in stored.digest and stored.digest[pid] != d:
+            _explain(folder, stored, pid, details.get(pid), tables, report)
+    for pid in sorted(set(stored.loc) - set(expected)):
+        report.add(stored.first(pid), "packed example matches no input record (not in the inputs, not sampled, or "
+                                      "another run's)")
+
+
+def _compare_dead_letters(dead: Dead, expected_dead: dict[tuple[str, int, Optional[str]], str], report: Report) -> None:
+    """Dead letters against the expected ones."""
+    for key, reason in sorted(expected_dead.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "")):
+        got = dead.by_key.get(key)
+        if got is None:
+            report.add(f"input {record_place(key)}", f"is rejected ({reason}) on re-reading but is not in rejected.jsonl")
+        elif got["reason"] != reason:
+            report.add(f"input {record_place(key)}", f"rejected.jsonl says {got['reason']}, re-reading gives {reason}")
+    for key in sorted(set(dead.by_key) - set(expected_dead), key=lambda k: (k[0], k[1], k[2] or "")):
+        report.add(f"rejected.jsonl {record_place(key)}",
+                   f"dead letter ({dead.by_key[key]['reason']}) for a record the inputs pack fine or do not have")
+
+
+def _compare_counts(m: Manifest, counts: dict[str, int], totals: dict[str, int], report: Report) -> None:
+    """The manifest's counts re-derived from the inputs."""
+    c = m.counts
+    for key, got in (("records_read", counts["records_read"]), ("not_sampled", counts.get("not_sampled", 0)),
+                     ("repeated_copies", counts.get("repeated_copies", 0)),
+                     ("examples_packed", totals.get("examples_packed", 0)),
+                     ("truncated_examples", totals.get("truncated_examples", 0)),
+                     ("split_examples", totals.get("split_examples", 0)),
+                     ("no_target_pieces", totals.get("no_target_pieces", 0))):
+        if getattr(c, key) != got:
+            report.add(f"manifest.json counts.{key}", f"says {getattr(c, key)!r}, re-reading the inputs gives {got}")
+    if c.extra_paths != counts.get("extra_paths", 0):
+        report.add("manifest.json counts.extra_paths", f"says {c.extra_paths}, re-reading the inputs gives "
+                                                       f"{counts.get('extra_paths', 0)}")
+
+
+def _explain(folder: str, stored: Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],
+             report: Report) -> None:
+    """A stored piece differs from the re-encoded one: say where and at which position."""
+    loc = stored.loc[pid]
+    loc = loc[0] if isinstance(loc, list) else loc
+    where = stored.where(loc, pid)
+    if want is None:
+        report.add(where, "check input_ids/loss_mask failed: the stored tokens differ from re-encoding the input")
+        return
+    shard, row, k = stored.place(loc)
+    if shard not in tables:
+        tables[shard] = open_shard(folder, stored.names[shard], 1 << 62)[2]()[1]  # read once already
+    r = tables[shard].slice(row, 1).to_pylist()[0]
+    a, b = r["seq_offsets"][k], r["seq_offsets"][k + 1]
+    got = np.array([r["input_ids"][a:b], r["loss_mask"][a:b]], dtype=np.int64)
+    if got.shape[1] != want.shape[1]:
+        report.add(where, f"check input_ids failed: {got.shape[1]} tokens stored, re-tokenizing the input gives "
+                          f"{want.shape[1]}")
+        return
+    for i, column in enumerate(("input_ids", "loss_mask")):
+        diff = np.flatnonzero(got[i] != want[i])
+        if diff.size:
+            j = int(diff[0])
+            more = f" ({diff.size} positions differ)" if diff.size > 1 else ""
+            report.add(where, f"check {column} failed: {column}[{j}] is {int(got[i][j])}, re-tokenizing the input "
+                              f"gives {int(want[i][j])}{more}")

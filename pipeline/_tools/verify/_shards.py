@@ -1,0 +1,337 @@
+"""The shards: each listed shard's bytes, schema, metadata, rows and sequences, and every example id once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+import packers
+from packers import ContractError
+from packers.manifest import RowChecks, ShardEntry
+from packers.rowcheck import Failure, check_batch, gather
+from packers.schema import PAIR_COLUMNS
+import pipeline._rows as _rows
+import pipeline._write as _write
+from pipeline._tools.verify._base import Report, in_folder, is_remote, short
+
+
+_SHIFT_SHARD, _SHIFT_ROW = 64, 24  # a sequence's place, packed in one int: shard, row, sequence
+
+
+@dataclasses.dataclass
+class Stored:
+    """Every packed sequence: example id -> where it is (one int, or several when the id repeats)."""
+
+    names: list[str] = dataclasses.field(default_factory=list)
+    splits: list[str] = dataclasses.field(default_factory=list)
+    loc: dict[str, Any] = dataclasses.field(default_factory=dict)
+    digest: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    """Piece id -> blake2b of its tokens and mask (only with --inputs)."""
+    bases: dict[str, str] = dataclasses.field(default_factory=dict)
+    """A record's id (no ``~k``, no ``#k``) -> the split its sequences are in (only with a validation split)."""
+
+    def add(self, eid: str, shard: int, row: int, k: int) -> None:
+        loc = (shard << _SHIFT_SHARD) | (row << _SHIFT_ROW) | k
+        had = self.loc.get(eid)
+        if had is None:
+            self.loc[eid] = loc
+        elif isinstance(had, list):
+            had.append(loc)
+        else:
+            self.loc[eid] = [had, loc]
+
+    @staticmethod
+    def place(loc: int) -> tuple[int, int, int]:
+        """``(shard, row, sequence)`` of a place packed by :meth:`add`."""
+        return loc >> _SHIFT_SHARD, (loc >> _SHIFT_ROW) & ((1 << 40) - 1), loc & ((1 << _SHIFT_ROW) - 1)
+
+    def where(self, loc: int, eid: str) -> str:
+        shard, row, k = self.place(loc)
+        return f"{self.names[shard]} row {row} sequence {k} ({eid})"
+
+    def first(self, eid: str) -> str:
+        had = self.loc[eid]
+        return self.where(had[0] if isinstance(had, list) else had, eid)
+
+
+def piece_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:
+    """A 16-byte digest of one sequence's tokens and mask: what ``--inputs`` compares."""
+    h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes(), digest_size=16)
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.digest()
+
+
+def piece_base(eid: str) -> str:
+    """The example of a piece: ``<id>#<k>`` -> ``<id>`` (ids escape '#', so a '#' is always the piece marker)."""
+    return eid.rsplit("#", 1)[0] if "#" in eid else eid
+
+
+def open_shard(folder: str, name: str, limit: int) -> tuple[int, str, Callable[[], tuple[pa.Schema, pa.Table]]]:
+    """(bytes, sha256, a function that parses the shard). Local files are opened through the checked open (a
+    FIFO or a device is refused, never read), hashed in blocks and memory-mapped; a remote one is read whole,
+    at most ``limit`` bytes (its manifest size). PackstreamError when it cannot be read."""
+    from packers.files import open_checked
+
+    path = in_folder(folder, name)
+    ext = name.rsplit(".", 1)[-1]
+    if not is_remote(folder):
+        with open_checked(path, what="shard") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+            size = os.fstat(f.fileno()).st_size
+        source: Any = path
+    else:
+        data = _write.read_bytes(path, what="shard", limit=limit,
+                                 fix="larger than manifest.json says: the shard was changed after the run wrote it")
+        size, sha, source = len(data), hashlib.sha256(data).hexdigest(), pa.py_buffer(data)
+
+    def parse() -> tuple[pa.Schema, pa.Table]:
+        if ext == "parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(source if not isinstance(source, str) else pa.memory_map(source))
+            return pf.schema_arrow, pf.read()
+        reader = pa.ipc.open_stream(pa.memory_map(source) if isinstance(source, str) else source)
+        return reader.schema, reader.read_all()
+
+    return size, sha, parse
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, Any, int]:
+    """(offsets from 0, values, null count) of a list column."""
+    col = table.column(name)
+    arr = col.combine_chunks() if col.num_chunks else pa.array([], col.type)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.flatten()
+    nulls = arr.null_count + values.null_count
+    values = values.to_pylist() if pa.types.is_string(values.type) else values.to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values, nulls
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenShard:
+    """A listed shard, opened: its manifest entry, its index among the shards read, its bytes and sha256 as read,
+    how to parse it, and the schema metadata the manifest implies for it."""
+
+    entry: ShardEntry
+    index: int
+    size: int
+    sha: str
+    parse: Callable[[], tuple[pa.Schema, pa.Table]]
+    expect_meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """A shard's list columns as flat arrays (offsets from 0, values) and its num_tokens."""
+
+    tok_off: np.ndarray
+    tok: np.ndarray
+    mask_off: np.ndarray
+    mask: np.ndarray
+    seq_off: np.ndarray
+    seq: np.ndarray
+    ex_off: np.ndarray
+    exs: list
+    num: np.ndarray
+
+
+def check_shard(report: Report, shard: OpenShard, checks: RowChecks, stored: Stored,
+                keep_digests: bool) -> Optional[dict[str, int]]:
+    """Check one listed shard: bytes and sha256, schema and metadata (its place included: run id, split,
+    index, count), every row and sequence; record its sequences in ``stored`` (with their digests when
+    ``keep_digests``). Returns what it measured (rows, examples, tokens, target_tokens), or None when the
+    shard cannot be read."""
+    entry, name = shard.entry, shard.entry.name
+    table = _table(report, shard)
+    if table is None:
+        return None
+    cols = _columns(report, name, table)
+    if cols is None:
+        return None
+    bad = _check_rows(report, name, cols, checks.budget)
+    good = np.flatnonzero(~bad)
+    _check_targets_and_pairs(report, name, table, good, cols.exs, cols.ex_off, checks)
+    _check_sequences(report, shard, cols, good, checks, stored, keep_digests)
+    for i in np.flatnonzero(bad).tolist():  # ids of broken rows still count (and collide), without tokens
+        for k, eid in enumerate(cols.exs[cols.ex_off[i]:cols.ex_off[i + 1]]):
+            stored.add(eid, shard.index, i, k)
+    nrows = table.num_rows
+    measured = {"rows": nrows, "examples": int(cols.ex_off[-1]) if nrows else 0, "tokens": int(cols.num.sum()),
+                "target_tokens": int(cols.mask.sum()) if len(cols.mask) else 0}
+    for key, got in measured.items():
+        if getattr(entry, key) != got:
+            report.add(name, f"check {key} failed: the shard holds {got}, manifest.json says {getattr(entry, key)!r}")
+    report.rows += nrows
+    report.pieces += measured["examples"]
+    report.tokens += measured["tokens"]
+    return measured
+
+
+def _table(report: Report, shard: OpenShard) -> Optional[pa.Table]:
+    """The shard's table, after its bytes, sha256, schema and schema metadata are checked; None when it cannot be
+    read or its schema is not the contract's."""
+    entry, name = shard.entry, shard.entry.name
+    for key, got in (("bytes", shard.size), ("sha256", shard.sha)):
+        if getattr(entry, key) != got:
+            report.add(name, f"check {key} failed: the file has {got!r}, manifest.json says {getattr(entry, key)!r}")
+    try:
+        schema, table = shard.parse()
+    except (pa.ArrowInvalid, OSError, ValueError) as e:
+        report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
+        return None
+    if not schema.remove_metadata().equals(packers.SCHEMA):
+        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers.SCHEMA "
+                         f"{packers.SCHEMA!r}")
+        return None
+    try:
+        meta = packers.read_metadata(schema)
+    except ContractError as e:
+        report.add(f"{name} schema metadata", str(e))
+        meta = {}
+    for key, want in shard.expect_meta.items():
+        got = meta.get(key, "missing")
+        if meta and (got != want or type(got) is not type(want)):
+            report.add(f"{name} schema metadata {key}", f"is {got if key not in meta else short(got)}, manifest.json "
+                                                        f"says {want!r}")
+    return table
+
+
+def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
+    """The list columns as flat arrays; None, with the problem, when any column holds a null."""
+    tok_off, tok, n1 = _list_column(table, "input_ids")
+    mask_off, mask, n2 = _list_column(table, "loss_mask")
+    seq_off, seq, n3 = _list_column(table, "seq_offsets")
+    ex_off, exs, n4 = _list_column(table, "example_ids")
+    nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS)
+    if nulls:
+        report.add(name, f"holds {nulls} null values; the contract has none")
+        return None
+    num = table.column("num_tokens").to_numpy().astype(np.int64) if table.num_rows else np.zeros(0, np.int64)
+    return _Columns(tok_off, tok, mask_off, mask, seq_off, seq, ex_off, exs, num)
+
+
+def _check_rows(report: Report, name: str, c: _Columns, budget: int) -> np.ndarray:
+    """The contract's structure of every row, vectorized (:func:`packers.validate_row` names what is wrong with a
+    bad row), and the loss_mask values. Returns which rows are broken."""
+    n = np.diff(c.tok_off)
+    nseq = np.diff(c.seq_off) - 1
+    bad = (n > budget) | (np.diff(c.mask_off) != n) | (c.num != n) | (nseq < 1) | (np.diff(c.ex_off) != nseq)
+    has = np.diff(c.seq_off) >= 1
+    padded = c.seq if len(c.seq) else np.zeros(1, np.int32)
+    first = padded[np.where(has, c.seq_off[:-1], 0)]
+    last = padded[np.where(has, c.seq_off[1:] - 1, 0)]
+    bad |= ~has | (first != 0) | (last != n)
+    if len(c.seq) > 1:
+        steps = np.diff(c.seq.astype(np.int64))
+        inner = np.ones(len(steps), dtype=bool)
+        inner[c.seq_off[1:-1][c.seq_off[1:-1] > 0] - 1] = False  # the step from one row's last offset to the next row's 0
+        broken = np.flatnonzero(inner & (steps <= 0))
+        bad[np.searchsorted(c.seq_off, broken, side="right") - 1] = True
+    for i in np.flatnonzero(bad).tolist():
+        row = {"input_ids": c.tok[c.tok_off[i]:c.tok_off[i + 1]].tolist(),
+               "loss_mask": c.mask[c.mask_off[i]:c.mask_off[i + 1]].tolist(),
+               "seq_offsets": c.seq[c.seq_off[i]:c.seq_off[i + 1]].tolist(),
+               "example_ids": c.exs[c.ex_off[i]:c.ex_off[i + 1]], "num_tokens": int(c.num[i])}
+        try:
+            packers.validate_row(row, budget)
+            why = "holds no sequence; every row holds at least one example"
+        except ContractError as e:
+            why = str(e)
+        report.add(f"{name} row {i}", f"check contract failed: {why}")
+    above = np.flatnonzero(c.mask > 1)
+    if len(above):
+        rows_of = np.searchsorted(c.mask_off, above, side="right") - 1
+        for i, j in zip(*np.unique(rows_of, return_index=True)):
+            pos = int(above[j] - c.mask_off[i])
+            report.add(f"{name} row {int(i)}", f"check loss_mask failed: loss_mask[{pos}] is {int(c.mask[above[j]])}; "
+                                               "only 0 and 1 are allowed")
+    return bad
+
+
+def _check_sequences(report: Report, shard: OpenShard, c: _Columns, good: np.ndarray, checks: RowChecks,
+                     stored: Stored, keep_digests: bool) -> None:
+    """The manifest's row checks on every sequence of the good rows; each sequence recorded in ``stored``."""
+    name, budget = shard.entry.name, checks.budget
+    counts = (np.diff(c.seq_off) - 1)[good]
+    rows_of = np.repeat(good, counts)
+    k_of = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    end_at = c.seq_off[rows_of] + 1 + k_of  # index in seq of each sequence's end offset
+    starts = c.tok_off[rows_of] + c.seq[end_at - 1].astype(np.int64)
+    stops = c.tok_off[rows_of] + c.seq[end_at].astype(np.int64)
+    lengths = stops - starts
+    cum = np.concatenate([[0], np.cumsum(c.mask, dtype=np.int64)])
+    targets = cum[stops] - cum[starts]
+    ids_of = [c.exs[c.ex_off[r] + k] for r, k in zip(rows_of.tolist(), k_of.tolist())]
+
+    def at(s: int) -> str:
+        return f"{name} row {int(rows_of[s])} sequence {int(k_of[s])} ({ids_of[s]})"
+
+    if checks.eos_at_boundaries and len(stops):
+        last_tok = c.tok[stops - 1]
+        for s in np.flatnonzero((last_tok != checks.eos_token_id) & (lengths < budget)).tolist():
+            report.add(at(s), f"check eos_at_boundaries failed: ends at seq_offsets[{int(k_of[s]) + 1}]="
+                              f"{int(stops[s] - c.tok_off[rows_of[s]])} on token {int(last_tok[s])}, not on EOS "
+                              f"{checks.eos_token_id}, and is shorter than the budget {budget}: the offsets do not "
+                              "match the examples' boundaries")
+    if checks.targets_in_every_sequence:
+        for s in np.flatnonzero(targets == 0).tolist():
+            report.add(at(s), "check targets_in_every_sequence failed: no token is a training target (loss_mask all 0)")
+    if checks.all_targets:
+        for s in np.flatnonzero(targets != lengths).tolist():
+            report.add(at(s), f"check all_targets failed: {int(lengths[s] - targets[s])} of {int(lengths[s])} tokens "
+                              "have loss_mask 0, but the run trains on every token")
+    for s, eid in enumerate(ids_of):
+        if not eid:
+            report.add(at(s), "check example_ids failed: the example id is empty")
+        stored.add(eid, shard.index, int(rows_of[s]), int(k_of[s]))
+        if keep_digests:
+            a, b = int(starts[s]), int(stops[s])
+            stored.digest[eid] = piece_digest(c.tok[a:b], c.mask[a:b])
+
+
+_CHECK_CHUNK = 1024
+"""Rows per call of the loader's vectorized checks in :func:`_check_targets_and_pairs`."""
+
+
+def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: np.ndarray, exs: list, ex_off: np.ndarray,
+                             checks: RowChecks) -> None:
+    """``num_targets`` and the pair columns of the structurally good rows, by the loader's own vectorized checks
+    (:func:`packers.rowcheck.check_batch`; the flags verify reports itself are off): every broken row once."""
+    plain = dataclasses.replace(checks, eos_at_boundaries=False, targets_in_every_sequence=False, all_targets=False)
+    for c0 in range(0, len(good), _CHECK_CHUNK):
+        idx = good[c0:c0 + _CHECK_CHUNK]
+        while len(idx):
+            b = gather(table.take(pa.array(idx)), check=False)
+            f = check_batch(b, plain) if not isinstance(b, Failure) else b
+            if f is None:
+                break
+            row = int(idx[f.row])
+            where = f"{name} row {row}"
+            if f.sequence is not None:
+                where += f" sequence {f.sequence} ({exs[ex_off[row] + f.sequence]})"
+            report.add(where, f"check {f.check} failed: {f.detail}")
+            idx = np.delete(idx, f.row)  # a row's first failure only; the others are checked again without it
+
+
+def check_ids(stored: Stored, report: Report) -> None:
+    """Every example id once; the copies and pieces of one record in one split."""
+    for eid, loc in stored.loc.items():
+        if isinstance(loc, list):
+            report.add(f"example id {eid}", f"check unique example ids failed: appears {len(loc)} times: "
+                                            + "; ".join(stored.where(x, eid) for x in loc))
+    if len(set(stored.splits)) < 2:
+        return
+    for eid, loc in stored.loc.items():
+        first = loc[0] if isinstance(loc, list) else loc
+        split = stored.splits[stored.place(first)[0]]
+        base = _rows.base_id(piece_base(eid))
+        had = stored.bases.setdefault(base, split)
+        if had != split:
+            report.add(stored.where(first, eid), f"check split failed: in {split}, but other copies or pieces of "
+                                                 f"record {base} are in {had}")
