@@ -82,7 +82,7 @@ SLOW_CASES = (
     "tests/test_tree.py::test_generated_trees_keep_every_path_or_count_it",
     "tests/test_suggestions.py::test_generated_refusals_print_only_fixes_that_work",
     "tests/test_inputs.py::test_fuzz_",
-    "tests/test_inputs.py::test_deep_json_through_pack_preview_and_estimate",
+    "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
     "packers/_attention.py::",
 )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import packers
 from pipeline import _read, _rows, _spill, _write
 from pipeline._options import PackOptions
 
@@ -80,10 +79,7 @@ class RunContext:
 
     def schema_metadata(self) -> dict:
         """The metadata every shard's schema carries."""
-        t = self.tokenizer
-        return packers.schema_metadata(budget=self.options.max_tokens, tokenizer=t["name"],
-                                       vocab_sha256=t["vocab_sha256"], pad_token_id=t["pad_token_id"],
-                                       eos_token_id=t["eos_token_id"], run_id=self.digest)
+        return _write.run_metadata(self.options, self.tokenizer, self.digest)
 
     def planned_files(self) -> list[str]:
         """The run's journal: every name it may create in the output folder (besides packstream's ``.tmp-*``

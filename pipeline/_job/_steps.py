@@ -102,8 +102,7 @@ class EncodeTasks(beam.DoFn):
                     chunk = []
         except _read.CorruptInput as e:
             # Errors as data: the unreadable rest of the file is one dead letter, counted as a record.
-            where = 0 if e.position is None else e.position + 1
-            state.rejected.append(_rows.reject_record(f.source, where, Reason.CORRUPT_INPUT, str(e)))
+            state.rejected.append(_rows.reject_record(f.source, e.rest_at, Reason.CORRUPT_INPUT, str(e)))
             state.stats["records_read"] += 1
         if chunk:
             state.stats["records_read"] += len(chunk)

@@ -41,6 +41,7 @@ from packers.manifest import (
     LOCK, MANIFEST, SPLITS, TMP_PREFIX, Manifest, ShardEntry, is_datasets_cache, missing_manifest, require_complete,
 )
 import pipeline._write as _write
+from pipeline._report import one_line
 
 SCHEMA_VERSION = 3
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -128,7 +129,7 @@ class _Shard:
                 raise PackstreamError(f"{show_path(path)}: its schema is not packers.SCHEMA; run packstream verify on "
                                       "the folder")
         except (pa.ArrowException, OSError, KeyError) as e:
-            raise PackstreamError(f"{show_path(path)} cannot be read ({_one_line(e)}); run packstream verify on the "
+            raise PackstreamError(f"{show_path(path)} cannot be read ({one_line(str(e), 200)}); run packstream verify on the "
                                   "folder") from None
         self.name, self.split = name, entry.split
         self.num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
@@ -171,11 +172,6 @@ def _totals(shards: list[_Shard], budget: int) -> dict[str, Any]:
         "target_tokens": sum(s.target_tokens for s in shards),
         "fill": tokens / (rows * budget) if rows else 0.0,
     }
-
-
-def _one_line(e: Exception, limit: int = 200) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _disagreements(m: Manifest, shards: list[_Shard], totals: dict, splits: dict) -> list[str]:
