@@ -14,7 +14,10 @@ in ``train()`` mode with its default config and in ``eval()`` mode, as a user wo
   one where that exceeds 1, as Gemma 4's reach 18 and fp32 rounding alone then gives ~1e-5; flex
   has no CPU backward, so its gradients are not compared). "exact, mask fix" when the guard had to
   pass position_ids to the model's mask functions;
-* **refused**: the guard raised PackstreamError (its message; and what the unguarded batch does);
+* **refused**: the guard raised PackstreamError (its message; and what the unguarded batch does). A cell
+  the guard refuses by a rule of the backend alone, whatever the model (``flex_attention`` on CPU:
+  ``packers._attention._rules.backend_refusal``), is recorded as refused with the guard's reason
+  without building, compiling or running anything;
 * **cannot build**: the tiny model could not be built or run alone (why);
 * **LEAK**: the guard let the batch through and packed differs from alone. There must be none.
 
@@ -122,19 +125,6 @@ def model_classes() -> dict[str, str]:
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
-def _special_ids(config) -> set[int]:
-    from packers._attention import _configs
-
-    out: set[int] = set()
-    for c in _configs(config):
-        for k, v in vars(c).items():
-            if k.endswith(("token_id", "token_ids", "token_index", "_id")) and not isinstance(v, bool):
-                for x in v if isinstance(v, (list, tuple)) else [v]:
-                    if isinstance(x, int):
-                        out.add(x)
-    return out
-
-
 def _shrink_kwargs(default, model_type: str) -> dict[str, Any]:
     """Constructor keyword arguments that make ``default`` (a config instance) tiny."""
     values = dict(vars(default))
@@ -204,7 +194,9 @@ def examples(config) -> list[list[int]]:
     """Fixed token ids inside the tiny vocabulary, avoiding special and media token ids."""
     import numpy as np
 
-    special = _special_ids(config)
+    from packers._attention._model import special_token_ids
+
+    special = special_token_ids(config)
     vocab = min(VOCAB, getattr(config.get_text_config(), "vocab_size", VOCAB) or VOCAB)
     pool = np.array([t for t in range(3, vocab) if t not in special])
     rng = np.random.default_rng(7)
@@ -236,24 +228,12 @@ def build(model_type: str, class_name: str, config, backend: str):
 
 
 def zero_dropout(model) -> None:
-    """Dropout off for the ground truth: nn.Dropout modules, float attributes copied from the config, the configs."""
-    import re
+    """Dropout off for the ground truth: what the guard's probe turns off (nn.Dropout modules, float attributes
+    copied from the config, the configs)."""
+    from packers._attention._model import dropout_settings
 
-    import torch
-
-    from packers._attention import _configs
-
-    name = re.compile(r"drop|jitter|noise", re.IGNORECASE)
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
-        for k, v in list(vars(m).items()):
-            if type(v) is float and v > 0 and name.search(k):
-                setattr(m, k, 0.0)
-    for c in _configs(model.config):
-        for k, v in list(vars(c).items()):
-            if type(v) is float and v > 0 and name.search(k):
-                setattr(c, k, 0.0)
+    for obj, k, _ in dropout_settings(model):
+        setattr(obj, k, 0.0)
 
 
 def _per_token(logits, labels):
@@ -321,7 +301,14 @@ def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, 
         install_packing_guard,
     )
 
+    from packers._attention import cached_verdict
+    from packers._attention._rules import backend_refusal
+
     cell: dict[str, Any] = {"arch": model_type, "class": class_name, "backend": backend, "mode": mode}
+    why = backend_refusal(backend, "cpu")
+    if why is not None:  # refused whatever the model: nothing to build, compile or run
+        cell.update(status="refused", why=why, static=True)
+        return cell
     try:
         model = build(model_type, class_name, config, backend)
     except Exception as e:
@@ -337,8 +324,6 @@ def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, 
         with torch.set_grad_enabled(with_grad):
             check_packing_safe(model, batch)  # the probe runs here (and is cached for the forward below)
         cell["probe_s"] = time.perf_counter() - t0
-        from packers._attention import cached_verdict
-
         verdict = cached_verdict(model, batch)
         cell["fix"] = verdict.fix
     except PackstreamError as e:
@@ -425,19 +410,10 @@ def run_arch(model_type: str, class_name: str, backends=BACKENDS) -> list[dict[s
     return [c for b in backends for c in run_task(model_type, class_name, b)]
 
 
-def _init_worker() -> None:
+def _worker(conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    # flex_attention compiles once per head layout; allow more layouts than torch's default of 8
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    # compile in this process: inductor's pool of compile workers failed here under load ("compile-worker future")
-    torch._inductor.config.compile_threads = 1
-
-
-def _worker(conn) -> None:
-    _init_worker()
     while True:
         task = conn.recv()
         if task is None:
@@ -448,8 +424,8 @@ def _worker(conn) -> None:
 def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | None, backends=BACKENDS) -> list[dict]:
     """Every (architecture, backend) task in ``jobs`` worker processes.
 
-    A worker that dies (flex_attention's compiled CPU kernel crashed the process with "free(): invalid next
-    size" on one model here) or hangs costs only its task, recorded as an error, and is replaced.
+    A worker that dies (a crash in native code) or hangs costs only its task, recorded as an error, and is
+    replaced.
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait
@@ -532,6 +508,8 @@ def _cell_text(c: dict) -> str:
     if s == "exact":
         fix = ", mask fix" if c.get("fix") else ""
         return f"exact{fix} ({_fmt(c['logits'])} / {_fmt(c['loss'])} / {_fmt(c['grad'])})"
+    if s == "refused" and c.get("static"):
+        return "refused (static rule, not run)"
     if s == "refused":
         u = c.get("unguarded")
         if u is not None:
@@ -596,7 +574,9 @@ def markdown(cells: list[dict], seconds: float, command: str, resumed: bool = Fa
         "  the guard passed `position_ids` to mask functions the model calls without them. `flex_attention` has no",
         "  CPU backward, so its gradients are n/a.",
         "* **refused**: the guard raised `PackstreamError` before the forward. In brackets, what the same batch does",
-        "  without the guard: *would leak* (max logit diff) or *unguarded exact* (a refusal that was not needed).",
+        "  without the guard: *would leak* (max logit diff) or *unguarded exact* (a refusal that was not needed);",
+        "  *static rule, not run*: a rule of the backend alone refuses it whatever the model (`flex_attention` on",
+        "  CPU), so the cell is counted without building or running the model.",
         "* **cannot build**: the tiny model could not be built or run from its config here (the reason is listed).",
         "* **LEAK**: the guard let a batch through that differs from the examples alone. There must be none.",
         "",

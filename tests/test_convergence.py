@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from packers import Collator, PackedDataset
+from tests._models import tiny_model
 from tests._shards import (
     GSM8K,
     compact_vocab,
@@ -47,13 +48,8 @@ N_TRAIN, N_VAL = 1000, 100
 
 
 def tiny_llama(attn: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BUDGET,
-                      attn_implementation=attn, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return tiny_model("llama", attn, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      max_position_embeddings=BUDGET, tie_word_embeddings=True)
 
 
 def train(steps, attn: str):

@@ -630,7 +630,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("packers/files.py", "open_checked"): "the checked open itself",
     ("pipeline/_read.py", "_beam_open"): "the remote opener handed to open_checked",
     ("pipeline/_render.py", "<module>"): "the built-in template, a package resource",
-    ("packers/_attention.py", "_refuse_in_class_tables"): "transformers' own installed source",
+    ("packers/_attention/_fixes.py", "refuse"): "transformers' own installed source",
     ("pipeline/_output.py", "_create_exclusive"): "a writer",
     ("pipeline/_output.py", "_remote_create_exclusive"): "a writer",
     ("pipeline/_job.py", "_record_outcome"): "a writer: the run's outcome file",

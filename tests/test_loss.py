@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from packers import Collator, PackedDataset, PackstreamError, example_losses, loss
+from tests._models import tiny_model
 from tests._shards import Example, pack_first_fit, random_examples, write_manifest, write_shards
 
 VOCAB = 97
@@ -52,12 +53,7 @@ def folder(tmp_path_factory):
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    return tiny_model("llama", "sdpa", vocab_size=VOCAB).train()
 
 
 def dataset(folder, weighting, grad_accum, world, rank, **kw) -> PackedDataset:
