@@ -113,7 +113,7 @@ class PackedBatch(TypedDict, total=False):
     sides (rows of preference pairs only)."""
     loss_weights: torch.Tensor
     """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
-    target and in padding). Only for rows from :class:`packers.PackedDataset`, which plans it; read by
+    target and in padding). Only for rows from :class:`packers.PackedDataset`, which schedules it; read by
     :func:`packers.loss`."""
 
 

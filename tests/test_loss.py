@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from packers import Collator, PackedDataset, PackstreamError, example_losses, loss
+from packers import Batching, Collator, PackedDataset, PackstreamError, Sampling, Sharding, example_losses, loss
 from tests._models import tiny_model
 from tests._shards import Example, pack_first_fit, random_examples, write_manifest, write_shards
 
@@ -56,15 +56,16 @@ def tiny_llama() -> torch.nn.Module:
     return tiny_model("llama", "sdpa", vocab_size=VOCAB).train()
 
 
-def dataset(folder, weighting, grad_accum, world, rank, **kw) -> PackedDataset:
-    return PackedDataset(folder, batch_size=2, grad_accum=grad_accum, world_size=world, rank=rank,
-                         loss_weighting=weighting, seed=5, **kw)
+def dataset(folder, weighting, grad_accum, world, rank, source_weights=None) -> PackedDataset:
+    return PackedDataset(folder, sampling=Sampling(seed=5), sharding=Sharding(world_size=world, rank=rank),
+                         batching=Batching(batch_size=2, grad_accum=grad_accum, loss_weighting=weighting,
+                                           source_weights=source_weights))
 
 
 def optimizer_steps(ds: PackedDataset) -> list[list[list[dict]]]:
     """This rank's micro-batches, grouped by optimizer step."""
     batches = list(ds)
-    ga = ds.sampling.grad_accum
+    ga = ds.batching.grad_accum
     return [batches[i : i + ga] for i in range(0, len(batches), ga)]
 
 
@@ -176,7 +177,7 @@ def test_example_losses_equal_each_example_alone(folder):
     """Eval parity: per-example mean losses from packed rows (shuffle off, fixed shape or not) = unpacked."""
     model = tiny_llama().eval()
     by_id = {e.id: e for e in examples()}
-    ds = PackedDataset(folder, batch_size=3, shuffle=False)
+    ds = PackedDataset(folder, sampling=Sampling(shuffle=False), batching=Batching(batch_size=3))
     checked = 0
     for rows in itertools.islice(ds, 4):
         ids = [i for r in rows for i in r["example_ids"]]
