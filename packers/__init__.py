@@ -7,7 +7,8 @@ The loader's options (``Sampling``, ``Sharding``, ``Batching`` and the enums and
 
 from packers.errors import ContractError, InternalError, PackstreamError
 from packers._options import Balance, Batching, BatchBy, CostModel, LossWeighting, Sampling, Sharding
-from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_pairs, pack_stream
+from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
+from packers._pairs import pack_pairs
 from packers.schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
 from packers._stats import PackStats, pack_stats
 
