@@ -11,7 +11,7 @@
 >>> Sampling(seed=-1)
 Traceback (most recent call last):
 ...
-packers.errors.PackstreamError: seed=-1 must be >= 0; numpy's generators take non-negative seeds: use e.g. seed=0
+packers.errors.PackstreamError: seed=-1 must be an integer >= 0 (numpy's generators take non-negative seeds); use e.g. seed=0
 
 Pure Python and numpy: importable without torch (``bench/bench_balance.py`` schedules epochs on real lengths).
 """
@@ -184,8 +184,10 @@ class Sampling:
     def __post_init__(self) -> None:
         _check_flag(self.shuffle, "shuffle")
         _check_flag(self.rebatch, "rebatch")
-        object.__setattr__(self, "seed", check_int(
-            self.seed, "seed", low=0, fix="numpy's generators take non-negative seeds: use e.g. seed=0"))
+        if not (is_int(self.seed) and self.seed >= 0):
+            raise PackstreamError(f"seed={short(self.seed, 40)} must be an integer >= 0 (numpy's generators take "
+                                  "non-negative seeds); use e.g. seed=0")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 @dataclass(frozen=True, kw_only=True)
