@@ -28,6 +28,7 @@ from packers.files import check_regular, open_checked, show_path
 from packers.manifest import (
     LOCK,
     MANIFEST,
+    RESTORE,
     SHARD_NAME,
     SPLITS,
     TMP_PREFIX,
@@ -271,7 +272,7 @@ def _fetch_shard(folder: _Folder, s: ShardEntry, names: list[str], cache_dir: st
     if size != s.bytes:
         raise ContractError(
             f"{at}: {size:,} bytes, {MANIFEST} says {s.bytes:,}: the shard was changed after the run wrote it (rows "
-            "removed or added, truncated, or replaced by another run's shard); restore the folder or re-run packstream pack"
+            f"removed or added, truncated, or replaced by another run's shard); {RESTORE}"
         )
     if folder.local:
         return folder.join(s.name), False
@@ -292,8 +293,7 @@ def _fetch_shard(folder: _Folder, s: ShardEntry, names: list[str], cache_dir: st
         if h.hexdigest() != s.sha256:
             raise ContractError(
                 f"{at}: sha256 of the copy is {h.hexdigest()[:16]}…, {MANIFEST} says {s.sha256[:16]}…: the shard's "
-                "bytes changed after the run wrote it (or the copy was corrupted); restore the folder or re-run "
-                "packstream pack"
+                f"bytes changed after the run wrote it (or the copy was corrupted); {RESTORE}"
             )
         os.replace(part, dst)
     except BaseException:
@@ -310,8 +310,7 @@ def _read_schema(path: str, at: str) -> pa.Schema:
             return pa.ipc.open_stream(src).schema
         except (pa.ArrowException, OSError) as e:
             raise ContractError(
-                f"{at}: not an Arrow IPC stream file (what packstream pack writes): {e}; restore the folder or "
-                "re-run packstream pack"
+                f"{at}: not an Arrow IPC stream file (what packstream pack writes): {e}; {RESTORE}"
             ) from None
 
 
@@ -368,8 +367,7 @@ def _check_sha256(at: str, local: str, s: ShardEntry) -> None:
     if got != s.sha256:
         raise ContractError(
             f"{at}: check sha256 failed: the file hashes to {got[:16]}…, {MANIFEST} says {s.sha256[:16]}…: its "
-            "bytes changed after the run wrote it (a token, a mask or an offset edited); restore the folder "
-            "or re-run packstream pack"
+            f"bytes changed after the run wrote it (a token, a mask or an offset edited); {RESTORE}"
         )
 
 
@@ -391,7 +389,7 @@ def _open_shard(at: str, local: str, m: Manifest, s: ShardEntry) -> tuple[Any, d
         whose = ("another shard's file (a copy listed twice, or renamed), or another run's" if key in PLACE_KEYS
                  else "not this run's")
         raise ContractError(
-            f"{at}: schema metadata {key} {what}: the shard is {whose}; restore the folder or re-run packstream pack"
+            f"{at}: schema metadata {key} {what}: the shard is {whose}; {RESTORE}"
         )
     try:
         part = datasets.Dataset.from_file(local)
@@ -401,8 +399,7 @@ def _open_shard(at: str, local: str, m: Manifest, s: ShardEntry) -> tuple[Any, d
         table.validate(full=True)
     except (pa.ArrowException, OSError) as e:
         raise ContractError(
-            f"{at}: not a valid Arrow file ({e}); it was damaged after the run wrote it: restore the folder or "
-            "re-run packstream pack"
+            f"{at}: not a valid Arrow file ({e}); it was damaged after the run wrote it: {RESTORE}"
         ) from None
     measured = {"rows": part.num_rows,  # cheap: one int32 column, and the offsets of another
                 "tokens": int(pc.sum(table.column("num_tokens")).as_py() or 0),
@@ -411,6 +408,6 @@ def _open_shard(at: str, local: str, m: Manifest, s: ShardEntry) -> tuple[Any, d
         if got != getattr(s, key):
             raise ContractError(
                 f"{at}: {got:,} {key}, {MANIFEST} says {getattr(s, key):,}: the shard is not the one the run wrote; "
-                "restore the folder or re-run packstream pack"
+                f"{RESTORE}"
             )
     return part, meta

@@ -98,7 +98,8 @@ MAX_DEAD_LETTER_BYTES = 64 * MiB
 """The longest line of rejected.jsonl a reader accepts: a dead letter holds its record's id and a
 one-line detail, and a record is at most ``--max-record-bytes`` (16 MiB by default)."""
 _MAX_COUNT = 2**63 - 1
-_FIX = "the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack"
+RESTORE = "restore the folder or re-run packstream pack"  # the fix of every refusal of a damaged or edited folder
+_FIX = f"the manifest was edited or damaged, or not written by packstream: {RESTORE}"
 
 
 SOURCE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "@": "%40", "#": "%23", "~": "%7E"})
@@ -368,7 +369,7 @@ def load_manifest(path: str, where: str, *, opener: Optional[Callable[[str], IO[
     that ``pack --overwrite`` needs to know which files a run wrote (so it can replace the output of an
     older packstream too): names a run writes, never a path or another file."""
     data = read_checked(path, what=MANIFEST, limit=MAX_MANIFEST_BYTES, opener=opener,
-                        fix=f"this is not a {MANIFEST} packstream wrote: restore the folder or re-run packstream pack")
+                        fix=f"this is not a {MANIFEST} packstream wrote: {RESTORE}")
     if files_only:
         return _decode(data, where, files_only=True)
     return parse_manifest(data, where) if consistent else _decode(data, where)
