@@ -356,8 +356,9 @@ def _alarm(signum, frame):
     raise TimeoutError(f"task took more than {TASK_TIMEOUT_S} s")
 
 
-def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, Any]]:
-    """The train and eval cells of one architecture under one backend; never raises.
+def run_task(model_type: str, class_name: str, backend: str, static: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The train and eval cells of one architecture under ``backend``, and under each backend of ``static`` (refused
+    by a rule of the backend alone: recorded without building it, once the architecture builds); never raises.
 
     The eager task also reports an architecture that cannot be built (the others then report nothing).
     """
@@ -387,16 +388,17 @@ def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, A
                      "why": f"{type(e).__name__}: {str(e)[:200]}"}]
         supports = {"eager": True, "sdpa": getattr(cls, "_supports_sdpa", False),
                     "flex_attention": getattr(cls, "_supports_flex_attn", False)}
-        if not supports.get(backend, False):
-            return []
-        for mode in MODES:
-            cells.append(run_cell(model_type, class_name, config, backend, mode, exs))
+        for b in (*static, backend):
+            if supports.get(b, False):
+                cells += [run_cell(model_type, class_name, config, b, mode, exs) for mode in MODES]
     except TimeoutError as e:
-        cells = [{"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
-                  "why": f"timeout: {e}"} for m in MODES]
+        cells = [c for c in cells if c["backend"] != backend] + [
+            {"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
+             "why": f"timeout: {e}"} for m in MODES]
     except Exception as e:  # a bug in this script: report it as such
-        cells = [{"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
-                  "why": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-500:]}"} for m in MODES]
+        cells = [c for c in cells if c["backend"] != backend] + [
+            {"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
+             "why": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-500:]}"} for m in MODES]
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -405,9 +407,21 @@ def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, A
     return cells
 
 
+def tasks(model_type: str, class_name: str, backends) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """``run_task`` arguments covering ``backends``: one task per backend the guard judges by running the model;
+    the backends it refuses by a rule of their own (``flex_attention`` on CPU) ride on the first task."""
+    from packers._attention._rules import backend_refusal
+
+    run = [b for b in backends if backend_refusal(b, "cpu") is None]
+    static = tuple(b for b in backends if b not in run)
+    if not run:
+        return [(model_type, class_name, static[0], static[1:])] if static else []
+    return [(model_type, class_name, run[0], static)] + [(model_type, class_name, b, ()) for b in run[1:]]
+
+
 def run_arch(model_type: str, class_name: str, backends=BACKENDS) -> list[dict[str, Any]]:
     """All cells of one architecture, in this process."""
-    return [c for b in backends for c in run_task(model_type, class_name, b)]
+    return [c for task in tasks(model_type, class_name, backends) for c in run_task(*task)]
 
 
 def _worker(conn) -> None:
@@ -436,7 +450,7 @@ def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | No
     cells = list(done)
     finished = {(c["arch"], c.get("backend")) for c in done} | {(c["arch"], b) for c in done if "backend" not in c
                                                                   for b in backends}
-    queue = [(t, c, b) for t, c in archs.items() for b in backends if (t, b) not in finished]
+    queue = [task for t, c in archs.items() for task in tasks(t, c, [b for b in backends if (t, b) not in finished])]
     ctx = mp.get_context("spawn")
     workers: dict[Any, list] = {}  # connection -> [process, task, started]
 
@@ -476,9 +490,10 @@ def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | No
                 proc.join(5)
                 workers.pop(conn)
                 why = "hung (killed)" if hung else f"the worker process crashed (exit code {proc.exitcode})"
-                t, c, b = task
-                cells += _report([{"arch": t, "class": c, "backend": b, "mode": m, "status": "error",
-                                   "why": f"{why} in native code while running this cell"} for m in MODES], json_path)
+                t, c, b, static = task
+                cells += _report([{"arch": t, "class": c, "backend": x, "mode": m, "status": "error",
+                                   "why": f"{why} in native code while running this cell"}
+                                  for x in (*static, b) for m in MODES], json_path)
                 if queue:
                     start()
                     feed(next(reversed(workers)))
