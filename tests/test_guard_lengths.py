@@ -1,7 +1,7 @@
 """The guard at the lengths a config makes special (issue 18).
 
 * A backend that keeps packed examples apart up to N tokens and leaks above them passes a probe of 12
-  tokens; the guard now probes a row crossing each length the config names (sliding window, attention
+  tokens; the guard probes a row crossing each length the config names (sliding window, attention
   chunk, rope original length, ...) and refuses it, for N at each of these boundaries.
 * Ropes whose frequencies follow the longest sequence of the batch (``dynamic``, ``longrope``) are exact
   while every sequence stays below the original length, and refused above it, under every backend.
@@ -81,7 +81,7 @@ def test_a_backend_leaking_above_a_special_length_is_refused(boundary):
     make, config, key = BOUNDARIES[boundary]
     model = make(leaky_above(N), **config).train()
     short = layout(Collator()(rows_of([[5, 7]])))
-    # The short probe alone (all the guard ran before issue 18) finds nothing: 12 tokens never leave the mask.
+    # The short probe alone finds nothing: 12 tokens never leave the mask.
     diff, tol, error = run_probe(model, model, short, fix=False)
     assert error is None and diff <= tol
     long_rows = Collator()(rows_of([[9, N + 4], [6]]))
