@@ -163,7 +163,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
       ``"source"``, weighted by ``source_weights`` or the ``--config`` data sets' ``loss_weight``), which comes
       with every row as ``loss_weights``.
 
-    >>> ds = PackedDataset("packed/", batching=Batching(batch_by="examples", batch_size=16))  # doctest: +SKIP
+    For example ``PackedDataset("packed/", batching=Batching(batch_by="examples", batch_size=16))``.
 
     * ``rows``: every row as a memory-mapped, map-style ``datasets.Dataset`` (zero-copy). Reading it
       directly skips the row checks: call :meth:`check_rows` first, or pass ``verify=True``.
