@@ -1,4 +1,4 @@
-"""Compute balance across ranks, and order bias, of PackedDataset's plans on real length distributions.
+"""Compute balance across ranks, and order bias, of PackedDataset's epoch schedules on real length distributions.
 
     python bench/bench_balance.py [--budgets 4096 16384 32768] [--worlds 8 64] [--epochs 3]
 
@@ -9,12 +9,12 @@ exist), once per budget; plus "real mix" (all of them), each of these resampled 
 ``--resample`` examples (``name@200k``: the same length distribution at the size of a training set; the
 files themselves hold 300 to 7,500 examples, a handful of 32k-token rows for 64 ranks), and a generated
 long-tail mix (88% lognormal around 250 tokens, 10% around 1,500, 2% around 12,000). The rows are the
-same for every plan below.
+same for every schedule below.
 
 For each budget and world size, one row per micro-batch (the hardest case: a step's balance is its
-rows'), the plan of ``PackedDataset(balance=...)`` (:func:`packers._plan.plan_epoch`) is built for
-``--epochs`` epochs and scored with the cost ``alpha * sum(l) + beta * sum(l**2)`` per row of a
-Llama-3-8B-shaped model (``CostModel.from_config``: FLOPs of forward and backward):
+rows'), the schedule of ``PackedDataset(batching=Batching(balance=...))``
+(:func:`packers._schedule.schedule_epoch`) is built for ``--epochs`` epochs and scored with the cost
+``alpha * sum(l) + beta * sum(l**2)`` per row of a Llama-3-8B-shaped model (``CostModel.from_config``: FLOPs of forward and backward):
 
 * **straggler**: sum over steps of the most loaded rank's cost / sum of the mean rank's (the time a
   synchronous step waits for its slowest rank, relative to a perfect split), for ``none`` (the shuffled
@@ -22,11 +22,11 @@ Llama-3-8B-shaped model (``CostModel.from_config``: FLOPs of forward and backwar
 * **step ms**: the modelled mean step time, the most loaded rank's FLOPs at ``--tflops`` (default 400
   TFLOP/s per GPU, about 40% of an H100's bf16 peak), for ``tokens`` and ``compute``;
 * **|rho| len / sq**: the largest |Spearman rho| over the epochs, step index vs the step's mean example
-  length and vs its sum of squared lengths (``compute`` plans; ``--` where an epoch has under 10 steps);
+  length and vs its sum of squared lengths (``compute`` schedules; ``--` where an epoch has under 10 steps);
 * **pieces**: rows divided at an example boundary so that every rank gets the same number of steps.
 
-Goal (issue 18): compute-balanced straggler <= 1.05 in every case, rows unchanged. Where a data set has
-about as few rows as ranks (one or two steps), that is out of reach for any plan that keeps one row per
+Goal: compute-balanced straggler <= 1.05 in every case, rows unchanged. Where a data set has
+about as few rows as ranks (one or two steps), that is out of reach for any schedule that keeps one row per
 micro-batch and trains every example once: 43 rows on 64 ranks leave at least 22 ranks a whole row while
 the mean rank gets 43/64 of one (1.49). The exit status is 1 when a case with at least 10 steps per epoch
 misses the goal.
@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from packers import pack  # noqa: E402
-from packers._plan import Balance, CostModel, Rows, Sampling, plan_epoch, ranks  # noqa: E402
+from packers import Balance, Batching, CostModel, Sampling  # noqa: E402
+from packers._schedule import Rows, ranks, schedule_epoch  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 # (name, path under ../shared/data, format options the data set needs)
@@ -100,19 +101,20 @@ def score(rows: Rows, world: int, balance: Balance, cost: CostModel, epochs: int
     out = {"max": 0.0, "mean": 0.0, "steps": 0, "rho_len": 0.0, "rho_sq": 0.0, "pieces": 0, "seconds": 0.0}
     for epoch in range(epochs):
         t0 = time.perf_counter()
-        plan = plan_epoch(rows, Sampling(world_size=world, balance=balance, cost=cost, seed=17), epoch)
+        sched = schedule_epoch(rows, epoch, sampling=Sampling(seed=17), batching=Batching(balance=balance, cost=cost),
+                               world_size=world)
         out["seconds"] += time.perf_counter() - t0
-        u = plan.units
+        u = sched.units
         c = u.sums(rows, per_seq)
-        per_mb = np.add.reduceat(c[plan.order], plan.bounds[:-1]).reshape(plan.steps, world)
+        per_mb = np.add.reduceat(c[sched.order], sched.bounds[:-1]).reshape(sched.steps, world)
         out["max"] += per_mb.max(axis=1).sum()
         out["mean"] += per_mb.mean(axis=1).sum()
-        out["steps"] += plan.steps
+        out["steps"] += sched.steps
         out["pieces"] = max(out["pieces"], len(u) - len(rows))
-        if plan.steps >= 10:
-            n, t, q = (np.add.reduceat(u.sums(rows, v)[plan.order], plan.bounds[:-1]).reshape(plan.steps, world).sum(axis=1)
+        if sched.steps >= 10:
+            n, t, q = (np.add.reduceat(u.sums(rows, v)[sched.order], sched.bounds[:-1]).reshape(sched.steps, world).sum(axis=1)
                        for v in (np.ones_like(lens), lens, lens * lens))
-            idx = np.arange(plan.steps)
+            idx = np.arange(sched.steps)
             out["rho_len"] = max(out["rho_len"], abs(spearman(idx, t / n)))
             out["rho_sq"] = max(out["rho_sq"], abs(spearman(idx, q)))
         else:
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncost: CostModel.from_config(Llama-3-8B shape): alpha {cost.alpha:.3g} FLOPs/token, beta {cost.beta:.3g} "
           f"FLOPs/token^2; one row per micro-batch; {args.epochs} epochs; step ms at {args.tflops:g} TFLOP/s\n")
     head = (f"{'data':<10} {'budget':>6} {'world':>5} {'rows':>7} {'steps':>6} | {'straggler none':>14} {'tokens':>7} "
-            f"{'compute':>8} | {'step ms tokens':>14} {'compute':>8} | {'|rho| len':>9} {'sq':>6} | {'pieces':>6} {'plan s':>7}")
+            f"{'compute':>8} | {'step ms tokens':>14} {'compute':>8} | {'|rho| len':>9} {'sq':>6} | {'pieces':>6} {'sched s':>7}")
     print(head)
     print("-" * len(head))
     worst = 0.0

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from packers import Collator, PackedDataset  # noqa: E402
+from packers import Batching, Collator, PackedDataset, Sampling  # noqa: E402
 from tests import _shards  # noqa: E402
 
 
@@ -100,18 +100,19 @@ def build_shards(args) -> tuple[Path, str]:
 
 
 def bench_read(ds: PackedDataset) -> dict:
-    plan = ds.plan()
+    schedule = ds.schedule()
     # The same reads with and without the row checks, in turns.
-    ours, unchecked = timeit_pair(lambda: [ds.fetch(b) for b in plan], lambda: [ds._fetch(b, check=False) for b in plan])
-    hf = timeit(lambda: [ds.rows[b.tolist()] for b in plan])  # dict of Python lists, datasets' default format
-    n = sum(len(b) for b in plan)
+    ours, unchecked = timeit_pair(lambda: [ds.fetch(b) for b in schedule],
+                                  lambda: [ds._fetch(b, check=False) for b in schedule])
+    hf = timeit(lambda: [ds.rows[b.tolist()] for b in schedule])  # dict of Python lists, datasets' default format
+    n = sum(len(b) for b in schedule)
     return {"packstream rows/s": n / ours, "unchecked rows/s": n / unchecked, "datasets rows/s": n / hf,
             "ratio": hf / ours, "checked / unchecked": unchecked / ours}
 
 
 def bench_verify(folder: Path) -> dict:
     """sha256 of every shard (what verify=True adds), per GB; and PackedDataset's open time with and without it."""
-    from packers._loader import _sha256_file
+    from packers._folder import _sha256_file
 
     shards = [str(folder / s["name"]) for s in json.loads((folder / "manifest.json").read_text())["shards"]]
     gb = sum(os.path.getsize(p) for p in shards) / 1e9
@@ -124,7 +125,7 @@ def bench_verify(folder: Path) -> dict:
 def bench_collate(ds: PackedDataset) -> dict:
     from transformers import DataCollatorWithFlattening
 
-    batches = [ds.fetch(b) for b in ds.plan()[:50]]
+    batches = [ds.fetch(b) for b in ds.schedule()[:50]]
     as_lists = [[{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in r.items()} for r in b] for b in batches]
     features = []  # the same examples, one dict each, with masked labels: what a padding-free pipeline collates
     for b in as_lists:
@@ -167,8 +168,9 @@ def bench_train(folder: Path, steps: int, rows_per_step: int) -> dict:
     """Packed rows vs a typical padded run (random examples, as many per step), useful tokens/s."""
     vocab = 4096  # ids folded into a small vocab: a 129k-way softmax would dominate a tiny model on CPU
     collate = Collator()
-    ds = PackedDataset(folder, batch_size=rows_per_step, seed=2)
-    packed = [collate([{**r, "input_ids": r["input_ids"] % vocab} for r in ds.fetch(b)]) for b in ds.plan()[:steps]]
+    ds = PackedDataset(folder, sampling=Sampling(seed=2), batching=Batching(batch_size=rows_per_step))
+    packed = [collate([{**r, "input_ids": r["input_ids"] % vocab} for r in ds.fetch(b)])
+              for b in ds.schedule()[:steps]]
     every = collate([{**r, "input_ids": r["input_ids"] % vocab} for r in ds.fetch(np.arange(len(ds.rows)))])
     cu = every["cu_seq_lens_q"].tolist()
     examples = [(every["input_ids"][0, x:y], every["labels"][0, x:y]) for x, y in zip(cu, cu[1:])]
@@ -219,7 +221,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder, source = (Path(args.shards), "given shards") if args.shards else build_shards(args)
-    ds = PackedDataset(folder, batch_size=args.rows_per_batch, seed=0)
+    ds = PackedDataset(folder, sampling=Sampling(seed=0), batching=Batching(batch_size=args.rows_per_batch))
     print(f"data: {source}; {len(ds.rows)} rows of budget {ds.budget}, {int(ds.num_examples.sum())} examples, "
           f"{ds.num_tokens.sum() / (len(ds.rows) * ds.budget):.1%} fill; torch threads {args.threads}\n")
     results = {

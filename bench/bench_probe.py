@@ -5,7 +5,7 @@
 The probe runs once per model state (class, config, backend, mode, dtype, batch layout): the short
 row (5 + 7 tokens) and, for each length the config makes special, a row crossing it (5 + N + 2 tokens),
 each packed and each sequence alone, under ``no_grad``. This prints, per model, the probe rows, the
-probe's wall time (``_probe``, best of ``--repeats``), and one training step (forward and backward of a
+probe's wall time (``packers._attention._probe.probe``, best of ``--repeats``), and one training step (forward and backward of a
 packed batch of ``--tokens`` tokens, rows of 4 examples) for scale.
 """
 
@@ -48,7 +48,8 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from packers import Collator, _attention
+    from packers import Collator
+    from packers._attention._probe import layout, probe
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
@@ -60,10 +61,10 @@ def main(argv=None) -> None:
         rows = [{"input_ids": torch.randint(3, cfg.vocab_size, (4 * n,)).tolist(), "loss_mask": [1] * (4 * n),
                  "seq_offsets": [0, n, 2 * n, 3 * n, 4 * n]}]
         batch = Collator()(rows)
-        layout = _attention._layout(batch)
+        probed = layout(batch)
         best, verdict = float("inf"), None
         for _ in range(args.repeats):
-            verdict = _attention._probe(model, model, layout)
+            verdict = probe(model, model, probed)
             best = min(best, verdict.seconds)
         assert verdict.error is None, verdict.error
         step = float("inf")

@@ -14,7 +14,10 @@ in ``train()`` mode with its default config and in ``eval()`` mode, as a user wo
   one where that exceeds 1, as Gemma 4's reach 18 and fp32 rounding alone then gives ~1e-5; flex
   has no CPU backward, so its gradients are not compared). "exact, mask fix" when the guard had to
   pass position_ids to the model's mask functions;
-* **refused**: the guard raised PackstreamError (its message; and what the unguarded batch does);
+* **refused**: the guard raised PackstreamError (its message; and what the unguarded batch does). A cell
+  the guard refuses by a rule of the backend alone, whatever the model (``flex_attention`` on CPU:
+  ``packers._attention._rules.backend_refusal``), is recorded as refused with the guard's reason
+  without building, compiling or running anything;
 * **cannot build**: the tiny model could not be built or run alone (why);
 * **LEAK**: the guard let the batch through and packed differs from alone. There must be none.
 
@@ -122,19 +125,6 @@ def model_classes() -> dict[str, str]:
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
-def _special_ids(config) -> set[int]:
-    from packers._attention import _configs
-
-    out: set[int] = set()
-    for c in _configs(config):
-        for k, v in vars(c).items():
-            if k.endswith(("token_id", "token_ids", "token_index", "_id")) and not isinstance(v, bool):
-                for x in v if isinstance(v, (list, tuple)) else [v]:
-                    if isinstance(x, int):
-                        out.add(x)
-    return out
-
-
 def _shrink_kwargs(default, model_type: str) -> dict[str, Any]:
     """Constructor keyword arguments that make ``default`` (a config instance) tiny."""
     values = dict(vars(default))
@@ -204,7 +194,9 @@ def examples(config) -> list[list[int]]:
     """Fixed token ids inside the tiny vocabulary, avoiding special and media token ids."""
     import numpy as np
 
-    special = _special_ids(config)
+    from packers._attention._model import special_token_ids
+
+    special = special_token_ids(config)
     vocab = min(VOCAB, getattr(config.get_text_config(), "vocab_size", VOCAB) or VOCAB)
     pool = np.array([t for t in range(3, vocab) if t not in special])
     rng = np.random.default_rng(7)
@@ -236,24 +228,12 @@ def build(model_type: str, class_name: str, config, backend: str):
 
 
 def zero_dropout(model) -> None:
-    """Dropout off for the ground truth: nn.Dropout modules, float attributes copied from the config, the configs."""
-    import re
+    """Dropout off for the ground truth: what the guard's probe turns off (nn.Dropout modules, float attributes
+    copied from the config, the configs)."""
+    from packers._attention._model import dropout_settings
 
-    import torch
-
-    from packers._attention import _configs
-
-    name = re.compile(r"drop|jitter|noise", re.IGNORECASE)
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
-        for k, v in list(vars(m).items()):
-            if type(v) is float and v > 0 and name.search(k):
-                setattr(m, k, 0.0)
-    for c in _configs(model.config):
-        for k, v in list(vars(c).items()):
-            if type(v) is float and v > 0 and name.search(k):
-                setattr(c, k, 0.0)
+    for obj, k, _ in dropout_settings(model):
+        setattr(obj, k, 0.0)
 
 
 def _per_token(logits, labels):
@@ -321,7 +301,14 @@ def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, 
         install_packing_guard,
     )
 
+    from packers._attention import cached_verdict
+    from packers._attention._rules import backend_refusal
+
     cell: dict[str, Any] = {"arch": model_type, "class": class_name, "backend": backend, "mode": mode}
+    why = backend_refusal(backend, "cpu")
+    if why is not None:  # refused whatever the model: nothing to build, compile or run
+        cell.update(status="refused", why=why, static=True)
+        return cell
     try:
         model = build(model_type, class_name, config, backend)
     except Exception as e:
@@ -337,8 +324,6 @@ def run_cell(model_type: str, class_name: str, config, backend: str, mode: str, 
         with torch.set_grad_enabled(with_grad):
             check_packing_safe(model, batch)  # the probe runs here (and is cached for the forward below)
         cell["probe_s"] = time.perf_counter() - t0
-        from packers._attention import cached_verdict
-
         verdict = cached_verdict(model, batch)
         cell["fix"] = verdict.fix
     except PackstreamError as e:
@@ -371,8 +356,9 @@ def _alarm(signum, frame):
     raise TimeoutError(f"task took more than {TASK_TIMEOUT_S} s")
 
 
-def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, Any]]:
-    """The train and eval cells of one architecture under one backend; never raises.
+def run_task(model_type: str, class_name: str, backend: str, static: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The train and eval cells of one architecture under ``backend``, and under each backend of ``static`` (refused
+    by a rule of the backend alone: recorded without building it, once the architecture builds); never raises.
 
     The eager task also reports an architecture that cannot be built (the others then report nothing).
     """
@@ -402,16 +388,17 @@ def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, A
                      "why": f"{type(e).__name__}: {str(e)[:200]}"}]
         supports = {"eager": True, "sdpa": getattr(cls, "_supports_sdpa", False),
                     "flex_attention": getattr(cls, "_supports_flex_attn", False)}
-        if not supports.get(backend, False):
-            return []
-        for mode in MODES:
-            cells.append(run_cell(model_type, class_name, config, backend, mode, exs))
+        for b in (*static, backend):
+            if supports.get(b, False):
+                cells += [run_cell(model_type, class_name, config, b, mode, exs) for mode in MODES]
     except TimeoutError as e:
-        cells = [{"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
-                  "why": f"timeout: {e}"} for m in MODES]
+        cells = [c for c in cells if c["backend"] != backend] + [
+            {"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
+             "why": f"timeout: {e}"} for m in MODES]
     except Exception as e:  # a bug in this script: report it as such
-        cells = [{"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
-                  "why": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-500:]}"} for m in MODES]
+        cells = [c for c in cells if c["backend"] != backend] + [
+            {"arch": model_type, "class": class_name, "backend": backend, "mode": m, "status": "error",
+             "why": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-500:]}"} for m in MODES]
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -420,24 +407,27 @@ def run_task(model_type: str, class_name: str, backend: str) -> list[dict[str, A
     return cells
 
 
+def tasks(model_type: str, class_name: str, backends) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """``run_task`` arguments covering ``backends``: one task per backend the guard judges by running the model;
+    the backends it refuses by a rule of their own (``flex_attention`` on CPU) ride on the first task."""
+    from packers._attention._rules import backend_refusal
+
+    run = [b for b in backends if backend_refusal(b, "cpu") is None]
+    static = tuple(b for b in backends if b not in run)
+    if not run:
+        return [(model_type, class_name, static[0], static[1:])] if static else []
+    return [(model_type, class_name, run[0], static)] + [(model_type, class_name, b, ()) for b in run[1:]]
+
+
 def run_arch(model_type: str, class_name: str, backends=BACKENDS) -> list[dict[str, Any]]:
     """All cells of one architecture, in this process."""
-    return [c for b in backends for c in run_task(model_type, class_name, b)]
-
-
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    # flex_attention compiles once per head layout; allow more layouts than torch's default of 8
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    # compile in this process: inductor's pool of compile workers failed here under load ("compile-worker future")
-    torch._inductor.config.compile_threads = 1
+    return [c for task in tasks(model_type, class_name, backends) for c in run_task(*task)]
 
 
 def _worker(conn) -> None:
-    _init_worker()
+    import torch
+
+    torch.set_num_threads(1)
     while True:
         task = conn.recv()
         if task is None:
@@ -448,8 +438,8 @@ def _worker(conn) -> None:
 def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | None, backends=BACKENDS) -> list[dict]:
     """Every (architecture, backend) task in ``jobs`` worker processes.
 
-    A worker that dies (flex_attention's compiled CPU kernel crashed the process with "free(): invalid next
-    size" on one model here) or hangs costs only its task, recorded as an error, and is replaced.
+    A worker that dies (a crash in native code) or hangs costs only its task, recorded as an error, and is
+    replaced.
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait
@@ -460,7 +450,7 @@ def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | No
     cells = list(done)
     finished = {(c["arch"], c.get("backend")) for c in done} | {(c["arch"], b) for c in done if "backend" not in c
                                                                   for b in backends}
-    queue = [(t, c, b) for t, c in archs.items() for b in backends if (t, b) not in finished]
+    queue = [task for t, c in archs.items() for task in tasks(t, c, [b for b in backends if (t, b) not in finished])]
     ctx = mp.get_context("spawn")
     workers: dict[Any, list] = {}  # connection -> [process, task, started]
 
@@ -500,9 +490,10 @@ def run(archs: dict[str, str], jobs: int, done: list[dict], json_path: Path | No
                 proc.join(5)
                 workers.pop(conn)
                 why = "hung (killed)" if hung else f"the worker process crashed (exit code {proc.exitcode})"
-                t, c, b = task
-                cells += _report([{"arch": t, "class": c, "backend": b, "mode": m, "status": "error",
-                                   "why": f"{why} in native code while running this cell"} for m in MODES], json_path)
+                t, c, b, static = task
+                cells += _report([{"arch": t, "class": c, "backend": x, "mode": m, "status": "error",
+                                   "why": f"{why} in native code while running this cell"}
+                                  for x in (*static, b) for m in MODES], json_path)
                 if queue:
                     start()
                     feed(next(reversed(workers)))
@@ -532,6 +523,8 @@ def _cell_text(c: dict) -> str:
     if s == "exact":
         fix = ", mask fix" if c.get("fix") else ""
         return f"exact{fix} ({_fmt(c['logits'])} / {_fmt(c['loss'])} / {_fmt(c['grad'])})"
+    if s == "refused" and c.get("static"):
+        return "refused (static rule, not run)"
     if s == "refused":
         u = c.get("unguarded")
         if u is not None:
@@ -596,7 +589,9 @@ def markdown(cells: list[dict], seconds: float, command: str, resumed: bool = Fa
         "  the guard passed `position_ids` to mask functions the model calls without them. `flex_attention` has no",
         "  CPU backward, so its gradients are n/a.",
         "* **refused**: the guard raised `PackstreamError` before the forward. In brackets, what the same batch does",
-        "  without the guard: *would leak* (max logit diff) or *unguarded exact* (a refusal that was not needed).",
+        "  without the guard: *would leak* (max logit diff) or *unguarded exact* (a refusal that was not needed);",
+        "  *static rule, not run*: a rule of the backend alone refuses it whatever the model (`flex_attention` on",
+        "  CPU), so the cell is counted without building or running the model.",
         "* **cannot build**: the tiny model could not be built or run from its config here (the reason is listed).",
         "* **LEAK**: the guard let a batch through that differs from the examples alone. There must be none.",
         "",

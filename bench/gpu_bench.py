@@ -10,7 +10,7 @@ lengths when absent) with the same number of examples per step in every mode:
 * ``flattening``: the same kind of random examples through transformers'
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` (padding-free, on the fly);
 * ``packed``: rows packed offline (tests/_shards.py, budget ``--budget``) read by
-  ``PackedDataset(batch_by="examples")`` and ``Collator()``;
+  ``PackedDataset(batching=Batching(batch_by="examples"))`` and ``Collator()``;
 * ``packed, fixed_shape``: the same, every row padded to the budget (constant shapes).
 
 The padding-free modes use ``flash_attention_2`` when flash-attn is installed, else the torch
@@ -36,7 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from packers import Collator, PackedDataset, check_packing_safe, register_varlen_attention  # noqa: E402
+from packers import (  # noqa: E402
+    Batching, Collator, PackedDataset, Sampling, check_packing_safe, register_varlen_attention,
+)
 from tests import _shards  # noqa: E402
 
 
@@ -107,8 +109,8 @@ def main(argv=None) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="packstream-gpu-bench-"))
     _shards.write_shards(folder, _shards.pack_first_fit(examples, args.budget), budget=args.budget)
-    ds = PackedDataset(folder, batch_by="examples", batch_size=E, seed=0)
-    packed_rows = [ds.fetch(b) for b in ds.plan()[:n_steps]]
+    ds = PackedDataset(folder, sampling=Sampling(seed=0), batching=Batching(batch_by="examples", batch_size=E))
+    packed_rows = [ds.fetch(b) for b in ds.schedule()[:n_steps]]
 
     flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     modes = {

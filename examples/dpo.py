@@ -15,8 +15,8 @@ the same outputs:
         (Hong et al., 2024; ``log_odds(p) = log p - log(1 - p)`` of the length-normalised probability)
 * SimPO ``-logsigmoid(beta * (mean_c - mean_r) - gamma)``, no reference       (Meng et al., 2024)
 
-Each optimizer step holds ``--pairs-per-step`` pairs (``PackedDataset(batch_by="examples")`` counts
-sequences, two per pair), in micro-batches of ``--rows-per-forward`` rows; a step's loss is the mean
+Each optimizer step holds about ``--pairs-per-step`` pairs (``Batching(batch_by="examples")`` counts pairs in a
+run of pairs), in micro-batches of ``--rows-per-forward`` rows; a step's loss is the mean
 over its pairs (each micro-batch's sum divided by the step's pair count). The packing guard checks
 both models. Token ids are folded into a small vocabulary as in examples/train_tiny.py.
 """
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from packers import Collator, PackedDataset, install_packing_guard, sequence_logps  # noqa: E402
+from packers import Batching, Collator, PackedDataset, Sampling, install_packing_guard, sequence_logps  # noqa: E402
 from train_tiny import FoldThenCollate, VocabFold, tiny_llama  # noqa: E402
 
 DEMO = ROOT.parent / "shared" / "preference" / "dpo_zh_demo.json"
@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
 
     if args.make_demo:
         make_demo(Path(args.pairs), args.make_demo, args.budget)
-    ds = PackedDataset(args.pairs, batch_by="examples", batch_size=2 * args.pairs_per_step, seed=0)
+    ds = PackedDataset(args.pairs, sampling=Sampling(seed=0),
+                       batching=Batching(batch_by="examples", batch_size=args.pairs_per_step))
     if not ds.manifest.row_checks.pairs:
         sys.exit(f"{args.pairs} holds no preference pairs; pack it with packstream pack --pairs")
     collate = FoldThenCollate(VocabFold(ds, args.vocab), Collator())
@@ -108,7 +109,7 @@ def main(argv=None) -> dict:
     install_packing_guard(policy)
     install_packing_guard(reference)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    print(f"{len(ds.rows)} rows, {int(ds.num_examples.sum()) // 2} pairs, {len(ds)} steps/epoch of "
+    print(f"{len(ds.rows)} rows, {int(ds.num_examples.sum())} pairs, {len(ds)} steps/epoch of "
           f"~{args.pairs_per_step} pairs; loss {args.loss}")
 
     history, step = [], 0

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny import FoldThenCollate, VocabFold, make_gsm8k_shards, tiny_llama  # noqa: E402
 
-from packers import Collator, PackedDataset, install_packing_guard  # noqa: E402
+from packers import Batching, Collator, PackedDataset, Sampling, Sharding, install_packing_guard  # noqa: E402
 
 
 def main(argv=None) -> float:
@@ -63,8 +63,9 @@ def main(argv=None) -> float:
         dataloader_num_workers=args.workers,
         use_cpu=not torch.cuda.is_available(),
     )
-    ds = PackedDataset(args.shards, batch_by="examples", batch_size=args.examples_per_micro_step,
-                       seed=targs.seed, rank=targs.process_index, world_size=targs.world_size)
+    ds = PackedDataset(args.shards, sampling=Sampling(seed=targs.seed),
+                       sharding=Sharding(rank=targs.process_index, world_size=targs.world_size),
+                       batching=Batching(batch_by="examples", batch_size=args.examples_per_micro_step))
     collate = FoldThenCollate(VocabFold(ds, args.vocab), Collator())
     model = tiny_llama(args.vocab, ds.budget)
     install_packing_guard(model)

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from packers import Collator, PackedDataset, install_packing_guard  # noqa: E402
+from packers import Batching, Collator, PackedDataset, Sampling, install_packing_guard  # noqa: E402
 
 
 class VocabFold:
@@ -111,7 +111,8 @@ def main(argv=None) -> float:
 
     if args.make_gsm8k:
         make_gsm8k_shards(Path(args.shards), args.make_gsm8k, args.budget)
-    ds = PackedDataset(args.shards, batch_by="examples", batch_size=args.examples_per_step, seed=0)
+    ds = PackedDataset(args.shards, sampling=Sampling(seed=0),
+                       batching=Batching(batch_by="examples", batch_size=args.examples_per_step))
     fold = VocabFold(ds, args.vocab)
     collate = Collator()
     model = tiny_llama(args.vocab, ds.budget, args.attn).train()

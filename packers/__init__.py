@@ -2,10 +2,13 @@
 
 Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``,
 ``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ...) import torch on first use.
+The loader's options (``Sampling``, ``Sharding``, ``Batching`` and the enums and cost model they hold) need no torch.
 """
 
 from packers.errors import ContractError, InternalError, PackstreamError
-from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_pairs, pack_stream
+from packers._options import Balance, Batching, BatchBy, CostModel, LossWeighting, Sampling, Sharding
+from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
+from packers._pairs import pack_pairs
 from packers.schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
 from packers._stats import PackStats, pack_stats
 
@@ -14,15 +17,12 @@ _TORCH_NAMES = {
     "PackedBatch": "packers._collate",
     "PackedDataset": "packers._loader",
     "PackedLoader": "packers._loader",
-    "BatchBy": "packers._plan",
-    "Balance": "packers._plan",
-    "CostModel": "packers._plan",
-    "LossWeighting": "packers._plan",
     "loss": "packers._loss",
     "example_losses": "packers._loss",
     "register_varlen_attention": "packers._attention",
     "check_packing_safe": "packers._attention",
     "install_packing_guard": "packers._attention",
+    "GuardHandle": "packers._attention",
     "sequence_logps": "packers._logps",
     "SequenceLogps": "packers._logps",
 }
@@ -30,12 +30,19 @@ _TORCH_NAMES = {
 __all__ = [
     "CONTRACT_VERSION",
     "SCHEMA",
+    "Balance",
+    "BatchBy",
+    "Batching",
     "ContractError",
+    "CostModel",
     "InternalError",
     "LongPolicy",
+    "LossWeighting",
     "PackResult",
     "PackStats",
     "PackstreamError",
+    "Sampling",
+    "Sharding",
     "Side",
     "Strategy",
     "pack",

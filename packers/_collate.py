@@ -69,7 +69,7 @@ completion log-probability, as (chosen, rejected) pairs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, TypedDict
 
 import numpy as np
@@ -113,7 +113,7 @@ class PackedBatch(TypedDict, total=False):
     sides (rows of preference pairs only)."""
     loss_weights: torch.Tensor
     """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
-    target and in padding). Only for rows from :class:`packers.PackedDataset`, which plans it; read by
+    target and in padding). Only for rows from :class:`packers.PackedDataset`, which schedules it; read by
     :func:`packers.loss`."""
 
 
@@ -121,7 +121,6 @@ class PackedBatch(TypedDict, total=False):
 class Collator:
     """Collate packed rows (dicts with ``input_ids``, ``loss_mask``, ``seq_offsets``) into a :class:`PackedBatch`.
 
-    Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
     Rows may hold Python lists (what ``datasets`` yields), numpy arrays (what
     :class:`packers.PackedDataset` yields) or CPU tensors. Rows whose ``sides`` and
     ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
@@ -156,51 +155,14 @@ class Collator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if len(rows) == 0:
             raise PackstreamError("Collator got an empty list of rows")
-        ids_parts, mask_parts, len_parts, weight_parts = [], [], [], []
-        weighted = "loss_weights" in rows[0]
-        pairs = _has_pairs(rows[0])
-        span_parts, side_parts = [], []  # spans as batch token offsets; sides with -1 for padding sequences
-        at = 0
+        parts = _Parts(weighted="loss_weights" in rows[0], pairs=_has_pairs(rows[0]))
         for i, row in enumerate(rows):
-            ids = np.asarray(row["input_ids"], dtype=np.int64)
-            mask = np.asarray(row["loss_mask"], dtype=bool)
-            offs = np.asarray(row["seq_offsets"], dtype=np.int64)
-            n = ids.shape[0]
-            if self.validate:
-                _check_row(i, n, mask, offs, self.budget)
-            if _has_pairs(row) != pairs:
-                raise PackstreamError(
-                    f"row 0 {'holds' if pairs else 'holds no'} preference pairs, row {i} {'does not' if pairs else 'does'}; "
-                    "collate rows of one packstream run (pairs or not)"
-                )
-            if pairs:
-                sides = np.asarray(row["sides"], dtype=np.int64)
-                spans = np.asarray(row["completion_spans"], dtype=np.int64).reshape(-1, 2)
-                if self.validate:
-                    _check_pairs(i, offs, sides, spans)
-                span_parts.append(spans + at)
-                side_parts.append(sides)
-            ids_parts.append(ids)
-            mask_parts.append(mask)
-            len_parts.append(np.diff(offs))
-            at += n
-            if weighted:
-                weight_parts.append(_row_weights(i, row, n))
-            if self.fixed_shape and n < self.budget:
-                pad = self.budget - n
-                ids_parts.append(np.full(pad, self.pad_token_id, dtype=np.int64))
-                mask_parts.append(np.zeros(pad, dtype=bool))
-                len_parts.append(np.array([pad], dtype=np.int64))
-                side_parts.append(np.array([-1], dtype=np.int64))
-                at += pad
-                if weighted:
-                    weight_parts.append(np.zeros(pad, dtype=np.float32))
-
-        input_ids = np.concatenate(ids_parts)
+            self._add(parts, i, row)
+        input_ids = np.concatenate(parts.ids)
         if input_ids.shape[0] == 0:
             raise PackstreamError(f"Collator got {len(rows)} rows with no tokens at all")
-        target = np.concatenate(mask_parts)
-        seq_lens = np.concatenate(len_parts)
+        target = np.concatenate(parts.mask)
+        seq_lens = np.concatenate(parts.lens)
         ends = np.cumsum(seq_lens)
         starts = ends - seq_lens
         position_ids = np.arange(input_ids.shape[0], dtype=np.int64) - np.repeat(starts, seq_lens)
@@ -223,20 +185,82 @@ class Collator:
             batch["seq_idx"] = torch.from_numpy(seq_idx)[None]
         if self.disable_cache:
             batch["use_cache"] = False
-        if pairs:
-            spans = np.concatenate(span_parts)
-            edges = np.zeros(input_ids.shape[0] + 1, dtype=np.int64)
-            np.add.at(edges, spans[:, 0], 1)
-            np.add.at(edges, spans[:, 1], -1)
-            batch["completion_mask"] = torch.from_numpy(np.cumsum(edges[:-1]) > 0)[None]
-            sides = np.concatenate(side_parts)
-            chosen = np.flatnonzero(sides == 0)
-            batch["pair_index"] = torch.from_numpy(np.stack([chosen, chosen + 1], axis=1))
-        if weighted:
-            weights = np.concatenate(weight_parts)
+        if parts.pairs:
+            batch.update(_pair_tensors(parts, input_ids.shape[0]))
+        if parts.weighted:
+            weights = np.concatenate(parts.weights)
             weights[labels == IGNORE_INDEX] = 0.0
             batch["loss_weights"] = torch.from_numpy(weights)[None]
         return batch  # type: ignore[return-value]
+
+    def _add(self, parts: _Parts, i: int, row: Mapping[str, Any]) -> None:
+        """Row ``i``'s tokens, mask, sequence lengths (and pair columns, weights), checked, then its padding."""
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = np.asarray(row["loss_mask"], dtype=bool)
+        offs = np.asarray(row["seq_offsets"], dtype=np.int64)
+        n = ids.shape[0]
+        if self.validate:
+            _check_row(i, n, mask, offs, self.budget)
+        if _has_pairs(row) != parts.pairs:
+            raise PackstreamError(
+                f"row 0 {'holds' if parts.pairs else 'holds no'} preference pairs, row {i} "
+                f"{'does not' if parts.pairs else 'does'}; collate rows of one packstream run (pairs or not)"
+            )
+        if parts.pairs:
+            sides = np.asarray(row["sides"], dtype=np.int64)
+            spans = np.asarray(row["completion_spans"], dtype=np.int64).reshape(-1, 2)
+            if self.validate:
+                _check_pairs(i, offs, sides, spans)
+            parts.spans.append(spans + parts.at)
+            parts.sides.append(sides)
+        parts.ids.append(ids)
+        parts.mask.append(mask)
+        parts.lens.append(np.diff(offs))
+        parts.at += n
+        if parts.weighted:
+            parts.weights.append(_row_weights(i, row, n))
+        if self.fixed_shape and n < self.budget:
+            pad = self.budget - n
+            parts.ids.append(np.full(pad, self.pad_token_id, dtype=np.int64))
+            parts.mask.append(np.zeros(pad, dtype=bool))
+            parts.lens.append(np.array([pad], dtype=np.int64))
+            parts.sides.append(np.array([-1], dtype=np.int64))
+            parts.at += pad
+            if parts.weighted:
+                parts.weights.append(np.zeros(pad, dtype=np.float32))
+
+
+@dataclass
+class _Parts:
+    """The batch being built: per row (and per row's padding), its arrays, concatenated at the end."""
+
+    weighted: bool
+    """The rows carry loss_weights (rows from PackedDataset)."""
+    pairs: bool
+    """The rows hold preference pairs."""
+    ids: list[np.ndarray] = field(default_factory=list)
+    mask: list[np.ndarray] = field(default_factory=list)
+    lens: list[np.ndarray] = field(default_factory=list)
+    """Sequence lengths (a padding is a sequence of its own)."""
+    weights: list[np.ndarray] = field(default_factory=list)
+    spans: list[np.ndarray] = field(default_factory=list)
+    """Completion spans as batch token offsets."""
+    sides: list[np.ndarray] = field(default_factory=list)
+    """Each sequence's side, -1 for a padding sequence."""
+    at: int = 0
+    """Tokens so far."""
+
+
+def _pair_tensors(parts: _Parts, total: int) -> dict[str, torch.Tensor]:
+    """``completion_mask`` and ``pair_index`` of a batch of rows of pairs."""
+    spans = np.concatenate(parts.spans)
+    edges = np.zeros(total + 1, dtype=np.int64)
+    np.add.at(edges, spans[:, 0], 1)
+    np.add.at(edges, spans[:, 1], -1)
+    sides = np.concatenate(parts.sides)
+    chosen = np.flatnonzero(sides == 0)
+    return {"completion_mask": torch.from_numpy(np.cumsum(edges[:-1]) > 0)[None],
+            "pair_index": torch.from_numpy(np.stack([chosen, chosen + 1], axis=1))}
 
 
 def _has_pairs(row: Mapping[str, Any]) -> bool:

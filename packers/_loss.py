@@ -1,4 +1,4 @@
-"""The loss of a packed batch as its :class:`packers.PackedDataset` planned it, and per-example eval losses.
+"""The loss of a packed batch as its :class:`packers.PackedDataset` scheduled it, and per-example eval losses.
 
 A packed micro-batch is a slice of an optimizer step that spans ``grad_accum`` micro-batches on each of
 ``world_size`` ranks. The step's loss is ``sum_t w_t * CE_t / D`` over every target token ``t`` of the
@@ -12,7 +12,7 @@ weighting      ``w_t`` (each target token of ex. e)  ``D`` (the whole step, ever
 ``source``     ``loss_weight`` of e's data set       sum of the weights of its target tokens
 =============  ====================================  ==========================================
 
-The loader plans ``D`` before training and puts ``w_t * world_size / D`` in every row's
+The loader computes ``D`` before training and puts ``w_t * world_size / D`` in every row's
 ``loss_weights``, so :func:`loss` needs no communication: each rank backpropagates its micro-batches'
 :func:`loss`, and data parallelism that averages gradients over ranks (DDP, FSDP) gives exactly the
 gradient of the step's loss, as one unpacked batch of all its examples would (tests/test_loss.py).

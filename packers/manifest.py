@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
-from packers.errors import ContractError, PackstreamError
+from packers.errors import ContractError, PackstreamError, is_int, is_weight, short
 from packers.files import MiB, load_json, read_checked, show_path
 from packers.schema import CONTRACT_VERSION
 
@@ -98,7 +98,8 @@ MAX_DEAD_LETTER_BYTES = 64 * MiB
 """The longest line of rejected.jsonl a reader accepts: a dead letter holds its record's id and a
 one-line detail, and a record is at most ``--max-record-bytes`` (16 MiB by default)."""
 _MAX_COUNT = 2**63 - 1
-_FIX = "the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack"
+RESTORE = "restore the folder or re-run packstream pack"  # the fix of every refusal of a damaged or edited folder
+_FIX = f"the manifest was edited or damaged, or not written by packstream: {RESTORE}"
 
 
 SOURCE_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "@": "%40", "#": "%23", "~": "%7E"})
@@ -299,19 +300,20 @@ class _Reader:
 
     def count(self, d: Mapping, key: str, at: str, low: int = 0) -> int:
         v = d.get(key, _MISSING)
-        if not _is_int(v) or not low <= v <= _MAX_COUNT:
+        if not is_int(v) or not low <= v <= _MAX_COUNT:
             raise self.fail(at, v, f"an integer >= {low}")
         return v
 
     def opt_id(self, d: Mapping, key: str, at: str) -> Optional[int]:
         v = d.get(key)
-        if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_COUNT):
+        if v is not None and (not is_int(v) or not 0 <= v <= _MAX_COUNT):
             raise self.fail(at, v, "an integer >= 0 or null")
         return v
 
-    def text(self, d: Mapping, key: str, at: str, pattern: Optional[re.Pattern] = None, what: str = "a string") -> str:
+    def text(self, d: Mapping, key: str, at: str, pattern: Optional[re.Pattern] = None, what: str = "a string",
+             empty: bool = False) -> str:
         v = d.get(key, _MISSING)
-        if not isinstance(v, str) or (pattern is not None and not pattern.match(v)) or (pattern is None and not v):
+        if not isinstance(v, str) or (pattern is not None and not pattern.match(v)) or (pattern is None and not (v or empty)):
             raise self.fail(at, v, what)
         return v
 
@@ -323,7 +325,7 @@ class _Reader:
 
     def number(self, d: Mapping, key: str, at: str) -> float:
         v = d.get(key, _MISSING)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        if not is_weight(v):
             raise self.fail(at, v, "a finite number >= 0")
         return float(v)
 
@@ -333,21 +335,17 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a manifest value can be megabytes long)."""
+    """A manifest value in a message: a JSON object or list by its size (it can be megabytes long), else
+    :func:`packers.errors.short`."""
     if isinstance(value, (dict, list)):
         return f"a JSON {'object' if isinstance(value, dict) else 'list'} ({len(value)} entries)"
-    s = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+    return short(value, limit)
 
 
 def _cut(text: str, limit: int = 500) -> str:
     """Free text (a failed run's error) on one line, at most ``limit`` characters."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -371,7 +369,7 @@ def load_manifest(path: str, where: str, *, opener: Optional[Callable[[str], IO[
     that ``pack --overwrite`` needs to know which files a run wrote (so it can replace the output of an
     older packstream too): names a run writes, never a path or another file."""
     data = read_checked(path, what=MANIFEST, limit=MAX_MANIFEST_BYTES, opener=opener,
-                        fix=f"this is not a {MANIFEST} packstream wrote: restore the folder or re-run packstream pack")
+                        fix=f"this is not a {MANIFEST} packstream wrote: {RESTORE}")
     if files_only:
         return _decode(data, where, files_only=True)
     return parse_manifest(data, where) if consistent else _decode(data, where)
@@ -404,8 +402,27 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
         return Manifest(status=Status.FAILED, error=error or None, files=tuple(files), raw=raw)
     if files_only:
         return Manifest(status=Status.COMPLETE, error=None, files=tuple(files), raw=raw)
+    _check_version_and_run_id(r, raw)
+    # In the order of the keys' checks, so that the first broken key is the one named.
+    shards = _decode_shards(r, raw)
+    checks = _decode_row_checks(r, raw)
+    tokenizer = _decode_tokenizer(r, raw)
+    config = _decode_config(r, raw)
+    counts = _decode_counts(r, raw)
+    inputs = _decode_inputs(r, raw)
+    rejected_file = raw.get("rejected_file", _MISSING)
+    if rejected_file != REJECTED:
+        raise ContractError(f"{r.where}: {MANIFEST} rejected_file is "
+                            f"{'missing' if rejected_file is _MISSING else _short(rejected_file)}, not a plain file "
+                            f"name packstream writes ({REJECTED!r}); not opened. {_FIX[0].upper()}{_FIX[1:]}")
+    return Manifest(status=Status.COMPLETE, error=None, files=tuple(files), run_id=raw["run_id"], shards=shards,
+                    row_checks=checks, tokenizer=tokenizer, counts=counts, config=config, inputs=inputs,
+                    rejected_file=rejected_file, raw=raw)
+
+
+def _check_version_and_run_id(r: _Reader, raw: Mapping[str, Any]) -> None:
     version = raw.get("contract_version", _MISSING)
-    if not _is_int(version) or version != CONTRACT_VERSION:
+    if not is_int(version) or version != CONTRACT_VERSION:
         raise ContractError(
             f"{r.where}: {MANIFEST} contract_version is {'missing' if version is _MISSING else _short(version)}, "
             f"expected {CONTRACT_VERSION}; repack the data or install a matching packstream"
@@ -417,6 +434,9 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
             "hex digits; it was written by a packstream older than the shard cross-check, or edited: re-run "
             "packstream pack"
         )
+
+
+def _decode_shards(r: _Reader, raw: Mapping[str, Any]) -> tuple[ShardEntry, ...]:
     shards = []
     for i, s in enumerate(r.lst(raw, "shards", "shards")):
         at = f"shards[{i}]"
@@ -437,24 +457,38 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
             **{k: r.count(s, k, f"{at}.{k}") for k in ("rows", "examples", "tokens", "target_tokens", "bytes")},
             sha256=r.text(s, "sha256", f"{at}.sha256", _SHA256, "64 hex digits"),
         ))
+    return tuple(shards)
+
+
+def _decode_row_checks(r: _Reader, raw: Mapping[str, Any]) -> RowChecks:
     rc = raw.get("row_checks", _MISSING)
     if not isinstance(rc, dict):
         raise ContractError(
             f"{r.where}: {MANIFEST} has no 'row_checks' object (got {_short(rc) if rc is not _MISSING else 'none'}); "
             "it was written by a packstream older than the output-folder contract: re-run packstream pack"
         )
-    checks = RowChecks(budget=r.count(rc, "budget", "row_checks.budget", low=1),
-                       eos_token_id=r.opt_id(rc, "eos_token_id", "row_checks.eos_token_id"),
-                       **{k: r.flag(rc, k, f"row_checks.{k}")
-                          for k in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets", "pairs")})
+    return RowChecks(budget=r.count(rc, "budget", "row_checks.budget", low=1),
+                     eos_token_id=r.opt_id(rc, "eos_token_id", "row_checks.eos_token_id"),
+                     **{k: r.flag(rc, k, f"row_checks.{k}")
+                        for k in ("eos_at_boundaries", "targets_in_every_sequence", "all_targets", "pairs")})
+
+
+def _decode_tokenizer(r: _Reader, raw: Mapping[str, Any]) -> Tokenizer:
     tok = r.obj(raw, "tokenizer", "tokenizer")
-    tokenizer = Tokenizer(name=r.text(tok, "name", "tokenizer.name"),
-                          vocab_sha256=r.text(tok, "vocab_sha256", "tokenizer.vocab_sha256"),
-                          eos_token_id=r.opt_id(tok, "eos_token_id", "tokenizer.eos_token_id"),
-                          pad_token_id=r.opt_id(tok, "pad_token_id", "tokenizer.pad_token_id"))
+    return Tokenizer(name=r.text(tok, "name", "tokenizer.name"),
+                     vocab_sha256=r.text(tok, "vocab_sha256", "tokenizer.vocab_sha256"),
+                     eos_token_id=r.opt_id(tok, "eos_token_id", "tokenizer.eos_token_id"),
+                     pad_token_id=r.opt_id(tok, "pad_token_id", "tokenizer.pad_token_id"))
+
+
+def _decode_config(r: _Reader, raw: Mapping[str, Any]) -> dict:
     config = r.obj(raw, "config", "config")
     if "max_tokens" in config:
         r.count(config, "max_tokens", "config.max_tokens", low=1)
+    return config
+
+
+def _decode_counts(r: _Reader, raw: Mapping[str, Any]) -> Counts:
     c = r.obj(raw, "counts", "counts")
     by_reason = r.obj(c, "rejected_by_reason", "counts.rejected_by_reason")
     first = r.obj(c, "first_rejected", "counts.first_rejected")
@@ -465,47 +499,42 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
     for reason, v in first.items():
         if not isinstance(v, dict):
             raise r.fail(f"counts.first_rejected.{_short(reason, 40)}", v, "an object")
-    counts = Counts(
+    return Counts(
         **{k: r.count(c, k, f"counts.{k}") for k in COUNT_KEYS},
         fill=r.number(c, "fill", "counts.fill"),
         rejected_by_reason={k: r.count(by_reason, k, f"counts.rejected_by_reason.{_short(k, 40)}") for k in by_reason},
         first_rejected={k: FirstRejected(source=r.text(v, "source", f"counts.first_rejected.{_short(k, 40)}.source"),
                                          position=r.count(v, "position", f"counts.first_rejected.{_short(k, 40)}.position"),
-                                         detail=_text_or_empty(r, v, "detail", f"counts.first_rejected.{_short(k, 40)}.detail"))
+                                         detail=r.text(v, "detail", f"counts.first_rejected.{_short(k, 40)}.detail", empty=True))
                         for k, v in first.items()},
         splits={sp: SplitCounts(rows=r.count(v, "rows", f"counts.splits.{sp}.rows"),
                                 tokens=r.count(v, "tokens", f"counts.splits.{sp}.tokens")) for sp, v in splits.items()},
     )
+
+
+def _decode_inputs(r: _Reader, raw: Mapping[str, Any]) -> tuple[InputEntry, ...]:
     inputs = []
     for i, e in enumerate(r.lst(raw, "inputs", "inputs")):
         if not isinstance(e, dict):
             raise r.fail(f"inputs[{i}]", e, "an object")
         inputs.append(InputEntry(path=r.text(e, "path", f"inputs[{i}].path"),
                                  source=r.text(e, "source", f"inputs[{i}].source")))
-    rejected_file = raw.get("rejected_file", _MISSING)
-    if rejected_file != REJECTED:
-        raise ContractError(f"{r.where}: {MANIFEST} rejected_file is "
-                            f"{'missing' if rejected_file is _MISSING else _short(rejected_file)}, not a plain file "
-                            f"name packstream writes ({REJECTED!r}); not opened. {_FIX[0].upper()}{_FIX[1:]}")
-    return Manifest(status=Status.COMPLETE, error=None, files=tuple(files), run_id=raw["run_id"], shards=tuple(shards),
-                    row_checks=checks, tokenizer=tokenizer, counts=counts, config=config, inputs=tuple(inputs),
-                    rejected_file=rejected_file, raw=raw)
-
-
-def _text_or_empty(r: _Reader, d: Mapping, key: str, at: str) -> str:
-    v = d.get(key, _MISSING)
-    if not isinstance(v, str):
-        raise r.fail(at, v, "a string")
-    return v
+    return tuple(inputs)
 
 
 def inconsistencies(m: Manifest) -> list[tuple[str, str]]:
     """Where the complete manifest ``m`` contradicts itself, as ``(key, what)`` pairs, most basic first
     (a failed run's manifest has nothing to reconcile: ``[]``). Holds by construction for what
     :mod:`pipeline._job` writes; an edit that breaks one of these breaks what readers rely on."""
-    out: list[tuple[str, str]] = []
     if not m.complete:
-        return out
+        return []
+    return [*_shard_problems(m), *_file_problems(m), *_check_problems(m), *_count_problems(m)]
+
+
+def _shard_problems(m: Manifest) -> list[tuple[str, str]]:
+    """Shard entries: listed once, split labels as their names say, each split's ``-of-N`` shards indexed 0..N-1
+    once each, one format, counts that a row can hold."""
+    out: list[tuple[str, str]] = []
     names = [s.name for s in m.shards]
     for n in sorted({n for n in names if names.count(n) > 1}):
         out.append((f"shards ({n})", f"lists {n} {names.count(n)} times; each shard is listed once"))
@@ -534,30 +563,50 @@ def inconsistencies(m: Manifest) -> list[tuple[str, str]]:
             out.append((f"shards ({s.name})", f"rows {s.rows}, examples {s.examples}, tokens {s.tokens}, target_tokens "
                                               f"{s.target_tokens} cannot be (every row holds 1+ examples of 1+ tokens, at "
                                               f"most {budget} per row)"))
+    return out
+
+
+def _file_problems(m: Manifest) -> list[tuple[str, str]]:
+    """``files``: each name once, every listed shard, no shard that ``shards`` does not list, the dead letters."""
+    out: list[tuple[str, str]] = []
     files = list(m.files)
     for f in sorted({f for f in files if files.count(f) > 1}):
         out.append(("files", f"lists {f} {files.count(f)} times"))
-    listed = set(names)
+    listed = {s.name for s in m.shards}
     for n in sorted(listed - set(files)):
         out.append(("files", f"does not list the shard {n}"))
     for f in sorted(f for f in set(files) if SHARD_NAME.match(f) and f not in listed):
         out.append(("files", f"lists {f}, which is not in shards"))
     if m.rejected_file not in files:
         out.append(("files", f"does not list {m.rejected_file}"))
+    return out
+
+
+def _check_problems(m: Manifest) -> list[tuple[str, str]]:
+    """``row_checks`` against the config and the tokenizer."""
+    out: list[tuple[str, str]] = []
+    rc, budget = m.row_checks, m.row_checks.budget
     if m.config.get("max_tokens", budget) != budget:
         out.append(("row_checks.budget", f"is {budget} but config.max_tokens is {m.config['max_tokens']}"))
-    if m.row_checks.eos_at_boundaries and m.row_checks.eos_token_id is None:
+    if rc.eos_at_boundaries and rc.eos_token_id is None:
         out.append(("row_checks.eos_at_boundaries", "is true but row_checks.eos_token_id is null"))
-    if m.row_checks.pairs != bool(m.config.get("pairs", m.row_checks.pairs)):
-        out.append(("row_checks.pairs", f"is {str(m.row_checks.pairs).lower()} but config.pairs is "
+    if rc.pairs != bool(m.config.get("pairs", rc.pairs)):
+        out.append(("row_checks.pairs", f"is {str(rc.pairs).lower()} but config.pairs is "
                                         f"{str(bool(m.config.get('pairs'))).lower()}"))
-    if m.row_checks.pairs and (m.row_checks.all_targets or any(s.examples % 2 for s in m.shards)):
+    if rc.pairs and (rc.all_targets or any(s.examples % 2 for s in m.shards)):
         out.append(("row_checks.pairs", "is true, but a run of pairs trains no prompt token (all_targets) and holds "
                                         "two sequences per pair in every shard"))
-    if m.tokenizer.eos_token_id != m.row_checks.eos_token_id:
-        out.append(("row_checks.eos_token_id", f"is {m.row_checks.eos_token_id!r} but tokenizer.eos_token_id is "
+    if m.tokenizer.eos_token_id != rc.eos_token_id:
+        out.append(("row_checks.eos_token_id", f"is {rc.eos_token_id!r} but tokenizer.eos_token_id is "
                                                f"{m.tokenizer.eos_token_id!r}"))
-    c = m.counts
+    return out
+
+
+def _count_problems(m: Manifest) -> list[tuple[str, str]]:
+    """``counts``: the sums of the shard entries, per split too; records in = records out; the lower bound and
+    the fill the tokens imply."""
+    out: list[tuple[str, str]] = []
+    c, budget = m.counts, m.row_checks.budget
     for key, attr in (("rows", "rows"), ("tokens", "tokens"), ("target_tokens", "target_tokens"), ("pieces", "examples")):
         got = sum(getattr(s, attr) for s in m.shards)
         if getattr(c, key) != got:
@@ -619,7 +668,6 @@ def missing_manifest(where: str, names: Iterable[str]) -> ContractError:
 def is_datasets_cache(name: str) -> bool:
     """``name`` is exactly a cache file ``datasets`` writes beside the shards (see :data:`DATASETS_CACHE`)."""
     return bool(DATASETS_CACHE.match(name))
-
 
 
 def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:

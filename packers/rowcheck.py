@@ -104,109 +104,142 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
     span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; then what the
     manifest says every row of the run satisfies: ``eos_at_boundaries``, ``targets_in_every_sequence``,
     ``all_targets`` (see :mod:`packers.manifest`).
+
+    Each test is one numpy pass over the batch, with ``.any()`` first: a good batch (the common case) pays no
+    search. Batches are small (a few rows), so numpy's per-call overhead is most of the cost: tests of one
+    kind are or-ed into one pass, and the first failing row is then diagnosed with scalars.
     """
-    L, M = b.lengths["input_ids"].astype(np.int64), b.lengths["loss_mask"]
-    O, E = b.lengths["seq_offsets"].astype(np.int64), pc.list_value_length(b.example_ids).to_numpy()
-    ids, mask, offs = b.values["input_ids"], b.values["loss_mask"], b.values["seq_offsets"]
-    budget = checks.budget
-    if not len(L):
+    lengths = b.lengths["input_ids"].astype(np.int64)
+    if not len(lengths):
         return None
-
-    # Each test is one numpy pass over the batch, with `.any()` first: a good batch (the common case) pays no
-    # search. Batches are small (a few rows), so numpy's per-call overhead is most of the cost: tests of one
-    # kind are or-ed into one pass, and the first failing row is then diagnosed with scalars.
-    def first(bad: np.ndarray) -> int:
-        return int(bad.argmax())  # the first True (callers have checked that there is one)
-
-    if (bad := (b.num_tokens != L) | (L > budget) | (M != L) | (O < 1) | (E != O - 1)).any():
-        i = first(bad)
-        n, m, o, e, nt = int(L[i]), int(M[i]), int(O[i]), int(E[i]), int(b.num_tokens[i])
-        if nt != n:
-            return Failure(i, "num_tokens", f"num_tokens is {nt}, input_ids has {n} tokens")
-        if n > budget:
-            return Failure(i, "budget", f"{n} tokens > budget {budget}")
-        if m != n:
-            return Failure(i, "loss_mask_length", f"loss_mask has {m} entries, input_ids has {n}")
-        if o < 1:
-            return Failure(i, "seq_offsets", "seq_offsets is empty; it must start at 0")
-        return Failure(i, "example_ids", f"{e} example_ids for {o - 1} sequences")
-    ends = O.cumsum()  # position in `offs` after each row's offsets
-    starts = ends - O
-    if (bad := (offs[starts] != 0) | (offs[ends - 1] != L)).any():
-        i = first(bad)
-        lo, hi = int(offs[starts[i]]), int(offs[ends[i] - 1])
-        what = f"start at 0, got {lo}" if lo != 0 else f"end at len(input_ids)={int(L[i])}, got {hi}"
-        return Failure(i, "seq_offsets", f"seq_offsets must {what}")
+    if (failure := _check_sizes(b, lengths, checks.budget)) is not None:
+        return failure
+    offsets = b.lengths["seq_offsets"].astype(np.int64)
+    ends = offsets.cumsum()  # position in `offs` after each row's offsets
     # Pairs (offs[j], offs[j + 1]) inside one row: a sequence each. The pair across two rows is not one.
-    inside = np.ones(len(offs) - 1, dtype=bool)
+    inside = np.ones(len(b.values["seq_offsets"]) - 1, dtype=bool)
     inside[ends[:-1] - 1] = False
+    if (failure := _check_offsets(b.values["seq_offsets"], lengths, ends, ends - offsets, inside)) is not None:
+        return failure
+    mask = b.values["loss_mask"]
+    if mask.size and mask.max() > 1:
+        t = _first(mask > 1)
+        i = int(np.searchsorted(lengths.cumsum(), t, side="right"))
+        return Failure(i, "loss_mask_values", f"loss_mask[{t - int(lengths[:i].sum())}] is {int(mask[t])}; only 0 and 1 "
+                                              "are allowed")
+    seqs = _Sequences.of(b.values["seq_offsets"], lengths, offsets - 1, inside)
+    return (_check_pair_columns(b, checks.pairs, seqs) or _check_row_checks(checks, b, seqs)
+            or _check_targets(b, lengths, seqs))
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(bad.argmax())  # the first True (callers have checked that there is one)
+
+
+def _check_sizes(b: Batch, lengths: np.ndarray, budget: int) -> Failure | None:
+    """Each row's lengths: num_tokens, the budget, loss_mask's length, at least one offset, one example id per
+    sequence."""
+    L, M = lengths, b.lengths["loss_mask"]
+    O, E = b.lengths["seq_offsets"].astype(np.int64), pc.list_value_length(b.example_ids).to_numpy()
+    if not (bad := (b.num_tokens != L) | (L > budget) | (M != L) | (O < 1) | (E != O - 1)).any():
+        return None
+    i = _first(bad)
+    n, m, o, e, nt = int(L[i]), int(M[i]), int(O[i]), int(E[i]), int(b.num_tokens[i])
+    if nt != n:
+        return Failure(i, "num_tokens", f"num_tokens is {nt}, input_ids has {n} tokens")
+    if n > budget:
+        return Failure(i, "budget", f"{n} tokens > budget {budget}")
+    if m != n:
+        return Failure(i, "loss_mask_length", f"loss_mask has {m} entries, input_ids has {n}")
+    if o < 1:
+        return Failure(i, "seq_offsets", "seq_offsets is empty; it must start at 0")
+    return Failure(i, "example_ids", f"{e} example_ids for {o - 1} sequences")
+
+
+def _check_offsets(offs: np.ndarray, lengths: np.ndarray, ends: np.ndarray, starts: np.ndarray,
+                   inside: np.ndarray) -> Failure | None:
+    """Each row's seq_offsets (``offs[starts[i]:ends[i]]``) start at 0, end at its length, increase strictly."""
+    if (bad := (offs[starts] != 0) | (offs[ends - 1] != lengths)).any():
+        i = _first(bad)
+        lo, hi = int(offs[starts[i]]), int(offs[ends[i] - 1])
+        what = f"start at 0, got {lo}" if lo != 0 else f"end at len(input_ids)={int(lengths[i])}, got {hi}"
+        return Failure(i, "seq_offsets", f"seq_offsets must {what}")
     if (bad := (offs[1:] <= offs[:-1]) & inside).any():
-        j = first(bad)
+        j = _first(bad)
         i = int(np.searchsorted(ends, j, side="right"))
         k = j - int(starts[i])
         return Failure(i, "seq_offsets", f"seq_offsets must increase strictly: seq_offsets[{k}]={int(offs[j])}, "
                                           f"seq_offsets[{k + 1}]={int(offs[j + 1])}")
-    if mask.size and mask.max() > 1:
-        t = first(mask > 1)
-        i = int(np.searchsorted(L.cumsum(), t, side="right"))
-        return Failure(i, "loss_mask_values", f"loss_mask[{t - int(L[:i].sum())}] is {int(mask[t])}; only 0 and 1 are allowed")
-    # Sequences as [start, end) into the flat token arrays: a row's offsets, shifted by the row's first token.
-    row_base = L.cumsum() - L
-    g = offs + np.repeat(row_base, O)
-    seq_start, seq_end = g[:-1][inside], g[1:][inside]
-    nseq = O - 1
-    seq_row = np.repeat(np.arange(len(L)), nseq)
+    return None
 
-    def at_sequence(j: int, check: str, detail: str) -> Failure:
-        per_row = nseq.cumsum()  # position in the sequence arrays after each row's sequences
-        i = int(np.searchsorted(per_row, j, side="right"))
-        return Failure(i, check, detail, sequence=j - int(per_row[i] - nseq[i]))
 
-    if (failure := _check_pair_columns(b, checks.pairs, nseq, seq_start, seq_end, row_base, ids, mask, at_sequence)):
-        return failure
-    if (failure := _check_row_checks(checks, ids, mask, seq_start, seq_end, at_sequence)):
-        return failure
-    # Last: a moved boundary also changes the count, and the checks above explain it better.
+@dataclass(frozen=True)
+class _Sequences:
+    """The batch's sequences as ``[start, end)`` into its flat token arrays (a row's offsets shifted by the row's
+    first token), ``per_row`` of them in each row, whose first token is ``row_base``."""
+
+    start: np.ndarray
+    end: np.ndarray
+    per_row: np.ndarray
+    row_base: np.ndarray
+
+    @classmethod
+    def of(cls, offs: np.ndarray, lengths: np.ndarray, per_row: np.ndarray, inside: np.ndarray) -> "_Sequences":
+        row_base = lengths.cumsum() - lengths
+        g = offs + np.repeat(row_base, per_row + 1)
+        return cls(g[:-1][inside], g[1:][inside], per_row, row_base)
+
+    def failure(self, j: int, check: str, detail: str) -> Failure:
+        """The failure of the batch's sequence ``j``, as its row and its index in that row."""
+        ends = self.per_row.cumsum()  # position in the sequence arrays after each row's sequences
+        i = int(np.searchsorted(ends, j, side="right"))
+        return Failure(i, check, detail, sequence=j - int(ends[i] - self.per_row[i]))
+
+
+def _check_targets(b: Batch, lengths: np.ndarray, seqs: _Sequences) -> Failure | None:
+    """num_targets: the row's loss_mask ones, less those on a sequence's first token. Last: a moved boundary also
+    changes the count, and the checks before explain it better."""
+    mask = b.values["loss_mask"]
+    seq_row = np.repeat(np.arange(len(lengths)), seqs.per_row)
     cum = np.zeros(mask.size + 1, dtype=np.int64)
     np.cumsum(mask, out=cum[1:])
-    targets = cum[row_base + L] - cum[row_base] - np.bincount(seq_row, weights=mask[seq_start], minlength=len(L)).astype(np.int64)
+    base = seqs.row_base
+    first = np.bincount(seq_row, weights=mask[seqs.start], minlength=len(lengths)).astype(np.int64)
+    targets = cum[base + lengths] - cum[base] - first
     if (bad := b.num_targets != targets).any():
-        i = first(bad)
+        i = _first(bad)
         return Failure(i, "num_targets", f"num_targets is {int(b.num_targets[i])}, the row has {int(targets[i])} targets "
                                           "(loss_mask 1, not on a sequence's first token)")
     return None
 
 
-def _check_row_checks(checks: RowChecks, ids: np.ndarray, mask: np.ndarray, seq_start: np.ndarray, seq_end: np.ndarray,
-                      at_sequence) -> Failure | None:
+def _check_row_checks(checks: RowChecks, b: Batch, seqs: _Sequences) -> Failure | None:
     """What the manifest's ``row_checks`` say every row of the run satisfies."""
     budget = checks.budget
-
-    def first(bad: np.ndarray) -> int:
-        return int(bad.argmax())
-
+    ids, mask = b.values["input_ids"], b.values["loss_mask"]
+    seq_start, seq_end = seqs.start, seqs.end
     if not (checks.eos_at_boundaries or checks.targets_in_every_sequence or checks.all_targets) or not mask.size:
         return None
     if checks.eos_at_boundaries and seq_end.size:
         last = ids[seq_end - 1]
         if (bad := (last != checks.eos_token_id) & (seq_end - seq_start < budget)).any():
-            j = first(bad)
-            return at_sequence(j, "eos_at_boundaries",
-                               f"ends on token {int(last[j])}, not on eos_token_id {checks.eos_token_id}, and is shorter "
-                               f"than the budget {budget}: the example boundaries are not where the run put them "
-                               "(examples would attend to each other)")
+            j = _first(bad)
+            return seqs.failure(j, "eos_at_boundaries",
+                                f"ends on token {int(last[j])}, not on eos_token_id {checks.eos_token_id}, and is shorter "
+                                f"than the budget {budget}: the example boundaries are not where the run put them "
+                                "(examples would attend to each other)")
     # A sequence whose last token is a target has one (the usual case: the answer ends it); only the others
     # are scanned. Sequences tile the batch's tokens (checked above), so reduceat over their starts covers
     # exactly each one; the mask is 0/1 (checked above), so viewing it as bool is exact.
     if checks.targets_in_every_sequence and seq_start.size and (unsure := mask[seq_end - 1] == 0).any():
         if (bad := unsure & ~np.logical_or.reduceat(mask.view(bool), seq_start)).any():
-            return at_sequence(first(bad), "targets_in_every_sequence",
-                               "has no target token (loss_mask all 0), but the run put a target in every sequence")
+            return seqs.failure(_first(bad), "targets_in_every_sequence",
+                                "has no target token (loss_mask all 0), but the run put a target in every sequence")
     if checks.all_targets and not mask.all():
-        t = first(mask == 0)
+        t = _first(mask == 0)
         j = int(np.searchsorted(seq_start, t, side="right")) - 1
-        return at_sequence(j, "all_targets", f"its token {t - int(seq_start[j])} has loss_mask 0, but the run trains "
-                                             "on every token (--train-on all)")
+        return seqs.failure(j, "all_targets", f"its token {t - int(seq_start[j])} has loss_mask 0, but the run trains "
+                                              "on every token (--train-on all)")
     return None
 
 
@@ -216,14 +249,15 @@ def _flat_strings(col: Any) -> pa.Array:
     return flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
 
 
-def _check_pair_columns(b: Batch, pairs: bool, nseq: np.ndarray, seq_start: np.ndarray, seq_end: np.ndarray,
-                        row_base: np.ndarray, ids: np.ndarray, mask: np.ndarray, at_sequence) -> Failure | None:
+def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | None:
     """The pair columns of :func:`check_batch` (see :mod:`packers.schema`); ``pairs``: the run packed pairs."""
+    nseq, seq_start, seq_end = seqs.per_row, seqs.start, seqs.end
+    ids, mask = b.values["input_ids"], b.values["loss_mask"]
     S, P = b.lengths["sides"].astype(np.int64), b.lengths["completion_spans"].astype(np.int64)
     I = pc.list_value_length(b.pair_ids).to_numpy().astype(np.int64)
     want = nseq if pairs else np.zeros_like(nseq)
     if (bad := (S != want) | (P != 2 * want) | (I != want) | ((want % 2) == 1)).any():
-        i = int(bad.argmax())
+        i = _first(bad)
         if not pairs:
             return Failure(i, "pair_columns", f"holds {int(S[i])} sides, {int(I[i])} pair_ids, {int(P[i])} completion_spans, "
                                                "but the run packed no pairs (row_checks.pairs is false): they must be empty")
@@ -234,48 +268,48 @@ def _check_pair_columns(b: Batch, pairs: bool, nseq: np.ndarray, seq_start: np.n
         return None
     sides = b.values["sides"]
     if (bad := sides != np.arange(sides.size) % 2).any():  # every row holds whole pairs: parity is global
-        j = int(bad.argmax())
-        return at_sequence(j, "sides", f"side is {int(sides[j])}, expected {j % 2}: sides alternate chosen (0), "
-                                       "rejected (1), chosen first")
-    spans = b.values["completion_spans"].astype(np.int64).reshape(-1, 2) + np.repeat(row_base, nseq)[:, None]
+        j = _first(bad)
+        return seqs.failure(j, "sides", f"side is {int(sides[j])}, expected {j % 2}: sides alternate chosen (0), "
+                                        "rejected (1), chosen first")
+    spans = b.values["completion_spans"].astype(np.int64).reshape(-1, 2) + np.repeat(seqs.row_base, nseq)[:, None]
     a, z = spans[:, 0], spans[:, 1]
     if (bad := (a <= seq_start) | (z <= a) | (z > seq_end)).any():
-        j = int(bad.argmax())
-        return at_sequence(j, "completion_spans", f"completion span [{int(a[j] - seq_start[j])}, {int(z[j] - seq_start[j])}) "
-                                                  f"(from the sequence's start) must lie in its {int(seq_end[j] - seq_start[j])} "
-                                                  "tokens, after the first, and hold a token")
+        j = _first(bad)
+        return seqs.failure(j, "completion_spans", f"completion span [{int(a[j] - seq_start[j])}, {int(z[j] - seq_start[j])}) "
+                                                   f"(from the sequence's start) must lie in its {int(seq_end[j] - seq_start[j])} "
+                                                   "tokens, after the first, and hold a token")
     edges = np.zeros(mask.size + 1, dtype=np.int64)
     np.add.at(edges, a, 1)
     np.add.at(edges, z, -1)
     if (bad := (np.cumsum(edges[:-1]) > 0) != mask.view(bool)).any():
-        t = int(bad.argmax())
+        t = _first(bad)
         j = int(np.searchsorted(seq_start, t, side="right")) - 1
-        return at_sequence(j, "completion_spans", f"loss_mask[{t - int(seq_start[j])}] is {int(mask[t])}, but in a "
-                                                  "row of pairs loss_mask is 1 exactly on the completion spans")
+        return seqs.failure(j, "completion_spans", f"loss_mask[{t - int(seq_start[j])}] is {int(mask[t])}, but in a "
+                                                   "row of pairs loss_mask is 1 exactly on the completion spans")
     prompt = a - seq_start
     if (bad := prompt[0::2] != prompt[1::2]).any():
-        j = 2 * int(bad.argmax())
-        return at_sequence(j, "pair_prompt", f"the chosen side's prompt has {int(prompt[j])} tokens, the rejected side's "
-                                             f"{int(prompt[j + 1])}; both sides of a pair share one prompt")
+        j = 2 * _first(bad)
+        return seqs.failure(j, "pair_prompt", f"the chosen side's prompt has {int(prompt[j])} tokens, the rejected side's "
+                                              f"{int(prompt[j + 1])}; both sides of a pair share one prompt")
     c_tok, r_tok = _ranges(seq_start[0::2], a[0::2]), _ranges(seq_start[1::2], a[1::2])
     if (bad := ids[c_tok] != ids[r_tok]).any():
-        t = int(bad.argmax())
+        t = _first(bad)
         j = 2 * (int(np.searchsorted(np.cumsum(prompt[0::2]), t, side="right")))
-        return at_sequence(j, "pair_prompt", "the chosen and rejected sides' prompt tokens differ; both sides of a pair "
-                                             "share one prompt")
+        return seqs.failure(j, "pair_prompt", "the chosen and rejected sides' prompt tokens differ; both sides of a pair "
+                                              "share one prompt")
     pids = _flat_strings(b.pair_ids)
     n = len(pids)
     same = pc.equal(pids.take(pa.array(np.arange(0, n, 2))), pids.take(pa.array(np.arange(1, n, 2))))
     if not pc.all(same).as_py():
         j = 2 * int(np.flatnonzero(~same.to_numpy(zero_copy_only=False))[0])
-        return at_sequence(j, "pair_ids", f"a chosen side's pair id {pids[j].as_py()!r} differs from the next (rejected) "
-                                          f"side's {pids[j + 1].as_py()!r}: the sides of a pair are adjacent")
+        return seqs.failure(j, "pair_ids", f"a chosen side's pair id {pids[j].as_py()!r} differs from the next (rejected) "
+                                           f"side's {pids[j + 1].as_py()!r}: the sides of a pair are adjacent")
     suffix = pa.array(np.where(np.arange(n) % 2 == 0, "#chosen", "#rejected"))
     named = pc.equal(pc.binary_join_element_wise(pids, suffix, ""), _flat_strings(b.example_ids))
     if not pc.all(named).as_py():
         j = int(np.flatnonzero(~named.to_numpy(zero_copy_only=False))[0])
-        return at_sequence(j, "pair_ids", f"example id is not its pair id {pids[j].as_py()!r} + "
-                                          f"{'#chosen' if j % 2 == 0 else '#rejected'}")
+        return seqs.failure(j, "pair_ids", f"example id is not its pair id {pids[j].as_py()!r} + "
+                                           f"{'#chosen' if j % 2 == 0 else '#rejected'}")
     return None
 
 

@@ -61,9 +61,9 @@ def _inspect(folder: Path) -> None:
 
 
 def _load(folder: Path) -> None:
-    from packers import PackedDataset
+    from packers import Batching, PackedDataset, Sampling
 
-    ds = PackedDataset(folder, shuffle=False, batch_size=2)
+    ds = PackedDataset(folder, sampling=Sampling(shuffle=False), batching=Batching(batch_size=2))
     next(iter(ds), None)
 
 

@@ -83,7 +83,7 @@ SLOW_CASES = (
     "tests/test_suggestions.py::test_generated_refusals_print_only_fixes_that_work",
     "tests/test_inputs.py::test_fuzz_",
     "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
-    "packers/_attention.py::",
+    "packers/_attention/",
 )
 
 

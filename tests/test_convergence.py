@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from packers import Collator, PackedDataset
+from packers import Batching, Collator, PackedDataset, Sampling
+from tests._models import tiny_model
 from tests._shards import (
     GSM8K,
     compact_vocab,
@@ -47,13 +48,8 @@ N_TRAIN, N_VAL = 1000, 100
 
 
 def tiny_llama(attn: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BUDGET,
-                      attn_implementation=attn, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return tiny_model("llama", attn, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      max_position_embeddings=BUDGET, tie_word_embeddings=True)
 
 
 def train(steps, attn: str):
@@ -107,7 +103,8 @@ def test_packed_matches_padded_with_the_same_examples_per_step(data):
     t0 = time.time()
     collate = Collator()
 
-    ds = PackedDataset(folder, batch_by="examples", batch_size=PER_STEP, seed=0)
+    ds = PackedDataset(folder, sampling=Sampling(seed=0),
+                       batching=Batching(batch_by="examples", batch_size=PER_STEP))
     plan = [ds.micro_batch(s) for s in range(len(ds))]
     packed_model, n_packed = train(([collate([r]) for r in rows] for rows in plan), "sdpa")
     padded_model, n_padded = train(([padded_batch([by_id[i] for r in rows for i in r["example_ids"]])] for rows in plan),
@@ -123,7 +120,7 @@ def test_packed_matches_padded_with_the_same_examples_per_step(data):
     assert abs(v_packed - v_padded) / v_padded < 0.02
 
     # The fewer-steps failure mode: the same rows batched 16 *rows* per step (~3x the examples, 1/3 of the steps).
-    rows16 = PackedDataset(folder, batch_by="rows", batch_size=PER_STEP, seed=0)
+    rows16 = PackedDataset(folder, sampling=Sampling(seed=0), batching=Batching(batch_by="rows", batch_size=PER_STEP))
     rows_model, n_rows = train(([collate([r]) for r in rows] for rows in (rows16.micro_batch(s) for s in range(len(rows16)))), "sdpa")
     v_rows = val_loss(rows_model, val_ex)
     print(f"packed, 16 rows/step ({len(train_ex) / n_rows:.0f} examples/step): {v_rows:.4f} in {n_rows} steps | "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, sequence_logps
 from tests._shards import make_pair_row, random_pairs
-from tests.test_exactness import MODELS, TOL, VOCAB, tiny_model
+from tests._models import MODEL_IDS, MODELS, TOL, VOCAB, tiny_model
 
 # Five pairs in two rows; completions of different lengths; prompts of 1..9 tokens.
 PAIRS = random_pairs(5, seed=11, max_prompt=9, max_completion=12, vocab=VOCAB)
@@ -56,7 +56,7 @@ def dpo_loss(pc, pr, rc, rr) -> torch.Tensor:
     return -F.logsigmoid(BETA * ((pc - rc) - (pr - rr))).mean()
 
 
-@pytest.mark.parametrize("kind,overrides", MODELS, ids=["llama", "qwen2", "mistral", "mistral-window4"])
+@pytest.mark.parametrize("kind,overrides", MODELS, ids=MODEL_IDS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_packed_pair_logps_equal_alone(kind, overrides, attn, mode):
@@ -73,7 +73,7 @@ def test_packed_pair_logps_equal_alone(kind, overrides, attn, mode):
     assert torch.allclose(lp.chosen_mean, want_c / torch.tensor([len(p.chosen) for p in PAIRS]), atol=TOL)
 
 
-@pytest.mark.parametrize("kind,overrides", MODELS, ids=["llama", "qwen2", "mistral", "mistral-window4"])
+@pytest.mark.parametrize("kind,overrides", MODELS, ids=MODEL_IDS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_packed_dpo_loss_and_grads_equal_padded(kind, overrides, attn, mode):

@@ -21,24 +21,8 @@ import torch.nn.functional as F
 
 import packers
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
+from tests._models import MODEL_IDS, MODELS, TOL, VOCAB, cpu_varlen as use_cpu_varlen, tiny_model
 from tests._shards import make_row, random_examples
-
-VOCAB = 97
-TOL = 1e-5
-
-
-def tiny_model(kind: str, attn: str, **overrides) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
-    cfg = cls[0](
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attn, **overrides,
-    )
-    torch.manual_seed(0)
-    return cls[1](cfg)
-
 
 # Four examples in two rows; the 1-token example has no target at all (its only token is a first token).
 EXAMPLES = random_examples(4, seed=7, vocab=VOCAB, min_len=5, max_len=14)
@@ -80,10 +64,7 @@ def packed_vs_alone(model, batch):
     return d_logits, d_loss, d_grad
 
 
-MODELS = [("llama", {}), ("qwen2", {}), ("mistral", {}), ("mistral", {"sliding_window": 4})]
-
-
-@pytest.mark.parametrize("kind,overrides", MODELS, ids=["llama", "qwen2", "mistral", "mistral-window4"])
+@pytest.mark.parametrize("kind,overrides", MODELS, ids=MODEL_IDS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_packed_equals_alone(kind, overrides, attn, mode):
@@ -221,38 +202,12 @@ def test_gradient_accumulation_matches_one_padded_batch(attn):
 # -- the torch varlen backend, against a CPU reference of varlen_attn ------------------------------
 
 
-def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """What torch.nn.attention.varlen.varlen_attn computes, on any device: per-sequence attention."""
-    assert isinstance(window_size, tuple)  # varlen_attn compares it to the tuple (-1, 0)
-    if enable_gqa:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = torch.empty_like(q)
-    left, right = window_size
-    for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None, :]
-        allowed = torch.ones(b - a, b - a, dtype=torch.bool)
-        if left >= 0:
-            allowed &= j >= i - left
-        if right >= 0:
-            allowed &= j <= i + right
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
-        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale).transpose(0, 1)
-    return out
-
-
 @pytest.fixture
 def cpu_varlen(monkeypatch):
-    from packers import _attention
-
-    monkeypatch.setattr(_attention, "_varlen_kernel", lambda: reference_varlen_attn)
-    monkeypatch.setattr(_attention, "_VARLEN_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(_attention, "_VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    return register_varlen_attention()
+    return use_cpu_varlen(monkeypatch)
 
 
-@pytest.mark.parametrize("kind,overrides", MODELS, ids=["llama", "qwen2", "mistral", "mistral-window4"])
+@pytest.mark.parametrize("kind,overrides", MODELS, ids=MODEL_IDS)
 def test_varlen_backend_plumbing(cpu_varlen, kind, overrides):
     model = tiny_model(kind, cpu_varlen, **overrides).train()
     batch = Collator()(ROWS)

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from packers import ContractError, PackedDataset, PackstreamError
+from packers import ContractError, PackedDataset, PackstreamError, Sampling
 from pipeline import PackOptions, run
 from pipeline._tools.verify import verify
 from pipeline.cli import bundled_sample, main
@@ -98,7 +98,7 @@ def reshape(folder: Path, renames: dict[str, str | None], copies: dict[str, str]
 
 
 def served(folder: Path, split: str = "train") -> list[tuple]:
-    return [tuple(r["example_ids"]) for r in PackedDataset(folder, split=split, shuffle=False).rows]
+    return [tuple(r["example_ids"]) for r in PackedDataset(folder, split=split, sampling=Sampling(shuffle=False)).rows]
 
 
 # -- cause 5: the loader opened folders whose manifest was edited ----------------------------------------------

@@ -22,19 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from packers import (
-    Collator,
-    PackstreamError,
-    _attention,
-    check_packing_safe,
-    install_packing_guard,
-    register_varlen_attention,
-)
+from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
+from packers._attention._guard import GUARD
+from packers._attention._probe import layout
+from packers._attention._varlen import VARLEN
+from tests._models import TOL, VOCAB, max_diff, tiny_model, tiny_opt
 from tests._shards import make_row, random_examples
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 97
-TOL = 1e-5
 EXAMPLES = random_examples(4, seed=3, vocab=VOCAB, min_len=5, max_len=14)
 ROWS = [make_row(EXAMPLES[:2]), make_row(EXAMPLES[2:])]
 
@@ -49,31 +44,11 @@ def load_matrix():
 
 
 def llama(attn: str = "sdpa", **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, **overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+    return tiny_model("llama", attn, **overrides)
 
 
 def gpt_oss(attn: str = "eager"):
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                       max_position_embeddings=128)
-    torch.manual_seed(0)
-    return GptOssForCausalLM._from_config(cfg, attn_implementation=attn)
-
-
-def max_diff(model, batch) -> float:
-    """Max abs logit diff between the packed batch and each example alone (no_grad)."""
-    with torch.no_grad():
-        logits = model(**batch).logits[0]
-        cu = batch["cu_seq_lens_q"].tolist()
-        return max((model(input_ids=batch["input_ids"][:, a:b]).logits[0] - logits[a:b]).abs().max().item()
-                   for a, b in zip(cu, cu[1:]))
+    return tiny_model("gpt_oss", attn)
 
 
 # -- models made to leak ------------------------------------------------------------------------------
@@ -171,13 +146,8 @@ def test_gpt_oss_leaks_without_the_guard_and_not_with_it(attn):
 
 
 def test_opt_leaks_without_the_guard_and_not_with_it():
-    from transformers import OPTConfig, OPTForCausalLM
-
-    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                    word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0)
     for attn in ("eager", "sdpa"):
-        torch.manual_seed(0)
-        model = OPTForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+        model = tiny_opt(attn, dropout=0.0).eval()
         batch = Collator()(ROWS)
         assert max_diff(model, batch) > 1e-2
         with install_packing_guard(model):
@@ -234,7 +204,7 @@ def test_probe_leaves_no_trace():
     assert [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")] == dropouts
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers))
     assert all(torch.equal(a, b) and a.grad is None for a, b in zip(model.parameters(), params))
-    assert not getattr(_attention._LOCAL, "probing", False)
+    assert not GUARD.probing
 
 
 def test_probe_restores_running_stats():
@@ -292,7 +262,7 @@ def test_probe_runs_once_per_model_state():
 def test_probe_cost_on_a_tiny_model():
     """The documented cost: one forward of 12 packed tokens and two of 5 and 7 alone, tens of ms here."""
     model = llama("sdpa").train()
-    verdict = _attention._probe(model, model, _attention._layout(Collator()(ROWS)))
+    verdict = GUARD.probe(model, model, layout(Collator()(ROWS)))
     assert verdict.error is None and not verdict.fix and verdict.diff < 1e-6
     assert verdict.seconds < 2.0, verdict  # ~0.01-0.03 s on 2 CPU cores
 
@@ -358,7 +328,7 @@ def test_varlen_set_on_a_model_that_never_calls_it_is_refused(monkeypatch):
     from transformers import FalconForCausalLM
 
     name = register_varlen_attention()
-    monkeypatch.setattr(_attention, "_VARLEN_DEVICES", ("cuda", "cpu"))  # so that a call would not raise on CPU
+    monkeypatch.setattr(VARLEN, "devices", ("cuda", "cpu"))  # so that a call would not raise on CPU
     torch.manual_seed(0)
     model = FalconForCausalLM(falcon_config("sdpa")).eval()
     model.config._attn_implementation = name

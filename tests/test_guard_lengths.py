@@ -1,7 +1,7 @@
 """The guard at the lengths a config makes special (issue 18).
 
 * A backend that keeps packed examples apart up to N tokens and leaks above them passes a probe of 12
-  tokens; the guard now probes a row crossing each length the config names (sliding window, attention
+  tokens; the guard probes a row crossing each length the config names (sliding window, attention
   chunk, rope original length, ...) and refuses it, for N at each of these boundaries.
 * Ropes whose frequencies follow the longest sequence of the batch (``dynamic``, ``longrope``) are exact
   while every sequence stays below the original length, and refused above it, under every backend.
@@ -15,45 +15,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packers import Collator, PackstreamError, _attention, check_packing_safe, install_packing_guard
+from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard
+from packers._attention import cached_verdict
+from packers._attention._probe import batch_rope, layout, run_probe, special_lengths
+from tests._models import TOL, VOCAB, cpu_varlen as use_cpu_varlen, max_diff, tiny_model, tiny_opt
 from tests._shards import Example, make_row
 
-VOCAB = 97
-TOL = 1e-5
 N = 16  # the special length under test: longer than the short probe's 7 tokens, so that probe cannot see it
 
 
-def build(cls_config, cls_model, attn, **kw):
-    kw = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **kw}
-    cfg = cls_config(**kw)
-    torch.manual_seed(0)
-    return cls_model._from_config(cfg, attn_implementation=attn)
-
-
 def llama(attn, **kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return build(LlamaConfig, LlamaForCausalLM, attn, **kw)
+    return tiny_model("llama", attn, **{"max_position_embeddings": 64, **kw})
 
 
 def mistral(attn, **kw):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    return build(MistralConfig, MistralForCausalLM, attn, **kw)
+    return tiny_model("mistral", attn, **{"max_position_embeddings": 64, **kw})
 
 
 def llama4(attn, **kw):
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    return build(Llama4TextConfig, Llama4ForCausalLM, attn, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
-                 **kw)
+    return tiny_model("llama4", attn, **{"max_position_embeddings": 64, **kw})
 
 
 def phi3(attn, **kw):
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    return build(Phi3Config, Phi3ForCausalLM, attn, pad_token_id=0, **kw)
+    return tiny_model("phi3", attn, **{"max_position_embeddings": 64, **kw})
 
 
 def rows_of(lengths: list[list[int]], seed: int = 0) -> list[dict]:
@@ -61,17 +45,6 @@ def rows_of(lengths: list[list[int]], seed: int = 0) -> list[dict]:
     exs = [[Example(f"x{i}{j}", torch.randint(3, VOCAB, (n,), generator=g).tolist(), [1] * n) for j, n in enumerate(row)]
            for i, row in enumerate(lengths)]
     return [make_row(r) for r in exs]
-
-
-def max_diff(model, batch, relative: bool = False) -> float:
-    """Max abs logit diff, packed batch vs each sequence alone (no_grad), computed without the guard; with
-    ``relative``, over the largest logit (the guard's measure: tiny random models have logits of ~1e-2)."""
-    with torch.no_grad():
-        logits = model(**batch).logits[0]
-        cu = batch["cu_seq_lens_q"].tolist()
-        diff = max((model(input_ids=batch["input_ids"][:, a:b]).logits[0] - logits[a:b]).abs().max().item()
-                   for a, b in zip(cu, cu[1:]))
-        return diff / logits.abs().max().item() if relative else diff
 
 
 # -- a backend that leaks only above N tokens ------------------------------------------------------------------
@@ -107,9 +80,9 @@ BOUNDARIES = {
 def test_a_backend_leaking_above_a_special_length_is_refused(boundary):
     make, config, key = BOUNDARIES[boundary]
     model = make(leaky_above(N), **config).train()
-    layout = _attention._layout(Collator()(rows_of([[5, 7]])))
-    # The short probe alone (all the guard ran before issue 18) finds nothing: 12 tokens never leave the mask.
-    diff, tol, error = _attention._run_probe(model, model, layout, fix=False)
+    short = layout(Collator()(rows_of([[5, 7]])))
+    # The short probe alone finds nothing: 12 tokens never leave the mask.
+    diff, tol, error = run_probe(model, model, short, fix=False)
     assert error is None and diff <= tol
     long_rows = Collator()(rows_of([[9, N + 4], [6]]))
     assert max_diff(model, long_rows) > 1e-2  # and the backend does leak, on rows longer than N
@@ -129,7 +102,7 @@ def test_windows_chunks_and_static_ropes_stay_exact_across_their_lengths(boundar
     install_packing_guard(model)
     batch = Collator()(rows_of([[9, N + 4], [6, N + 1]]))
     check_packing_safe(model, batch)
-    verdict = _attention.cached_verdict(model, batch)
+    verdict = cached_verdict(model, batch)
     assert (5, N + 2) in verdict.probes
     assert max_diff(model, batch) <= TOL
 
@@ -156,13 +129,8 @@ ROPES = {"dynamic": dynamic_llama, "longrope": longrope_phi3}
 
 @pytest.fixture
 def cpu_varlen(monkeypatch):
-    """packstream_varlen with a CPU reference kernel (tests/test_exactness.py), so that every backend runs here."""
-    from tests.test_exactness import reference_varlen_attn
-
-    monkeypatch.setattr(_attention, "_varlen_kernel", lambda: reference_varlen_attn)
-    monkeypatch.setattr(_attention, "_VARLEN_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(_attention, "_VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    return _attention.register_varlen_attention()
+    """packstream_varlen with a CPU reference kernel, so that every backend runs here."""
+    return use_cpu_varlen(monkeypatch)
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
@@ -204,11 +172,7 @@ def test_flex_attention_on_cpu_is_refused():
     passed, then the 40-token batch came out wrong. torch's compiled CPU flex kernel gives wrong attention for some
     lengths with no packing at all (bench/compat_matrix.py's tiny models, head dim 8), differently in each process,
     so the guard refuses it on CPU instead of vouching for lengths it did not run."""
-    from transformers import OPTConfig, OPTForCausalLM
-
-    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                    word_embed_proj_dim=32, max_position_embeddings=128)
-    model = OPTForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
+    model = tiny_opt("flex_attention").eval()
     install_packing_guard(model)
     with pytest.raises(PackstreamError, match="flex_attention' on CPU.*use attn_implementation='sdpa' or 'eager'"):
         model(**Collator()(rows_of([[9, 1, 13], [6, 11]])))
@@ -253,13 +217,13 @@ def test_switching_modes_does_not_probe_again():
 def test_special_lengths_come_from_the_config():
     """What the probe crosses: the config's windows, chunks and rope original lengths, within max positions."""
     model = mistral("sdpa", sliding_window=N)
-    assert _attention._special_lengths(model, None) == {N: "sliding_window"}
+    assert special_lengths(model, None) == {N: "sliding_window"}
     model = llama("sdpa", rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": 40})
-    assert _attention._special_lengths(model, None) == {40: "rope_parameters.original_max_position_embeddings"}
+    assert special_lengths(model, None) == {40: "rope_parameters.original_max_position_embeddings"}
     model = mistral("sdpa", sliding_window=4096)  # longer than its 64 positions: no sequence can cross it
-    assert _attention._special_lengths(model, None) == {}
-    assert _attention._batch_rope(dynamic_llama("sdpa")) == (LIMIT, "dynamic")
-    assert _attention._batch_rope(longrope_phi3("sdpa")) == (LIMIT, "longrope")
-    assert _attention._batch_rope(model) is None
+    assert special_lengths(model, None) == {}
+    assert batch_rope(dynamic_llama("sdpa")) == (LIMIT, "dynamic")
+    assert batch_rope(longrope_phi3("sdpa")) == (LIMIT, "longrope")
+    assert batch_rope(model) is None

@@ -27,10 +27,10 @@ LAYERS = {
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
                "pipeline._exit", "pipeline._report"},
-    "core": {"packers._pack", "packers._stats", "packers.schema", "packers.errors", "packers.manifest", "packers.files",
-             "packers.rowcheck", "packers"},
-    "loader": {"packers._collate", "packers._loader", "packers._attention", "packers._logps", "packers._plan",
-               "packers._loss"},
+    "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
+             "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers"},
+    "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
+               "packers._logps", "packers._loss"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "workers", "stages", "core", "loader"},

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from packers import BatchBy, Collator, ContractError, PackedDataset, PackstreamError
+from packers import Batching, BatchBy, Collator, ContractError, PackedDataset, PackstreamError, Sampling, Sharding
 from tests._shards import pack_first_fit, random_examples, write_manifest, write_shards
 
 BUDGET = 64
@@ -31,7 +31,7 @@ def ids_of(batch):
 
 def test_round_trip_zero_copy(shards):
     folder, rows = shards
-    ds = PackedDataset(folder, shuffle=False)
+    ds = PackedDataset(folder, sampling=Sampling(shuffle=False))
     assert len(ds.rows) == len(rows) and ds.budget == BUDGET and ds.metadata["pad_token_id"] == 0
     assert ds.rows[:] == {k: [r[k] for r in rows] for k in rows[0]}  # map-style, shards in name order
     assert sorted(f["filename"] for f in ds.rows.cache_files) == sorted(str(p) for p in folder.glob("*.arrow"))
@@ -66,7 +66,7 @@ def test_fsspec_path(shards, tmp_path):
     fs = fsspec.filesystem("memory")
     for p in folder.iterdir():  # the whole output folder, manifest.json included
         fs.pipe(f"/remote-run/{p.name}", p.read_bytes())
-    ds = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), shuffle=False)
+    ds = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), sampling=Sampling(shuffle=False))
     assert ds.rows["example_ids"] == [r["example_ids"] for r in rows]
     assert all(f["filename"].startswith(str(tmp_path)) for f in ds.rows.cache_files)  # copied once, then mapped
     again = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), verify=True)  # the cached copies
@@ -84,7 +84,8 @@ def test_fsspec_path(shards, tmp_path):
     with pytest.raises(ContractError, match=rf"remote-run/{name}: sha256 of the copy"):
         PackedDataset("memory://remote-run", cache_dir=str(tmp_path / "fresh"))
     # The copy cached earlier has the manifest's sha256 (recorded beside it when it was checked): read that.
-    assert PackedDataset("memory://remote-run", cache_dir=str(tmp_path), shuffle=False).rows[:] == ds.rows[:]
+    same = PackedDataset("memory://remote-run", cache_dir=str(tmp_path), sampling=Sampling(shuffle=False))
+    assert same.rows[:] == ds.rows[:]
     fs.rm("/remote-run/manifest.json")
     with pytest.raises(ContractError, match="memory:///remote-run: shard files but no manifest.json"):
         PackedDataset("memory://remote-run", cache_dir=str(tmp_path))
@@ -131,16 +132,17 @@ def test_bad_paths_are_refused(shards, tmp_path):
     with pytest.raises(ContractError, match="lists no 'validation' shards; it lists \\['train'\\] shards"):
         PackedDataset(folder, split="validation")
     with pytest.raises(PackstreamError, match="batch_by"):
-        PackedDataset(folder, batch_by="bytes")
+        PackedDataset(folder, batching=Batching(batch_by="bytes"))
     with pytest.raises(PackstreamError, match="rank=2"):
-        PackedDataset(folder, rank=2, world_size=2)
+        PackedDataset(folder, sharding=Sharding(rank=2, world_size=2))
     with pytest.raises(PackstreamError, match="tokens < row budget"):
-        PackedDataset(folder, batch_by="tokens", batch_size=10)
+        PackedDataset(folder, batching=Batching(batch_by="tokens", batch_size=10))
 
 
 def test_shard_files_and_splits(shards, tmp_path):
     folder, rows = shards
-    ds = PackedDataset([folder / "train-00002-of-00003.arrow", folder / "train-00000-of-00003.arrow"], shuffle=False)
+    ds = PackedDataset([folder / "train-00002-of-00003.arrow", folder / "train-00000-of-00003.arrow"],
+                       sampling=Sampling(shuffle=False))
     assert ds.shards == ("train-00000-of-00003.arrow", "train-00002-of-00003.arrow")  # the run's order
     n0 = len(PackedDataset(folder / "train-00000-of-00003.arrow").rows)
     assert ds.rows["example_ids"][n0:] == [r["example_ids"] for r in rows[-(len(ds.rows) - n0):]]
@@ -148,7 +150,8 @@ def test_shard_files_and_splits(shards, tmp_path):
     both = tmp_path / "both"
     write_shards(both, rows[:30], budget=BUDGET, num_shards=2)
     write_shards(both, rows[30:40], budget=BUDGET, split="validation")  # the manifest lists both splits
-    train, val = PackedDataset(both, shuffle=False), PackedDataset(both, split="validation", shuffle=False)
+    in_order = Sampling(shuffle=False)
+    train, val = PackedDataset(both, sampling=in_order), PackedDataset(both, split="validation", sampling=in_order)
     assert (len(train.rows), len(val.rows)) == (30, 10) and val.shards == ("validation-00000-of-00001.arrow",)
     assert val.rows["example_ids"] == [r["example_ids"] for r in rows[30:40]]
     with pytest.raises(PackstreamError, match="a 'validation' shard.*pass split='validation'"):
@@ -157,15 +160,16 @@ def test_shard_files_and_splits(shards, tmp_path):
 
 def test_epochs_are_seeded_permutations(shards):
     folder, rows = shards
-    ds = PackedDataset(folder, batch_size=4, seed=11)
+    ds = PackedDataset(folder, sampling=Sampling(seed=11), batching=Batching(batch_size=4))
     epochs = [[r for b in ds for r in ids_of(b)] for _ in range(2)]  # the second loop rolls over to epoch 1
     assert ds.epoch == 1
     assert all(sorted(e) == sorted(tuple(r["example_ids"]) for r in rows) for e in epochs)  # each row once
     assert epochs[0] != epochs[1]
-    again = PackedDataset(folder, batch_size=4, seed=11)
+    again = PackedDataset(folder, sampling=Sampling(seed=11), batching=Batching(batch_size=4))
     assert [r for b in again for r in ids_of(b)] == epochs[0]
-    assert [r for b in PackedDataset(folder, batch_size=4, seed=12) for r in ids_of(b)] != epochs[0]
-    unshuffled = PackedDataset(folder, batch_size=4, shuffle=False)
+    other_seed = PackedDataset(folder, sampling=Sampling(seed=12), batching=Batching(batch_size=4))
+    assert [r for b in other_seed for r in ids_of(b)] != epochs[0]
+    unshuffled = PackedDataset(folder, sampling=Sampling(shuffle=False), batching=Batching(batch_size=4))
     assert [r for b in unshuffled for r in ids_of(b)] == [tuple(r["example_ids"]) for r in rows]
 
 
@@ -173,7 +177,8 @@ def test_epochs_are_seeded_permutations(shards):
 @pytest.mark.parametrize("balance", ["compute", "none"])
 def test_two_ranks_disjoint_same_steps_every_example_once(shards, by, size, balance):
     folder, rows = shards
-    ranks = [PackedDataset(folder, batch_by=by, batch_size=size, rank=r, world_size=2, balance=balance, seed=3)
+    ranks = [PackedDataset(folder, sampling=Sampling(seed=3), sharding=Sharding(rank=r, world_size=2),
+                           batching=Batching(batch_by=by, batch_size=size, balance=balance))
              for r in range(2)]
     batches = [list(ds) for ds in ranks]
     assert len(ranks[0]) == len(ranks[1]) == len(batches[0]) == len(batches[1]) > 0  # len() was exact
@@ -183,11 +188,12 @@ def test_two_ranks_disjoint_same_steps_every_example_once(shards, by, size, bala
 
 def test_examples_per_step_track_the_target(shards):
     folder, _ = shards
-    ds = PackedDataset(folder, batch_by=BatchBy.EXAMPLES, batch_size=12, world_size=1)
-    per_step = [int(ds.num_examples[b].sum()) for b in ds.plan()]
+    ds = PackedDataset(folder, sharding=Sharding(world_size=1),
+                       batching=Batching(batch_by=BatchBy.EXAMPLES, batch_size=12))
+    per_step = [int(ds.num_examples[b].sum()) for b in ds.schedule()]
     assert abs(np.mean(per_step[:-1]) - 12) < 1.0
-    tokens = PackedDataset(folder, batch_by="tokens", batch_size=200)
-    assert all(int(tokens.num_tokens[b].sum()) <= 200 for b in tokens.plan())
+    tokens = PackedDataset(folder, batching=Batching(batch_by="tokens", batch_size=200))
+    assert all(int(tokens.num_tokens[b].sum()) <= 200 for b in tokens.schedule())
 
 
 def run(ds, n):
@@ -201,7 +207,8 @@ def run(ds, n):
 @pytest.mark.parametrize("by,size", [("rows", 4), ("examples", 10)])
 def test_resume_gives_the_same_next_batches(shards, by, size):
     folder, _ = shards
-    make = lambda: PackedDataset(folder, batch_by=by, batch_size=size, rank=1, world_size=2, seed=9)
+    make = lambda: PackedDataset(folder, sampling=Sampling(seed=9), sharding=Sharding(rank=1, world_size=2),
+                                 batching=Batching(batch_by=by, batch_size=size))
     steps = len(make())
     uninterrupted = run(make(), 2 * steps)  # two epochs
     for k in (0, 3, steps - 1, steps, steps + 2):  # stop after k batches, in either epoch or at the boundary
@@ -214,7 +221,7 @@ def test_resume_gives_the_same_next_batches(shards, by, size):
 
 def test_set_epoch_keeps_a_resumed_position(shards):
     folder, _ = shards
-    ds = PackedDataset(folder, batch_size=4)
+    ds = PackedDataset(folder, batching=Batching(batch_size=4))
     ds.load_state_dict({**ds.state_dict(), "epoch": 2, "position": 5})
     ds.set_epoch(2)  # a training loop calling set_epoch(epoch) after resuming
     assert (ds.epoch, ds.position) == (2, 5)
@@ -226,7 +233,7 @@ def test_set_epoch_keeps_a_resumed_position(shards):
 def test_resume_at_an_epoch_end_in_a_set_epoch_loop(shards, workers):
     """State saved right after an epoch's last batch; a loop that calls set_epoch(e) trains the same epochs."""
     folder, _ = shards
-    make = lambda: PackedDataset(folder, batch_size=8, seed=1)
+    make = lambda: PackedDataset(folder, sampling=Sampling(seed=1), batching=Batching(batch_size=8))
 
     def train(ds, epochs, stop_after=None):
         seen = []
@@ -250,14 +257,14 @@ def test_resume_at_an_epoch_end_in_a_set_epoch_loop(shards, workers):
 
 def test_state_from_another_setup_is_refused(shards):
     folder, _ = shards
-    state = PackedDataset(folder, batch_size=4, world_size=2).state_dict()
+    state = PackedDataset(folder, sharding=Sharding(world_size=2), batching=Batching(batch_size=4)).state_dict()
     with pytest.raises(PackstreamError, match="world_size"):
-        PackedDataset(folder, batch_size=4, world_size=4).load_state_dict(state)
+        PackedDataset(folder, sharding=Sharding(world_size=4), batching=Batching(batch_size=4)).load_state_dict(state)
 
 
 def test_dataloader_workers_keep_order_and_position(shards):
     folder, _ = shards
-    make = lambda: PackedDataset(folder, batch_size=3, seed=4)
+    make = lambda: PackedDataset(folder, sampling=Sampling(seed=4), batching=Batching(batch_size=3))
     collate = Collator()
     plain = [collate(b)["input_ids"] for b in make()]
     ds = make()
@@ -280,7 +287,7 @@ def test_dataloader_workers_keep_order_and_position(shards):
 
 def test_plain_dataloader_with_workers_is_refused(shards):
     folder, _ = shards
-    ds = PackedDataset(folder, batch_size=3)
+    ds = PackedDataset(folder, batching=Batching(batch_size=3))
     assert len(list(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=Collator()))) == len(ds)
     with pytest.raises(PackstreamError, match="ds.dataloader"):
         list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, collate_fn=Collator()))

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from packers import ContractError, PackedDataset, PackstreamError
+from packers import Batching, ContractError, PackedDataset, PackstreamError, Sampling
 from packers.rowcheck import Batch, gather, check_batch
 from packers.manifest import RowChecks
 from tests._shards import Example, pack_first_fit, recount, write_manifest, write_shards
@@ -103,8 +103,8 @@ def reseal(folder: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
-def read_everything(folder: Path, **kwargs) -> None:
-    ds = PackedDataset(folder, batch_size=4, **kwargs)
+def read_everything(folder: Path) -> None:
+    ds = PackedDataset(folder, batching=Batching(batch_size=4))
     for _ in ds:  # one epoch, as training reads it
         pass
 
@@ -181,7 +181,7 @@ def test_each_row_check_names_shard_row_and_check(run, edit, check):
 
     rewrite(run / SHARD, apply)
     reseal(run)  # sizes, sha256 and counts agree: the row itself is what is wrong
-    ds = PackedDataset(run, shuffle=False, verify=True)
+    ds = PackedDataset(run, verify=True, sampling=Sampling(shuffle=False))
     with pytest.raises(ContractError, match=rf"out/{SHARD} row 6\b.*: check {check} failed"):
         ds.check_rows()
 
@@ -422,7 +422,7 @@ def test_nulls_are_refused_by_row(run):
     rewrite(run / SHARD, lambda rows: rows[7]["input_ids"].__setitem__(3, None))
     reseal(run)
     with pytest.raises(ContractError, match=rf"out/{SHARD} row 7: check nulls failed: input_ids holds a null value"):
-        PackedDataset(run, shuffle=False).check_rows()
+        PackedDataset(run, sampling=Sampling(shuffle=False)).check_rows()
     def swap(rows):
         rows[7]["input_ids"][3] = 5
         rows[5]["example_ids"] = None
@@ -430,7 +430,7 @@ def test_nulls_are_refused_by_row(run):
     rewrite(run / SHARD, swap)
     reseal(run)
     with pytest.raises(ContractError, match=rf"out/{SHARD} row 5: check nulls failed: example_ids is null"):
-        PackedDataset(run, shuffle=False).check_rows()
+        PackedDataset(run, sampling=Sampling(shuffle=False)).check_rows()
 
 
 def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
@@ -447,7 +447,7 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
             data[int(rng.integers(0, len(data)))] ^= int(rng.integers(1, 256))
         (base / SHARD).write_bytes(bytes(data))
         try:
-            PackedDataset(base, shuffle=False).check_rows()
+            PackedDataset(base, sampling=Sampling(shuffle=False)).check_rows()
         except PackstreamError as e:
             assert SHARD in str(e), e
             refused += 1
@@ -462,7 +462,7 @@ def test_random_byte_damage_never_ends_in_a_stray_exception(tmp_path):
 def test_a_state_resumes_only_its_own_data(run, tmp_path):
     """A state saved on one folder must not resume another with the same row count: the batches would be the
     same indices of other rows. The state carries the run id, the split and a digest of the shards opened."""
-    ds = PackedDataset(run, batch_size=4, seed=3)
+    ds = PackedDataset(run, sampling=Sampling(seed=3), batching=Batching(batch_size=4))
     next(iter(ds))
     state = ds.state_dict()
     assert state["run_id"] == ds.manifest.run_id and state["split"] == "train" and len(state["data_sha256"]) == 64
@@ -470,14 +470,15 @@ def test_a_state_resumes_only_its_own_data(run, tmp_path):
     rows = make_run(run.parent / "scratch", seed=0)
     other = [{**r, "example_ids": [f"other:{i}:{k}" for k in range(len(r["example_ids"]))]} for i, r in enumerate(rows)]
     write_shards(twin, other, budget=BUDGET, num_shards=3, eos_token_id=EOS)
-    theirs = PackedDataset(twin, batch_size=4, seed=3)
+    theirs = PackedDataset(twin, sampling=Sampling(seed=3), batching=Batching(batch_size=4))
     assert len(theirs.rows) == len(ds.rows)  # what the old check compared, and all it compared
     with pytest.raises(PackstreamError, match=r"cannot resume: the state was saved over other data \(saved vs current: run_id '[0-9a-f]{16}' vs "):
         theirs.load_state_dict(state)
-    one = PackedDataset(run / "train-00000-of-00003.arrow", batch_size=4, seed=3)
+    one = PackedDataset(run / "train-00000-of-00003.arrow", sampling=Sampling(seed=3),
+                        batching=Batching(batch_size=4))
     with pytest.raises(PackstreamError, match=r"saved over other data \(saved vs current: data_sha256 '[0-9a-f]{16}"):
         one.load_state_dict({**state, "num_rows": len(one.rows)})  # fewer shards of the same run
-    fresh = PackedDataset(run, batch_size=4, seed=3)
+    fresh = PackedDataset(run, sampling=Sampling(seed=3), batching=Batching(batch_size=4))
     fresh.load_state_dict(state)
     assert (fresh.epoch, fresh.position) == (0, 1)
 
@@ -493,7 +494,7 @@ def test_a_state_resumes_only_its_own_data(run, tmp_path):
     ({"world_size": 2}, r"saved vs current: world_size 2 vs 1;"),
 ], ids=["negative", "past-the-epoch", "float", "bool", "negative-epoch", "string-epoch", "seed", "world"])
 def test_a_state_out_of_range_is_refused(run, edit, message):
-    ds = PackedDataset(run, batch_size=4, seed=3)
+    ds = PackedDataset(run, sampling=Sampling(seed=3), batching=Batching(batch_size=4))
     state = {**ds.state_dict(), **edit}
     with pytest.raises(PackstreamError, match=message):
         ds.load_state_dict(state)
@@ -502,7 +503,7 @@ def test_a_state_out_of_range_is_refused(run, edit, message):
 
 def test_a_position_of_minus_3_no_longer_adds_batches(run):
     """The issue's case: position -3 made a 6-step epoch yield 9 batches."""
-    ds = PackedDataset(run, batch_size=4, seed=3)
+    ds = PackedDataset(run, sampling=Sampling(seed=3), batching=Batching(batch_size=4))
     steps = len(ds)
     with pytest.raises(PackstreamError, match="position is -3"):
         ds.load_state_dict({**ds.state_dict(), "position": -3})
@@ -524,11 +525,11 @@ def test_a_state_that_is_not_ours_is_refused(run, state, message):
 @pytest.mark.parametrize("seed", [-1, 1.5, "0", True, None])
 def test_a_bad_seed_is_refused_at_construction(run, seed):
     with pytest.raises(PackstreamError, match=r"seed=.* must be an integer >= 0"):
-        PackedDataset(run, seed=seed)
+        PackedDataset(run, sampling=Sampling(seed=seed))
 
 
 def test_a_big_seed_works(run):
-    ds = PackedDataset(run, seed=2**70)
+    ds = PackedDataset(run, sampling=Sampling(seed=2**70))
     assert sum(1 for _ in ds) == len(ds)
 
 
@@ -547,13 +548,13 @@ def _remote(run: Path, name: str):
 def test_a_cached_copy_edited_to_the_same_size_is_not_served(run, tmp_path):
     fs = _remote(run, "cache-check")
     cache = tmp_path / "cache"
-    ds = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    ds = PackedDataset("memory://cache-check", cache_dir=str(cache), sampling=Sampling(shuffle=False))
     good = ds.rows[:]
     copy = Path(next(f["filename"] for f in ds.rows.cache_files if f["filename"].endswith(SHARD)))
     del ds
     rewrite(copy, lambda rows: rows[2]["input_ids"].__setitem__(1, rows[2]["input_ids"][1] + 1))  # one token, same size
     assert copy.stat().st_size == (run / SHARD).stat().st_size
-    again = PackedDataset("memory://cache-check", cache_dir=str(cache), shuffle=False)
+    again = PackedDataset("memory://cache-check", cache_dir=str(cache), sampling=Sampling(shuffle=False))
     assert again.rows[:] == good  # the edited copy was hashed, found wrong, and fetched again
     assert pa.ipc.open_stream(copy.read_bytes()).read_all().to_pylist() == read(run / SHARD).to_pylist()
     fs.rm("/cache-check", recursive=True)

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from packers import Collator, PackedDataset, PackstreamError, example_losses, loss
+from packers import Batching, Collator, PackedDataset, PackstreamError, Sampling, Sharding, example_losses, loss
+from tests._models import tiny_model
 from tests._shards import Example, pack_first_fit, random_examples, write_manifest, write_shards
 
 VOCAB = 97
@@ -52,23 +53,19 @@ def folder(tmp_path_factory):
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    return tiny_model("llama", "sdpa", vocab_size=VOCAB).train()
 
 
-def dataset(folder, weighting, grad_accum, world, rank, **kw) -> PackedDataset:
-    return PackedDataset(folder, batch_size=2, grad_accum=grad_accum, world_size=world, rank=rank,
-                         loss_weighting=weighting, seed=5, **kw)
+def dataset(folder, weighting, grad_accum, world, rank, source_weights=None) -> PackedDataset:
+    return PackedDataset(folder, sampling=Sampling(seed=5), sharding=Sharding(world_size=world, rank=rank),
+                         batching=Batching(batch_size=2, grad_accum=grad_accum, loss_weighting=weighting,
+                                           source_weights=source_weights))
 
 
 def optimizer_steps(ds: PackedDataset) -> list[list[list[dict]]]:
     """This rank's micro-batches, grouped by optimizer step."""
     batches = list(ds)
-    ga = ds.sampling.grad_accum
+    ga = ds.batching.grad_accum
     return [batches[i : i + ga] for i in range(0, len(batches), ga)]
 
 
@@ -180,7 +177,7 @@ def test_example_losses_equal_each_example_alone(folder):
     """Eval parity: per-example mean losses from packed rows (shuffle off, fixed shape or not) = unpacked."""
     model = tiny_llama().eval()
     by_id = {e.id: e for e in examples()}
-    ds = PackedDataset(folder, batch_size=3, shuffle=False)
+    ds = PackedDataset(folder, sampling=Sampling(shuffle=False), batching=Batching(batch_size=3))
     checked = 0
     for rows in itertools.islice(ds, 4):
         ids = [i for r in rows for i in r["example_ids"]]

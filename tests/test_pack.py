@@ -382,7 +382,7 @@ def test_refine_is_valid_deterministic_and_never_worse(lengths, budget, long):
 
 # ---------------------------------------------------------------------------------------
 # An independent reference for the loop-based strategies: written out here from their textbook
-# definitions, sharing no code with packers._pack (whose per-item loop they also run on).
+# definitions, sharing no code with packers._pack and packers._strategies (whose per-item loop they also run on).
 
 
 def _reference_rows(lengths, budget: int, strategy: str, long: LongPolicy, max_per_row):

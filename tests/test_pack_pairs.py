@@ -222,7 +222,7 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked(name):
     from pipeline import _rows
     from pipeline._encode import Encoder
     from tests._shards import Example, compact_vocab
-    from tests.test_exactness import tiny_model
+    from tests._models import tiny_model
 
     records, named = (list(PUBLIC.values()), {}) if name == "named-by-layout" else ([PUBLIC_NAMED[name][0]],
                                                                                    PUBLIC_NAMED[name][1])

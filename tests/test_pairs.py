@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import packers
 from packers import ContractError, PackstreamError, Side, pack, pack_pairs, validate_row
 from packers.manifest import RowChecks
-from packers._pack import truncate_pairs
+from packers._pairs import truncate_pairs
 from packers.rowcheck import Batch, check_batch, gather
 from pipeline import _rows
 from pipeline._options import PackOptions

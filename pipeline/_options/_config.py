@@ -189,7 +189,7 @@ def load_config(path: str, defaults: FormatOptions) -> tuple[DatasetSpec, ...]:
             messages_field: conversation
             roles: {bot: assistant}
             weight: 2                    # every record twice, with distinct ids
-            loss_weight: 0.5             # its tokens count half in PackedDataset(loss_weighting="source")
+            loss_weight: 0.5             # its tokens count half with Batching(loss_weighting="source")
             split: train_sft             # for datasets folders with several splits
     """
     doc = load_yaml(read_checked(path, what="--config file", limit=MAX_CONFIG_BYTES,

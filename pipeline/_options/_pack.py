@@ -37,7 +37,7 @@ class DatasetSpec:
     """The split to read from a ``datasets`` DatasetDict folder (e.g. ``train_sft``)."""
     loss_weight: float = 1.0
     """What each of this data set's target tokens counts in the loss, relative to the other data sets', when
-    training with ``PackedDataset(loss_weighting="source")`` (recorded in the manifest; ``weight`` decides how
+    training with ``PackedDataset(batching=Batching(loss_weighting="source"))`` (recorded in the manifest; ``weight`` decides how
     many records are packed, this how much their tokens count)."""
 
     def __post_init__(self) -> None:

@@ -1,16 +1,16 @@
-"""Epoch plans: which rows each rank trains at each step; every example once, steps balanced in compute.
+"""Epoch schedules: which rows each rank trains at each step; every example once, steps balanced in compute.
 
-A plan is fixed before the epoch starts, from what the shards already say (each row's token count and
-example lengths: no token is read), the same on every rank without communication. Three promises:
+An epoch's schedule is fixed before the epoch starts, from what the shards already say (each row's token count
+and example lengths: no token is read), the same on every rank without communication. Three promises:
 
 * **Exactly once.** Every example is in exactly one micro-batch of the epoch, and every rank gets the
   same number of steps, at any world size: no repeated tail, no dropped tail. When the rows cannot be
   dealt evenly (11 single-row micro-batches for 4 ranks), a few rows are divided at an example boundary
-  into two pieces (each example stays whole), until they can. ``len(plan)`` is exact before training.
+  into two pieces (each example stays whole), until they can. ``schedule.steps`` is exact before training.
 * **Balanced steps** (``balance="compute"``). A rank's step time follows its attention cost, which grows
   with the sum of squared example lengths, not with tokens: a row of one 4k-token example costs more
   than a row of forty 100-token ones. With cost ``alpha * sum(l) + beta * sum(l**2)`` per row
-  (:class:`CostModel`), rows of similar cost are dealt one to each rank, so every step's most loaded
+  (:class:`packers.CostModel`), rows of similar cost are dealt one to each rank, so every step's most loaded
   rank is close to its mean. The rows themselves are unchanged.
 * **No order bias.** Rows are drawn across all shards and packing groups; the steps are then put in an
   order where the step index does not predict the examples' length (stratified by length, random within).
@@ -26,220 +26,32 @@ One epoch, 10 rows, world size 2, ``batch_size=2`` rows, ``balance="compute"``::
     least loaded    step c  rank 0: r3 (4)        rank 1: r6 (3)            (fewer tiers: still one row each)
     step order      stratified by the steps' mean example length, random within each stratum
 
-With ``balance="none"`` the epoch's shuffled rows are cut into micro-batches in order, as before issue
-18; with ``"tokens"``, the tiers sort by token count. ``batch_by`` decides how many tiers a step takes:
-``rows``, ``batch_size`` tiers (so each micro-batch holds ``batch_size`` rows); ``tokens``, as many as keep
-every micro-batch within ``batch_size`` tokens; ``examples``, as many as bring the step closest to
-``batch_size x world_size`` examples.
+With ``balance="none"`` the epoch's shuffled rows are cut into micro-batches in order; with ``"tokens"``, the
+tiers sort by token count. ``batch_by`` decides how many tiers a step takes: ``rows``, ``batch_size`` tiers (so
+each micro-batch holds ``batch_size`` rows); ``tokens``, as many as keep every micro-batch within ``batch_size``
+tokens; ``examples``, as many as bring the step closest to ``batch_size x world_size`` examples.
 
-Loss weights are planned here too: :func:`step_denominators` gives each optimizer step (``grad_accum``
+Loss weights are scheduled here too: :func:`step_denominators` gives each optimizer step (``grad_accum``
 micro-batches on every rank) the global denominator of its loss, known before training.
 
-Pure numpy: importable without torch (``bench/bench_balance.py`` simulates plans on real lengths).
+Pure numpy: importable without torch (``bench/bench_balance.py`` schedules epochs of real lengths).
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
+from packers._options import Balance, Batching, BatchBy, Sampling
 from packers.errors import InternalError, PackstreamError
-
-
-class BatchBy(str, enum.Enum):
-    """What ``batch_size`` counts in a :class:`packers.PackedDataset` micro-batch."""
-
-    ROWS = "rows"
-    EXAMPLES = "examples"
-    TOKENS = "tokens"
-
-
-class Balance(str, enum.Enum):
-    """How a step's rows are dealt to the ranks (:mod:`packers._plan`)."""
-
-    COMPUTE = "compute"
-    """Rows of similar cost ``alpha * sum(l) + beta * sum(l**2)`` (a :class:`CostModel`) to different ranks."""
-    TOKENS = "tokens"
-    """The same, with the row's token count as its cost."""
-    NONE = "none"
-    """The shuffled rows cut into micro-batches in order."""
-
-
-class LossWeighting(str, enum.Enum):
-    """How each trained token counts in the loss of its optimizer step (``packers.loss``)."""
-
-    TOKEN = "token"
-    """Every target token alike: the step's loss is the mean over its target tokens (HF ``num_items_in_batch``)."""
-    EXAMPLE = "example"
-    """Every example alike: the mean over the step's examples of each example's mean token loss."""
-    SOURCE = "source"
-    """Tokens weighted by their data set's ``loss_weight`` (from the ``--config`` mix): a weighted token mean."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Cost of a row holding examples of lengths ``l``: ``alpha * sum(l) + beta * sum(l**2)``.
-
-    ``alpha`` is what a token costs in the layers that see one token at a time (projections, MLP, the LM
-    head); ``beta`` what a pair of tokens of one example costs in attention. Only their ratio matters for
-    balancing; in FLOPs (from :meth:`from_config`) the cost also models step time. The default is the ratio
-    of a dense 8B-class model (hidden 4096): a 4,096-token example costs about 1.1 times forty of 102 tokens
-    in linear layers plus attention.
-
-    >>> CostModel.from_config(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    ...                            intermediate_size=128, vocab_size=100)).beta
-    768.0
-    """
-
-    alpha: float = 1.0
-    """Cost per token."""
-    beta: float = 1.0 / (12 * 4096)
-    """Cost per token pair of one example (per unit of ``l**2``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise PackstreamError(f"CostModel {name}={v!r} must be a finite number >= 0")
-        if self.alpha == 0 and self.beta == 0:
-            raise PackstreamError("CostModel alpha=0 and beta=0: every row would cost nothing; give one of them > 0")
-
-    def of(self, lengths: np.ndarray) -> np.ndarray:
-        """The cost of sequences of ``lengths`` (elementwise)."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        return self.alpha * lengths + self.beta * lengths * lengths
-
-    @classmethod
-    def from_config(cls, config: Any, *, max_tokens: int | None = None) -> "CostModel":
-        """FLOPs of a forward and backward pass (3x the forward's) of a transformers config (or a dict of its keys).
-
-        Per token (``alpha``): 6 FLOPs per weight a token passes through: attention projections, the MLP (the
-        routed experts' share and shared experts for MoE, from ``num_experts_per_tok``), the LM head. Per pair
-        of tokens of one example (``beta``): 6 x heads x head_dim per full-attention layer (QK^T and AV, causal,
-        forward and backward). A sliding-window or chunked layer of window ``w`` counts ``w`` pairs per token,
-        in ``alpha``, unless ``max_tokens`` (the row budget) is within the window, where it is full attention.
-        Linear-attention and state-space layers count only in ``alpha``.
-        """
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        if not isinstance(config, dict) and hasattr(config, "get_text_config"):
-            text = config.get_text_config(decoder=True)
-            get = lambda k, d=None: getattr(text, k, d)  # noqa: E731
-        d = _first_int(get, ("hidden_size", "n_embd", "d_model", "dim"))
-        layers = _first_int(get, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-        heads = _first_int(get, ("num_attention_heads", "n_head", "num_heads", "n_heads"))
-        if not (d and layers and heads):
-            raise PackstreamError(
-                "CostModel.from_config needs hidden_size, num_hidden_layers and num_attention_heads in the config; "
-                "give CostModel(alpha=..., beta=...) or CostModel.fit(...) instead"
-            )
-        head_dim = _first_int(get, ("head_dim",)) or d // heads
-        kv = _first_int(get, ("num_key_value_heads", "num_kv_heads")) or heads
-        ffn = _first_int(get, ("intermediate_size", "ffn_dim", "n_inner")) or 4 * d
-        vocab = _first_int(get, ("vocab_size",)) or 0
-        experts_per_tok = _first_int(get, ("num_experts_per_tok", "moe_topk", "top_k"))
-        moe_ffn = _first_int(get, ("moe_intermediate_size", "expert_intermediate_size")) or ffn
-        shared = _first_int(get, ("n_shared_experts", "num_shared_experts")) or 0
-        attn_params = d * heads * head_dim * 2 + d * kv * head_dim * 2  # q, o; k, v
-        mlp = 3 * d * (experts_per_tok * moe_ffn + shared * moe_ffn) if experts_per_tok else 3 * d * ffn
-        types = get("layer_types") or []
-        window = _first_int(get, ("sliding_window",))
-        chunk = _first_int(get, ("attention_chunk_size",))
-        alpha = 6.0 * (layers * (attn_params + mlp) + d * vocab)
-        beta = 0.0
-        pair = 12.0 * heads * head_dim  # per (query, key) pair of one example, per layer: QK^T + AV, fwd + bwd
-        for i in range(layers):
-            kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
-            w = chunk if "chunk" in kind else window if "sliding" in kind else None
-            if "linear" in kind or "mamba" in kind or "conv" in kind:
-                continue
-            if w and not (max_tokens is not None and max_tokens <= w):
-                alpha += pair * w  # about w keys per query once the example is longer than the window
-            else:
-                beta += pair / 2  # l**2 / 2 pairs under a causal mask
-        return cls(alpha=alpha, beta=beta)
-
-    @classmethod
-    def fit(cls, rows: Sequence[Sequence[int]], seconds: Sequence[float]) -> "CostModel":
-        """Least squares of measured step times on ``[sum(l), sum(l**2)]`` per row (``rows[i]``: the example
-        lengths of a row or micro-batch timed at ``seconds[i]``), coefficients clipped at 0. In seconds."""
-        if len(rows) != len(seconds) or len(rows) < 2:
-            raise PackstreamError(f"CostModel.fit needs >= 2 timings, one per row: got {len(rows)} rows, {len(seconds)} times")
-        x = np.array([[sum(r), sum(v * v for v in r)] for r in rows], dtype=np.float64)
-        y = np.asarray(seconds, dtype=np.float64)
-        scale = x.max(axis=0)
-        scale[scale == 0] = 1.0
-        coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
-        alpha, beta = np.clip(coef / scale, 0.0, None)
-        if alpha == 0 and beta == 0:
-            raise PackstreamError("CostModel.fit: the timings do not grow with the rows' lengths; time longer rows")
-        return cls(alpha=float(alpha), beta=float(beta))
-
-
-def _first_int(get: Any, keys: Sequence[str]) -> int | None:
-    for k in keys:
-        v = get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """The options that decide which rows each rank gets at each step; saved in the loader's state dict."""
-
-    batch_size: int = 1
-    """Units of ``batch_by`` per micro-batch (one rank, one step); for ``examples``, a target."""
-    batch_by: BatchBy = BatchBy.ROWS
-    """Count rows, packed examples, or tokens (a cap)."""
-    shuffle: bool = True
-    """Draw the epoch's plan at random (seeded); False: rows in shard order, deterministic (evaluation)."""
-    seed: int = 0
-    """Same on every rank."""
-    rank: int = 0
-    world_size: int = 1
-    grad_accum: int = 1
-    """Micro-batches per rank in one optimizer step (the loss denominators span them)."""
-    balance: Balance = Balance.COMPUTE
-    """How rows are dealt to ranks: see :class:`Balance`."""
-    cost: CostModel = field(default_factory=CostModel)
-    """The row cost for ``balance="compute"``."""
-    rebatch: bool = True
-    """Form new micro-batches every epoch; False keeps the first epoch's and only reorders its steps."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "world_size", "grad_accum"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PackstreamError(f"{name}={v!r} must be an integer >= 1")
-        if not 0 <= self.rank < self.world_size:
-            raise PackstreamError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
-        for name in ("shuffle", "rebatch"):
-            v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)):
-                raise PackstreamError(f"{name}={v!r} must be True or False")
-        if not is_count(self.seed):
-            raise PackstreamError(f"seed={short(self.seed)} must be an integer >= 0 (numpy's generators take non-negative "
-                                  "seeds); use e.g. seed=0")
-
-
-def is_count(v: Any) -> bool:
-    """An integer >= 0 (Python or numpy; not a bool)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
-
-
-def short(v: Any, limit: int = 40) -> str:
-    """``repr(v)``, cut to ``limit`` characters (for error messages)."""
-    s = repr(v)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
 class Rows:
-    """What the planner knows of each row: its tokens and its examples' lengths (from the shards' ``num_tokens``
+    """What the schedule knows of each row: its tokens and its examples' lengths (from the shards' ``num_tokens``
     and ``seq_offsets``; no token is read). Sequences are numbered across rows, row ``i`` holding
     ``seq_start[i]:seq_start[i + 1]``."""
 
@@ -287,7 +99,7 @@ class Units:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Schedule:
     """One epoch: ``steps`` steps of ``world_size`` micro-batches (one per rank), each a list of units.
 
     ``order`` lists unit ids micro-batch after micro-batch (step by step, rank by rank); micro-batch
@@ -315,24 +127,34 @@ class Plan:
         return self.order[self.bounds[i] : self.bounds[i + 1]]
 
 
-def plan_epoch(rows: Rows, s: Sampling, epoch: int) -> Plan:
-    """The plan of ``epoch`` (all ranks); see the module docstring."""
-    budget_ok = s.batch_by is not BatchBy.TOKENS or len(rows) == 0 or int(rows.tokens.max()) <= s.batch_size
-    if not budget_ok:
-        raise PackstreamError(f"batch_size={s.batch_size} tokens < the longest row ({int(rows.tokens.max())} tokens); "
+@dataclass(frozen=True)
+class _Setup:
+    """What shapes every epoch's schedule: the dataset's sampling and batching options, and the world size."""
+
+    sampling: Sampling
+    batching: Batching
+    world_size: int
+
+
+def schedule_epoch(rows: Rows, epoch: int, *, sampling: Sampling, batching: Batching, world_size: int) -> Schedule:
+    """The schedule of ``epoch`` (all ranks); see the module docstring."""
+    s = _Setup(sampling, batching, world_size)
+    b = batching
+    if b.batch_by is BatchBy.TOKENS and len(rows) and int(rows.tokens.max()) > b.batch_size:
+        raise PackstreamError(f"batch_size={b.batch_size} tokens < the longest row ({int(rows.tokens.max())} tokens); "
                               "a row would not fit: use at least the row budget")
-    compose = np.random.default_rng([s.seed, epoch if s.rebatch else 0, 0])
-    order_rng = np.random.default_rng([s.seed, epoch, 1])
+    compose = np.random.default_rng([sampling.seed, epoch if sampling.rebatch else 0, 0])
+    order_rng = np.random.default_rng([sampling.seed, epoch, 1])
     units = Units.whole(rows)
     if len(rows) == 0:
-        return Plan(units, np.zeros(0, np.int64), np.zeros(1, np.int64), s.world_size, s.grad_accum)
-    seq_cost = rows.seq_lens.astype(np.float64) if s.balance is not Balance.COMPUTE else s.cost.of(rows.seq_lens)
-    if s.balance is Balance.NONE:
+        return Schedule(units, np.zeros(0, np.int64), np.zeros(1, np.int64), world_size, b.grad_accum)
+    seq_cost = rows.seq_lens.astype(np.float64) if b.balance is not Balance.COMPUTE else b.cost.of(rows.seq_lens)
+    if b.balance is Balance.NONE:
         mbs, units = _cut_in_order(rows, units, s, compose, seq_cost)
-        steps = [mbs[i : i + s.world_size] for i in range(0, len(mbs), s.world_size)]
+        steps = [mbs[i : i + world_size] for i in range(0, len(mbs), world_size)]
     else:
         steps, units = _deal_tiers(rows, units, s, compose, seq_cost)
-    positions = _spread(rows, units, steps, order_rng) if s.shuffle else _first_row_order(units, steps)
+    positions = _spread(rows, units, steps, order_rng) if sampling.shuffle else _first_row_order(units, steps)
     order, sizes = [], []
     for i in positions:
         for mb in steps[i]:
@@ -341,22 +163,22 @@ def plan_epoch(rows: Rows, s: Sampling, epoch: int) -> Plan:
     flat = np.concatenate(order).astype(np.int64)
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     if len(flat) != len(units) or len(np.unique(flat)) != len(units) or min(sizes) < 1:
-        raise InternalError(f"plan: {len(flat)} unit slots for {len(units)} units, smallest micro-batch {min(sizes)}")
-    return Plan(units, flat, bounds, s.world_size, s.grad_accum)
+        raise InternalError(f"schedule: {len(flat)} unit slots for {len(units)} units, smallest micro-batch {min(sizes)}")
+    return Schedule(units, flat, bounds, world_size, b.grad_accum)
 
 
 # -- balance="none": the shuffled rows in order -------------------------------------------------------------
 
 
-def _cut_in_order(rows: Rows, units: Units, s: Sampling, rng: np.random.Generator,
+def _cut_in_order(rows: Rows, units: Units, s: _Setup, rng: np.random.Generator,
                   seq_cost: np.ndarray) -> tuple[list[np.ndarray], Units]:
     """Micro-batches of the (shuffled) rows in order, by ``batch_by``; then as many more as make their number a
     multiple of the world size, by halving the largest ones (a row with several examples in two, if need be)."""
-    order = rng.permutation(len(rows)) if s.shuffle else np.arange(len(rows))
-    if s.batch_by is BatchBy.ROWS:
-        mbs = [order[i : i + s.batch_size] for i in range(0, len(order), s.batch_size)]
+    order = rng.permutation(len(rows)) if s.sampling.shuffle else np.arange(len(rows))
+    if s.batching.batch_by is BatchBy.ROWS:
+        mbs = [order[i : i + s.batching.batch_size] for i in range(0, len(order), s.batching.batch_size)]
     else:
-        counts = (np.diff(rows.seq_start) // rows.grain if s.batch_by is BatchBy.EXAMPLES else rows.tokens)[order]
+        counts = (np.diff(rows.seq_start) // rows.grain if s.batching.batch_by is BatchBy.EXAMPLES else rows.tokens)[order]
         mbs = _greedy(order, counts, s)
     missing = -len(mbs) % s.world_size
     for _ in range(missing):
@@ -377,10 +199,10 @@ def _cut_in_order(rows: Rows, units: Units, s: Sampling, rng: np.random.Generato
     return mbs, units
 
 
-def _greedy(order: np.ndarray, counts: np.ndarray, s: Sampling) -> list[np.ndarray]:
+def _greedy(order: np.ndarray, counts: np.ndarray, s: _Setup) -> list[np.ndarray]:
     """Cut ``order`` where the next row would overshoot: ``examples`` adds a row while that lands closer to the
     target (|count + n - T| < |count - T|), ``tokens`` while the total stays within the cap."""
-    target, by_examples = s.batch_size, s.batch_by is BatchBy.EXAMPLES
+    target, by_examples = s.batching.batch_size, s.batching.batch_by is BatchBy.EXAMPLES
     out, start, count = [], 0, 0
     for i, n in enumerate(counts.tolist()):
         if i > start:
@@ -397,23 +219,23 @@ def _greedy(order: np.ndarray, counts: np.ndarray, s: Sampling) -> list[np.ndarr
 # -- balance="compute"/"tokens": tiers of similar rows, one row of each tier per rank --------------------------
 
 
-def _deal_tiers(rows: Rows, units: Units, s: Sampling, rng: np.random.Generator,
+def _deal_tiers(rows: Rows, units: Units, s: _Setup, rng: np.random.Generator,
                 seq_cost: np.ndarray) -> tuple[list[list[np.ndarray]], Units]:
     """Steps as lists of ``world_size`` micro-batches (arrays of unit ids), dealt from tiers (module docstring)."""
     w = s.world_size
     cost = units.sums(rows, seq_cost)
-    tie = rng.random(len(units)) if s.shuffle else np.arange(len(units), dtype=np.float64)
+    tie = rng.random(len(units)) if s.sampling.shuffle else np.arange(len(units), dtype=np.float64)
     order = np.lexsort((tie, -cost))  # costliest first; ties at random (or by row)
     if len(order) % w:
         units, order = _split_tail(rows, units, order, w, s, seq_cost)
         cost = units.sums(rows, seq_cost)
-    if s.shuffle and s.rebatch and len(order) >= 2 * w:
+    if s.sampling.shuffle and s.sampling.rebatch and len(order) >= 2 * w:
         order = _mix_alike(order, cost, w, rng)
     tiers = order.reshape(-1, w)
     tiers = np.take_along_axis(tiers, np.argsort(-cost[tiers], axis=1, kind="stable"), axis=1)  # each: costliest first
     n_tiers = len(tiers)
     # Steps: consecutive tiers of a random (or first-row) order, as many as batch_by allows.
-    if s.shuffle:
+    if s.sampling.shuffle:
         tier_order = rng.permutation(n_tiers)
     else:
         tier_order = np.argsort(units.row[tiers].min(axis=1), kind="stable")
@@ -434,7 +256,7 @@ def _deal_tiers(rows: Rows, units: Units, s: Sampling, rng: np.random.Generator,
     return steps, units
 
 
-def _split_tail(rows: Rows, units: Units, order: np.ndarray, w: int, s: Sampling,
+def _split_tail(rows: Rows, units: Units, order: np.ndarray, w: int, s: _Setup,
                 seq_cost: np.ndarray) -> tuple[Units, np.ndarray]:
     """Make the number of units a multiple of the world size by dividing the cheapest rows (the tail that would
     leave some ranks without a row in the last step) into pieces at example boundaries, the costliest piece
@@ -476,19 +298,19 @@ def _mix_alike(order: np.ndarray, cost: np.ndarray, w: int, rng: np.random.Gener
     return out
 
 
-def _tier_steps(rows: Rows, units: Units, tiers: np.ndarray, s: Sampling) -> list[int]:
+def _tier_steps(rows: Rows, units: Units, tiers: np.ndarray, s: _Setup) -> list[int]:
     """Where each step starts in ``tiers``: ``rows`` takes batch_size tiers; ``tokens`` as many as keep every
     rank within batch_size tokens (counting each tier's longest unit); ``examples`` as many as bring the step
     closest to batch_size x world_size examples."""
     n = len(tiers)
-    if s.batch_by is BatchBy.ROWS:
-        return list(range(0, n, s.batch_size)) + [n]
-    if s.batch_by is BatchBy.TOKENS:
+    if s.batching.batch_by is BatchBy.ROWS:
+        return list(range(0, n, s.batching.batch_size)) + [n]
+    if s.batching.batch_by is BatchBy.TOKENS:
         per_tier = units.sums(rows, rows.seq_lens.astype(np.float64))[tiers].max(axis=1)
-        target, by_examples = s.batch_size, False
+        target, by_examples = s.batching.batch_size, False
     else:
         per_tier = ((units.hi - units.lo) // rows.grain)[tiers].sum(axis=1).astype(np.float64)
-        target, by_examples = s.batch_size * s.world_size, True
+        target, by_examples = s.batching.batch_size * s.world_size, True
     starts, count = [0], 0.0
     for i, n_i in enumerate(per_tier.tolist()):
         if i > starts[-1]:
@@ -513,7 +335,7 @@ def _split(rows: Rows, units: Units, u: int, seq_cost: np.ndarray) -> tuple[Unit
     return Units(row, new_lo, new_hi), len(row) - 1
 
 
-def _uneven(rows: Rows, units: Units, s: Sampling) -> PackstreamError:
+def _uneven(rows: Rows, units: Units, s: _Setup) -> PackstreamError:
     return PackstreamError(
         f"{len(rows)} rows holding {len(rows.seq_lens) // rows.grain} examples cannot give each of world_size={s.world_size} ranks "
         f"the same number of micro-batches without repeating or dropping an example (every piece left holds one "
@@ -598,12 +420,12 @@ def _first_row_order(units: Units, steps: list[list[np.ndarray]]) -> np.ndarray:
 # -- loss denominators -----------------------------------------------------------------------------------------
 
 
-def step_denominators(plan: Plan, rows: Rows, per_sequence: np.ndarray) -> np.ndarray:
+def step_denominators(schedule: Schedule, rows: Rows, per_sequence: np.ndarray) -> np.ndarray:
     """Per optimizer step, the sum of ``per_sequence`` over every sequence its micro-batches hold on every rank:
     the global denominator of that step's loss (targets, examples, or weighted targets)."""
-    per_unit = plan.units.sums(rows, per_sequence)
-    if not len(plan.order):
+    per_unit = schedule.units.sums(rows, per_sequence)
+    if not len(schedule.order):
         return np.zeros(0)
-    per_mb = np.add.reduceat(per_unit[plan.order], plan.bounds[:-1])
-    step_of_mb = np.arange(len(per_mb)) // plan.world_size // plan.grad_accum
-    return np.bincount(step_of_mb, weights=per_mb, minlength=plan.optimizer_steps)
+    per_mb = np.add.reduceat(per_unit[schedule.order], schedule.bounds[:-1])
+    step_of_mb = np.arange(len(per_mb)) // schedule.world_size // schedule.grad_accum
+    return np.bincount(step_of_mb, weights=per_mb, minlength=schedule.optimizer_steps)

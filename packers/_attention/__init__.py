@@ -1,0 +1,50 @@
+"""Attention backends for packed batches, and the guard that refuses silent cross-example attention.
+
+Which backends keep the examples of a flattened ``[1, T]`` batch apart (transformers 5.x):
+
+============================  ==================================  =========================================
+``attn_implementation``       what separates the examples         leaks when
+============================  ==================================  =========================================
+``flash_attention_2``/``_3``  ``cu_seq_lens_*``/``max_length_*``  an ``attention_mask`` is passed: FA unpads
+                              (else ``position_ids`` resets)      by it and ignores position_ids (TRL #4170)
+``sdpa``/``eager``/``flex``   block mask built from               an ``attention_mask`` is passed, a KV cache
+                              ``position_ids`` (masking_utils)    exists (``use_cache`` on by default), or the
+                                                                  model builds its mask without position_ids
+``packstream_varlen``         ``cu_seq_lens_*`` (else             never silently: a padding attention_mask
+                              ``position_ids`` resets)            or a KV cache raises
+============================  ==================================  =========================================
+
+Two layers of defence, both raising :class:`~packers.PackstreamError` with the fix:
+
+* **Static rules** (every step, cheap; :mod:`._rules`): the "leaks when" column, read from the batch and the config.
+* **A behavioural probe** (once per model class, configuration, backend, mode, dtype and batch layout;
+  :mod:`._probe`): the model itself runs two short sequences (5 and 7 tokens) packed into one ``[1, 12]``
+  batch, and each alone, under ``no_grad``; the logits must agree within the dtype's noise. No
+  list of models is consulted, so a model whose code forgets the packed layout (GptOss and OPT
+  build their masks without ``position_ids`` in transformers 5.24) is caught by what it computes.
+  Where the only fault is that forgotten argument, :func:`install_packing_guard` supplies it (:mod:`._fixes`;
+  the probe must then prove the result exact); otherwise the model is refused.
+
+:func:`check_packing_safe` runs both for one batch; :func:`install_packing_guard` runs them before
+every forward of a model (:mod:`._guard`, which caches the verdicts). :func:`register_varlen_attention` adds the
+``packstream_varlen`` backend (:mod:`._varlen`): PyTorch's own FlashAttention kernel
+(``torch.nn.attention.varlen.varlen_attn``, PyTorch >= 2.10, CUDA only), for FA2-speed packed training where the
+flash-attn package cannot be installed.
+
+The modules, by job: ``_varlen`` the kernel, ``_rules`` the static rules, ``_probe`` the probe, ``_guard`` the
+entry points and the verdict cache, ``_fixes`` the fixes to transformers (mask functions, class tables),
+``_model`` what they read from a model.
+"""
+
+from packers._attention._guard import GuardHandle, cached_verdict, check_packing_safe, install_packing_guard
+from packers._attention._varlen import VARLEN_NAME, register_varlen_attention, varlen_attention_forward
+
+__all__ = [
+    "VARLEN_NAME",
+    "GuardHandle",
+    "cached_verdict",
+    "check_packing_safe",
+    "install_packing_guard",
+    "register_varlen_attention",
+    "varlen_attention_forward",
+]

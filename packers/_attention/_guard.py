@@ -1,0 +1,216 @@
+"""The packing guard's entry points, and its verdicts cached per model.
+
+:func:`check_packing_safe` runs the static rules (:mod:`packers._attention._rules`) and the behavioural probe
+(:mod:`packers._attention._probe`) for one batch; :func:`install_packing_guard` runs them before every forward of
+a model, and applies the mask fix where the probe found it exact. :data:`GUARD` holds the verdicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, Self
+
+import torch
+
+from packers._attention._fixes import MASK_FIX
+from packers._attention._model import configs, hf_model, input_device
+from packers._attention._probe import Verdict, layout, probe
+from packers._attention._rules import check_rope, check_static, num_sequences
+from packers.errors import PackstreamError
+
+
+class Guard:
+    """The guard's state in this process: each model's verdicts, and whether this thread runs a probe.
+
+    Verdicts are cached per model object, not per class and config alone: a hook, an adapter or a patched module on
+    one instance changes what it computes without changing either. Each is kept while its key holds (:func:`_key`:
+    class, config, backend, mode, dtype, device, autocast, batch layout); ``kept`` of them per model, so that
+    switching between train and eval or between a few layouts does not probe again. A refusal is not cached, so a
+    model that was fixed in place is probed again at its next packed batch (on every rank alike).
+    """
+
+    def __init__(self, kept: int = 16) -> None:
+        self.verdicts: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Verdict]] = weakref.WeakKeyDictionary()
+        self.kept = kept
+        self._local = threading.local()
+
+    @property
+    def probing(self) -> bool:
+        """This thread runs the probe's forwards (the guard's hooks let those through)."""
+        return getattr(self._local, "probing", False)
+
+    def probe(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdict:
+        """:func:`packers._attention._probe.probe`, with the guard's hooks standing aside for its forwards."""
+        self._local.probing = True
+        try:
+            return probe(hf, target, layout)
+        finally:
+            self._local.probing = False
+
+    def verdict(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdict:
+        """This model's verdict as it is now: cached while its key holds; probes (all ranks together) otherwise."""
+        key = (layout, _key(hf, layout))
+        state = self.verdicts.setdefault(hf, {})
+        known = state.get(key)
+        if known is not None:
+            return known
+        verdict = self.probe(hf, target, layout)
+        if verdict.error is None:
+            state[key] = verdict
+            while len(state) > self.kept:
+                state.pop(next(iter(state)))
+        return verdict
+
+    def cached(self, hf: torch.nn.Module, layout: tuple) -> Verdict | None:
+        return (self.verdicts.get(hf) or {}).get((layout, _key(hf, layout)))
+
+
+GUARD = Guard()
+
+
+def _config_fingerprint(config: Any) -> tuple:
+    """The plain values of a config and its sub-configs (~50 us): a changed window or rope setting shows here."""
+    plain = (int, float, str, bool, type(None))
+    return tuple(
+        tuple(sorted((k, v if isinstance(v, plain) else repr(v)) for k, v in vars(c).items()
+                     if isinstance(v, plain) or (isinstance(v, (list, tuple, dict)) and len(v) < 256)))
+        for c in configs(config)
+    )
+
+
+def _key(hf: torch.nn.Module, layout: tuple) -> tuple:
+    """What, when it changes, calls for a new probe: the class, the config, the backend (and the functions
+    registered for it), train/eval mode, dtype, device, autocast, float32 matmul precision, batch layout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    impls = tuple(getattr(c, "_attn_implementation", None) for c in configs(hf.config))
+    functions = tuple(
+        (AttentionInterface._global_mapping.get(i), ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(i))
+        for i in impls
+        if isinstance(i, str)
+    )
+    param = next(hf.parameters(), None)
+    dtype = param.dtype if param is not None else None
+    dev = input_device(hf).type
+    autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    tf32 = dev == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return (type(hf), _config_fingerprint(hf.config), impls, functions, hf.training, dtype, dev, autocast,
+            torch.get_float32_matmul_precision(), tf32, layout)
+
+
+def cached_verdict(model: torch.nn.Module, batch: Mapping[str, Any]) -> Verdict | None:
+    """The cached verdict that ``batch`` gets from ``model`` as it is now (for tools and tests), or None."""
+    hf = hf_model(model)
+    shape = layout(batch)
+    return None if shape is None else GUARD.cached(hf, shape)
+
+
+def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any]) -> Verdict | None:
+    """Static rules, then the verdict; raises PackstreamError for a packed batch that would leak.
+
+    Returns the verdict (None when the batch carries no boundaries to probe). The verdict is computed
+    for every batch with boundaries, packed or not, so that all ranks probe at the same step.
+    """
+    packed = num_sequences(batch) > 1
+    if packed:
+        check_static(hf, batch)
+    shape = layout(batch)
+    if shape is None:
+        return None
+    verdict = GUARD.verdict(hf, target, shape)
+    if packed and verdict.error is not None:
+        raise PackstreamError(verdict.error)
+    if packed and verdict.rope is not None:
+        check_rope(hf, verdict.rope, batch)
+    return verdict
+
+
+def _guarded(hf: torch.nn.Module) -> bool:
+    return any(getattr(h, "_packstream_guard", False) for h in hf._forward_pre_hooks.values())
+
+
+def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """Raise PackstreamError if ``model(**batch)`` would let packed examples attend to each other.
+
+    Per step it reads the config and the batch's keys and shapes (one small device sync without
+    ``cu_seq_lens_q``); see :mod:`packers._attention`'s table. The first call for a model class,
+    configuration, backend, mode, dtype and batch layout also runs the packing probe: one forward of
+    12 packed tokens and two of 5 and 7 alone, under ``no_grad`` (cached afterwards). Under
+    torch.distributed the probe agrees across ranks: call this on every rank, as you would a forward.
+    A batch holding one sequence always passes.
+    """
+    hf = hf_model(model)
+    target = model
+    while hasattr(target, "_orig_mod"):  # torch.compile's wrapper: probe the eager module, compile nothing
+        target = target._orig_mod
+    verdict = _check(hf, target, batch)
+    if verdict is not None and verdict.fix and num_sequences(batch) > 1 and not _guarded(hf):
+        raise PackstreamError(
+            f"{type(hf).__name__} builds its {hf.config._attn_implementation!r} masks without position_ids, so a "
+            "plain model(**batch) lets packed examples attend to each other; install_packing_guard(model) passes "
+            "them (the probe found that exact), or use another attn_implementation"
+        )
+
+
+class GuardHandle:
+    """What :func:`install_packing_guard` returns: ``remove()`` takes the guard off (also as a context manager)."""
+
+    def __init__(self, *handles: torch.utils.hooks.RemovableHandle) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
+    """Check every forward of ``model``: the static rules per batch, the packing probe when the model changes.
+
+    Before the first packed forward, and whenever the attention implementation, train/eval mode,
+    dtype, device, autocast or batch layout changes, the model runs the packing probe (cost: one
+    forward of 12 tokens and two of 5 and 7, under ``no_grad``, once per model class and
+    configuration; every rank together under DDP/FSDP). A model found to build its masks without
+    ``position_ids`` gets them from the guard when that makes the probe exact; any other mismatch
+    raises PackstreamError naming the model, the backend and the fix. Catches what a trainer or a
+    wrapper adds to the batch after the collator (an ``attention_mask``, a cache): the hook sits on
+    the transformers model inside DDP/FSDP/PEFT/torch.compile wrappers. ``handle.remove()`` takes it off.
+    """
+    hf = hf_model(model)
+    params = list(inspect.signature(hf.forward).parameters)
+    stack: list[contextlib.ExitStack | None] = []
+
+    @torch.compiler.disable  # data-dependent checks and the probe's forwards stay out of compiled graphs
+    def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        stack.append(None)  # popped by post_hook, which runs even if this raises
+        if GUARD.probing:
+            return
+        batch = dict(zip(params, args)) | kwargs
+        verdict = _check(hf, hf, batch)
+        if verdict is not None and verdict.fix and num_sequences(batch) > 1:
+            fix = contextlib.ExitStack()
+            fix.enter_context(MASK_FIX.packed_positions(hf, batch["position_ids"]))
+            stack[-1] = fix
+
+    @torch.compiler.disable
+    def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        fix = stack.pop() if stack else None
+        if fix is not None:
+            fix.close()
+
+    pre_hook._packstream_guard = True  # type: ignore[attr-defined]
+    return GuardHandle(
+        hf.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        hf.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+    )
+
