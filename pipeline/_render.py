@@ -28,8 +28,8 @@ turn's text the built-in way, so nothing a record holds is silently left out.
 Jinja templates run only in transformers' sandboxed environment (``ImmutableSandboxedEnvironment``,
 no attribute escapes, no file access), compiled with ``*`` and ``**`` guarded, and each record's
 rendering is bounded: output size (:data:`TEMPLATE_MAX_CHARS` plus 8 characters per input
-character) and time (:data:`TEMPLATE_SECONDS`, enforced by one watchdog thread per process that
-interrupts a template looping in Python). A record that hits a bound is dead-lettered as
+character) and time (:data:`TEMPLATE_SECONDS`: every block of template code checks its thread's deadline,
+see :func:`time_limit`). A record that hits a bound is dead-lettered as
 ``template_limit``. Assistant spans are found by rendering prefixes:
 ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of the full rendering;
 templates that rewrite earlier turns are refused with a clear reason.
@@ -38,12 +38,9 @@ templates that rewrite earlier turns are refused with a clear reason.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
 import functools
-import itertools
 import json
-import os
+import math
 import re
 import threading
 import time
@@ -117,82 +114,58 @@ def chatml_segments(conv: Conversation, targets: list[bool], mask_reasoning: boo
 
 
 # ------------------------------------------------------------------------------------------------
-# Bounds on Jinja templates: output size, `*`/`**` sizes, and time (one watchdog thread per process).
+# Bounds on Jinja templates: output size, `*`/`**` sizes, and time (a deadline every block of template code checks).
 
 
 class TemplateTimeout(BaseException):
-    """Raised inside a rendering thread by the watchdog. A BaseException, so no ``except Exception``
+    """Raised by template code that runs past its thread's deadline. A BaseException, so no ``except Exception``
     inside a template library can swallow it."""
 
 
-def _async_raise(thread_id: int, exc: Optional[type]) -> None:
-    """Raise ``exc`` in another thread at its next bytecode boundary (``None`` cancels a pending one)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+class _Deadline(threading.local):
+    at: float = math.inf
+    """When template code running in this thread must stop (``time.monotonic()``); inf outside :func:`time_limit`."""
 
 
-@dataclasses.dataclass
-class _Deadline:
-    thread_id: int
-    at: float
-    state: int = 0  # 0 running, 1 fired, 2 finished
+_DEADLINE = _Deadline()
 
 
-class Watchdog:
-    """Interrupts code that runs past its deadline, for any number of threads, with one thread.
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Bound the chat-template code this thread runs inside the block to ``seconds`` (nested blocks keep the sooner).
 
-    ``with watchdog.limit(seconds): ...`` raises :class:`TemplateTimeout` in the body when it
-    overruns; pure-Python loops (a Jinja template) are interrupted at their next bytecode. The cost
-    per use is a lock and a notify; the thread starts on first use in each process (after a fork too).
+    Nothing runs beside it and nothing is injected into a thread: templates are compiled (:func:`compile_template`)
+    so that every block they run -- each loop iteration, macro call, branch taken -- first calls :func:`_tick`,
+    which raises :class:`TemplateTimeout` in the thread running the template once its deadline has passed. Code
+    outside a template never raises it, so a deadline cannot land anywhere but inside the guarded render.
     """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._deadlines: dict[int, _Deadline] = {}
-        self._ids = itertools.count()
-        self._thread: Optional[threading.Thread] = None
-        self._pid = 0
-
-    def _run(self) -> None:
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                wait = None
-                for d in self._deadlines.values():
-                    if d.state:
-                        continue
-                    if d.at <= now:
-                        d.state = 1
-                        _async_raise(d.thread_id, TemplateTimeout)
-                    else:
-                        wait = d.at - now if wait is None else min(wait, d.at - now)
-                self._cond.wait(wait)
-
-    @contextlib.contextmanager
-    def limit(self, seconds: float):
-        d = _Deadline(threading.get_ident(), time.monotonic() + seconds)
-        key = next(self._ids)
-        with self._cond:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="packstream-watchdog", daemon=True)
-                self._thread.start()
-            self._deadlines[key] = d
-            self._cond.notify()
-        try:
-            try:
-                yield
-            finally:
-                with self._cond:
-                    fired, d.state = d.state == 1, 2
-                if fired:  # the watchdog fired but the exception may not have arrived yet: cancel it, raise it here
-                    _async_raise(d.thread_id, None)
-                    raise TemplateTimeout
-        finally:
-            with self._cond:
-                self._deadlines.pop(key, None)
+    outer = _DEADLINE.at
+    _DEADLINE.at = min(outer, time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.at = outer
 
 
-WATCHDOG = Watchdog()
+def _tick() -> None:
+    if time.monotonic() > _DEADLINE.at:
+        raise TemplateTimeout
+
+
+@functools.cache
+def _bounded_code_generator() -> type:
+    """Jinja's code generator, with a deadline check (:func:`_tick`) at the top of every block it writes: a loop's
+    body, a macro's body, a branch. Jinja has no other way to repeat work, so no template outruns its deadline by
+    more than one block's straight-line code (bounded by the output and ``*``/``**`` limits). Imported on first
+    use: a run with the built-in ChatML never loads Jinja."""
+    from jinja2.compiler import CodeGenerator
+
+    class BoundedCodeGenerator(CodeGenerator):
+        def blockvisit(self, nodes, frame) -> None:
+            self.writeline("environment.packstream_tick()")
+            super().blockvisit(nodes, frame)
+
+    return BoundedCodeGenerator
 
 
 class _TooBig(Exception):
@@ -205,6 +178,8 @@ def compile_template(source: str):
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     env = _compile_jinja_template("").environment.overlay()  # the same sandbox, filters and globals
+    env.code_generator_class = _bounded_code_generator()
+    env.packstream_tick = _tick
     env.intercepted_binops = frozenset({"*", "**"})
 
     def call_binop(context, operator, left, right):
@@ -249,7 +224,7 @@ class JinjaTemplate:
         records would take hours): that is one launch error, found by one probe."""
         probe = [_PROBE_USER, {"role": "assistant", "content": "packstream probe answer"}]
         try:
-            with WATCHDOG.limit(TEMPLATE_SECONDS):
+            with time_limit(TEMPLATE_SECONDS):
                 self.render(probe, None, False, TEMPLATE_MAX_CHARS)
         except TemplateTimeout:
             raise PackstreamError(
@@ -262,7 +237,7 @@ class JinjaTemplate:
     def _renders(self, needle: str, messages: list, tools=None) -> bool:
         """Does the template show ``needle``? If the probe itself fails, assume it does (records will tell)."""
         try:
-            with WATCHDOG.limit(TEMPLATE_SECONDS):
+            with time_limit(TEMPLATE_SECONDS):
                 return needle in self.render(messages, tools, False, TEMPLATE_MAX_CHARS)
         except (Rejected, TemplateTimeout):
             return True
@@ -485,7 +460,7 @@ class Renderer:
         if self.jinja is None:
             return chatml_segments(conv, targets, fmt.mask_reasoning)
         try:
-            with WATCHDOG.limit(TEMPLATE_SECONDS):
+            with time_limit(TEMPLATE_SECONDS):
                 return template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
         except TemplateTimeout:
             raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "

@@ -6,12 +6,22 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 GSM8K_FIELDS = (("question", "user"), ("answer", "assistant"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# -- Hypothesis: reproducible in CI, exploring locally ---------------------------------------------------------
+# "ci" (chosen where the CI variable is set, as .ci/run sets it) derandomizes: every run draws the same examples,
+# so a failure in CI fails again on the same commit. "dev" (everywhere else) draws new examples each run; a
+# failure prints the blob that reproduces it, and `--hypothesis-seed=N` replays a whole run
+# (tools/seeds.py runs the fast tier over many seeds). HYPOTHESIS_PROFILE=ci|dev picks one by name.
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def shared_data() -> Path:
@@ -48,7 +58,7 @@ def small_run(tmp_path_factory) -> Path:
 
 
 # -- the fast tier ---------------------------------------------------------------------------------------------
-# `pytest -m "not slow"` runs in under 3 minutes on 2 cores, for the edit-test loop; CI runs everything. The tier
+# `pytest -m "not slow"` runs in under 2 minutes on 2 cores, for the edit-test loop; CI runs everything. The tier
 # is declared here, in one place. Modules whose tests run whole jobs, models, processes or signals are slow, except
 # the worked end-to-end cases in FAST_CASES (about one per area, so the loop still packs, trains, verifies and
 # interrupts something); single heavy tests of the other modules are in SLOW_CASES. Entries are node id prefixes.

@@ -63,16 +63,34 @@ def _holds_text(v: Any) -> bool:
     return False
 
 
+def _steps(path: str) -> list[tuple[str, str]]:
+    """A path's steps: ``("key", k)`` (a key may be empty: ``a.`` is key ``""`` of ``a``) or ``("item", "1:")``."""
+    steps, i = [], 0
+    while i < len(path):
+        if path[i] == "[":
+            j = path.index("]", i)
+            steps.append(("item", path[i + 1:j]))
+            i = j + 1
+            continue
+        if path[i] == "." and steps:
+            i += 1
+        j = min([k for k in (path.find(".", i), path.find("[", i)) if k >= 0] or [len(path)])
+        steps.append(("key", path[i:j]))
+        i = j
+    return steps
+
+
 def _values(record: dict, path: str) -> list:
     """Every value an ignored-field path names (``a[].b``: each item's b; ``c[1:]``: the items from 1)."""
     vals = [record]
-    for lo, colon, hi, key in re.findall(r"\[(-?\d*)(:?)(-?\d*)\]|([^.\[\]]+)", path):
+    for kind, step in _steps(path):
         nxt: list = []
         for v in vals:
-            if key and isinstance(v, dict) and key in v:
-                nxt.append(v[key])
-            elif not key and isinstance(v, list):
-                if not lo and not colon:
+            if kind == "key" and isinstance(v, dict) and step in v:
+                nxt.append(v[step])
+            elif kind == "item" and isinstance(v, list):
+                lo, colon, hi = step.partition(":")
+                if not step:
                     nxt += v
                 elif colon:
                     nxt += v[int(lo or 0): int(hi) if hi else None]
@@ -223,6 +241,14 @@ FIXES = st.one_of(
 )
 
 
+def test_a_fix_keeps_its_own_pair_that_the_user_gave_already():
+    """A fix that maps a field to two roles, one of which the user gave: trying it sets both, not only the new one."""
+    fix = Fix.of(fields=(("0", "user"), ("0", "assistant")))
+    given_ = FormatOptions(fields=(("0", "user"), ("q", "user")))
+    assert fix.changes(given_) == {"fields": (("0", "user"), ("0", "assistant"), ("q", "user"))}
+    assert not Fix.of(fields=(("0", "user"),)).changes(given_)  # all of it given: nothing to try
+
+
 @settings(max_examples=300, deadline=None)
 @given(fix=FIXES, given_fields=st.lists(st.tuples(names, st.sampled_from(["user", "assistant"])), max_size=2))
 def test_a_fix_is_typed_as_it_is_tried_and_its_holes_hold_nothing_to_try(fix, given_fields):
@@ -238,7 +264,11 @@ def test_a_fix_is_typed_as_it_is_tried_and_its_holes_hold_nothing_to_try(fix, gi
         assert flag in text
         changed = fix.changes(given_).get(name)
         if changed is not None and name in ("fields", "roles"):
-            assert all(p in changed for p in value) and all(n in dict(changed) for n, _ in getattr(given_, name))
+            have = getattr(given_, name)
+            assert all(p in changed for p in value) and all(n in dict(changed) for n, _ in have)
+            own = {n for n, _ in value}  # the fix's names take its pairs, whole; the user's other names keep theirs
+            assert sorted(p for p in changed if p[0] in own) == sorted(dict.fromkeys(value))
+            assert [p for p in changed if p[0] not in own] == [p for p in have if p[0] not in own]
         elif changed is not None:
             assert changed == value
     holed = fix.holes(given_)

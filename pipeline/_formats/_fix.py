@@ -114,8 +114,8 @@ class Fix:
             if name not in _PAIRS:
                 if value != have:
                     out[name] = value
-            elif any(p not in have for p in value):  # a pair given already is not the fix's to set
-                out[name] = _merged(have, tuple(p for p in value if p not in have))
+            elif any(p not in have for p in value):  # it sets pairs only when some are new; then all of its own
+                out[name] = _merged(have, tuple(dict.fromkeys(value)))
         if out:
             out.update({name: FormatOptions.__dataclass_fields__[name].default for name in self.drop})
         return out
