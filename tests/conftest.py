@@ -93,8 +93,13 @@ SLOW_CASES = (
     "tests/test_suggestions.py::test_generated_refusals_print_only_fixes_that_work",
     "tests/test_inputs.py::test_fuzz_",
     "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
+    "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
     "packers/_attention/",
 )
+
+
+FAST_TIMEOUT = 120
+"""Seconds a fast-tier test may take before pytest-timeout fails it (the slowest takes about 10 s)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,3 +108,5 @@ def pytest_collection_modifyitems(config, items):
         slow = (path in SLOW_MODULES and not item.nodeid.startswith(FAST_CASES)) or item.nodeid.startswith(SLOW_CASES)
         if slow:
             item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT))
