@@ -46,7 +46,7 @@ def deadline(seconds: float = BOUND_S) -> Iterator[None]:
 
 
 def _verify(folder: Path) -> str | None:
-    from pipeline._tools.verify import verify
+    from tests._internals import verify
 
     report = verify(str(folder), None, announce=lambda line: None)
     for p in report.problems:
@@ -55,7 +55,7 @@ def _verify(folder: Path) -> str | None:
 
 
 def _inspect(folder: Path) -> None:
-    from pipeline._tools.inspect import inspect
+    from tests._internals import inspect
 
     inspect(str(folder))
 
@@ -68,7 +68,7 @@ def _load(folder: Path) -> None:
 
 
 def _overwrite(folder: Path) -> None:
-    from pipeline import _output
+    from tests._internals import _output
 
     copy = folder.parent / f"{folder.name}-overwrite"
     if copy.exists():

@@ -16,8 +16,7 @@ import sys
 
 
 def _install(target: tuple[str, int] | None, counts: dict[str, int]) -> None:
-    from pipeline import _read, _rows, _spill, _write
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder, _read, _rows, _spill, _write
 
     def hit(phase: str) -> None:
         counts[phase] = counts.get(phase, 0) + 1

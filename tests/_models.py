@@ -95,7 +95,7 @@ def cpu_varlen(monkeypatch) -> str:
     """Register packstream_varlen with :func:`reference_varlen_attn` as its kernel, on CPU and in fp32 too, for the
     rest of the test (``monkeypatch`` undoes it); returns the backend's name."""
     from packers import register_varlen_attention
-    from packers._attention._varlen import VARLEN
+    from tests._internals import VARLEN
 
     monkeypatch.setattr(VARLEN, "kernel", lambda: reference_varlen_attn)
     monkeypatch.setattr(VARLEN, "devices", ("cuda", "cpu"))

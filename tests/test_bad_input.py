@@ -36,9 +36,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline import PackOptions
-from pipeline._formats import Conversation, Reason, Rejected
-from pipeline._options import FormatOptions
 from pipeline.cli import main
+from tests._internals import Conversation, FormatOptions, Reason, Rejected
 from tests.test_verify import read_rows
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
@@ -452,7 +451,7 @@ def test_dangling_symlink_and_unreadable_file(tmp_path, monkeypatch):
     if os.geteuid() != 0:  # root reads anything: simulate the permission error instead
         src.chmod(0)
     else:  # local files are opened by pipeline._read.open_raw (no Beam), which the launch check uses first
-        from pipeline._read import _inputs
+        from tests._internals import _inputs
 
         real_open = _inputs.open_raw
 
@@ -575,7 +574,7 @@ MALICIOUS_TEMPLATES = {
 @pytest.mark.parametrize("name", sorted(MALICIOUS_TEMPLATES))
 def test_malicious_chat_template_is_a_template_error(tmp_path, monkeypatch, name):
     """Templates render only in transformers' sandboxed Jinja: no attribute escapes, no files."""
-    from pipeline._render import Renderer
+    from tests._internals import Renderer
 
     monkeypatch.chdir(tmp_path)
     r = Renderer(PackOptions(inputs=("x",), output="y", chat_template=MALICIOUS_TEMPLATES[name]))
@@ -605,7 +604,7 @@ def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
 
     from packers import PackstreamError
     from pipeline import DEFAULT_TOKENIZER
-    from pipeline._tokenizer import load_tokenizer
+    from tests._internals import _job, load_tokenizer
 
     assert PackOptions(inputs=("x",), output="y").trust_remote_code is False
     seen = []
@@ -625,7 +624,7 @@ def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
     assert load_tokenizer.__wrapped__(DEFAULT_TOKENIZER, True).is_fast and len(seen) == 2
     # The CLI maps --trust-remote-code to the option, and leaves it off otherwise.
     captured = []
-    monkeypatch.setattr("pipeline._job.run", lambda options, *a, **kw: captured.append(options) or {"template_location": "-"})
+    monkeypatch.setattr(_job, "run", lambda options, *a, **kw: captured.append(options) or {"template_location": "-"})
     for extra in ([], ["--trust-remote-code"]):
         CliRunner().invoke(main, ["pack", "-o", "unused", "-q", *extra])
     assert [o.trust_remote_code for o in captured] == [False, True]

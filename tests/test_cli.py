@@ -127,7 +127,7 @@ def test_runner_and_beam_option_mistakes_are_one_error_line(tmp_path, src, args)
 
 def test_an_unknown_runner_names_the_valid_ones():
     from packers import PackstreamError
-    from pipeline._job import runner_args
+    from tests._internals import runner_args
 
     with pytest.raises(PackstreamError) as e:
         runner_args(["--runner", "FooRunner"])
@@ -138,7 +138,7 @@ def test_runner_args_take_both_spellings():
     """``--runner X`` is ``--runner=X``; DaskRunner becomes Beam's class path in either spelling."""
     from apache_beam.options.pipeline_options import StandardOptions
 
-    from pipeline._job import DASK_RUNNER, pipeline_options, runner_args
+    from tests._internals import DASK_RUNNER, pipeline_options, runner_args
 
     assert runner_args(["--runner", "DirectRunner", "--x=1"]) == ["--runner=DirectRunner", "--x=1"]
     assert runner_args(["--runner=DirectRunner"]) == ["--runner=DirectRunner"]

@@ -88,10 +88,8 @@ def test_a_config_mix_with_weights_and_a_validation_split(mix, tmp_path):
 def test_each_data_set_keeps_its_own_format_options(mix):
     """The records of each data set are read and encoded as the job reads and encodes them (the readers' data set
     index, the encode stage), each with its own format options; the shards store these tokens as they are."""
-    from pipeline import PackOptions, _read
-    from pipeline._encode import Encoder
-    from pipeline._options import FormatOptions, load_config
-    from pipeline._tokenizer import load_tokenizer
+    from pipeline import PackOptions
+    from tests._internals import Encoder, FormatOptions, _read, load_config, load_tokenizer
 
     options = PackOptions(config=load_config(str(mix), FormatOptions()), output="unused", max_tokens=256)
     files, _ = _read.expand_datasets(options.datasets())
@@ -170,7 +168,8 @@ def test_a_config_value_of_the_wrong_type_is_one_error_line_everywhere(tmp_path,
 
 
 def test_config_values_of_the_declared_types_are_read(tmp_path):
-    from pipeline._options import MAX_REPEAT, FormatOptions, TrainOn, load_config
+    from pipeline import TrainOn
+    from tests._internals import MAX_REPEAT, FormatOptions, load_config
 
     cfg = tmp_path / "mix.yaml"
     cfg.write_text("datasets:\n  - name: a\n    paths: [x.jsonl]\n    mask_reasoning: true\n    train_on: all\n"

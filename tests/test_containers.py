@@ -44,10 +44,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import _read
-from pipeline._encode import Encoder
-from pipeline._formats import Rejected
-from pipeline._options import PackOptions
+from pipeline import PackOptions
+from tests._internals import Encoder, Rejected, _read
 from tests.test_formats import SHAPES, load
 from tests.test_fuzz_formats import record_for
 

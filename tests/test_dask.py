@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 distributed = pytest.importorskip("dask.distributed", reason="needs dask[distributed]: pip install 'packstream[dask]'")
 
-from pipeline import _trace  # noqa: E402
 from pipeline.cli import bundled_sample, main  # noqa: E402
+from tests._internals import _trace  # noqa: E402
 
 
 def _inputs(tmp_path: Path) -> Path:

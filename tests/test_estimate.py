@@ -15,11 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline import OutputFormat, PackOptions, run
-from pipeline._read import _sample, sample
-from pipeline._tools.estimate import estimate, human_bytes
-from pipeline._options import FormatOptions, load_config
-from pipeline._read import expand_inputs, read_file
 from pipeline.cli import bundled_sample, main
+from tests._internals import (
+    FormatOptions, _sample, estimate, expand_inputs, human_bytes, load_config, read_file, sample,
+)
 from tests.conftest import GSM8K_FIELDS, shared_data
 
 ESTIMATE_KEYS = {

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline._formats import Rejected, _fast, _normalize, normalize
-from pipeline._options import FormatOptions
+from tests._internals import FormatOptions, Rejected, _fast, _normalize, normalize
 
 TEXT = st.one_of(st.sampled_from(["", " ", "\n", "hi", " padded ", "<think>r</think>a", "<think>", "é🚀", "\ud800"]),
                  st.text(max_size=12))

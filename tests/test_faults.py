@@ -28,10 +28,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import PackOptions, run
-from pipeline import _read, _rows, _spill, _write
-from pipeline._encode import Encoder
-from pipeline._tools.verify import verify
 from pipeline.cli import bundled_sample
+from tests._internals import Encoder, _read, _rows, _spill, _write, verify
 
 
 def digest(folder) -> dict[str, str]:

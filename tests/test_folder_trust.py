@@ -39,8 +39,8 @@ from click.testing import CliRunner
 
 from packers import ContractError, PackedDataset, PackstreamError, Sampling
 from pipeline import PackOptions, run
-from pipeline._tools.verify import verify
 from pipeline.cli import bundled_sample, main
+from tests._internals import verify
 from tests._abuse import READERS, deadline, outcome, outcomes, replace_file
 from tests._shards import recount
 
@@ -290,7 +290,7 @@ def test_dead_letters_that_are_not_a_file_are_one_line(out, kind):
 
 def test_a_big_dead_letter_file_is_read_line_by_line(out, monkeypatch):
     """rejected.jsonl may be large: read one line at a time, each line within the cap (lowered here)."""
-    from pipeline._tools.verify import _folder as v  # where rejected.jsonl is read
+    from tests._internals import _verify_folder as v  # where rejected.jsonl is read
 
     lines = (out / "rejected.jsonl").read_text().splitlines()
     assert len(lines) == 3

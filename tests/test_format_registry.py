@@ -24,11 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pipeline._formats as formats
-from pipeline._formats import NOTE_KEYS, ORDER, REGISTRY, Rejected, conversations, detect
-from pipeline._formats._driver import read_as
-from pipeline._formats.detect import KNOWN_KEYS, by_name, shape_table
-from pipeline._options import Format, FormatOptions
+from pipeline import Format
+from tests._internals import (
+    KNOWN_KEYS, NOTE_KEYS, ORDER, REGISTRY, FormatOptions, Rejected, _formats as formats, by_name, conversations,
+    detect, read_as, shape_table,
+)
 from tests.test_formats import SHAPES, load
 
 ROOT = Path(__file__).resolve().parents[1]

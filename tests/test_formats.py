@@ -24,11 +24,12 @@ from typing import Any, Optional
 
 import pytest
 
-from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Fix, Reason, Rejected, conversations, detect, normalize, parse_path, resolve
-from pipeline._formats._fix import KEY, ROLE
-from pipeline._options import FormatOptions, PackOptions
+from pipeline import PackOptions
 from packers import PackstreamError
+from tests._internals import (
+    KEY, ROLE, Conversation, Encoder, Fix, FormatOptions, Reason, Rejected, conversations, detect, normalize,
+    parse_path, resolve,
+)
 
 SHAPES_DIR = Path(__file__).parent / "shapes"
 IM_S, IM_E = "<|im_start|>", "<|im_end|>"

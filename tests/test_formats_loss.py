@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline._encode import Encoder
-from pipeline._formats import Reason, Rejected, _fast, _normalize, normalize
-from pipeline._options import FormatOptions
+from tests._internals import Encoder, FormatOptions, Reason, Rejected, _fast, _normalize, normalize
 from tests.test_formats import _examples, pack_options
 
 
@@ -117,7 +115,7 @@ STRICT = ("{%- for m in messages -%}{%- if loop.index0 > 0 and m.role == message
 
 
 def test_a_template_that_refuses_same_role_turns_dead_letters_them_with_a_reason():
-    from pipeline._render import Renderer
+    from tests._internals import Renderer
 
     rec = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "NOT TRAINED", "weight": 0},
                              {"from": "gpt", "value": "DEFAULT"}]}

@@ -21,9 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._encode import Encoder
-from pipeline._formats import NOTE_KEYS, REGISTRY, Reason, Rejected, normalize
-from pipeline._options import FormatOptions, PackOptions
+from pipeline import PackOptions
+from tests._internals import NOTE_KEYS, REGISTRY, Encoder, FormatOptions, Reason, Rejected, normalize
 from tests.test_render import QWEN_LIKE
 
 ALIASES = {"user": "user", "human": "user", "prompter": "user", "Human": "user", "USER": "user",

@@ -23,9 +23,7 @@ import pytest
 import torch
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
-from packers._attention._guard import GUARD
-from packers._attention._probe import layout
-from packers._attention._varlen import VARLEN
+from tests._internals import GUARD, VARLEN, probe_layout as layout
 from tests._models import TOL, VOCAB, max_diff, tiny_model, tiny_opt
 from tests._shards import make_row, random_examples
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard
-from packers._attention import cached_verdict
-from packers._attention._probe import batch_rope, layout, run_probe, special_lengths
+from tests._internals import batch_rope, cached_verdict, probe_layout as layout, run_probe, special_lengths
 from tests._models import TOL, VOCAB, cpu_varlen as use_cpu_varlen, max_diff, tiny_model, tiny_opt
 from tests._shards import Example, make_row
 

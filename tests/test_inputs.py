@@ -43,10 +43,9 @@ from hypothesis import strategies as st
 import packers
 from packers import PackstreamError
 from packers.files import MAX_JSON_DEPTH
-from pipeline import _read
-from pipeline._formats import Reason, Rejected
-from pipeline._options import PackOptions
+from pipeline import PackOptions
 from pipeline.cli import main
+from tests._internals import Reason, Rejected, _read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +131,7 @@ def test_integers_stay_exact(tmp_path, kind):
     p.write_text("\n".join(json.dumps(r) for r in records) if kind == "jsonl" else json.dumps(records))
     got = [r for _, r in read_all(p, kind)]
     assert got == records and all(type(r["id"]) is int for r in got)
-    from pipeline._rows import example_id
+    from tests._internals import example_id
 
     assert len({example_id("a", 0, r) for r in got}) == len(values)
 
@@ -210,7 +209,7 @@ def test_long_lines_are_never_held(tmp_path):
 def test_one_id_at_one_place_stops_the_run():
     import numpy as np
 
-    from pipeline._rows import ExampleBatch, dedupe
+    from tests._internals import ExampleBatch, dedupe
 
     def batch(ids, sources, positions):
         n = len(ids)
@@ -278,7 +277,7 @@ def test_deep_json_costs_that_item_alone(tmp_path):
     """An item nested 100,000 levels deep in a JSON array never leaves the reader as a value: it is refused at its
     position, so the encode stage dead-letters it exactly as ``pack`` writes it to rejected.jsonl and packs the
     rest; preview shows it refused, and estimate's sample and estimate run over it."""
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder
 
     good = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
     body = [json.dumps(g).encode() for g in good]
@@ -342,7 +341,7 @@ def test_config_file(tmp_path, kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
 def test_tokenizer_folder(tmp_path, kind, name):
-    from pipeline._tokenizer import default_tokenizer_path
+    from tests._internals import default_tokenizer_path
 
     folder = tmp_path / "tok"
     folder.mkdir()
@@ -600,11 +599,8 @@ def test_fuzz_json_reader(tmp_path_factory, seed):
 def test_fuzz_through_the_job(tmp_path, monkeypatch, seed):
     """The corpora of one seed, packed by the real job in tasks of 1 KiB; verify --inputs reconciles."""
     from pipeline import run
-    from pipeline._rows import example_id
-    from pipeline._tools.verify import verify
+    from tests._internals import _tasks, example_id, verify
     from tests.test_verify import read_rows
-
-    from pipeline._read import _tasks
 
     monkeypatch.setattr(_tasks, "TASK_BYTES", 1024)
     data = tmp_path / "in"

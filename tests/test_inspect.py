@@ -21,8 +21,8 @@ from PIL import Image
 
 from packers import PackstreamError
 from pipeline import OutputFormat, PackOptions, run
-from pipeline._tools.inspect import PERCENTILES, PLOTS, PLOTS_MARK, REPORT_KEYS, SCHEMA_VERSION, inspect
 from pipeline.cli import bundled_sample, main
+from tests._internals import PERCENTILES, PLOTS, PLOTS_MARK, REPORT_KEYS, SCHEMA_VERSION, inspect
 
 BUDGET = 256
 

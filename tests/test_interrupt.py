@@ -35,8 +35,8 @@ import pytest
 from click.testing import CliRunner
 
 import packers
-from pipeline._workers import signals
 from pipeline.cli import bundled_sample, main
+from tests._internals import signals
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["-q", "--max-tokens", "256", "--group-size", "16", "--num-shards", "3", "--batch-size", "8",

@@ -10,11 +10,11 @@ import pickle
 import pytest
 
 from packers import InternalError, PackstreamError
-from pipeline import PackOptions, _read, _spill
-from pipeline._job._commit import Reports, Verdict
-from pipeline._job._context import Inputs, decide
-from pipeline._job._outputs import Failure, Flags, Packed, Rejects, Spilled, Stats, Written, cannot_write, only, reports
-from pipeline._job._runner import DASK_RUNNER, beam_flags, runner_args, unknown_beam_args
+from pipeline import PackOptions
+from tests._internals import (
+    DASK_RUNNER, Failure, Flags, Inputs, Packed, Rejects, Reports, Spilled, Stats, Verdict, Written, _read, _spill,
+    beam_flags, cannot_write, decide, only, reports, runner_args, unknown_beam_args,
+)
 
 TOKENIZER = {"name": "tok", "vocab_sha256": "0" * 64, "pad_token_id": 0, "eos_token_id": 2, "eos_token": "</s>"}
 

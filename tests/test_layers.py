@@ -126,3 +126,61 @@ def test_packing_needs_no_torch_and_training_no_pipeline():
             assert not any(x == "torch" or x.startswith("torch.") for x in names), f"{m} imports torch at module level"
         if m.startswith("packers"):
             assert not any(x.startswith("pipeline") for x in names), f"{m} imports the pipeline"
+
+
+def _private_imports(source: str) -> list[tuple[int, str]]:
+    """The imports in ``source`` that reach a private module or name of pipeline or packers (a dotted component
+    that starts with ``_``, dunders aside), at module level or inside a function: ``(line, what it imports)``."""
+
+    def private(dotted: str) -> bool:
+        return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in dotted.split("."))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [f"{node.module}.{a.name}" for a in node.names]  # `from pipeline import _read`: pipeline._read
+        else:
+            continue
+        found += [(node.lineno, t) for t in targets if t.split(".")[0] in ("pipeline", "packers") and private(t)]
+    return sorted(found)
+
+
+def test_tests_reach_internals_only_through_internals():
+    """The tests reach private modules and names through tests/_internals.py alone: moving an internal edits that
+    one file, not the tests that use it."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {target}"
+             for path in sorted((ROOT / "tests").glob("*.py")) if path.name != "_internals.py"
+             for line, target in _private_imports(path.read_text())]
+    assert not found, "import these from tests._internals:\n" + "\n".join(found)
+
+
+def test_private_imports_are_found_at_module_level_and_inside_functions():
+    planted = (
+        "import pipeline._render\n"
+        "import pipeline._tools.verify as v\n"
+        "from pipeline import PackOptions, _render\n"
+        "from packers._pack import pack\n"
+        "from pipeline.cli import _helper\n"
+        "\n"
+        "def test_x():\n"
+        "    from pipeline._formats import Rejected\n"
+        "    import packers._attention._varlen\n"
+    )
+    assert _private_imports(planted) == [
+        (1, "pipeline._render"), (2, "pipeline._tools.verify"), (3, "pipeline._render"), (4, "packers._pack.pack"),
+        (5, "pipeline.cli._helper"), (8, "pipeline._formats.Rejected"), (9, "packers._attention._varlen"),
+    ]
+    clean = (
+        "import _thread\n"
+        "import pipeline, pipeline.cli\n"
+        "from pipeline import PackOptions, __version__, run\n"
+        "from packers import Collator, pack\n"
+        "from other._private import x\n"
+        "from tests._internals import Encoder, _render\n"
+        "\n"
+        "def test_x():\n"
+        "    from packers.schema import SCHEMA\n"
+    )
+    assert _private_imports(clean) == []

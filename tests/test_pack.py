@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packers import LongPolicy, PackResult, PackstreamError, Strategy, pack, pack_stream
-from packers._pack import _pack_per_item
+from tests._internals import _pack_per_item
 
 ROWS = lambda r: [row.tolist() for row in r.rows]  # noqa: E731
 

@@ -17,8 +17,7 @@ import pytest
 
 import packers
 from pipeline import PackOptions, run
-from pipeline._tokenizer import load_tokenizer
-from pipeline._tools.verify import verify
+from tests._internals import load_tokenizer, verify
 from tests.test_pipeline import _rows
 
 WORDS = "alpha beta gamma delta prime river stone cloud seven ninety quiet answer".split()
@@ -99,7 +98,7 @@ def test_pack_pairs_round_trip(tmp_path, long):
 def test_prompts_that_tokenize_differently_are_dead_lettered(monkeypatch):
     """The prompt's tokens are compared, not just its messages: a template whose rendering is not a function of
     the messages alone (a date from strftime_now, read at each call) could give the two sides different prompts."""
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder
 
     encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
     real = encoder.renderer.segments
@@ -121,7 +120,7 @@ def test_prompts_that_tokenize_differently_are_dead_lettered(monkeypatch):
 
 def test_encoder_pair_example():
     """One pair becomes one example: chosen tokens then rejected, the completion (answer, end of turn, EOS) the target."""
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder
 
     encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
     tok = encoder.renderer.tok
@@ -137,7 +136,7 @@ def test_encoder_pair_example():
 
 
 def test_preview_shows_both_sides():
-    from pipeline._tools.preview import format_preview, preview
+    from tests._internals import format_preview, preview
 
     items = preview(PackOptions(inputs=("tests/shapes/preference_trl.jsonl",), pairs=True), n=2)
     for it in items:
@@ -219,8 +218,7 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked(name):
     import torch
 
     from packers import Collator, sequence_logps
-    from pipeline import _rows
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder, _rows
     from tests._shards import Example, compact_vocab
     from tests._models import tiny_model
 

@@ -18,8 +18,7 @@ import pytest
 
 import packers
 from pipeline import PackOptions
-from pipeline._encode import Encoder
-from pipeline._read import expand_inputs, read_file
+from tests._internals import Encoder, expand_inputs, read_file
 from tests.conftest import GSM8K_FIELDS, shared_data
 
 BUDGETS = (2048, 4096, 8192)

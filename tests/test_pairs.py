@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 import packers
 from packers import ContractError, PackstreamError, Side, pack, pack_pairs, validate_row
 from packers.manifest import RowChecks
-from packers._pairs import truncate_pairs
 from packers.rowcheck import Batch, check_batch, gather
-from pipeline import _rows
-from pipeline._options import PackOptions
+from pipeline import PackOptions
+from tests._internals import _rows, truncate_pairs
 from tests._shards import Pair, make_pair_row, make_row, random_examples, random_pairs
 
 PROPS = settings(max_examples=150, deadline=None)

@@ -15,8 +15,8 @@ import pytest
 
 import packers
 from pipeline import PackOptions, run
-from pipeline._tokenizer import load_tokenizer
 from pipeline.cli import bundled_sample
+from tests._internals import load_tokenizer
 from tests.conftest import GSM8K_FIELDS, shared_data
 
 

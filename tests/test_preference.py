@@ -17,9 +17,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pipeline._formats import Reason, Rejected, normalize
-from pipeline._formats.preference import layout, preference_turns
-from pipeline._options import FormatOptions
+from tests._internals import FormatOptions, Reason, Rejected, normalize, preference_layout as layout, preference_turns
 from tests.test_formats import SHAPES, load
 
 CHOSEN, REJECTED = FormatOptions(preference="chosen"), FormatOptions(preference="rejected")
@@ -213,7 +211,7 @@ LABELLED = {  # name: (options, write(record, a, b, picks) -> record, prompt in 
 def test_named_fields_pick_the_preferred_answer(pair, kind, first):
     """The answer the label picks is the chosen side, the other the rejected one, under the prompt; every field
     the options do not name is counted as ignored (nested neighbours of a path too)."""
-    from pipeline._formats import pair_conversations
+    from tests._internals import pair_conversations
 
     _, _, q, a, b = pair
     opts, write_ = LABELLED[kind]
@@ -241,7 +239,7 @@ def test_named_fields_pick_the_preferred_answer(pair, kind, first):
                  "tie": 1}, "disagree"),  # a tie: the two columns pick different answers
 ])
 def test_a_tie_or_a_missing_label_is_no_preference(kind, rec, words):
-    from pipeline._formats import pair_conversations
+    from tests._internals import pair_conversations
 
     with pytest.raises(Rejected) as e:
         pair_conversations(rec, FormatOptions(**LABELLED[kind][0]))
@@ -249,7 +247,7 @@ def test_a_tie_or_a_missing_label_is_no_preference(kind, rec, words):
 
 
 def test_named_fields_missing_or_beside_a_layouts_fields():
-    from pipeline._formats import pair_conversations
+    from tests._internals import pair_conversations
 
     o = FormatOptions(**LABELLED["pku"][0])
     with pytest.raises(Rejected) as e:
@@ -285,7 +283,7 @@ def test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason():
     """Fuzzed values under the named fields (answers, labels, prompts of every JSON type): each record is one
     packed pair or one dead letter with a reason; nothing else escapes."""
     from pipeline import PackOptions
-    from pipeline._encode import Encoder
+    from tests._internals import Encoder
     from tests.test_fuzz_formats import REASONS, SETTINGS, json_values, leaves, turns_
 
     encoder = Encoder(PackOptions(inputs=("-",), pairs=True, pair_sides="r.a,r.b", pair_prompt="ctx",
@@ -338,7 +336,7 @@ def test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason():
 def test_ranked_answers_pick_the_best_and_the_worst(q, items, best):
     """--pair-ranked: the best-scored answer is chosen and the worst rejected (ties: the first in list order);
     unscored items are skipped and counted; fewer than two distinct scores is no_preference."""
-    from pipeline._formats import pair_conversations
+    from tests._internals import pair_conversations
 
     rec = {"instruction": q, "completions": [{"response": a, "overall_score": s, "model": "m"} for a, s in items]}
     o = FormatOptions(pair_ranked="completions=response/overall_score", pair_best=best)
@@ -362,7 +360,7 @@ def test_ranked_answers_pick_the_best_and_the_worst(q, items, best):
 
 
 def test_ranked_answers_that_cannot_be_read():
-    from pipeline._formats import pair_conversations
+    from tests._internals import pair_conversations
 
     o = FormatOptions(pair_ranked="answers=answer/rank", pair_best="low")
     for rec, reason in (({"prompt": "q", "answers": "a"}, Reason.BAD_TYPE),

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline._formats import detect
-from pipeline._options import FormatOptions, PackOptions
-from pipeline._tools.preview import format_preview, inputs, preview
+from pipeline import PackOptions
 from pipeline.cli import main
+from tests._internals import FormatOptions, detect, format_preview, inputs, preview
 from tests.conftest import GSM8K_FIELDS, shared_data
 from tests.test_formats import SHAPES, SHAPES_DIR, chatml, load
 

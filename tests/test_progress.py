@@ -11,9 +11,8 @@ import tempfile
 import pytest
 from click.testing import CliRunner
 
-from pipeline import _progress
-from pipeline._progress import LogFormat, Progress
 from pipeline.cli import main
+from tests._internals import LogFormat, Progress, _progress
 
 PROGRESS_KEYS = {"event", "stage", "elapsed_s", "records_read", "records_encoded", "records_total",
                  "examples_tokenized", "tokens", "rows", "percent", "rate_per_s", "rate_unit", "eta_s"}

@@ -16,11 +16,10 @@ import time
 import pytest
 
 from packers import PackstreamError
-from pipeline import _render
-from pipeline._encode import Encoder
-from pipeline._formats import Conversation, Reason, Rejected, normalize
-from pipeline._options import FormatOptions, PackOptions
-from pipeline._render import BUILTIN_CHATML, Renderer, merge_runs
+from pipeline import PackOptions
+from tests._internals import (
+    BUILTIN_CHATML, Conversation, Encoder, FormatOptions, Reason, Rejected, Renderer, _render, merge_runs, normalize,
+)
 
 QWEN_LIKE = r"""
 {%- if tools %}
@@ -423,7 +422,7 @@ def test_an_empty_template_file_is_an_error_not_the_builtin(tmp_path):
 
 
 def test_template_problems_are_one_error_at_launch_before_any_output(tmp_path):
-    from pipeline import _job
+    from tests._internals import _job
 
     data = tmp_path / "a.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n')
@@ -438,8 +437,7 @@ def test_template_problems_are_one_error_at_launch_before_any_output(tmp_path):
 def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys):
     import shutil
 
-    from pipeline import _job
-    from pipeline._tokenizer import default_tokenizer_path
+    from tests._internals import _job, default_tokenizer_path
 
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -457,7 +455,7 @@ def test_a_tokenizer_without_eos_packs_with_a_warning(tmp_path, capsys):
 def test_a_template_that_never_ends_is_one_launch_error(tmp_path, monkeypatch):
     """The start-up probe sees the render time out: one error (exit 2) before any output, not a timeout per
     record (1,000 records took 2.8 h)."""
-    from pipeline import _job, _render
+    from tests._internals import _job, _render
 
     monkeypatch.setattr(_render, "TEMPLATE_SECONDS", 0.5)
     data = tmp_path / "a.jsonl"
@@ -473,7 +471,7 @@ def _tokenizer_with_eos(tmp_path, eos: str):
     import json
     import shutil
 
-    from pipeline._tokenizer import default_tokenizer_path
+    from tests._internals import default_tokenizer_path
 
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -505,7 +503,7 @@ def test_an_eos_the_vocabulary_does_not_hold_as_one_token_is_a_launch_error(tmp_
 
 
 def test_an_eos_that_is_one_token_of_the_vocabulary_packs(tmp_path):
-    from pipeline import _job
+    from tests._internals import _job
 
     tok = _tokenizer_with_eos(tmp_path, "hello")  # an odd EOS, but one token that encodes to itself
     data = tmp_path / "a.jsonl"

@@ -192,7 +192,7 @@ def test_a_lock_whose_pid_is_alive_but_another_process_is_stale(tmp_path, live_p
 
 def test_a_lock_removed_by_hand_leaves_a_folder_overwrite_still_clears(tmp_path, live_pid):
     """The message for a live-looking lock says `rm` it; what the run left is still packstream's (its guard card)."""
-    from pipeline import _write
+    from tests._internals import _write
 
     src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     out = tmp_path / "out"
@@ -264,7 +264,7 @@ def test_a_chat_template_that_is_not_utf8(tmp_path):
 
 
 def test_disk_full_while_writing_is_one_error_line_and_a_failed_manifest(tmp_path, monkeypatch):
-    from pipeline import _write
+    from tests._internals import _write
 
     src = write_jsonl(tmp_path / "in.jsonl", [GOOD], n=50)
     real = _write.ShardWriter.write
@@ -284,7 +284,7 @@ def test_disk_full_while_writing_is_one_error_line_and_a_failed_manifest(tmp_pat
 def test_a_user_error_a_step_finds_is_one_error_line_and_a_failed_manifest(tmp_path, monkeypatch):
     """A user error found by a step (here: an input that changed under the run) travels to the commit as a
     typed failure; the launcher raises it from the failed manifest: one line, exit 2, nothing left over."""
-    from pipeline import _read
+    from tests._internals import _read
 
     def read_task(task, max_bytes):
         raise packers.PackstreamError(f"input {task.file.source} changed while it was read; pack it again")

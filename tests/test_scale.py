@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import PackOptions, _read, _trace, run
-from pipeline._workers import parallel
+from pipeline import PackOptions, run
+from tests._internals import _read, _trace, parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,7 +206,7 @@ def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
 
 
 def test_a_handoff_without_a_pool_starts_a_cold_worker(tmp_path):
-    from pipeline._workers import handoff
+    from tests._internals import handoff
 
     (tmp_path / "lock").touch()
     assert handoff._claim(str(tmp_path)) is None  # nothing listening: the handoff becomes a cold worker

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packers import Balance, Batching, BatchBy, CostModel, PackstreamError, Sampling, Sharding
-from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denominators
+from tests._internals import Rows, Schedule, ranks, schedule_epoch, step_denominators
 
 
 def schedule(rows: Rows, epoch: int = 0, *, world_size: int = 1, seed: int = 0, shuffle: bool = True,

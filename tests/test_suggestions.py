@@ -21,10 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._formats import Fix, Hole, Reason, Rejected, conversations
-from pipeline._options import FormatOptions, PackOptions
-from pipeline._tools.preview import preview
+from pipeline import PackOptions
 from packers import PackstreamError
+from tests._internals import Fix, FormatOptions, Hole, Reason, Rejected, conversations, preview
 from tests.test_formats import REFUSALS, SHAPES, load
 from tests.test_fuzz_formats import SKELETONS
 

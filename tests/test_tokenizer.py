@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pipeline._tokenizer import PlainTokenizer, default_tokenizer_path, load_tokenizer, tokenizer_identity
+from tests._internals import PlainTokenizer, default_tokenizer_path, load_tokenizer, tokenizer_identity
 
 TEXTS = ["Hello <|im_start|>user\nwhat is 2+2?<｜end▁of▁sentence｜>", "  émoji 🚀 and\ttabs\n\n", "", "<think>\nx\n</think>"]
 
@@ -60,6 +60,6 @@ def test_anything_unusual_goes_through_transformers(tmp_path, change):
     shutil.copytree(default_tokenizer_path(), folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
-    from pipeline import _tokenizer
+    from tests._internals import _tokenizer
 
     assert not _tokenizer._plain_ok(str(folder))

@@ -19,9 +19,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline._formats import Reason, Rejected, conversations
-from pipeline._options import FormatOptions
 from pipeline.cli import main
+from tests._internals import FormatOptions, Reason, Rejected, conversations
 from tests.test_formats import SHAPES_DIR, load
 
 ALL, BEST = FormatOptions(tree="prompt"), FormatOptions(tree="prompt", tree_paths="best")
@@ -117,7 +116,7 @@ def test_pack_gives_one_example_per_path_and_counts_reconcile(tmp_path):
 def test_tree_paths_without_a_tree_is_one_error():
     """--tree-paths chooses among a tree's paths: given alone it would change nothing, silently."""
     from packers import PackstreamError
-    from pipeline._options import FormatOptions, TreePaths
+    from tests._internals import FormatOptions, TreePaths
 
     with pytest.raises(PackstreamError, match=r"--tree-paths best .* needs --tree KEY"):
         FormatOptions(tree_paths=TreePaths.BEST)
@@ -126,7 +125,7 @@ def test_tree_paths_without_a_tree_is_one_error():
 
 def test_a_tree_of_too_many_paths_is_a_dead_letter_naming_best(monkeypatch):
     """A record of a few MB can hold 100,000 paths: bounded per record, with the option that reads it."""
-    from pipeline._formats import tree
+    from tests._internals import tree
 
     monkeypatch.setattr(tree, "MAX_PATHS", 8)
 

@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 import packers
 from pipeline import PackOptions, run
-from pipeline._tools.verify import options_from_config, verify
 from pipeline.cli import bundled_sample, main
+from tests._internals import options_from_config, verify
 
 
 def shard_paths(folder, split: str = "train") -> list[Path]:
@@ -574,7 +574,7 @@ def test_outputs_hold_no_pickle(packed):
     json.loads((out / "manifest.json").read_text())
     for line in (out / "rejected.jsonl").read_text().splitlines():
         json.loads(line)
-    import pipeline._tools.verify as v
+    from tests._internals import _verify as v
 
     for path in Path(v.__file__).parent.glob("*.py"):
         assert "pickle" not in path.read_text().replace("no pickle", ""), path
@@ -586,7 +586,7 @@ def test_outputs_hold_no_pickle(packed):
 
 def test_data_sets_with_weights_and_long_examples_reconcile(tmp_path):
     """A --config mix: a sampled half, a repeated set, split long examples; verify --inputs re-derives it all."""
-    from pipeline._options import FormatOptions, load_config
+    from tests._internals import FormatOptions, load_config
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n"
                                               for i in range(40)))
@@ -627,7 +627,7 @@ def test_data_sets_with_weights_and_long_examples_reconcile(tmp_path):
 def remote_code_run(tmp_path):
     """A run packed with a local tokenizer folder that later gains custom code (an ``auto_map`` whose
     module writes a marker file when imported), and a manifest that claims trust_remote_code."""
-    from pipeline._tokenizer import default_tokenizer_path, load_tokenizer
+    from tests._internals import default_tokenizer_path, load_tokenizer
 
     tok = tmp_path / "tok"
     tok.mkdir()
