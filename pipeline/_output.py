@@ -39,6 +39,8 @@ from typing import Optional, Sequence
 from packers import PackstreamError
 from packers.files import check_utf8_name, show_path
 from packers.manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
+from pipeline import _sink
+from pipeline._sink import Site
 from pipeline._write import GUARD_MARK, join
 
 OWN_NAMES = ("rejected.jsonl", "README.md", MANIFEST)
@@ -183,10 +185,10 @@ def _create_exclusive(path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` only if it does not exist; False if it does."""
     if not _is_remote(path):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            f = _sink.create(path, Site.LOCK, exclusive=True)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
+        with f:
             f.write(data)
         return True
     return _remote_create_exclusive(path, data)
@@ -228,7 +230,7 @@ def _remote_create_exclusive(path: str, data: bytes) -> bool:
 
     if FileSystems.exists(path):
         return False
-    with FileSystems.create(path) as f:
+    with _sink.create(path, Site.LOCK) as f:
         f.write(data)
     with FileSystems.open(path, compression_type="uncompressed") as f:
         return f.read() == data
@@ -407,7 +409,8 @@ def _guard(output: str, run_id: str) -> None:
 
     try:
         write_atomic(join(output, "README.md"), guard_card(
-            f"A packstream run (id {run_id}) is writing this folder, or was stopped before it finished.").encode())
+            f"A packstream run (id {run_id}) is writing this folder, or was stopped before it finished.").encode(),
+                     Site.CARD)
     except OSError as e:
         raise PackstreamError(f"--output {show_path(output)} cannot be written: {e.strerror or e}; choose a writable "
                               "folder") from None

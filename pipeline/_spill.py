@@ -41,7 +41,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
+from pipeline import _sink
 from pipeline._rows import ExampleBatch
+from pipeline._sink import Site
 
 SPILL_TOKENS = 2**20
 """A read task writes a spill file once it holds this many tokens (~5 MB; a few copies while writing) and starts the next."""
@@ -126,23 +128,14 @@ def read_piece(piece: Piece) -> pa.RecordBatch:
 @contextlib.contextmanager
 def _ipc_file(path: str, schema: pa.Schema) -> Iterator[pa.ipc.RecordBatchFileWriter]:
     """An Arrow IPC file writer on a local or remote path (its folder made as needed)."""
-    if _is_remote(path):
-        from apache_beam.io.filesystems import FileSystems
-
-        raw = FileSystems.create(path)
-        sink = pa.PythonFile(raw, mode="w")
-    else:
-        import os
-
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        raw, sink = None, pa.OSFile(path, "wb")
+    raw = _sink.create(path, Site.SPILL)
+    sink = pa.PythonFile(raw, mode="w")
     try:
         with pa.ipc.new_file(sink, schema) as w:
             yield w
     finally:
         sink.close()
-        if raw is not None:
-            raw.close()
+        raw.close()
 
 
 def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:

@@ -23,7 +23,9 @@ import pyarrow as pa
 import packers
 from packers import PackstreamError
 from packers.manifest import shard_name  # noqa: F401 - the writers' name for shards
+from pipeline import _sink
 from pipeline._rows import reject_sort_key
+from pipeline._sink import Site
 
 
 SHARD_TOKENS = 64 * 2**20
@@ -136,14 +138,15 @@ def read_manifest(folder: str, *, consistent: bool = True, files_only: bool = Fa
                          files_only=files_only)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary sibling and a rename."""
+def write_atomic(path: str, data: bytes, site: Site) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename (``site``: what it is, for the one
+    door every output write goes through, :func:`pipeline._sink.create`)."""
     from apache_beam.io.filesystems import FileSystems
 
     folder, name = posixpath.split(path) if "://" not in path else path.rsplit("/", 1)
     tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
     try:
-        with FileSystems.create(tmp) as f:
+        with _sink.create(tmp, site) as f:
             f.write(data)
         if "://" not in path:
             import os
@@ -200,8 +203,6 @@ class ShardWriter:
     """
 
     def __init__(self, folder: str, name: str, schema: pa.Schema, output_format: str):
-        from apache_beam.io.filesystems import FileSystems
-
         from packers.manifest import shard_place
         from packers.schema import place_metadata
 
@@ -213,8 +214,7 @@ class ShardWriter:
                                                      shard_count=place[2]))
         self.path, self.name, self.schema = join(folder, name), name, schema
         self.tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
-        self._raw = FileSystems.create(self.tmp, mime_type="application/octet-stream",
-                                       compression_type="uncompressed")
+        self._raw = _sink.create(self.tmp, Site.SHARD)
         self._sink = _HashingFile(self._raw)
         if output_format == "parquet":
             import pyarrow.parquet as pq
@@ -307,7 +307,8 @@ def write_reject_part(folder: str, name: str, records: list[dict]) -> Optional[s
         return None
     records = sorted(records, key=reject_sort_key)
     path = join(folder, f"rejects-{name}-{uuid.uuid4().hex[:12]}.jsonl")
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode())
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode(),
+                 Site.REJECTS)
     return path
 
 
@@ -327,7 +328,7 @@ def merge_rejected(folder: str, parts: Sequence[str]) -> tuple[dict[str, int], d
     first: dict[str, dict] = {}
     path = join(folder, "rejected.jsonl")
     tmp = join(folder, f".tmp-rejected.jsonl.{uuid.uuid4().hex}")
-    with FileSystems.create(tmp) as out:
+    with _sink.create(tmp, Site.REJECTS) as out:
         for _, line in heapq.merge(*(lines(p) for p in sorted(parts)), key=lambda t: t[0]):
             out.write(line)
             rec = json.loads(line)

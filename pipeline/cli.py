@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import click
 
-from packers import PackstreamError
+from packers import InternalError, PackstreamError
 from pipeline._exit import ExitCode
 from pipeline._progress import LogFormat
 from pipeline._report import printable, summary_table
@@ -253,7 +253,7 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
     --project=..., --setup_file=...) pass through to Beam; give them as --name=value.
     """
     from pipeline import _progress
-    from pipeline._job import TooManyRejected, run
+    from pipeline._job import Committed, Failed, Interrupted, TemplateLaunched, launch
 
     own = [o for p in click.get_current_context().command.params for o in getattr(p, "opts", [])]
     reporter = None
@@ -265,21 +265,24 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
             _print_estimate(options, sample, log_format, quiet)
             return
         reporter = _progress.for_cli(LogFormat(log_format), quiet, progress, log_interval)
-        manifest = run(options, beam_args, progress=reporter, quiet=quiet)
-    except TooManyRejected as e:
-        _fail(e, ExitCode.REJECTED, reporter, summary=e.manifest)
-    except signals.Interrupted as e:
-        _fail(e, e.exit_code, reporter)
-    except PackstreamError as e:  # a worker's user error too: it comes back as the failed manifest's error
+    except PackstreamError as e:
         _fail(e, reporter=reporter)
-    if "counts" not in manifest:  # a Flex Template launch: Dataflow runs the job graph later
-        if not quiet:
-            click.echo(f"job graph written to {manifest['template_location']}; Dataflow runs it next")
-        return
-    if reporter is not None:
-        reporter.done(manifest)
-    if not quiet and LogFormat(log_format) is LogFormat.TEXT:
-        click.echo(summary_table(manifest))
+    outcome = launch(options, beam_args, progress=reporter, quiet=quiet)
+    match outcome:
+        case Committed(manifest=manifest):
+            if reporter is not None:
+                reporter.done(manifest)
+            if not quiet and LogFormat(log_format) is LogFormat.TEXT:
+                click.echo(summary_table(manifest))
+        case TemplateLaunched(location=location):  # Dataflow runs the job graph later
+            if not quiet:
+                click.echo(f"job graph written to {location}; Dataflow runs it next")
+        case Failed(error=error, exit_code=code, manifest=manifest):  # a worker's user error too: the manifest's
+            _fail(error, code, reporter, summary=manifest if code == ExitCode.REJECTED else None)
+        case Interrupted(message=message):
+            _fail(message, outcome.exit_code, reporter)
+        case _:
+            raise InternalError(f"the launcher returned {outcome!r}, which is not an Outcome")
 
 
 def _quiet_logs(quiet: bool) -> None:

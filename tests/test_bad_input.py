@@ -624,7 +624,7 @@ def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
     assert load_tokenizer.__wrapped__(DEFAULT_TOKENIZER, True).is_fast and len(seen) == 2
     # The CLI maps --trust-remote-code to the option, and leaves it off otherwise.
     captured = []
-    monkeypatch.setattr(_job, "run", lambda options, *a, **kw: captured.append(options) or {"template_location": "-"})
+    monkeypatch.setattr(_job, "launch", lambda options, *a, **kw: captured.append(options) or _job.TemplateLaunched("-", {}))
     for extra in ([], ["--trust-remote-code"]):
         CliRunner().invoke(main, ["pack", "-o", "unused", "-q", *extra])
     assert [o.trust_remote_code for o in captured] == [False, True]

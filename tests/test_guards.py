@@ -10,6 +10,9 @@ that silently stopped looking would fail too.
 - **Seams**: a private name (``_x``, a module or a name in one) is imported only from inside the package that owns
   it: ``pipeline._job._launch`` may import ``pipeline._render`` (owned by ``pipeline``), not
   ``pipeline._formats._fix`` (owned by ``pipeline._formats``); a module's private names are owned by its package.
+- **One door for output writes**: no module of the job opens a file to write except ``pipeline/_sink.py``
+  (:data:`WRITES_ELSEWHERE` names the writes that are not under the output folder, each with its reason), so the
+  fault matrix of ``tests/test_write_faults.py`` reaches every write of a run.
 - **Import-time side effects**: importing any module of ``pipeline`` or ``packers`` changes no environment
   variable, no logger's level, handlers or propagation, and no signal handler.
 """
@@ -68,6 +71,36 @@ def size_violations(sources: dict[str, str]) -> list[str]:
             params = [p for p in params if p not in ("self", "cls")]
             if len(params) > MAX_PARAMETERS:
                 found.append(f"{where} (line {node.lineno}): {len(params)} parameters (limit {MAX_PARAMETERS})")
+    return found
+
+
+WRITES_ELSEWHERE = {
+    "pipeline/_job/_commit.py": "the outcome file, in the system's temp folder, for the launcher to read",
+    "pipeline/_progress.py": "progress counts, in the run's progress folder under the system's temp folder",
+    "pipeline/_trace.py": "trace spans, in the folder PACKSTREAM_TRACE names",
+    "pipeline/_workers/handoff.py": "the warm pool's lock, in the pool's temp folder",
+    "pipeline/_workers/signals.py": "stderr to /dev/null, and the test hook's marker file",
+    "pipeline/_tools/inspect.py": "inspect's plots, in --plots-dir (not a run's output)",
+    "packers/_folder.py": "the loader's cache of a remote folder's shards, under cache_dir",
+}
+
+
+def write_opens(source: str) -> list[int]:
+    """Lines that open a file to write: ``open(..., "w"|"a"|"x"|"+")``, ``os.open`` with a write flag,
+    ``os.fdopen(.., "w...")``, ``FileSystems.create``, ``pa.OSFile(.., "w...")``, ``Path.write_text/write_bytes``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+        writes_mode = not isinstance(mode, ast.Constant) or any(c in str(mode.value) for c in "wax+")
+        if name.endswith(("FileSystems.create", "write_text", "write_bytes")):
+            found.append(node.lineno)
+        elif name == "os.open" and any(f in ast.unparse(node) for f in ("O_WRONLY", "O_RDWR", "O_CREAT")):
+            found.append(node.lineno)
+        elif (name in ("open", "io.open", "os.fdopen") or name.endswith("OSFile")) and mode is not None and writes_mode:
+            found.append(node.lineno)
     return found
 
 
@@ -189,6 +222,17 @@ def test_importing_any_module_changes_no_environment_logger_or_signal():  # slow
     assert len(found) == len(modules()) and {m: fx for m, fx in found.items() if fx} == {}
 
 
+def test_every_output_write_goes_through_the_one_door():
+    found = {}
+    for m, (path, _) in modules().items():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel != "pipeline/_sink.py" and (lines := write_opens(path.read_text())) and rel not in WRITES_ELSEWHERE:
+            found[rel] = lines
+    assert found == {}, "open output files through pipeline._sink.create (or name the write in WRITES_ELSEWHERE)"
+    gone = [p for p in WRITES_ELSEWHERE if not (ROOT / p).exists() or not write_opens((ROOT / p).read_text())]
+    assert not gone, f"WRITES_ELSEWHERE names files that write nothing now: {gone}"
+
+
 # -- each guard catches a planted violation ---------------------------------------------------------------------------
 
 
@@ -239,3 +283,20 @@ def test_the_import_guard_catches_a_module_that_sets_the_environment_a_logger_or
     [sig] = found["planted.sig"]
     assert sig.startswith("signals 10: '<Handlers.SIG_DFL: 0>' -> '<function <lambda>"), sig
     assert found["planted.clean"] == []
+
+
+def test_the_door_guard_catches_every_way_to_open_a_file_to_write():
+    planted = textwrap.dedent("""
+        import os, pyarrow as pa
+        from apache_beam.io.filesystems import FileSystems
+        open(p, "wb")
+        open(p, mode="a")
+        os.open(p, os.O_CREAT | os.O_WRONLY)
+        os.fdopen(fd, "w")
+        FileSystems.create(p)
+        pa.OSFile(p, "wb")
+        path.write_text("x")
+        open(p, "xb" if exclusive else "wb")
+        open(p), open(p, "rb"), os.open(p, os.O_RDONLY), pa.OSFile(p, "rb"), FileSystems.open(p)
+    """)
+    assert write_opens(planted) == [4, 5, 6, 7, 8, 9, 10, 11]

@@ -69,8 +69,9 @@ def test_the_commit_sums_the_reports_by_type():
 
 def test_a_failure_is_the_one_message_for_a_write_or_the_user_error():
     e = OSError(errno.ENOSPC, "No space left on device")
-    assert Failure.of(e).message == cannot_write(e) == "cannot write to --output (OSError: No space left on device)"
-    assert Failure.of(PackstreamError("input x changed; pack again")).message == "input x changed; pack again"
+    assert Failure.of(e, "out").message == cannot_write(e, "out") == \
+        "cannot write to --output out (OSError: No space left on device)"
+    assert Failure.of(PackstreamError("input x changed; pack again"), "out").message == "input x changed; pack again"
     failed = Verdict.failed("why")
     assert not failed.complete and failed.code == 2 and Verdict().complete
 

@@ -26,7 +26,7 @@ LAYERS = {
     "workers": {"pipeline._workers"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
-               "pipeline._exit", "pipeline._report"},
+               "pipeline._exit", "pipeline._report", "pipeline._sink"},
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",

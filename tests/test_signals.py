@@ -43,7 +43,7 @@ def test_a_signal_maps_to_its_exit_code_and_one_line(sig, monkeypatch, tmp_path,
         threading.Event().wait(10)  # the handler raises Stop here
         raise AssertionError("the signal was not handled")
 
-    monkeypatch.setattr(_job, "run", interrupted_run)
+    monkeypatch.setattr(_job, "launch", interrupted_run)
     r = CliRunner().invoke(main, ["pack", "-o", str(tmp_path / "out")])
     assert r.exit_code == 128 + signum, r.output
     assert r.stdout == "" and r.stderr == f"error: interrupted by SIG{sig}\n", r.output
@@ -60,8 +60,8 @@ def test_an_interrupted_run_says_what_its_folder_holds(state, words, monkeypatch
     assert line.startswith("interrupted by SIGTERM") and all(w in line for w in words), line
 
     def interrupted_run(options, beam_args=(), **kw):
-        raise signals.Interrupted(signal.SIGTERM, line)
+        return _job.Interrupted(signal.SIGTERM, line)
 
-    monkeypatch.setattr(_job, "run", interrupted_run)
+    monkeypatch.setattr(_job, "launch", interrupted_run)
     r = CliRunner().invoke(main, ["pack", "-o", str(tmp_path / "out")])
     assert r.exit_code == 143 and r.stderr == f"error: {line}\n", r.output

@@ -42,11 +42,14 @@ The modules, one job each::
     _steps     the DoFns and the graph
     _commit    Finalize: counts (_counts), status, manifest, commit; stopped() for a run that did not finish
     _runner    Beam's options and the runner, through Beam's public API
-    _launch    run(): prepare, then one ExitStack of the run's resources (the folder's claim, the spill,
+    _outcome   how a run ended, as a type: Committed, Failed, TemplateLaunched, Interrupted
+    _launch    launch() -> Outcome, and run() -> manifest: prepare, then one ExitStack of the run's resources (the folder's claim, the spill,
                the warm workers, progress) around the job
 """
 
-from pipeline._job._launch import TooManyRejected, run
+from pipeline._job._launch import launch, run
+from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, TooManyRejected
 from pipeline._job._runner import DASK_RUNNER, beam_flags, pipeline_options, runner_args, unknown_beam_args
 
-__all__ = ["DASK_RUNNER", "TooManyRejected", "beam_flags", "pipeline_options", "run", "runner_args", "unknown_beam_args"]
+__all__ = ["DASK_RUNNER", "Committed", "Failed", "Interrupted", "Outcome", "TemplateLaunched", "TooManyRejected",
+           "beam_flags", "launch", "pipeline_options", "run", "runner_args", "unknown_beam_args"]

@@ -24,6 +24,7 @@ from pipeline._exit import ExitCode
 from pipeline._job._context import RunContext
 from pipeline._job._counts import count, reconcile, top_reasons
 from pipeline._job._outputs import Failure, Flags, Rejects, Stats, Written, cannot_write
+from pipeline._sink import Site
 from pipeline._workers import signals
 
 
@@ -106,7 +107,7 @@ def finalize(ctx: RunContext, items) -> dict:
         try:
             rejected, first = _write.merge_rejected(ctx.output, reports.parts)
         except (OSError, PackstreamError) as e:
-            reports.failures.append(Failure.of(e).message)
+            reports.failures.append(Failure.of(e, ctx.output).message)
     signals.at("commit")
     counts = count(ctx.options, reports.stats, reports.shards, rejected, first, check=not reports.failures)
     verdict = _verdict(ctx, counts, reports.failures)
@@ -121,7 +122,7 @@ def finalize(ctx: RunContext, items) -> dict:
         manifest = manifest_of(ctx, verdict, counts, shards, written, reports.flags)
         commit(ctx.output, manifest)
     except OSError as e:
-        manifest = manifest_of(ctx, Verdict.failed(cannot_write(e)), counts, [], ctx.planned_files(), reports.flags)
+        manifest = manifest_of(ctx, Verdict.failed(cannot_write(e, ctx.output)), counts, [], ctx.planned_files(), reports.flags)
         _record_outcome(ctx.outcome, manifest)
     remove_spill(ctx.spill)
     return manifest
@@ -167,17 +168,18 @@ def commit(output: str, manifest: dict) -> None:
     readme, path = _write.join(output, "README.md"), _write.join(output, MANIFEST)
     with signals.deferred():
         if manifest["status"] != Status.COMPLETE.value:
-            _write.write_atomic(readme, card)
-            _write.write_atomic(path, body)
+            _write.write_atomic(readme, card, Site.CARD)
+            _write.write_atomic(path, body, Site.MANIFEST)
             return
-        _write.write_atomic(path, body)  # the commit
+        _write.write_atomic(path, body, Site.MANIFEST)  # the commit
         try:
-            _write.write_atomic(readme, card)
-        except OSError:
+            _write.write_atomic(readme, card, Site.CARD)
+        except OSError as e:
             failed = {**manifest, "status": Status.FAILED.value, "exit_code": ExitCode.USER_ERROR,
-                      "error": "the dataset card README.md could not be written after the manifest"}
+                      "error": f"{cannot_write(e, output)}: the dataset card README.md could not be written after "
+                               "the manifest"}
             try:
-                _write.write_atomic(path, _json(failed))
+                _write.write_atomic(path, _json(failed), Site.MANIFEST)
             except OSError:
                 pass
             raise
@@ -232,7 +234,7 @@ def stopped(ctx: RunContext, claim: _output.Claim, verdict: Verdict) -> str:
         try:
             m = written_manifest(ctx.output)
             if m is not None and m.get("status") == Status.COMPLETE.value:
-                _write.write_atomic(_write.join(ctx.output, "README.md"), _write.dataset_card(m).encode())
+                _write.write_atomic(_write.join(ctx.output, "README.md"), _write.dataset_card(m).encode(), Site.CARD)
                 state = "complete"
             elif m is not None:
                 state = "failed"

@@ -2,6 +2,7 @@
 
 ::
 
+    launch      prepare and run, ending in one Outcome (pipeline._job._outcome); run() turns it into the manifest
     prepare     the inputs, the tokenizer (checked once, here), the workers, Beam's options -> Launch
     run         one ExitStack; each resource is entered once and cleans up after itself, in reverse:
       owned       the output folder: the claim (lock, journal, guard card); released after the commit,
@@ -34,22 +35,14 @@ from packers import PackstreamError
 from packers.files import show_path
 from packers.manifest import MANIFEST, Status
 from pipeline import _output, _progress, _read, _trace, _write
-from pipeline._exit import ExitCode
 from pipeline._job._commit import Verdict, remove_spill, stopped
 from pipeline._job._context import Inputs, RunContext, decide
+from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, from_manifest
 from pipeline._job._runner import DASK_RUNNER, local_runner, pipeline_options
 from pipeline._job._steps import build
 from pipeline._options import PackOptions
 from pipeline._tokenizer import tokenizer_identity
 from pipeline._workers import on_dask, parallel, pool, signals
-
-
-class TooManyRejected(PackstreamError):
-    """The run packed nothing, or rejected more than ``--max-reject-fraction`` (the CLI exits with 3)."""
-
-    def __init__(self, message: str, manifest: Optional[dict] = None):
-        super().__init__(message)
-        self.manifest = manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,25 +68,33 @@ def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[
         *, quiet: bool = False) -> dict:
     """Build and run the whole job; returns the manifest. Raises PackstreamError on user error.
 
-    ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
-    changes the output. ``quiet``: print no warning. A Flex Template launch (``--template_location``)
-    only writes the job graph: Dataflow runs it later (and writes the manifest), so this returns the
-    config.
+    :func:`launch` with its outcome turned into a value or an error, for callers that want a manifest:
+    ``Committed`` -> the manifest; ``TemplateLaunched`` (``--template_location``: Dataflow runs the job graph
+    later and writes the manifest) -> ``{"config", "template_location"}``; ``Failed`` -> PackstreamError
+    (:class:`TooManyRejected` for exit code 3); ``Interrupted`` -> :class:`~pipeline._workers.signals.Interrupted`.
+    """
+    return launch(options, beam_args, progress, quiet=quiet).result()
 
-    Stopped by a signal (the CLI handles SIGINT, SIGTERM and SIGHUP: :mod:`pipeline._workers.signals`),
-    it raises :class:`~pipeline._workers.signals.Interrupted` once the folder is a failed output.
+
+def launch(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[_progress.Progress] = None,
+           *, quiet: bool = False) -> Outcome:
+    """Build and run the whole job; returns how it ended (:mod:`pipeline._job._outcome`), never raising for a user
+    error, a failed run or a signal: each is an outcome with its one line and exit code.
+
+    ``progress`` reports a local run while it runs (see :mod:`pipeline._progress`); it never
+    changes the output. ``quiet``: print no warning. A signal (the CLI handles SIGINT, SIGTERM and SIGHUP:
+    :mod:`pipeline._workers.signals`) ends as :class:`Interrupted` once the folder is a failed output.
     """
     started = time.time()
-    launch = prepare(options, beam_args, quiet=quiet)
-    manifest = _launched(launch, progress)
-    if "counts" not in manifest:  # a template launch
-        return manifest
-    manifest["elapsed_s"] = round(time.time() - started, 3)
-    if manifest["status"] != Status.COMPLETE.value:
-        if manifest.get("exit_code") == ExitCode.REJECTED:
-            raise TooManyRejected(manifest["error"], manifest)
-        raise PackstreamError(manifest.get("error") or "the run failed")
-    return manifest
+    try:
+        outcome = _launched(prepare(options, beam_args, quiet=quiet), progress)
+    except signals.Interrupted as e:
+        return Interrupted(e.signum, str(e))
+    except PackstreamError as e:
+        return Failed(str(e))
+    if isinstance(outcome, Committed):
+        outcome.manifest["elapsed_s"] = round(time.time() - started, 3)
+    return outcome
 
 
 def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool = False) -> Launch:
@@ -127,8 +128,9 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
                   pipe_opts.view_as(GoogleCloudOptions).template_location, tuple(avoid))
 
 
-def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> dict:
-    """Run the job with its resources held (see the module docstring): the manifest, or a template's config."""
+def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome:
+    """Run the job with its resources held (see the module docstring): what the folder's manifest records, or
+    the template launch the runner was asked for."""
     ctx = launch.ctx
     with contextlib.ExitStack() as stack:
         stack.enter_context(_owned(launch))
@@ -145,8 +147,8 @@ def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> dict:
                                                         budget=ctx.options.max_tokens))
         _run_job(dataclasses.replace(ctx, progress=folder), launch.pipe_opts, runner)
         if launch.template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
-            return {"config": ctx.options.to_dict(), "template_location": launch.template}
-        return _read_manifest(ctx)
+            return TemplateLaunched(launch.template, ctx.options.to_dict())
+        return _read_back(ctx)
 
 
 @contextlib.contextmanager
@@ -313,12 +315,14 @@ def _read_outcome(path: Optional[str]) -> Optional[dict]:
         return None
 
 
-def _read_manifest(ctx: RunContext) -> dict:
+def _read_back(ctx: RunContext) -> Outcome:
+    """The run's outcome as the folder records it: its manifest (complete, or failed with its error), else the
+    outcome file the commit wrote where it could not write the manifest (a full disk), else a failure that says so.
+    Never a success without a complete manifest."""
     try:
-        return _write.read_manifest(ctx.output).raw
+        return from_manifest(_write.read_manifest(ctx.output).raw)
     except (OSError, PackstreamError) as e:
-        outcome = _read_outcome(ctx.outcome)
-        if outcome:
-            return outcome
-        raise PackstreamError(f"the run ended without writing {ctx.output}/{MANIFEST} ({e}); see the messages "
-                              "above") from None
+        recorded = _read_outcome(ctx.outcome)
+        if recorded and recorded.get("error"):
+            return from_manifest({**recorded, "status": Status.FAILED.value})
+        return Failed(f"the run ended without writing {ctx.output}/{MANIFEST} ({e}); see the messages above")

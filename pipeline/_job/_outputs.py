@@ -83,13 +83,20 @@ class Failure:
     message: str
 
     @classmethod
-    def of(cls, e: "OSError | PackstreamError") -> "Failure":
-        return cls(cannot_write(e) if isinstance(e, OSError) else str(e))
+    def of(cls, e: "OSError | PackstreamError", output: str) -> "Failure":
+        return cls(cannot_write(e, output) if isinstance(e, OSError) else str(e))
 
 
-def cannot_write(e: OSError) -> str:
-    """The one message for a write to the output folder that failed."""
-    return f"cannot write to --output ({type(e).__name__}: {e.strerror or e})"
+def cannot_write(e: OSError, output: str) -> str:
+    """The one message for a write to the output folder ``output`` that failed: the folder and the cause.
+
+    >>> import errno, os
+    >>> cannot_write(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "out/")
+    'cannot write to --output out/ (OSError: No space left on device)'
+    """
+    from packers.files import show_path
+
+    return f"cannot write to --output {show_path(output)} ({type(e).__name__}: {e.strerror or e})"
 
 
 def only(kind: type) -> Callable[[Any], Iterable]:

@@ -52,7 +52,7 @@ class EncodeTasks(beam.DoFn):
                 self.encoder = Encoder(self.ctx.options)
                 info["process_cpu"] = time.process_time()  # the process's start-up until its tokenizer is ready
         except PackstreamError as e:  # the launcher loaded the same tokenizer; a remote worker may not find it
-            self.broken = Failure.of(e)
+            self.broken = Failure.of(e, self.ctx.output)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="packstream-tokenize")
 
     def teardown(self):
@@ -80,7 +80,7 @@ class EncodeTasks(beam.DoFn):
             state.spill()
             path = _write.write_reject_part(self.ctx.spill, task.name, state.rejected)
         except (OSError, PackstreamError) as e:  # the spill folder (under --output) cannot be written
-            yield Failure.of(e)
+            yield Failure.of(e, self.ctx.output)
             return
         yield from state.take()
         if path:
@@ -206,7 +206,7 @@ class PackGroups(beam.DoFn):
                 pieces = _spill.write_packed(ctx.spill, f"{split}-{g}", g, by_shard)
                 path = _write.write_reject_part(ctx.spill, f"group-{split}-{g}", group.rejected)
         except (OSError, PackstreamError) as e:
-            yield Failure.of(e)
+            yield Failure.of(e, ctx.output)
             return
         self.rows.inc(batch.num_rows)
         _progress.flush(ctx.progress)
@@ -247,7 +247,7 @@ class WriteShards(beam.DoFn):
                 writer.abort()
             if not isinstance(e, (OSError, PackstreamError)):
                 raise
-            yield Failure.of(e)
+            yield Failure.of(e, ctx.output)
             return
         yield Written(desc)
 
