@@ -79,6 +79,9 @@ class _State:
         self.saved_hook = None
         self.outer_hook = None
         self.installed: dict[int, object] = {}
+        self.wakeup: Optional[tuple[int, int, int]] = None
+        """(read end, write end, the wakeup fd before ours) of the pipe Python's C-level handler writes to."""
+        self.arrived = False
 
 
 _state = _State()
@@ -114,12 +117,14 @@ def handling() -> Iterator[None]:
             continue
         _state.installed[s] = old
         signal.signal(s, _handler)
+    _wake_on_signals()
     try:
         yield
     finally:
         for s, old in _state.installed.items():
             signal.signal(s, old)
         _state.installed = {}
+        _unwake()
         for h in graced:
             if h is not None:
                 h.removeFilter(_GRACE)
@@ -146,12 +151,60 @@ THREAD_GRACE_S = 2.0
 """How long a thread's exception waits for a signal that may be on its way to the main thread."""
 
 
+def _wake_on_signals() -> None:
+    """Have Python's C-level handler write each signal's number to a pipe the moment it arrives (in whatever
+    thread the kernel picks), long before the main thread runs the Python handler: a thread that finds its
+    worker gone can then tell at once that a signal is ending the command, however loaded the machine."""
+    try:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+    except OSError:
+        return
+    try:
+        before = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):  # not the main thread, or no such support
+        os.close(r)
+        os.close(w)
+        return
+    _state.wakeup = (r, w, before)
+
+
+def _unwake() -> None:
+    if _state.wakeup is None:
+        return
+    r, w, before = _state.wakeup
+    _state.wakeup = None
+    try:
+        signal.set_wakeup_fd(before)
+    except (ValueError, OSError):
+        pass
+    os.close(r)
+    os.close(w)
+
+
+def _arrived() -> bool:
+    """Has one of :data:`SIGNALS` reached this process (noted by the main thread, or only by the C handler)?"""
+    if _state.signum is not None or _state.arrived:
+        return True
+    wakeup = _state.wakeup
+    if wakeup is not None:
+        try:
+            data = os.read(wakeup[0], 512)
+        except OSError:  # nothing there (BlockingIOError), or closed meanwhile
+            data = b""
+        if any(b in {int(s) for s in _state.installed} for b in data):
+            _state.arrived = True
+    return _state.arrived
+
+
 def _signal_on_its_way() -> bool:
-    """In a thread other than the main one: wait up to :data:`THREAD_GRACE_S` for a signal to be noted."""
+    """In a thread other than the main one: wait up to :data:`THREAD_GRACE_S` for a signal to arrive (the C-level
+    handler's pipe tells at once; the main thread's handler may run much later on a loaded machine)."""
     deadline = time.monotonic() + THREAD_GRACE_S
-    while _state.signum is None and time.monotonic() < deadline and threading.main_thread().is_alive():
+    while not _arrived() and time.monotonic() < deadline and threading.main_thread().is_alive():
         time.sleep(0.01)
-    return _state.signum is not None
+    return _arrived()
 
 
 class _Grace(logging.Filter):
