@@ -166,23 +166,26 @@ def read_checked(path: str, *, what: str, limit: int, fix: str = "",
         return data
 
 
-def load_json(data: bytes | str, *, what: str) -> Any:
+def load_json(data: bytes | str, *, what: str, fix: str = "") -> Any:
     """Parse JSON ``data`` (UTF-8, a byte-order mark allowed) with a bounded depth; any failure is one
-    PackstreamError line naming ``what``."""
+    PackstreamError line naming ``what`` and ending with ``fix`` (by default: not valid JSON says nothing more,
+    the rest say the file is not one packstream wrote or reads)."""
+    also = f"; {fix}" if fix else ""
+    fix = fix or "this is not a file packstream wrote or reads"
     try:
         text = data.decode("utf-8-sig") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as e:
-        raise PackstreamError(f"{what}: not UTF-8 text (byte {e.start}: {e.reason}); this is not a file packstream wrote or reads") from None
+        raise PackstreamError(f"{what}: not UTF-8 text (byte {e.start}: {e.reason}); {fix}") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise PackstreamError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise PackstreamError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}){also}") from None
     except RecursionError:
         value = _TOO_DEEP
     except ValueError as e:  # an integer of more than 4,300 digits
-        raise PackstreamError(f"{what}: JSON that cannot be read ({str(e)[:120]})") from None
+        raise PackstreamError(f"{what}: JSON that cannot be read ({str(e)[:120]}){also}") from None
     if value is _TOO_DEEP or value_depth(value) > MAX_JSON_DEPTH:
-        raise PackstreamError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels; this is not a file packstream wrote or reads")
+        raise PackstreamError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels; {fix}")
     return value
 
 

@@ -249,33 +249,63 @@ def _read_lock(path: str) -> dict:
         return {}
 
 
-def lock_state(info: dict) -> tuple[Optional[bool], str]:
-    """Whether the run that wrote a lock still runs (True / False; None: it may run elsewhere), and why.
+@dataclasses.dataclass(frozen=True)
+class LockState:
+    """What a lock left in the output folder proves about the run that took it."""
+
+    alive: Optional[bool]
+    """True: a process that may be that run holds the pid here (never broken); False: that run is gone
+    (``--overwrite`` breaks the lock); None: it may run on another machine, or the lock names none."""
+    why: str
+    """One clause: how the lock and this machine show it."""
+    proven: bool = False
+    """``alive`` is proven: the pid's process is the one that took the lock (host, boot id where this machine
+    has one, and the process's start time all match). Only then may advice name the pid to stop."""
+
+
+def lock_state(info: dict) -> LockState:
+    """Whether the run that wrote a lock still runs, and why (see :class:`LockState`).
 
     A pid alone proves nothing: after a restart, or in a container where every run is pid 1, the
     pid of a dead run belongs to another process, or to this very one. The lock says which
-    process it was (boot id, the process's start time, the run id), and each must still match.
+    process it was (host, boot id, the process's start time, the run id), and each must still match.
+    A lock that records less (an older packstream's, or one taken where neither /proc nor psutil
+    tells a start time) cannot prove that a live pid is its run, nor that it is not.
     """
     pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return None, f"the run may be on another machine ({info.get('host')!r})" if info else "the lock is unreadable"
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return LockState(None, "the lock names no process" if info else "the lock is unreadable")
+    host = info.get("host")
+    if host is None:
+        return LockState(None, "it records no host, boot id or process start time (an older packstream wrote it), so "
+                               "nothing tells whether that run still goes")
+    if host != socket.gethostname():
+        return LockState(None, f"the run may be on another machine ({host!r})")
     recorded_boot, boot = info.get("boot_id"), boot_id()
     if recorded_boot and boot and recorded_boot != boot:
-        return False, "the machine restarted since: a killed run left it"
+        return LockState(False, "the machine restarted since: a killed run left it")
     if pid == os.getpid():
         if info.get("run") in _HELD:
-            return True, "this process holds it for another run"
-        return False, f"pid {pid} is this process, which runs no pack there: an earlier run that was stopped left it"
+            return LockState(True, "this process holds it for another run", proven=True)
+        return LockState(False, f"pid {pid} is this process, which runs no pack there: an earlier run that was "
+                                "stopped left it")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False, "that process is gone: a killed run left it"
+        return LockState(False, "that process is gone: a killed run left it")
     except PermissionError:
         pass
     recorded_start, start = info.get("pid_start"), process_start(pid)
     if recorded_start and start and recorded_start.split(":")[0] == start.split(":")[0] and recorded_start != start:
-        return False, f"pid {pid} now belongs to another process (started at another time): a killed run left it"
-    return True, "that run is still going"
+        return LockState(False, f"pid {pid} now belongs to another process (started at another time): a killed run "
+                                "left it")
+    if recorded_start and recorded_start == start and (recorded_boot == boot or not (recorded_boot or boot)):
+        return LockState(True, "that run is still going", proven=True)
+    lacks = [what for what, have in (("boot id", recorded_boot or not boot), ("process start time", recorded_start))
+             if not have]
+    records = f"records no {' or '.join(lacks)}" if lacks else "holds a process start time this machine cannot check"
+    return LockState(True, f"pid {pid} is alive here, but the lock {records} to tell that run from another process "
+                           f"with pid {pid} (in a container every run is pid 1)")
 
 
 def _list(folder: str) -> list[str]:
@@ -344,6 +374,27 @@ def _check_folder(output: str) -> None:
         raise PackstreamError(f"--output {shown} is not writable; choose a writable folder")
 
 
+def _who(info: dict) -> str:
+    """Who took a lock, as far as it says: ``pid 1 on host-a, since 2026-01-01T00:00:00Z``."""
+    if not info:
+        return "an unreadable lock"
+    where = f" on {info['host']}" if info.get("host") is not None else ""
+    when = f", since {info['started']}" if info.get("started") is not None else ""
+    return f"pid {info.get('pid')}{where}{when}"
+
+
+def _lock_fix(state: LockState, info: dict, lock: str) -> str:
+    """How to go on from a lock in the way: stop its pid only when the lock proves the pid is its run."""
+    pid, rm = info.get("pid"), f"rm {show_path(lock)}, then pass --overwrite"
+    if state.alive is True and state.proven:
+        return (f"wait for it, or stop it (kill {pid}); if no packstream run uses this folder (the pid now belongs to "
+                f"another program), remove the lock: {rm}")
+    if state.alive is True:
+        before = f" that started before {info['started']}" if info.get("started") is not None else ""
+        return f"if `ps -o lstart=,args= -p {pid}` shows no packstream run{before}, that run is gone: {rm}; else wait for it"
+    return "if no run is active, pass --overwrite to break the lock and clear what that run left"
+
+
 def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str, files: Sequence[str] = ()) -> Claim:
     """Check, claim and clear the output folder (see the module docstring); raises PackstreamError.
 
@@ -360,17 +411,10 @@ def claim(output: str, inputs: Sequence[str], overwrite: bool, run_id: str, file
         got = _create_exclusive(lock, _lock_body(run_id, files))
         if not got:
             info = _read_lock(lock)
-            alive, state = lock_state(info)
-            who = (f"pid {info.get('pid')} on {info.get('host')}, since {info.get('started')}" if info
-                   else "an unreadable lock")
-            if alive is True or not overwrite:
-                if alive is True:
-                    fix = (f"wait for it, or stop it (kill {info.get('pid')}); if no packstream run uses this folder (the "
-                           f"pid now belongs to another program), remove the lock: rm {show_path(lock)}, then pass "
-                           "--overwrite")
-                else:
-                    fix = "if no run is active, pass --overwrite to break the lock and clear what that run left"
-                raise OutputLocked(f"--output {shown} is locked by another packstream run ({LOCK}: {who}; {state}); {fix}")
+            state = lock_state(info)
+            if state.alive is True or not overwrite:
+                raise OutputLocked(f"--output {shown} is locked by another packstream run ({LOCK}: {_who(info)}; "
+                                   f"{state.why}); {_lock_fix(state, info, lock)}")
             journal = [n for n in info.get("files", []) if isinstance(n, str)] if isinstance(info.get("files"), list) else []
             _remove(output, [LOCK])
             broke = True

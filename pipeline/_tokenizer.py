@@ -11,10 +11,11 @@ Everything else (Hub names, named tokenizer classes, ``auto_map`` code with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
-from typing import Any
+from typing import Any, Optional, Union
 
 from packers import PackstreamError
 from packers.files import check_regular, load_json, read_checked, show_path
@@ -42,19 +43,12 @@ def default_tokenizer_path() -> str:
     )
 
 
-def _plain_fast(path: str) -> bool:
-    """A local folder whose tokenizer.json needs no tokenizer class of its own and no remote code."""
-    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
-        return False
-    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-    return "auto_map" not in cfg and cfg.get("tokenizer_class") in _PLAIN_CLASSES
-
+MAX_TOKENIZER_FILE = 1 << 30
+"""The largest tokenizer file read (the biggest tokenizer.json files are a few hundred MB)."""
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-
-MAX_TOKENIZER_FILE = 1 << 30
-"""The largest tokenizer file read (the biggest tokenizer.json files are a few hundred MB)."""
+_FIX = "restore it from where the tokenizer came from, or remove it"
 
 
 def _read_bytes(path: str) -> bytes:
@@ -62,12 +56,116 @@ def _read_bytes(path: str) -> bytes:
     return read_checked(path, what="tokenizer file", limit=MAX_TOKENIZER_FILE, fix="is this a tokenizer folder?")
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's type as JSON names it: ``_kind([]) == "list"``, ``_kind({}) == "object"``."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
 def _read_json(path: str) -> dict:
-    """A JSON object file of a tokenizer folder ({} when it is absent), bounded and checked."""
+    """The JSON object file ``path`` of a tokenizer folder, bounded and checked: ``{}`` when the file is absent.
+    Invalid JSON, or JSON of another type (a list, a string), is one PackstreamError line naming the file and the
+    fix: never read as empty."""
     if not os.path.lexists(path):
         return {}
-    value = load_json(_read_bytes(path), what=f"tokenizer file {show_path(path)}")
-    return value if isinstance(value, dict) else {}
+    what = f"tokenizer file {show_path(path)}"
+    value = load_json(_read_bytes(path), what=what, fix=_FIX)
+    if not isinstance(value, dict):
+        raise PackstreamError(f"{what} holds a JSON {_kind(value)}, not an object; {os.path.basename(path)} is one "
+                              f"JSON object such as {{\"eos_token\": \"</s>\"}}: {_FIX}")
+    return value
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text file ``path`` of a tokenizer folder (a chat template), bounded and checked."""
+    data = _read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PackstreamError(f"tokenizer file {show_path(path)}: not UTF-8 text (byte {e.start}: {e.reason}); "
+                              f"{_FIX}") from None
+
+
+def _special_token(value: Any, key: str, where: str) -> Optional[str]:
+    """A special token's text as a config holds it: a string, an ``AddedToken`` object (its ``content``), or null."""
+    if isinstance(value, dict) and "content" not in value:
+        raise PackstreamError(f"{where}: \"{key}\" is an object without \"content\"; give its text as "
+                              f"{{\"content\": \"</s>\"}}, a string, or null")
+    token = value["content"] if isinstance(value, dict) else value
+    if token is not None and not isinstance(token, str):
+        shown = f"{key}.content" if isinstance(value, dict) else key
+        raise PackstreamError(f"{where}: \"{shown}\" is a JSON {_kind(token)}, not a token; give a string such as "
+                              f"\"</s>\", an object {{\"content\": \"</s>\"}}, or null")
+    return token
+
+
+def _chat_templates(value: Any, where: str) -> Union[None, str, dict[str, str]]:
+    """``chat_template`` as a config holds it: a template, or a list of ``{"name", "template"}`` entries (named
+    templates, which transformers keeps as a dict by name)."""
+    if value is None or isinstance(value, str):
+        return value
+    entry = '{"name": "default", "template": "..."}'
+    if not isinstance(value, list) or not value:
+        what = "an empty list" if isinstance(value, list) else f"a JSON {_kind(value)}"
+        raise PackstreamError(f"{where}: \"chat_template\" is {what}; give a template string, or a list of "
+                              f"{entry} entries")
+    named: dict[str, str] = {}
+    for i, t in enumerate(value):
+        at = f"{where}: chat_template[{i}]"
+        if not isinstance(t, dict):
+            raise PackstreamError(f"{at} is a JSON {_kind(t)}, not an object; each entry is {entry}")
+        for key in ("name", "template"):
+            if key not in t:
+                raise PackstreamError(f"{at} has no \"{key}\"; each entry is {entry}: add its \"{key}\" or remove "
+                                      "the entry")
+            if not isinstance(t[key], str):
+                raise PackstreamError(f"{at}.{key} is a JSON {_kind(t[key])}, not a string; each entry is {entry}")
+        if t["name"] in named:
+            raise PackstreamError(f"{at} repeats the name {t['name']!r}; give each entry a name of its own")
+        named[t["name"]] = t["template"]
+    return named
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderFiles:
+    """What packstream reads from a local tokenizer folder besides ``tokenizer.json``: every JSON file through
+    :func:`_read_json`, every value it uses checked for its type, so a mistake is one error line at launch and
+    nothing wrong is read as absent. Read before any loader (ours or transformers') opens the folder."""
+
+    config: dict
+    """``tokenizer_config.json`` ({} when absent)."""
+    special_tokens: dict[str, str]
+    """``eos_token``, ``pad_token``, ...: tokenizer_config.json's, else special_tokens_map.json's."""
+    chat_template: Union[None, str, dict[str, str]]
+    """``chat_template.jinja`` when there is one (it wins, as in transformers), else tokenizer_config.json's
+    ``chat_template``: a template, or named templates."""
+
+
+def read_folder(path: str) -> FolderFiles:
+    """The checked :class:`FolderFiles` of the local tokenizer folder ``path``."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    cfg = _read_json(config_path)
+    smap_path = os.path.join(path, "special_tokens_map.json")
+    smap = _read_json(smap_path)
+    cfg_at, smap_at = f"tokenizer file {show_path(config_path)}", f"tokenizer file {show_path(smap_path)}"
+    special = {}
+    for key in _SPECIAL:  # the config's own entry (null included) over the map's, as transformers reads them
+        if key in cfg or key in smap:
+            token = _special_token(cfg[key], key, cfg_at) if key in cfg else _special_token(smap[key], key, smap_at)
+            if token is not None:
+                special[key] = token
+    jinja = os.path.join(path, "chat_template.jinja")
+    template = _chat_templates(cfg.get("chat_template"), cfg_at)
+    if os.path.lexists(jinja):
+        template = _read_text(jinja)
+    return FolderFiles(config=cfg, special_tokens=special, chat_template=template)
+
+
+def _plain_fast(path: str, files: FolderFiles) -> bool:
+    """A local folder whose tokenizer.json needs no tokenizer class of its own and no remote code."""
+    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return False
+    return "auto_map" not in files.config and files.config.get("tokenizer_class") in _PLAIN_CLASSES
 
 
 def check_folder(path: str) -> None:
@@ -87,30 +185,17 @@ class PlainTokenizer:
 
     is_fast = True
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, files: Optional[FolderFiles] = None):
         from tokenizers import Tokenizer
 
+        files = files or read_folder(path)
         self.name_or_path = path
         self.backend_tokenizer = Tokenizer.from_str(_read_bytes(os.path.join(path, "tokenizer.json")).decode("utf-8"))
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        smap = _read_json(os.path.join(path, "special_tokens_map.json"))
-
-        def special(key: str):
-            value = cfg.get(key, smap.get(key))
-            value = value.get("content") if isinstance(value, dict) else value
-            return value if isinstance(value, str) else None
-
-        self.special_tokens_map = {k: v for k in _SPECIAL if (v := special(k)) is not None}
+        self.special_tokens_map = dict(files.special_tokens)
         self.eos_token = self.special_tokens_map.get("eos_token")
         self.eos_token_id = self._id(self.eos_token)
         self.pad_token_id = self._id(self.special_tokens_map.get("pad_token"))
-        template = cfg.get("chat_template")
-        jinja = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.lexists(jinja):
-            template = _read_bytes(jinja).decode("utf-8")
-        if isinstance(template, list):  # named templates, as transformers keeps them
-            template = {t["name"]: t["template"] for t in template if isinstance(t, dict)}
-        self.chat_template = template
+        self.chat_template = files.chat_template
 
     def _id(self, token):
         return None if token is None else self.backend_tokenizer.token_to_id(token)
@@ -137,15 +222,16 @@ class PlainTokenizer:
         return getattr(full, name)
 
 
-def _plain_ok(path: str) -> bool:
+def _plain_ok(path: str, files: Optional[FolderFiles] = None) -> bool:
     """The folder needs nothing PlainTokenizer lacks: no tokenizer class, no remote code, no decode clean-up,
-    no tokens added outside tokenizer.json."""
-    if not _plain_fast(path):
+    no tokens added outside tokenizer.json, no templates in files of their own besides chat_template.jinja."""
+    files = files or read_folder(path)
+    if not _plain_fast(path, files):
         return False
-    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-    if cfg.get("clean_up_tokenization_spaces") or cfg.get("additional_special_tokens"):
+    if files.config.get("clean_up_tokenization_spaces") or files.config.get("additional_special_tokens"):
         return False
-    return not os.path.exists(os.path.join(path, "added_tokens.json"))
+    return not any(os.path.exists(os.path.join(path, name)) for name in ("added_tokens.json",
+                                                                        "additional_chat_templates"))
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,10 +241,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
     check_folder(path)
+    files = read_folder(path) if os.path.isdir(path) else None  # its own errors, before any loader reads a file
     try:
-        if _plain_ok(path):
-            return PlainTokenizer(path)
-        if _plain_fast(path):
+        if files is not None and _plain_ok(path, files):
+            return PlainTokenizer(path, files)
+        if files is not None and _plain_fast(path, files):
             from transformers import PreTrainedTokenizerFast
 
             tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -166,6 +253,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except PackstreamError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises its own Exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PackstreamError(

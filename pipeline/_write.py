@@ -46,7 +46,8 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
 
     In grouped mode shard ``s`` packs the groups ``g`` with ``g % shards == s``: an explicit
     ``--num-shards`` gets at least a group per shard (smaller groups), an automatic count never
-    exceeds the groups.
+    exceeds the groups. Either is at most one shard per record the split expects: a shard past that
+    could only be empty, and 99,999 of them take minutes to write (see :func:`shard_cap_notes`).
     """
     from pipeline._options import PackMode
 
@@ -55,12 +56,26 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
     for split, frac in fractions.items():
         groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(records * frac / options.group_size))
         auto = auto_shards(input_bytes * frac)
+        asked = min(options.num_shards, max(1, math.ceil(records * frac)))
         if options.mode is PackMode.GROUPED:
-            shards[split] = options.num_shards or min(auto, groups[split])
+            shards[split] = asked or min(auto, groups[split])
             groups[split] = max(groups[split], shards[split])
         else:
-            shards[split] = options.num_shards or auto
+            shards[split] = asked or auto
     return groups, shards
+
+
+def shard_cap_notes(options, shards: dict[str, int]) -> list[str]:
+    """One line per split whose ``--num-shards`` :func:`shard_layout` capped at the records the split expects:
+    the manifest's ``notes``, which pack's summary shows.
+
+    >>> from pipeline._options import PackOptions
+    >>> shard_cap_notes(PackOptions(inputs=("in.jsonl",), num_shards=99999), {"train": 34, "validation": 1})
+    ['--num-shards 99999 capped to 34 train shards, one per record (more could only be empty); pass --num-shards 34 or fewer']
+    """
+    splits = ("train", "validation") if options.validation_fraction > 0 else ("train",)
+    return [f"--num-shards {options.num_shards} capped to {shards[s]} {s} shards, one per record (more could only "
+            f"be empty); pass --num-shards {shards[s]} or fewer" for s in splits if shards[s] < options.num_shards]
 
 
 def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:

@@ -67,6 +67,28 @@ def test_output_that_is_a_file(tmp_path, src):
     assert r.exit_code == 2 and "is a file" in r.output
 
 
+def test_more_shards_than_records_are_capped_at_one_per_record(tmp_path):
+    """The bundled sample holds 34 records; --num-shards 99999 would write 99,999 shards, all but a few empty,
+    and take minutes. The launch caps it at 34 (one per record; a shard past that could only be empty) and the
+    summary and the manifest say so in one line. The output verifies."""
+    out = tmp_path / "out"
+    r = cli("pack", "-o", str(out), "--num-shards", "99999")
+    assert r.exit_code == 0, r.output
+    note = ("--num-shards 99999 capped to 34 train shards, one per record (more could only be empty); "
+            "pass --num-shards 34 or fewer")
+    assert [line.split(None, 1)[1] for line in r.output.splitlines() if line.startswith("  note")] == [note]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["notes"] == [note] and manifest["config"]["num_shards"] == 99999  # the config says what was asked
+    assert len(manifest["shards"]) == len(list(out.glob("train-*-of-00034.arrow"))) == 34
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("train-")) == [
+        "README.md", "manifest.json", "rejected.jsonl"]
+    ok = cli("verify", str(out))
+    assert ok.exit_code == 0 and ok.output.rstrip().endswith("OK"), ok.output
+    # Asked for no more shards than records, a run has no note.
+    again = cli("pack", "-o", str(tmp_path / "out2"), "-q", "--num-shards", "34")
+    assert again.exit_code == 0 and json.loads((tmp_path / "out2" / "manifest.json").read_text())["notes"] == []
+
+
 BAD_OPTIONS = {
     "unknown_option": (["--max-tokns", "512"], "unknown option --max-tokns; did you mean --max-tokens?"),
     "unknown_flag": (["--overwrit"], "did you mean --overwrite?"),

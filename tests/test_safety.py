@@ -190,6 +190,66 @@ def test_a_lock_whose_pid_is_alive_but_another_process_is_stale(tmp_path, live_p
     assert not (out / ".packstream.lock").exists()
 
 
+# -- issue "Every failure ends as a failure": lock advice true where pids repeat -----------------------
+
+
+@pytest.mark.skipif(os.getpid() == 1 or not os.path.exists("/proc/1"), reason="needs a pid 1 that is not this process")
+def test_an_old_style_lock_of_pid_1_is_not_taken_for_a_live_run(tmp_path):
+    """An older packstream's lock records a pid, the host and when, but no boot id or process start time. Its
+    pid 1 is alive (the first process of this machine or container), so the lock cannot prove that pid 1 is
+    its run, nor that it is not. The message said "that run is still going" and advised "kill 1"; now it says
+    what the lock lacks and how to tell (the process's start against the lock's time), and never names a pid
+    to kill. The lock still stands with --overwrite (it may be a live run): removed by hand, the run goes on."""
+    import socket
+
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".packstream.lock"
+    lock.write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "started": "2024-01-01T00:00:00Z"}))
+    for extra in ([], ["--overwrite"]):
+        r = cli("pack", str(src), "-o", str(out), "-q", *extra)
+        user_error(r)
+        assert r.output.strip() == (
+            f"error: --output {out} is locked by another packstream run (.packstream.lock: pid 1 on "
+            f"{socket.gethostname()}, since 2024-01-01T00:00:00Z; pid 1 is alive here, but the lock records no boot id "
+            "or process start time to tell that run from another process with pid 1 (in a container every run is "
+            "pid 1)); if `ps -o lstart=,args= -p 1` shows no packstream run that started before 2024-01-01T00:00:00Z, "
+            f"that run is gone: rm {lock}, then pass --overwrite; else wait for it")
+        assert "kill" not in r.output and "still going" not in r.output
+    lock.unlink()
+    assert cli("pack", str(src), "-o", str(out), "-q", "--overwrite").exit_code == 0
+
+
+def test_a_lock_of_only_a_pid_says_so_and_overwrite_breaks_it(tmp_path):
+    """The oldest locks hold a pid alone: nothing places it on this machine, so nothing tells whether that run
+    goes, and --overwrite breaks it (as for a lock from another host)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".packstream.lock").write_text('{"pid": 1}')
+    r = cli("pack", str(src), "-o", str(out), "-q")
+    user_error(r)
+    assert r.output.strip() == (
+        f"error: --output {out} is locked by another packstream run (.packstream.lock: pid 1; it records no host, boot "
+        "id or process start time (an older packstream wrote it), so nothing tells whether that run still goes); "
+        "if no run is active, pass --overwrite to break the lock and clear what that run left")
+    assert cli("pack", str(src), "-o", str(out), "-q", "--overwrite").exit_code == 0
+
+
+def test_a_live_pid_is_named_to_stop_only_when_the_lock_proves_it_is_its_run(tmp_path, live_pid):
+    """The same live process, its start time recorded: with the boot id too the lock proves the process is its
+    run (kill PID stops it); without the boot id (on a machine that has one) it proves nothing."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    _lock(tmp_path / "proven", live_pid)
+    user_error(cli("pack", str(src), "-o", str(tmp_path / "proven"), "-q"), "still going", f"(kill {live_pid})")
+    _lock(tmp_path / "unproven", live_pid, boot_id=None)
+    r = cli("pack", str(src), "-o", str(tmp_path / "unproven"), "-q")
+    user_error(r, f"pid {live_pid} is alive here, but the lock records no boot id to tell that run from another "
+                  f"process with pid {live_pid}", f"ps -o lstart=,args= -p {live_pid}")
+    assert "kill" not in r.output
+
+
 def test_a_lock_removed_by_hand_leaves_a_folder_overwrite_still_clears(tmp_path, live_pid):
     """The message for a live-looking lock says `rm` it; what the run left is still packstream's (its guard card)."""
     from tests._internals import _write

@@ -201,6 +201,7 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         "run_id": ctx.digest,
         "inputs": ctx.input_entries(),
         "inputs_read_once": list(ctx.read_once),
+        "notes": list(ctx.notes),
         "counts": counts,
         "shards": shards,
         "files": written,

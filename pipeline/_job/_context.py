@@ -54,6 +54,9 @@ class RunContext:
     the same for a rerun of the same run."""
     spill: str
     """The spill folder (:mod:`pipeline._spill`), under the output folder."""
+    notes: tuple[str, ...] = ()
+    """One line each on what the run chose other than asked (a ``--num-shards`` capped at the records): the
+    manifest's ``notes``."""
     task_bytes: int = _read.TASK_BYTES
     """The size of JSONL read tasks (:func:`pipeline._read.task_bytes`): enough tasks for the workers."""
     lanes: int = 0
@@ -119,4 +122,5 @@ def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = 
     digest = _write.run_digest(options.to_dict(), input_entries(inputs.files), inputs.tokenizer)
     return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, tokenizer=inputs.tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
+                      notes=tuple(_write.shard_cap_notes(options, shards)),
                       spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes, lanes=lanes)

@@ -108,7 +108,7 @@ class PackOptions(FormatOptions):
         "--validation-fraction", "Hold out this fraction of examples (by a stable hash of the id) into "
         "validation-*.arrow shards, the 'validation' split of load_dataset(DIR).", metavar="F"))
     num_shards: int = dataclasses.field(default=0, metadata=cli(
-        "--num-shards", "Output shards per split (0: about one per 64M tokens of input).", metavar="N",
+        "--num-shards", "Output shards per split (0: about one per 64M tokens of input); at most one per record.", metavar="N",
         commands=("pack", "estimate")))
     output_format: OutputFormat = dataclasses.field(default=OutputFormat.ARROW, metadata=cli(
         "--output-format", "arrow (zero-copy loading) or parquet.", commands=("pack", "estimate")))
