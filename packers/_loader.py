@@ -202,6 +202,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.shards: tuple[str, ...] = opened.names
         self._where, self._starts, self._checks = opened.where, opened.starts, opened.checks
         self.budget: int = opened.checks.budget
+        _note_budget(self.budget)
         if batching.batch_by is BatchBy.TOKENS and batching.batch_size < self.budget:
             raise PackstreamError(f"batch_size={batching.batch_size} tokens < row budget {self.budget}: a row would "
                                   f"not fit; use at least {self.budget}")
@@ -511,3 +512,11 @@ class PackedLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def _note_budget(budget: int) -> None:
+    """The packing guard probes rows as long as this folder's (every rank opens the same folder, so every rank
+    probes at the same length): a backend or a position bias that goes wrong only late in a long row is caught."""
+    from packers._attention._guard import GUARD
+
+    GUARD.budget = max(GUARD.budget, int(budget))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,16 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "gsm8k" / "train.jsonl").exists():
         pytest.skip(f"real data not found at {SHARED_DATA} (the ../shared/data folder beside the checkout)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _fresh_guard_budget():
+    """Each test starts with no folder budget noted by the packing guard (a PackedDataset notes its folder's, for
+    the rest of the process): one test's 4,096-token folder must not lengthen another test's probes."""
+    yield
+    guard = sys.modules.get("packers._attention._guard")
+    if guard is not None:
+        guard.GUARD.budget = 0
 
 
 @pytest.fixture(scope="session")

@@ -231,30 +231,46 @@ def count_forwards(model) -> list[int]:
     return n
 
 
+def probe_forwards(model, batch) -> int:
+    """The forwards the probe ran for ``batch``: each packed row once, and each of its sequences alone."""
+    from tests._internals import cached_verdict
+
+    return sum(1 + len(row) for row in cached_verdict(model, batch).probes)
+
+
 def test_probe_runs_once_per_model_state():
     model = llama("sdpa").train()
     n = count_forwards(model)
     install_packing_guard(model)
     batch = Collator()(ROWS)
     model(**batch)
-    assert n[0] == 1 + 3  # the probe (packed, and each of 2 sequences alone), then the batch
+    probe = probe_forwards(model, batch)
+    # (5, 7), then a row as long as the batch rounded up to a power of two, its last sequence starting late
+    assert probe == 3 + 1 + len(cached_verdict_of(model, batch).probes[-1])
+    assert n[0] == probe + 1  # the probe, then the batch
     model(**batch)
     model(**Collator()(ROWS[:1]))
-    assert n[0] == 4 + 2  # cached
+    assert n[0] == probe + 3  # cached
     model.eval()
     model(**batch)
-    assert n[0] == 6 + 1 + 3  # a new mode: probed again
+    assert n[0] == probe + 3 + probe + 1  # a new mode: probed again
     model.set_attn_implementation("eager")
     model(**batch)
-    assert n[0] == 10 + 1 + 3  # a new backend: probed again
+    assert n[0] == 2 * probe + 4 + probe + 1  # a new backend: probed again
     model.config.sliding_window = 4
     model(**batch)
-    assert n[0] == 14 + 1 + 3  # a changed config: probed again
+    assert n[0] == 3 * probe + 5 + probe_forwards(model, batch) + 1  # a changed config: probed again
     twin = llama("eager").eval()  # another object: probed for itself (a hook on one instance can make it leak)
     m = count_forwards(twin)
     install_packing_guard(twin)
     twin(**batch)
-    assert m[0] == 1 + 3
+    assert m[0] == probe_forwards(twin, batch) + 1
+
+
+def cached_verdict_of(model, batch):
+    from tests._internals import cached_verdict
+
+    return cached_verdict(model, batch)
 
 
 def test_probe_cost_on_a_tiny_model():

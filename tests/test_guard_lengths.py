@@ -206,8 +206,8 @@ def test_switching_modes_does_not_probe_again():
     model.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
     install_packing_guard(model)
     batch = Collator()(rows_of([[5, 9]]))
-    probe = 1 + 2  # packed, and each of 2 sequences alone
     model(**batch)
+    probe = sum(1 + len(row) for row in cached_verdict(model, batch).probes)  # each row packed, its sequences alone
     model.eval()(**batch)
     model.train()(**batch)
     assert n[0] == 2 * probe + 3
@@ -226,3 +226,107 @@ def test_special_lengths_come_from_the_config():
     assert batch_rope(dynamic_llama("sdpa")) == (LIMIT, "dynamic")
     assert batch_rope(longrope_phi3("sdpa")) == (LIMIT, "longrope")
     assert batch_rope(model) is None
+
+
+# -- at the lengths the loader really feeds (issue 24) -----------------------------------------------------------
+
+
+def test_a_backend_leaking_above_n_tokens_is_refused_when_the_config_names_no_length():
+    """A plain Llama names no window, chunk or rope length, so no probe crosses N from the config alone; the probe
+    at the folder's budget (``max_length``; a PackedDataset notes its folder's) reaches past N and refuses it."""
+    n = 40
+    model = tiny_model("llama", leaky_above(n), max_position_embeddings=256).train()
+    assert special_lengths(model, None) == {}
+    short = Collator()(rows_of([[5, 7]]))
+    check_packing_safe(model, short)  # probed up to this batch's 12 tokens (16): nothing crosses 40
+    assert cached_verdict(model, short).reach == 16
+    with pytest.raises(PackstreamError, match=r"a row of 128 tokens whose last sequence starts at 121"):
+        check_packing_safe(model, short, max_length=128)
+    install_packing_guard(model, max_length=128)
+    with pytest.raises(PackstreamError, match=r"a row of 128 tokens whose last sequence starts at 121"):
+        model(**short)
+
+
+def test_a_long_batch_is_probed_at_its_own_length_without_being_told():
+    """No budget given: the first batch of 12 tokens is probed up to 16; a batch of 70 tokens probes again up to 128,
+    where the backend leaks (above 40 tokens), and is refused."""
+    model = tiny_model("llama", leaky_above(40), max_position_embeddings=256).train()
+    install_packing_guard(model)
+    model(**Collator()(rows_of([[5, 7]])))
+    assert cached_verdict(model, Collator()(rows_of([[5, 7]]))).reach == 16
+    with pytest.raises(PackstreamError, match=r"a row of 128 tokens"):
+        model(**Collator()(rows_of([[30, 40]])))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_falcon_alibi_over_the_row_is_refused_at_the_budget(attn):
+    """Falcon with ``alibi=True`` (the falcon-rw layout) builds its ALiBi bias from positions counted over the whole
+    row: packed differs from alone by ~1e-2 once an example starts past position 256. The probe at the budget
+    (512) sees it; the short probe did not (the guard let it through)."""
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    alibi=True, new_decoder_architecture=False, multi_query=False, parallel_attn=False,
+                                    bias=True)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+    batch = Collator()(rows_of([[300, 200]]))
+    assert max_diff(model, batch, relative=True) > 1e-3  # it does differ: a late example gets another bias
+    short = Collator()(rows_of([[5, 7]]))
+    check_packing_safe(model, short, max_length=16)  # what the guard saw before: exact on short rows
+    install_packing_guard(model, max_length=512)
+    with pytest.raises(PackstreamError, match=r"FalconForCausalLM lets packed examples interact.*a row of 512 tokens.*"
+                                              r"ALiBi"):
+        model(**batch)
+
+
+def test_the_guard_probes_at_the_budget_of_the_folder_a_packed_dataset_opened(tmp_path):
+    """PackedDataset notes its folder's row budget (from the manifest): the next probe reaches that far."""
+    from packers import PackedDataset
+    from tests._internals import GUARD
+    from tests._shards import random_examples, write_shards, pack_first_fit
+
+    write_shards(tmp_path, pack_first_fit(random_examples(20, seed=3, max_len=60), 128), budget=128)
+    PackedDataset(tmp_path)
+    assert GUARD.budget == 128
+    model = tiny_model("llama", "sdpa", max_position_embeddings=256).train()
+    check_packing_safe(model, Collator()(rows_of([[5, 7]])))
+    assert cached_verdict(model, Collator()(rows_of([[5, 7]]))).reach == 128
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(threshold=st.integers(13, 250), budget=st.sampled_from([64, 128, 256]), alibi=st.booleans())
+def test_generated_leaks_below_the_budget_are_refused_and_exact_models_pass(threshold, budget, alibi):
+    """A backend that leaks above a random threshold, probed at a random budget: refused when the threshold is
+    below the budget (a row of the budget would leak), let through when it is not (no row the loader feeds leaks).
+    A model whose bias depends on absolute position (Falcon with ALiBi) is exact or refused, never silent."""
+    model = tiny_model("llama", leaky_above(threshold), max_position_embeddings=256).train()
+    g = torch.Generator().manual_seed(threshold)
+    first = int(torch.randint(1, budget - 8, (1,), generator=g))
+    batch = Collator()(rows_of([[first, budget - first]], seed=threshold))
+    leaks = max_diff(model, batch) > 1e-5
+    install_packing_guard(model, max_length=budget)
+    try:
+        model(**batch)
+        refused = False
+    except PackstreamError:
+        refused = True
+    assert refused == (threshold < budget)
+    assert not leaks or refused  # never silent
+    if alibi:
+        import transformers
+
+        cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        alibi=True, new_decoder_architecture=False, multi_query=False,
+                                        parallel_attn=False, bias=True)
+        falcon = transformers.FalconForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+        diff = max_diff(falcon, batch, relative=True)
+        install_packing_guard(falcon, max_length=budget)
+        try:
+            falcon(**batch)
+        except PackstreamError:
+            return
+        assert diff <= 1e-4  # let through: then exact

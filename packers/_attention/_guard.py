@@ -18,7 +18,7 @@ import torch
 
 from packers._attention._fixes import MASK_FIX
 from packers._attention._model import configs, hf_model, input_device
-from packers._attention._probe import Verdict, layout, probe
+from packers._attention._probe import Verdict, agree_max, layout, probe, reach_for
 from packers._attention._rules import check_rope, check_static, num_sequences
 from packers.errors import PackstreamError
 
@@ -37,28 +37,32 @@ class Guard:
         self.verdicts: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Verdict]] = weakref.WeakKeyDictionary()
         self.kept = kept
         self._local = threading.local()
+        self.budget = 0
+        """The longest row budget of the folders opened in this process (:class:`packers.PackedDataset` records
+        it): every probe reaches at least that far, on every rank alike (they open the same folder)."""
 
     @property
     def probing(self) -> bool:
         """This thread runs the probe's forwards (the guard's hooks let those through)."""
         return getattr(self._local, "probing", False)
 
-    def probe(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdict:
+    def probe(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, reach: int = 0) -> Verdict:
         """:func:`packers._attention._probe.probe`, with the guard's hooks standing aside for its forwards."""
         self._local.probing = True
         try:
-            return probe(hf, target, layout)
+            return probe(hf, target, layout, reach)
         finally:
             self._local.probing = False
 
-    def verdict(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdict:
-        """This model's verdict as it is now: cached while its key holds; probes (all ranks together) otherwise."""
+    def verdict(self, hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, reach: int = 0) -> Verdict:
+        """This model's verdict as it is now, for batches up to ``reach`` tokens: cached while its key holds and
+        its probe reached that far; probes (all ranks together) otherwise."""
         key = (layout, _key(hf, layout))
         state = self.verdicts.setdefault(hf, {})
         known = state.get(key)
-        if known is not None:
+        if known is not None and known.reach >= reach:
             return known
-        verdict = self.probe(hf, target, layout)
+        verdict = self.probe(hf, target, layout, max(reach, known.reach if known is not None else 0))
         if verdict.error is None:
             state[key] = verdict
             while len(state) > self.kept:
@@ -110,7 +114,21 @@ def cached_verdict(model: torch.nn.Module, batch: Mapping[str, Any]) -> Verdict 
     return None if shape is None else GUARD.cached(hf, shape)
 
 
-def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any]) -> Verdict | None:
+def _reach(hf: torch.nn.Module, batch: Mapping[str, Any], max_length: int | None) -> int:
+    """How far the probe must reach for ``batch``: its length, the caller's ``max_length`` and the budget of the
+    folders opened here, whichever is longest (:func:`reach_for` rounds it up). Under torch.distributed with none
+    of the two given, the ranks agree on the longest batch (one all_reduce of an int per step), so that every rank
+    probes at the same step and the same length."""
+    ids = batch.get("input_ids", batch.get("position_ids"))
+    tokens = int(ids.shape[-1]) if torch.is_tensor(ids) else 0
+    known = max(max_length or 0, GUARD.budget)
+    if not known:
+        tokens = agree_max(tokens, input_device(hf))
+    return reach_for(hf, max(tokens, known))
+
+
+def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any],
+           max_length: int | None = None) -> Verdict | None:
     """Static rules, then the verdict; raises PackstreamError for a packed batch that would leak.
 
     Returns the verdict (None when the batch carries no boundaries to probe). The verdict is computed
@@ -122,7 +140,7 @@ def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any
     shape = layout(batch)
     if shape is None:
         return None
-    verdict = GUARD.verdict(hf, target, shape)
+    verdict = GUARD.verdict(hf, target, shape, _reach(hf, batch, max_length))
     if packed and verdict.error is not None:
         raise PackstreamError(verdict.error)
     if packed and verdict.rope is not None:
@@ -134,13 +152,15 @@ def _guarded(hf: torch.nn.Module) -> bool:
     return any(getattr(h, "_packstream_guard", False) for h in hf._forward_pre_hooks.values())
 
 
-def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any], *, max_length: int | None = None) -> None:
     """Raise PackstreamError if ``model(**batch)`` would let packed examples attend to each other.
 
     Per step it reads the config and the batch's keys and shapes (one small device sync without
     ``cu_seq_lens_q``); see :mod:`packers._attention`'s table. The first call for a model class,
     configuration, backend, mode, dtype and batch layout also runs the packing probe: one forward of
-    12 packed tokens and two of 5 and 7 alone, under ``no_grad`` (cached afterwards). Under
+    12 packed tokens and two of 5 and 7 alone, then one row as long as the batch (or ``max_length``, or the budget
+    of the folders a :class:`packers.PackedDataset` opened here, rounded up to a power of two) with a sequence
+    starting late, and its sequences alone, under ``no_grad`` (cached afterwards; a longer batch probes again). Under
     torch.distributed the probe agrees across ranks: call this on every rank, as you would a forward.
     A batch holding one sequence always passes.
     """
@@ -148,7 +168,7 @@ def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any]) -> None
     target = model
     while hasattr(target, "_orig_mod"):  # torch.compile's wrapper: probe the eager module, compile nothing
         target = target._orig_mod
-    verdict = _check(hf, target, batch)
+    verdict = _check(hf, target, batch, max_length)
     if verdict is not None and verdict.fix and num_sequences(batch) > 1 and not _guarded(hf):
         raise PackstreamError(
             f"{type(hf).__name__} builds its {hf.config._attn_implementation!r} masks without position_ids, so a "
@@ -174,13 +194,14 @@ class GuardHandle:
         self.remove()
 
 
-def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
+def install_packing_guard(model: torch.nn.Module, *, max_length: int | None = None) -> GuardHandle:
     """Check every forward of ``model``: the static rules per batch, the packing probe when the model changes.
 
     Before the first packed forward, and whenever the attention implementation, train/eval mode,
     dtype, device, autocast or batch layout changes, the model runs the packing probe (cost: one
-    forward of 12 tokens and two of 5 and 7, under ``no_grad``, once per model class and
-    configuration; every rank together under DDP/FSDP). A model found to build its masks without
+    forward of 12 tokens and two of 5 and 7, then about two forwards of the longest row it covers -- the batch's
+    length, ``max_length`` or the budget of the folders opened here, rounded up to a power of two -- under
+    ``no_grad``, once per model class and configuration; every rank together under DDP/FSDP). A model found to build its masks without
     ``position_ids`` gets them from the guard when that makes the probe exact; any other mismatch
     raises PackstreamError naming the model, the backend and the fix. Catches what a trainer or a
     wrapper adds to the batch after the collator (an ``attention_mask``, a cache): the hook sits on
@@ -196,7 +217,7 @@ def install_packing_guard(model: torch.nn.Module) -> GuardHandle:
         if GUARD.probing:
             return
         batch = dict(zip(params, args)) | kwargs
-        verdict = _check(hf, hf, batch)
+        verdict = _check(hf, hf, batch, max_length)
         if verdict is not None and verdict.fix and num_sequences(batch) > 1:
             fix = contextlib.ExitStack()
             fix.enter_context(MASK_FIX.packed_positions(hf, batch["position_ids"]))

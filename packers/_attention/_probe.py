@@ -54,6 +54,8 @@ class Verdict:
     """The sequence lengths of each packed row probed."""
     rope: tuple[int, str] | None = None
     """A batch-dependent rope's (limit, type): every packed batch's sequences must stay below the limit."""
+    reach: int = 0
+    """The longest packed row probed (tokens): batches up to this long are covered by this verdict."""
 
 
 def layout(batch: Mapping[str, Any]) -> tuple | None:
@@ -108,19 +110,51 @@ def special_lengths(hf: torch.nn.Module, below: int | None) -> dict[int, str]:
                 visit(f"{prefix}{k}.", v, depth + 1)
 
     visit("", vars(cfg))
-    cap = next((getattr(cfg, k) for k in _MAX_POSITIONS if isinstance(getattr(cfg, k, None), int)), None)
+    cap = max_positions(hf)
     return {n: k for n, k in sorted(found.items())
             if (cap is None or n + 2 <= cap) and (below is None or n + 2 < below) and n + 2 > max(PROBE_LENGTHS)}
 
 
-def probes(hf: torch.nn.Module, rope: tuple[int, str] | None) -> list[tuple[tuple[int, int], str]]:
+def max_positions(hf: torch.nn.Module) -> int | None:
+    """The longest sequence the model's config accepts (None: it names no limit)."""
+    cfg = hf.config.get_text_config(decoder=True)
+    return next((getattr(cfg, k) for k in _MAX_POSITIONS if isinstance(getattr(cfg, k, None), int)), None)
+
+
+def reach_for(hf: torch.nn.Module, tokens: int) -> int:
+    """How long a row the probe runs for batches of ``tokens``: the next power of two (so a run whose batches grow
+    is probed again at most log2(budget) times), at least the short probe's row, at most the model's positions."""
+    reach = max(sum(PROBE_LENGTHS), 1 << max(0, int(tokens) - 1).bit_length())
+    cap = max_positions(hf)
+    return min(reach, cap) if cap else reach
+
+
+def long_row(reach: int, rope: tuple[int, str] | None) -> tuple[int, ...]:
+    """A row of ``reach`` tokens whose last sequence (7 tokens) starts late, at ``reach - 7``: what a loader feeds
+    when the budget is ``reach`` -- a backend that changes path above some length, or a bias built from positions
+    counted over the row (ALiBi from the row's positions, in low precision) shows there and nowhere shorter.
+    Each sequence stays under a batch-dependent rope's limit (as every packed batch's must)."""
+    last = PROBE_LENGTHS[1]
+    most = (rope[0] - 2) if rope is not None else reach
+    head, out = reach - last, []
+    while head > 0:
+        out.append(min(head, max(most, 1)))
+        head -= out[-1]
+    return (*out, last)
+
+
+def probes(hf: torch.nn.Module, rope: tuple[int, str] | None, reach: int = 0) -> list[tuple[tuple[int, ...], str]]:
     """The probe's packed rows: (5, 7), and for each special length N a short sequence then one of N + 2 tokens,
     so that one sequence crosses N inside itself (a window or chunk bites, a rope switches), the row crosses N
     (a backend that changes path above N tokens), and the second sequence straddles position N of the row (chunks
-    or windows counted over the row instead of each sequence)."""
-    out = [(PROBE_LENGTHS, "")]
+    or windows counted over the row instead of each sequence). Then, when ``reach`` is longer than those, one row of
+    ``reach`` tokens with a sequence starting late (:func:`long_row`): the lengths the loader will really feed."""
+    out: list[tuple[tuple[int, ...], str]] = [(PROBE_LENGTHS, "")]
     for n, key in special_lengths(hf, None if rope is None else rope[0]).items():
         out.append(((PROBE_LENGTHS[0], n + 2), f", crossing {key}={n}"))
+    if reach > max(sum(lengths) for lengths, _ in out):
+        row = long_row(reach, rope)
+        out.append((row, f", a row of {reach} tokens whose last sequence starts at {reach - row[-1]}"))
     return out
 
 
@@ -328,33 +362,54 @@ def agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def agree_max(value: int, device: torch.device) -> int:
+    """Under torch.distributed, the largest ``value`` over the ranks (all_reduce MAX); else ``value``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    backend = str(dist.get_backend())
+    dev = torch.device("cpu") if ("gloo" in backend or backend == "mpi") else (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _run_probes(
-    hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool, rows: list[tuple[tuple[int, int], str]]
+    hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, fix: bool, rows: list[tuple[tuple[int, ...], str]]
 ) -> tuple[float, float, str | None, str]:
-    """Every probe row in turn, up to the first that fails: (worst diff, tolerance, error, which row)."""
-    worst, tol, what = 0.0, 0.0, ""
+    """Every probe row in turn: (worst diff, tolerance, error, which row) of the first that fails, else of all.
+
+    Every row runs even after one failed, so that every rank of a sharded model (FSDP: each forward is collective)
+    runs the same forwards whatever its own rows find; the ranks agree on the verdict afterwards."""
+    worst, tol, what, failed = 0.0, 0.0, "", None
     for lengths, crossing in rows:
         diff, tol, error = run_probe(hf, target, layout, fix, lengths)
-        what = f"{len(lengths)} sequences of {' and '.join(map(str, lengths))} tokens{crossing}"
-        if error is not None or not diff <= tol:
-            return diff, tol, error, what
-        worst = max(worst, diff)
-    return worst, tol, None, what
+        here = (f"{len(lengths)} sequences of {' and '.join(map(str, lengths))} tokens{crossing}" if len(lengths) <= 4
+                else f"{len(lengths)} sequences{crossing}")
+        if failed is None and (error is not None or not diff <= tol):
+            failed = (diff, tol, error, here)
+        elif failed is None:
+            worst, what = max(worst, diff), here
+    return failed if failed is not None else (worst, tol, None, what)
 
 
-def probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdict:
+def probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple, reach: int = 0) -> Verdict:
     """Probe as is; if that leaks under a mask backend, probe with position_ids supplied to the mask functions.
+    ``reach``: the longest row to probe (:func:`reach_for` of the batches' length or the folder's budget).
 
     Under torch.distributed every rank runs the same forwards and the verdict is agreed after each probe.
     """
     t0 = time.perf_counter()
     device = input_device(hf)
     rope = batch_rope(hf)
-    rows = probes(hf, rope)
+    rows = probes(hf, rope, reach)
+    reach = max(sum(lengths) for lengths, _ in rows)
     shapes = tuple(lengths for lengths, _ in rows)
     diff, tol, error, what = _run_probes(hf, target, layout, False, rows)
     if agree(error is None and diff <= tol, device):
-        return Verdict(None, False, diff, time.perf_counter() - t0, shapes, rope)
+        return Verdict(None, False, diff, time.perf_counter() - t0, shapes, rope, reach)
     impl = hf.config._attn_implementation
     fix_note = ""
     # The fix is for models that build their masks without position_ids (GptOss, OPT, Bloom, MPT, ... in
@@ -363,10 +418,19 @@ def probe(hf: torch.nn.Module, target: torch.nn.Module, layout: tuple) -> Verdic
     if fixable and agree(bool(MASK_FIX.patches(hf)), device):
         fix_diff, _, fix_error, fix_what = _run_probes(hf, target, layout, True, rows)
         if agree(fix_error is None and fix_diff <= tol, device):
-            return Verdict(None, True, fix_diff, time.perf_counter() - t0, shapes, rope)
+            return Verdict(None, True, fix_diff, time.perf_counter() - t0, shapes, rope, reach)
         fix_note = (f", and still by {fix_diff:.2g} ({fix_what}) with position_ids passed to its mask functions"
                     if fix_error is None else f"; with position_ids passed to its mask functions it raised: {fix_error}")
-    return Verdict(_refusal(hf, diff, tol, error, what, fix_note), False, diff, time.perf_counter() - t0, shapes, rope)
+    return Verdict(_refusal(hf, diff, tol, error, what, fix_note), False, diff, time.perf_counter() - t0, shapes, rope,
+                   reach)
+
+
+def uses_alibi(hf: torch.nn.Module) -> bool:
+    """Does the model add an ALiBi bias (Falcon with ``alibi``, MPT's ``attn_config.alibi``, Bloom, ...)?"""
+    cfg = hf.config.get_text_config(decoder=True)
+    attn = getattr(cfg, "attn_config", None)
+    return bool(getattr(cfg, "alibi", False) is True or getattr(cfg, "position_embedding_type", None) == "alibi"
+                or getattr(attn, "alibi", False) is True or getattr(cfg, "model_type", "") == "bloom")
 
 
 def _refusal(hf: torch.nn.Module, diff: float, tol: float, error: str | None, what: str, fix_note: str) -> str:
@@ -379,6 +443,9 @@ def _refusal(hf: torch.nn.Module, diff: float, tol: float, error: str | None, wh
     elif error is None:
         cause = (f"the packing probe ({what}, packed vs alone) differs by {diff:.2g} > {tol:.0e} "
                  f"(max logit diff / max logit){fix_note}")
+        if uses_alibi(hf):
+            cause += ("; its ALiBi bias is built from positions counted over the whole packed row (not position_ids), "
+                      "so an example that starts late in a row gets another bias, in reduced precision, than alone")
     else:
         cause = error.rstrip(". ")
     others = " or ".join(repr(b) for b in ("flash_attention_2", VARLEN_NAME, "sdpa") if b != impl)
