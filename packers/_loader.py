@@ -517,6 +517,6 @@ class PackedLoader(torch.utils.data.DataLoader):
 def _note_budget(budget: int) -> None:
     """The packing guard probes rows as long as this folder's (every rank opens the same folder, so every rank
     probes at the same length): a backend or a position bias that goes wrong only late in a long row is caught."""
-    from packers._attention._guard import GUARD
+    from packers._attention import note_budget
 
-    GUARD.budget = max(GUARD.budget, int(budget))
+    note_budget(budget)

@@ -36,7 +36,7 @@ entry points and the verdict cache, ``_fixes`` the fixes to transformers (mask f
 ``_model`` what they read from a model.
 """
 
-from packers._attention._guard import GuardHandle, cached_verdict, check_packing_safe, install_packing_guard
+from packers._attention._guard import GuardHandle, cached_verdict, check_packing_safe, install_packing_guard, note_budget
 from packers._attention._varlen import VARLEN_NAME, register_varlen_attention, varlen_attention_forward
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "cached_verdict",
     "check_packing_safe",
     "install_packing_guard",
+    "note_budget",
     "register_varlen_attention",
     "varlen_attention_forward",
 ]

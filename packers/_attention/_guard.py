@@ -76,6 +76,11 @@ class Guard:
 GUARD = Guard()
 
 
+def note_budget(budget: int) -> None:
+    """A folder of rows up to ``budget`` tokens will be fed here: every probe from now on reaches that far."""
+    GUARD.budget = max(GUARD.budget, int(budget))
+
+
 def _config_fingerprint(config: Any) -> tuple:
     """The plain values of a config and its sub-configs (~50 us): a changed window or rope setting shows here."""
     plain = (int, float, str, bool, type(None))
