@@ -29,7 +29,7 @@ import pytest
 
 from pipeline import PackOptions, run
 from pipeline.cli import bundled_sample
-from tests._internals import Encoder, _read, _rows, _spill, _write, verify
+from tests._internals import Encoder, _read, _rows, _sink, _spill, _write, verify
 
 
 def digest(folder) -> dict[str, str]:
@@ -161,8 +161,8 @@ def _fail_after_dead_letters(monkeypatch, fault: FirstAttempt) -> None:
 def _fail_after_manifest(monkeypatch, fault: FirstAttempt) -> None:
     real = _write.write_atomic
 
-    def write_atomic(path, data):
-        real(path, data)
+    def write_atomic(path, data, site):
+        real(path, data, site)
         if os.path.basename(path) == "manifest.json":  # committed, the spill not yet removed
             fault.calls += 1
             fault.fire("after writing manifest.json")
@@ -241,8 +241,8 @@ def test_bundle_retried_after_a_fault_gives_identical_output(
 
 def test_write_atomic_is_idempotent_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
     target = tmp_path / "train-00000-of-00001.arrow"
-    _write.write_atomic(str(target), b"same bytes")
-    _write.write_atomic(str(target), b"same bytes")  # a retried writer: same name, same bytes
+    _write.write_atomic(str(target), b"same bytes", _sink.Site.SHARD)
+    _write.write_atomic(str(target), b"same bytes", _sink.Site.SHARD)  # a retried writer: same name, same bytes
     assert target.read_bytes() == b"same bytes" and leftovers(tmp_path) == []
 
     def broken_replace(src, dst):
@@ -250,6 +250,6 @@ def test_write_atomic_is_idempotent_and_leaves_nothing_on_failure(tmp_path, monk
 
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk went away"):
-        _write.write_atomic(str(target), b"new bytes")
+        _write.write_atomic(str(target), b"new bytes", _sink.Site.SHARD)
     assert target.read_bytes() == b"same bytes"  # the old file is intact, never half-replaced
     assert leftovers(tmp_path) == []
