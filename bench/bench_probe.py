@@ -3,8 +3,9 @@
     python bench/bench_probe.py [--threads 2]
 
 The probe runs once per model state (class, config, backend, mode, dtype, batch layout): the short
-row (5 + 7 tokens) and, for each length the config makes special, a row crossing it (5 + N + 2 tokens),
-each packed and each sequence alone, under ``no_grad``. This prints, per model, the probe rows, the
+row (5 + 7 tokens), for each length the config makes special a row crossing it (5 + N + 2 tokens), and a
+row as long as the batch (``--tokens``, the budget here) whose last 7-token sequence starts late, each packed
+and each sequence alone, under ``no_grad``. This prints, per model, the probe rows, the
 probe's wall time (``packers._attention._probe.probe``, best of ``--repeats``), and one training step (forward and backward of a
 packed batch of ``--tokens`` tokens, rows of 4 examples) for scale.
 """
@@ -49,7 +50,7 @@ def main(argv=None) -> None:
     import transformers
 
     from packers import Collator
-    from packers._attention._probe import layout, probe
+    from packers._attention._probe import layout, probe, reach_for
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
         probed = layout(batch)
         best, verdict = float("inf"), None
         for _ in range(args.repeats):
-            verdict = probe(model, model, probed)
+            verdict = probe(model, model, probed, reach_for(model, args.tokens))
             best = min(best, verdict.seconds)
         assert verdict.error is None, verdict.error
         step = float("inf")
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
             model(**batch).loss.backward()
             step = min(step, time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
-        shapes = " ".join("+".join(map(str, s)) for s in verdict.probes)
+        shapes = " ".join("+".join(map(str, s)) if len(s) <= 3 else f"{sum(s)}({len(s)})" for s in verdict.probes)
         print(f"{name:<48} {shapes:<22} {best:>8.3f} {step:>12.3f} {best / step:>12.2f}", flush=True)
 
 
