@@ -11,10 +11,20 @@ from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode,
 
 
 def run(options: PackOptions, beam_args=()) -> dict:
-    """Run the packing job; returns the manifest (see ``manifest.json``)."""
+    """Run the packing job; returns the manifest (see ``manifest.json``). Raises PackstreamError when the run fails
+    (:func:`launch` returns how it ended instead)."""
     from pipeline._job import run as _run
 
     return _run(options, beam_args)
 
 
-__all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "TrainOn", "run"]
+def launch(options: PackOptions, beam_args=()):
+    """Run the packing job; returns how it ended, never raising for a user error, a failed run or a signal:
+    ``Committed(manifest)``, ``Failed(error, exit_code, manifest)``, ``TemplateLaunched(location, config)`` or
+    ``Interrupted(signum, message)`` (``pipeline._job._outcome``), each with its ``exit_code``."""
+    from pipeline._job import launch as _launch
+
+    return _launch(options, beam_args)
+
+
+__all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "TrainOn", "launch", "run"]
