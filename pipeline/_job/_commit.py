@@ -201,7 +201,6 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         "run_id": ctx.digest,
         "inputs": ctx.input_entries(),
         "inputs_read_once": list(ctx.read_once),
-        "notes": list(ctx.notes),
         "counts": counts,
         "shards": shards,
         "files": written,
@@ -215,6 +214,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         },
         "rejected_file": "rejected.jsonl",
     }
+    if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was
+        manifest["notes"] = list(ctx.notes)
     if not verdict.complete:
         manifest.update(error=verdict.error, exit_code=verdict.code)
     return manifest
