@@ -1,6 +1,6 @@
 """packstream's packing core, packed-row contract and training-time loader.
 
-Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``,
+Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``, ``example_losses``,
 ``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ...) import torch on first use.
 The loader's options (``Sampling``, ``Sharding``, ``Batching`` and the enums and cost model they hold) need no torch.
 """
@@ -19,6 +19,7 @@ _TORCH_NAMES = {
     "PackedLoader": "packers._loader",
     "loss": "packers._loss",
     "example_losses": "packers._loss",
+    "ExampleLosses": "packers._loss",
     "register_varlen_attention": "packers._attention",
     "check_packing_safe": "packers._attention",
     "install_packing_guard": "packers._attention",

@@ -2,9 +2,9 @@
 
 Two rows of budget 8 (``T`` = target token, ``.`` = not), collated with the defaults::
 
-    row 0  input_ids [ 5  9 41 17 | 5 30 ]           seq_offsets [0, 4, 6]
+    row 0  input_ids [ 5  9 41 17 | 5 30 ]           seq_offsets [0, 4, 6]    example_ids ["a", "b"]
            loss_mask [ .  .  T  T | .  T ]
-    row 1  input_ids [ 5  8  6  1  2 ]               seq_offsets [0, 5]
+    row 1  input_ids [ 5  8  6  1  2 ]               seq_offsets [0, 5]       example_ids ["c"]
            loss_mask [ .  .  T  T  T ]
 
     input_ids     [[ 5  9 41 17  5 30  5  8  6  1  2]]      [1, T], rows back to back
@@ -12,7 +12,9 @@ Two rows of budget 8 (``T`` = target token, ``.`` = not), collated with the defa
     labels        [[-100 -100 41 17 -100 30 -100 -100 6 1 2]]
                      ^ first token of each example: never a target (nothing before it to predict from)
     cu_seq_lens_q [0, 4, 6, 11]   (int32, also cu_seq_lens_k)   max_length_q = max_length_k = 5
-    seq_idx       [[0 0 0 0 1 1 2 2 2 2 2]]                 (int32) example index, for Mamba-style layers
+    seq_idx       [[0 0 0 0 1 1 2 2 2 2 2]]                 (int32) sequence index, for Mamba-style layers
+    example_index [0, 1, 2]                                 (int64) the sequence of each of the rows' examples
+    example_ids   ["a", "b", "c"]                           the rows' example_ids (rows without: no key)
     use_cache     False                                     see "why use_cache" below
 
 With ``fixed_shape=True, budget=8`` every row is padded to the budget, so ``T = rows x budget``
@@ -23,9 +25,12 @@ it never reaches the loss::
 
     row 0  input_ids [ 5  9 41 17  5 30  0  0 ]   position_ids [0 1 2 3 0 1 0 1]
                                          ^^^^ pad  cu_seq_lens [0, 4, 6, 8, ...]
+                                                   example_index [0, 1, 3]: sequence 2 is padding
 
 ``max_length_*`` is then the budget (a valid upper bound for the kernels; a constant keeps
-``torch.compile`` from specialising on it).
+``torch.compile`` from specialising on it). ``example_index`` and ``example_ids`` are what
+per-example outputs index: :func:`packers.example_losses` and :func:`packers.sequence_logps` return
+one value per example, in the rows' order, with its id, and none for a padding sequence.
 
 Why ``use_cache=False`` is in the batch: transformers' sdpa/eager attention builds the
 block-diagonal packed mask from ``position_ids`` only when there is no KV cache, and a model
@@ -35,8 +40,9 @@ other (max logit error about 0.2-0.8). Passing ``use_cache=False`` in the batch 
 ``model(**batch)`` safe; :func:`packers.check_packing_safe` checks the rest.
 
 >>> import numpy as np
->>> rows = [{"input_ids": [5, 9, 41, 17, 5, 30], "loss_mask": [0, 0, 1, 1, 0, 1], "seq_offsets": [0, 4, 6]},
-...         {"input_ids": [5, 8, 6, 1, 2], "loss_mask": [0, 0, 1, 1, 1], "seq_offsets": [0, 5]}]
+>>> rows = [{"input_ids": [5, 9, 41, 17, 5, 30], "loss_mask": [0, 0, 1, 1, 0, 1], "seq_offsets": [0, 4, 6],
+...          "example_ids": ["a", "b"]},
+...         {"input_ids": [5, 8, 6, 1, 2], "loss_mask": [0, 0, 1, 1, 1], "seq_offsets": [0, 5], "example_ids": ["c"]}]
 >>> b = Collator()(rows)
 >>> b["labels"].tolist()
 [[-100, -100, 41, 17, -100, 30, -100, -100, 6, 1, 2]]
@@ -45,6 +51,8 @@ other (max logit error about 0.2-0.8). Passing ``use_cache=False`` in the batch 
 >>> f = Collator(fixed_shape=True, budget=8)(rows)
 >>> f["input_ids"].shape, f["cu_seq_lens_q"].tolist(), f["max_length_q"]
 (torch.Size([1, 16]), [0, 4, 6, 8, 13, 16], 8)
+>>> f["example_index"].tolist(), f["example_ids"]        # sequence 2 is row 0's padding
+([0, 1, 3], ['a', 'b', 'c'])
 
 Rows of preference pairs (``packstream pack --pairs``, see :mod:`packers.schema`) also give what a
 DPO-style loss needs: which tokens are completions, and which sequences make a pair. One row, two
@@ -104,6 +112,13 @@ class PackedBatch(TypedDict, total=False):
     """Same as ``max_length_q``."""
     seq_idx: torch.Tensor
     """``[1, T]`` int32: index of each token's sequence. Only with ``return_seq_idx``."""
+    example_index: torch.Tensor
+    """``[E]`` int64: the sequence (as in ``cu_seq_lens``) of each of the rows' examples, in the rows' order; a
+    padded row's padding is no example. Only with ``return_example_index``; what :func:`packers.example_losses`
+    and :func:`packers.sequence_logps` read."""
+    example_ids: list[Any]
+    """The rows' ``example_ids``, flattened (one per ``example_index`` entry). Only with ``return_example_index``
+    and rows that carry them (rows from :class:`packers.PackedDataset` or packstream shards)."""
     use_cache: bool
     """Always ``False`` (unless ``disable_cache=False``): see the module docstring."""
     completion_mask: torch.Tensor
@@ -125,8 +140,9 @@ class Collator:
     :class:`packers.PackedDataset` yields) or CPU tensors. Rows whose ``sides`` and
     ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
     holds rows of pairs or rows without, not both. Rows from ``PackedDataset`` also carry
-    ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`). Other keys
-    (``example_ids``, ``num_tokens``, ``num_targets``, ``pair_ids``, ``loss_denominator``) are ignored.
+    ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`), and
+    ``example_ids``, which become the batch's ``example_ids``. Other keys (``num_tokens``, ``num_targets``,
+    ``pair_ids``, ``loss_denominator``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -139,6 +155,10 @@ class Collator:
     """Return ``cu_seq_lens_q/k`` and ``max_length_q/k`` (used by FA2 and the varlen backend; sdpa/eager ignore them)."""
     return_seq_idx: bool = True
     """Return ``seq_idx`` (for models with Mamba-style convolution layers)."""
+    return_example_index: bool = True
+    """Return ``example_index`` and the rows' ``example_ids`` (models ignore them; :func:`packers.example_losses`
+    and :func:`packers.sequence_logps` need them). Turn it off only for a model whose ``forward`` refuses
+    keyword arguments it does not know."""
     disable_cache: bool = True
     """Put ``use_cache=False`` in the batch, so that sdpa/eager build the packed mask. Leave it on."""
     validate: bool = True
@@ -155,7 +175,8 @@ class Collator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if len(rows) == 0:
             raise PackstreamError("Collator got an empty list of rows")
-        parts = _Parts(weighted="loss_weights" in rows[0], pairs=_has_pairs(rows[0]))
+        parts = _Parts(weighted="loss_weights" in rows[0], pairs=_has_pairs(rows[0]),
+                       named=rows[0].get("example_ids") is not None)
         for i, row in enumerate(rows):
             self._add(parts, i, row)
         input_ids = np.concatenate(parts.ids)
@@ -183,6 +204,10 @@ class Collator:
         if self.return_seq_idx:
             seq_idx = np.repeat(np.arange(seq_lens.shape[0], dtype=np.int32), seq_lens)
             batch["seq_idx"] = torch.from_numpy(seq_idx)[None]
+        if self.return_example_index:
+            batch["example_index"] = torch.from_numpy(np.concatenate(parts.examples))
+            if parts.named:
+                batch["example_ids"] = parts.example_ids
         if self.disable_cache:
             batch["use_cache"] = False
         if parts.pairs:
@@ -213,6 +238,14 @@ class Collator:
                 _check_pairs(i, offs, sides, spans)
             parts.spans.append(spans + parts.at)
             parts.sides.append(sides)
+        nseq = offs.shape[0] - 1
+        if parts.named:
+            parts.example_ids += _row_example_ids(i, row, nseq)
+        elif row.get("example_ids") is not None:
+            raise PackstreamError(f"row 0 carries no example_ids, row {i} does; collate rows of one source "
+                                  "(all with their example_ids, or all without)")
+        parts.examples.append(np.arange(parts.seqs, parts.seqs + nseq, dtype=np.int64))
+        parts.seqs += nseq
         parts.ids.append(ids)
         parts.mask.append(mask)
         parts.lens.append(np.diff(offs))
@@ -225,6 +258,7 @@ class Collator:
             parts.mask.append(np.zeros(pad, dtype=bool))
             parts.lens.append(np.array([pad], dtype=np.int64))
             parts.sides.append(np.array([-1], dtype=np.int64))
+            parts.seqs += 1  # a sequence, not an example: in cu_seq_lens, not in example_index
             parts.at += pad
             if parts.weighted:
                 parts.weights.append(np.zeros(pad, dtype=np.float32))
@@ -238,6 +272,8 @@ class _Parts:
     """The rows carry loss_weights (rows from PackedDataset)."""
     pairs: bool
     """The rows hold preference pairs."""
+    named: bool
+    """The rows carry example_ids."""
     ids: list[np.ndarray] = field(default_factory=list)
     mask: list[np.ndarray] = field(default_factory=list)
     lens: list[np.ndarray] = field(default_factory=list)
@@ -247,6 +283,12 @@ class _Parts:
     """Completion spans as batch token offsets."""
     sides: list[np.ndarray] = field(default_factory=list)
     """Each sequence's side, -1 for a padding sequence."""
+    examples: list[np.ndarray] = field(default_factory=list)
+    """Per row, the batch sequence index of each of its examples (its padding is none)."""
+    example_ids: list[Any] = field(default_factory=list)
+    """The rows' example ids, flattened (when ``named``)."""
+    seqs: int = 0
+    """Sequences so far (padding included)."""
     at: int = 0
     """Tokens so far."""
 
@@ -279,6 +321,20 @@ def _check_pairs(i: int, offs: np.ndarray, sides: np.ndarray, spans: np.ndarray)
     if ((spans[:, 0] <= offs[:-1]) | (spans[:, 1] <= spans[:, 0]) | (spans[:, 1] > offs[1:])).any():
         raise ContractError(f"row {i}: a completion span lies outside its sequence (after its first token): "
                             f"{spans.tolist()[:4]}, seq_offsets {offs.tolist()[:5]}")
+
+
+def _row_example_ids(i: int, row: Mapping[str, Any], nseq: int) -> list[Any]:
+    """Row ``i``'s example ids, one per sequence: checked even without ``validate``, since a row with one id too
+    many and the next with one too few would pair every value between them with the wrong example."""
+    ids = row.get("example_ids")
+    if ids is None:
+        raise PackstreamError(f"row 0 carries example_ids, row {i} does not; collate rows of one source (all with "
+                              "their example_ids, or all without)")
+    ids = list(ids)
+    if len(ids) != nseq:
+        raise ContractError(f"row {i}: {len(ids)} example_ids for {nseq} sequences (seq_offsets "
+                            f"{np.asarray(row['seq_offsets']).tolist()[:8]}); one id per example")
+    return ids
 
 
 def _row_weights(i: int, row: Mapping[str, Any], n: int) -> np.ndarray:

@@ -9,13 +9,16 @@ one before it, inside the same sequence: a completion never starts at a sequence
     input_ids        [ 5  9 41 17 | 5  9 30 ]          one pair: chosen, then rejected
     completion_mask  [ .  .  T  T | .  .  T ]
     per-token logp   [ .  . a2 a3 | .  . b6 ]          a2 = log p(41 | 5 9), ...
-    sum              [ a2 + a3    , b6      ]          one per sequence
+    sum              [ a2 + a3    , b6      ]          one per example (a padded row's padding is none)
     mean             [(a2 + a3)/2 , b6 / 1  ]
+    ids              ["p#chosen"  , "p#rejected"]      the rows' example_ids
     chosen, rejected [a2 + a3], [b6]                   by the batch's pair_index
 
 A reference model's pass over the same batch gives the reference log-probs the same way. Only
 the completion positions' logits are upcast and normalised (never the whole ``[T, vocab]`` tensor
-in float32). For a batch without pairs, the targets are the tokens whose label is not -100.
+in float32). The sums are accumulated in float64 and rounded once to float32: added one at a time in
+float32, a 1,000-token completion's log-prob (about -4,600) drifted by up to 4e-3 from its exact sum.
+For a batch without pairs, the targets are the tokens whose label is not -100.
 """
 
 from __future__ import annotations
@@ -27,28 +30,44 @@ import torch
 import torch.nn.functional as F
 
 from packers.errors import PackstreamError
+from packers.schema import Side
+from packers._examples import examples, sequences
 from packers._loss import _check_vocab
 
 
 @dataclass(frozen=True)
 class SequenceLogps:
-    """What :func:`sequence_logps` returns: one value per sequence of the batch (as in ``cu_seq_lens``).
+    """What :func:`sequence_logps` returns: one value per example of the batch, in the rows' order (as the
+    batch's ``example_index``: a padded row's padding is no example), with its id.
 
-    ``sum`` is differentiable (through the logits). A sequence without completion tokens (a
-    padding sequence of ``Collator(fixed_shape=True)``) has sum 0 and 0 tokens.
+    ``sum`` is differentiable (through the logits). An example without completion tokens has sum 0
+    and 0 tokens.
     """
 
     sum: torch.Tensor
-    """``[N]`` float32: summed log-probability of each sequence's completion tokens."""
+    """``[E]`` float32: summed log-probability of each example's completion tokens (summed in float64)."""
     tokens: torch.Tensor
-    """``[N]`` int64: completion tokens of each sequence."""
+    """``[E]`` int64: completion tokens of each example."""
     pair_index: torch.Tensor | None
-    """``[P, 2]`` int64: (chosen, rejected) sequence indices; None for a batch without pairs."""
+    """``[P, 2]`` int64: each pair's (chosen, rejected) positions in ``sum``, ``tokens`` and ``ids``; None for a
+    batch without pairs. Not the batch's ``pair_index``, which counts sequences (padding included)."""
+    ids: tuple[Any, ...] | None = None
+    """The examples' ids (the rows' ``example_ids``, e.g. ``"dpo@1#chosen"``), aligned with ``sum``; None when
+    the rows carried none."""
 
     @property
     def mean(self) -> torch.Tensor:
-        """``[N]``: the mean per completion token (length-normalised, as SimPO and ORPO use it); 0 without tokens."""
+        """``[E]``: the mean per completion token (length-normalised, as SimPO and ORPO use it); 0 without tokens."""
         return self.sum / self.tokens.clamp(min=1).to(self.sum.dtype)
+
+    @property
+    def pair_ids(self) -> tuple[Any, ...] | None:
+        """``P`` pair ids, aligned with ``chosen`` / ``rejected``: the chosen side's example id without its
+        ``"#chosen"`` (the row contract names a side ``pair_id + "#chosen"``); None without ids."""
+        if self.ids is None:
+            return None
+        suffix = Side.CHOSEN.suffix
+        return tuple(str(self.ids[c]).removesuffix(suffix) for c in self._pairs()[:, 0].tolist())
 
     def _pairs(self) -> torch.Tensor:
         if self.pair_index is None:
@@ -84,23 +103,46 @@ class SequenceLogps:
 
 
 def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLogps:
-    """Each sequence's completion log-probability from a model's ``logits`` on a :class:`packers.Collator` batch.
+    """Each example's completion log-probability from a model's ``logits`` on a :class:`packers.Collator` batch.
 
     ``logits``: ``[1, T, vocab]`` (or ``[T, vocab]``), e.g. ``model(**batch).logits``. Completion
     tokens are the batch's ``completion_mask`` (rows of pairs), else the tokens whose label is not
-    -100. Sequences are where ``position_ids`` restart. Returns a :class:`SequenceLogps`: ``.sum``
-    and ``.mean`` per sequence, ``.chosen`` / ``.rejected`` (and ``_mean``) per pair.
+    -100. Sequences are where ``position_ids`` restart, examples the batch's ``example_index``.
+    Returns a :class:`SequenceLogps`: ``.sum``, ``.mean`` and ``.tokens`` per example with ``.ids``,
+    ``.chosen`` / ``.rejected`` (and ``_mean``) per pair with ``.pair_ids``.
 
     >>> import torch
     >>> from packers import Collator
     >>> row = {"input_ids": [5, 9, 41, 17, 5, 9, 30], "loss_mask": [0, 0, 1, 1, 0, 0, 1], "seq_offsets": [0, 4, 7],
-    ...        "sides": [0, 1], "completion_spans": [2, 4, 6, 7]}
-    >>> batch = Collator()([row])
-    >>> logits = torch.zeros(1, 7, 50)                       # uniform over 50 tokens: log(1/50) per token
+    ...        "sides": [0, 1], "completion_spans": [2, 4, 6, 7], "example_ids": ["p#chosen", "p#rejected"]}
+    >>> batch = Collator(fixed_shape=True, budget=8)([row])   # sequences: chosen, rejected, 1 token of padding
+    >>> logits = torch.zeros(1, 8, 50)                       # uniform over 50 tokens: log(1/50) per token
     >>> lp = sequence_logps(logits, batch)
-    >>> lp.tokens.tolist(), [round(x, 4) for x in lp.sum.tolist()], round(lp.chosen_mean.item(), 4)
-    ([2, 1], [-7.824, -3.912], -3.912)
+    >>> lp.ids, lp.tokens.tolist(), [round(x, 4) for x in lp.sum.tolist()]
+    (('p#chosen', 'p#rejected'), [2, 1], [-7.824, -3.912])
+    >>> lp.pair_ids, round(lp.chosen_mean.item(), 4)
+    (('p',), -3.912)
     """
+    sums, tokens, n_seq = _sequence_sums(logits, batch)
+    device = sums.device
+    index, ids = examples(batch, n_seq, device)
+    pair_index = batch.get("pair_index")
+    if pair_index is not None:
+        pair_index = pair_index.to(device, torch.int64)
+        flat = pair_index.reshape(-1)
+        at = torch.searchsorted(index, flat)  # the batch's pair_index counts sequences; SequenceLogps's, examples
+        if flat.numel() and (int(at.max()) >= index.shape[0] or not bool((index[at] == flat).all())):
+            raise PackstreamError(f"pair_index names sequences {pair_index.flatten().tolist()[:8]} that are not all "
+                                  f"examples (example_index {index.tolist()[:8]}): the batch was changed after "
+                                  "collation; pass the packers.Collator batch as it is")
+        pair_index = at.reshape(pair_index.shape)
+    return SequenceLogps(sum=sums[index].float(), tokens=tokens[index], pair_index=pair_index, ids=ids)
+
+
+def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per sequence of the batch (padding included): its completion tokens' summed log-probability in float64
+    (``[N]``, differentiable), its completion tokens (``[N]`` int64), and ``N``. :func:`sequence_logps` before
+    it picks the examples and rounds to float32."""
     ids, pos = batch["input_ids"], batch["position_ids"]
     if ids.dim() != 2 or ids.shape[0] != 1 or pos.shape != ids.shape:
         raise PackstreamError(f"sequence_logps needs a packed [1, T] batch from packers.Collator; got input_ids of shape "
@@ -118,9 +160,8 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLo
         target = batch["completion_mask"][0].to(device)
     else:
         target = batch["labels"][0].to(device) != -100
+    seq, n_seq = sequences(batch, device)
     starts = pos[0].to(device) == 0
-    seq = torch.cumsum(starts.to(torch.int64), 0) - 1  # the sequence of each token
-    n_seq = int(starts.sum())
     if bool((target & starts).any()):
         raise PackstreamError("a completion token is the first token of its sequence (nothing predicts it); the batch "
                               "is not a packers.Collator batch of a valid packed row")
@@ -128,11 +169,7 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLo
     token_ids = ids[0].to(device)[at]
     _check_vocab(token_ids, logits.shape[-1])
     lp = -F.cross_entropy(logits[at - 1].float(), token_ids, reduction="none")
-    sums = torch.zeros(n_seq, dtype=lp.dtype, device=device).index_add(0, seq[at], lp)
-    tokens = torch.bincount(seq[at], minlength=n_seq)
-    pair_index = batch.get("pair_index")
-    if pair_index is not None:
-        pair_index = pair_index.to(device)
-        if pair_index.numel() and int(pair_index.max()) >= n_seq:
-            raise PackstreamError(f"pair_index names sequence {int(pair_index.max())}, the batch has {n_seq}")
-    return SequenceLogps(sum=sums, tokens=tokens, pair_index=pair_index)
+    # float64: thousands of fp32 terms added one at a time drift by ~1e-3 (issue "No silent mismatch left in
+    # training"); lp itself stays fp32 (never the [tokens, vocab] logits in float64)
+    sums = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add(0, seq[at], lp.double())
+    return sums, torch.bincount(seq[at], minlength=n_seq), n_seq

@@ -81,6 +81,8 @@ _LAZY = {
     "VARLEN": ("packers._attention._varlen", "VARLEN"),
     "probe_layout": ("packers._attention._probe", "layout"),
     **{name: ("packers._attention._probe", name) for name in ("batch_rope", "run_probe", "special_lengths")},
+    # The per-sequence float64 completion sums that packers.sequence_logps rounds to float32 (tests/test_dpo.py).
+    "sequence_sums": ("packers._logps", "_sequence_sums"),
 }
 
 

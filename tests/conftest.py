@@ -93,6 +93,8 @@ FAST_CASES = (
     "tests/test_dpo.py::test_packed_pair_logps_equal_alone[train-sdpa-llama]",
     "tests/test_guard.py::test_a_model_made_to_leak_is_refused[train-sdpa-drop_position_ids]",
     "tests/test_loss.py::test_one_rank_packed_loss_and_gradients_equal_unpacked[4-token]",
+    "tests/test_loss.py::test_example_losses_fixed_shape_worked_example",  # milliseconds: synthetic logits
+    "tests/test_dpo.py::test_long_completion_logps_are_exact_sums",
     "tests/test_safety.py::test_overwrite_removes_only_what_the_manifest_lists",
     "tests/test_interrupt.py::test_a_signal_ends_with_one_line_and_a_folder_overwrite_cleans[commit-TERM-1]",
     "tests/test_faults.py::test_bundle_retried_after_a_fault_gives_identical_output[mid_group]",

@@ -40,11 +40,31 @@ def test_fixed_shape_worked_example():
     assert b["labels"].tolist() == [[-100, 9, 41, -100, -100, -100, 8, -100, 1, 2]]
     assert b["cu_seq_lens_q"].tolist() == [0, 3, 5, 7, 10]
     assert b["max_length_q"] == 5  # the budget: constant for torch.compile
+    assert b["example_index"].tolist() == [0, 2, 3]  # sequence 1 is row 0's padding: no example
+    assert "example_ids" not in b  # these rows carry none
+
+
+def test_example_ids_one_per_sequence():
+    """The rows' example_ids become the batch's, flattened; a row with too many or too few is refused even without
+    validate (it would pair every value after it with the wrong example), and so is a batch mixing rows with ids
+    and rows without."""
+    row = {"input_ids": [5, 9, 41, 7, 8], "loss_mask": [0, 1, 1, 0, 1], "seq_offsets": [0, 3, 5], "example_ids": ["a", "b"]}
+    other = {"input_ids": [7, 8, 6], "loss_mask": [0, 1, 1], "seq_offsets": [0, 3], "example_ids": ["c"]}
+    b = Collator(fixed_shape=True, budget=6)([row, other])
+    assert b["example_ids"] == ["a", "b", "c"] and b["example_index"].tolist() == [0, 1, 3]
+    for validate in (True, False):
+        with pytest.raises(ContractError, match=r"row 1: 2 example_ids for 1 sequences"):
+            Collator(validate=validate)([row, {**other, "example_ids": ["c", "d"]}])
+    with pytest.raises(PackstreamError, match="row 0 carries example_ids, row 1 does not"):
+        Collator()([row, {k: v for k, v in other.items() if k != "example_ids"}])
+    with pytest.raises(PackstreamError, match="row 0 carries no example_ids, row 1 does"):
+        Collator()([{k: v for k, v in row.items() if k != "example_ids"}, other])
 
 
 def test_options_drop_keys():
     rows = [make_row(random_examples(3, seed=1))]
-    b = Collator(return_flash_attn_kwargs=False, return_seq_idx=False, disable_cache=False)(rows)
+    b = Collator(return_flash_attn_kwargs=False, return_seq_idx=False, disable_cache=False,
+                 return_example_index=False)(rows)
     assert set(b) == {"input_ids", "labels", "position_ids"}
 
 
@@ -119,9 +139,10 @@ def test_properties(rows, fixed):
     assert T == (len(rows) * budget if fixed else sum(r["num_tokens"] for r in rows))
     assert cu[0] == 0 and cu[-1] == T and all(x < y for x, y in zip(cu, cu[1:]))
     # nothing lost, nothing reordered: each row's tokens appear in order at its offset
-    at = 0
+    at, example_starts = 0, []
     for r in rows:
         n = r["num_tokens"]
+        example_starts += [at + o for o in r["seq_offsets"][:-1]]
         assert ids[at : at + n].tolist() == r["input_ids"]
         mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
         want = torch.where(mask, torch.tensor(r["input_ids"]), -100)
@@ -137,6 +158,12 @@ def test_properties(rows, fixed):
     assert (pos[1:][~starts[1:]] == pos[:-1][~starts[1:]] + 1).all()
     assert b["max_length_q"] == (budget if fixed else max(y - x for x, y in zip(cu, cu[1:])))
     assert torch.equal(b["seq_idx"][0].long(), torch.cumsum(starts.long(), 0) - 1)
+    # example_index: the sequence of each of the rows' examples, in order, where that example starts; the rest of
+    # the sequences (one per padded row) are padding
+    index = b["example_index"].tolist()
+    assert [cu[k] for k in index] == example_starts and b["example_ids"] == [i for r in rows for i in r["example_ids"]]
+    padded = sum(fixed and r["num_tokens"] < budget for r in rows)
+    assert len(cu) - 1 == len(index) + padded
 
 
 def test_logits_of_a_smaller_vocabulary_are_one_error():

@@ -8,16 +8,22 @@ and ``sdpa``, in ``train()`` mode with the model's default config and in ``eval(
 * the DPO loss and its gradients (policy, with a frozen reference model's pass over the same batch)
   equal a padded DPO reference on the same pairs (a right-padded batch with an attention mask);
 * the guard passes pair batches and refuses a leaking one.
+
+And for ~1,000-token completions (tiny Llama, sdpa; and random logits): each side's log-prob is summed in
+float64, within 1e-5 of the side alone before the one rounding to float32, never the fp32 running sum's drift.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, sequence_logps
-from tests._shards import make_pair_row, random_pairs
+from tests._shards import Pair, make_pair_row, make_row, random_pairs
 from tests._models import MODEL_IDS, MODELS, TOL, VOCAB, tiny_model
 
 # Five pairs in two rows; completions of different lengths; prompts of 1..9 tokens.
@@ -110,7 +116,10 @@ def test_fixed_shape_pairs_change_nothing():
     a = sequence_logps(model(**loose).logits, loose)
     b = sequence_logps(model(**fixed).logits, fixed)
     assert (a.chosen - b.chosen).abs().max().item() <= TOL and (a.rejected - b.rejected).abs().max().item() <= TOL
-    assert b.tokens.shape[0] == a.tokens.shape[0] + 2 and b.tokens[b.pair_index.flatten()].min() > 0
+    # two rows padded: two more sequences in the batch, no more examples in the values
+    assert len(fixed["cu_seq_lens_q"]) == len(loose["cu_seq_lens_q"]) + 2
+    assert b.ids == a.ids and len(b.ids) == b.tokens.shape[0] == 2 * len(PAIRS) and b.tokens.min() > 0
+    assert (a.sum - b.sum).abs().max().item() <= TOL and b.pair_ids == tuple(p.id for p in PAIRS)
 
 
 def test_guard_covers_pair_batches():
@@ -139,6 +148,78 @@ def test_sequence_logps_refuses_other_shapes():
     assert lp.tokens.tolist() == [len(c) for p in PAIRS for c in (p.chosen, p.rejected)]
     with pytest.raises(PackstreamError, match="holds no preference pairs"):
         lp.chosen
+    # per-example values need to know which sequences are examples, and each its id
+    with pytest.raises(PackstreamError, match="has no example_index"):
+        sequence_logps(torch.zeros(1, T, VOCAB), {k: v for k, v in batch.items() if k != "example_index"})
+    with pytest.raises(PackstreamError, match="9 example_ids for 10 examples"):
+        sequence_logps(torch.zeros(1, T, VOCAB), {**batch, "example_ids": batch["example_ids"][:-1]})
+    with pytest.raises(PackstreamError, match="does not name increasing sequences"):
+        sequence_logps(torch.zeros(1, T, VOCAB), {**batch, "example_index": batch["example_index"] + 1})
+    with pytest.raises(PackstreamError, match="pair_index names sequences .* that are not all examples"):
+        sequence_logps(torch.zeros(1, T, VOCAB), {**batch, "example_index": batch["example_index"][:-1],
+                                                  "example_ids": batch["example_ids"][:-1]})
+
+
+# -- long completions: summed in float64 ---------------------------------------------------------------------------
+
+def long_pairs(n: int = 2, seed: int = 3) -> list[Pair]:
+    """``n`` pairs with completions of about 1,000 tokens (summed log-probs of about -4,600)."""
+    rng = np.random.default_rng(seed)
+    return [Pair(f"long@{i}", rng.integers(2, VOCAB, size=8).tolist(), rng.integers(2, VOCAB, size=1000 + 7 * i).tolist(),
+                 rng.integers(2, VOCAB, size=990 + 5 * i).tolist()) for i in range(n)]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_long_completion_logps_are_exact_sums(fixed):
+    """Two pairs with ~1,000-token completions packed in one row behind a short pair (random logits): each
+    side's log-prob is its per-token log-probs' exact sum rounded once to float32 (within half a float32 step:
+    2.4e-4 at -4,600), and equals the side collated alone. Added one at a time in float32, as before, the same
+    terms missed their exact sum by up to 3.4e-3."""
+    pairs = random_pairs(1, seed=4, max_prompt=6, max_completion=6, vocab=VOCAB) + long_pairs()
+    row = make_pair_row(pairs)
+    batch = Collator(fixed_shape=fixed, budget=len(row["input_ids"]) + 5)([row])
+    logits = 3 * torch.randn(1, batch["input_ids"].shape[1], VOCAB, generator=torch.Generator().manual_seed(0))
+    lp = sequence_logps(logits, batch)
+    offs, drift = row["seq_offsets"], []
+    for k, side in enumerate(p.sides()[j] for p in pairs for j in (0, 1)):
+        a, z = offs[k], offs[k + 1]
+        ids = torch.tensor(side.input_ids)
+        first = side.loss_mask.index(1)
+        terms = torch.log_softmax(logits[0, a:z - 1], -1).gather(1, ids[1:, None])[first - 1:, 0].numpy()
+        exact = math.fsum(terms.astype(np.float64).tolist())
+        got = lp.sum[k].item()
+        assert lp.ids[k] == side.id and lp.tokens[k] == len(terms)
+        assert abs(got - exact) <= abs(np.spacing(np.float32(exact))) / 2 + 1e-6, (side.id, got, exact)
+        drift.append(abs(float(np.cumsum(terms, dtype=np.float32)[-1]) - exact))  # the old way: fp32, one at a time
+        alone = Collator()([make_row([side])])
+        assert abs(sequence_logps(logits[:, a:z], alone).sum[0].item() - got) <= 1e-5
+    assert max(drift) > 1e-3, drift  # so the float64 sums above are what passes, not the data
+
+
+def test_long_completion_dpo_logps_equal_alone():
+    """DPO log-probs of two pairs with ~1,000-token completions, packed in one row, equal each side run alone
+    (tiny Llama, fp32, sdpa): the float64 sums within 1e-5 (measured 5.7e-6: the model's own packed-vs-alone
+    rounding over 1,000 tokens), and what sequence_logps returns is that sum rounded once to float32 (float32's
+    step at -4,600 is 4.9e-4, so the returned values agree with the alone ones to within that step; measured
+    equal)."""
+    from tests._internals import sequence_sums
+
+    pairs = long_pairs()
+    model = tiny_model("llama", "sdpa", max_position_embeddings=1100).eval()
+    batch = Collator()([make_pair_row(pairs)])
+    with torch.no_grad():
+        logits = model(**batch).logits
+        packed64, _, _ = sequence_sums(logits, batch)
+        lp = sequence_logps(logits, batch)
+        for k, side in enumerate(s for p in pairs for s in p.sides()):
+            alone = Collator()([make_row([side])])
+            alone_logits = model(**alone).logits
+            alone64 = sequence_sums(alone_logits, alone)[0][0].item()
+            assert abs(packed64[k].item() - alone64) <= 1e-5, (side.id, packed64[k].item(), alone64)
+            assert lp.sum[k].item() == float(np.float32(packed64[k].item()))  # rounded once
+            public_alone = sequence_logps(alone_logits, alone).sum[0].item()
+            assert abs(lp.sum[k].item() - public_alone) <= abs(np.spacing(np.float32(alone64))), (side.id, lp.sum[k], public_alone)
+    assert lp.pair_ids == ("long@0", "long@1") and lp.chosen_tokens.tolist() == [1000, 1007]
 
 
 @pytest.mark.parametrize("loss", ["dpo", "orpo", "simpo"])

@@ -30,7 +30,7 @@ LAYERS = {
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
-               "packers._logps", "packers._loss"},
+               "packers._logps", "packers._loss", "packers._examples"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "workers", "stages", "core", "loader"},

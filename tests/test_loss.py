@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -18,10 +19,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from packers import Batching, Collator, PackedDataset, PackstreamError, Sampling, Sharding, example_losses, loss
+from packers import (
+    Batching, Collator, PackedDataset, PackstreamError, Sampling, Sharding, example_losses, loss, sequence_logps,
+)
 from tests._models import tiny_model
-from tests._shards import Example, pack_first_fit, random_examples, write_manifest, write_shards
+from tests._shards import (
+    Example, make_pair_row, make_row, pack_first_fit, random_examples, random_pairs, write_manifest, write_shards,
+)
 
 VOCAB = 97
 BUDGET = 64
@@ -174,18 +181,21 @@ def test_source_weights_from_the_config_or_given(folder, tmp_path):
 
 
 def test_example_losses_equal_each_example_alone(folder):
-    """Eval parity: per-example mean losses from packed rows (shuffle off, fixed shape or not) = unpacked."""
+    """Eval parity: per-example mean losses from packed rows (shuffle off; fixed shape or not, padded or full rows)
+    = unpacked, each under its own id."""
     model = tiny_llama().eval()
     by_id = {e.id: e for e in examples()}
     ds = PackedDataset(folder, sampling=Sampling(shuffle=False), batching=Batching(batch_size=3))
     checked = 0
     for rows in itertools.islice(ds, 4):
         ids = [i for r in rows for i in r["example_ids"]]
-        for collate in (Collator(), Collator(fixed_shape=True, budget=BUDGET)):
+        # these rows are full (64 tokens): budget + 7 pads every row, so a padding sequence follows each one
+        for collate in (Collator(), Collator(fixed_shape=True, budget=BUDGET), Collator(fixed_shape=True, budget=BUDGET + 7)):
             batch = collate(rows)
             with torch.no_grad():
-                got = example_losses(model(**batch).logits, batch)[: len(ids)]
-            for i, value in zip(ids, got.tolist()):
+                out = example_losses(model(**batch).logits, batch)
+            assert list(out.ids) == ids and out.loss.shape == (len(ids),)
+            for i, value in out.by_id().items():
                 e = by_id[i]
                 labels = torch.tensor([t if m else -100 for t, m in zip(e.input_ids, e.loss_mask)])
                 labels[0] = -100
@@ -198,6 +208,126 @@ def test_example_losses_equal_each_example_alone(folder):
                 assert value == pytest.approx(want, rel=REL), (i, value, want)
                 checked += 1
     assert checked > 20
+
+
+def test_example_losses_fixed_shape_worked_example():
+    """Two rows, each shorter than the budget, collated with fixed_shape: each row's padding is a sequence right
+    after it, yet every example gets its own loss under its own id, and no padding gets one.
+
+        row 0  [ 5  9 41 | 5 30 | 0 0 0 ]     examples "a" (targets 9, 41), "b" (target 30), padding
+        row 1  [ 7  8  6  1 | 0 0 0 0 ]       example "c" (targets 6, 1), padding
+        sequences  a=0  b=1  pad=2  c=3  pad=4          example_index [0, 1, 3]
+
+    Synthetic logits: 0 everywhere, except ``boost[e]`` on the target token where example e predicts it, so each
+    example's mean loss is ``log(V - 1 + exp(boost)) - boost`` (V = 50): a 2.0323, b 2.9458, c log(50) = 3.9120.
+    Pairing per-sequence values with the ids in order (the old documented use) gave c the padding's NaN.
+    """
+    V, boost = 50, {"a": 2.0, "b": 1.0, "c": 0.0}
+    rows = [{"input_ids": [5, 9, 41, 5, 30], "loss_mask": [0, 1, 1, 0, 1], "seq_offsets": [0, 3, 5],
+             "example_ids": ["a", "b"]},
+            {"input_ids": [7, 8, 6, 1], "loss_mask": [0, 0, 1, 1], "seq_offsets": [0, 4], "example_ids": ["c"]}]
+    batch = Collator(fixed_shape=True, budget=8)(rows)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 12, 16] and batch["example_index"].tolist() == [0, 1, 3]
+    logits = torch.zeros(1, 16, V)
+    for example, targets in (("a", [(1, 9), (2, 41)]), ("b", [(4, 30)]), ("c", [(10, 6), (11, 1)])):
+        for t, token in targets:  # token at batch position t, predicted from position t - 1
+            logits[0, t - 1, token] = boost[example]
+    out = example_losses(logits, batch)
+    want = {e: math.log(V - 1 + math.exp(b)) - b for e, b in boost.items()}
+    assert out.ids == ("a", "b", "c") and out.targets.tolist() == [2, 1, 2]
+    assert out.by_id() == pytest.approx(want, abs=1e-6)
+    assert round(want["a"], 4) == 2.0323 and round(want["b"], 4) == 2.9458 and round(want["c"], 4) == 3.912
+    assert not out.loss.isnan().any()
+
+
+def test_example_losses_old_tensor_use_names_the_new_spelling():
+    """example_losses returned a [N] tensor (one value per sequence, padding included); the ways it was used fail
+    loudly, naming .loss / .ids / .by_id(), instead of pairing values with the wrong ids."""
+    rows = [{"input_ids": [5, 9, 41], "loss_mask": [0, 1, 1], "seq_offsets": [0, 3]}]
+    out = example_losses(torch.zeros(1, 3, 50), Collator()(rows))
+    for old in (lambda: out[:1], lambda: out.tolist(), lambda: list(zip(["x"], out)), lambda: torch.isnan(out),
+                lambda: out.mean()):
+        with pytest.raises(PackstreamError, match=r"use \.loss .*\.ids, or \.by_id\(\)"):
+            old()
+    with pytest.raises(PackstreamError, match="carried no example_ids"):  # rows without ids: .loss, in order
+        out.by_id()
+    assert out.ids is None and out.loss.shape == (1,)
+    with pytest.raises(AttributeError):
+        out.no_such_name
+    batch = Collator(return_example_index=False)(rows)
+    with pytest.raises(PackstreamError, match="has no example_index"):
+        example_losses(torch.zeros(1, 3, 50), batch)
+
+
+def _split(items: list, per_row: list[int]) -> list[list]:
+    out, k = [], 0
+    for n in per_row:
+        out.append(items[k:k + n])
+        k += n
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(per_row=st.lists(st.integers(1, 3), min_size=1, max_size=4), pairs=st.booleans(), fixed=st.booleans(),
+       slack=st.integers(0, 3), hollow=st.booleans(), seed=st.integers(0, 2**16))
+def test_per_example_values_follow_their_ids(per_row, pairs, fixed, slack, hollow, seed):
+    """Over generated batches (1-4 rows of 1-3 examples or pairs each; fixed shape or not; the longest row full
+    when ``slack`` is 0, the others padded under fixed_shape) and random logits: example_losses and
+    sequence_logps give every example exactly once, under its own id, the value of its own tokens' logits by
+    hand and the value the same helper gives that example collated alone; NaN only for an example with no
+    target (``hollow`` adds one), never for a padding sequence's sake."""
+    V = 13
+    if pairs:
+        items = random_pairs(sum(per_row), seed=seed, max_prompt=5, max_completion=6, vocab=V)
+        rows = [make_pair_row(chunk) for chunk in _split(items, per_row)]
+        examples_ = [e for p in items for e in p.sides()]
+    else:
+        examples_ = random_examples(sum(per_row), seed=seed, min_len=2, max_len=12, vocab=V)
+        if hollow:  # an example without a target: its first token never is one
+            examples_[0] = Example("hollow", examples_[0].input_ids, [1] + [0] * (len(examples_[0].input_ids) - 1))
+        rows = [make_row(chunk) for chunk in _split(examples_, per_row)]
+    budget = max(len(r["input_ids"]) for r in rows) + slack
+    batch = Collator(fixed_shape=fixed, budget=budget)(rows)
+    T = batch["input_ids"].shape[1]
+    logits = torch.randn(1, T, V, generator=torch.Generator().manual_seed(seed))
+
+    # each example's tokens in the batch, from the rows alone: rows back to back, each padded to the budget if fixed
+    where, at = {}, 0
+    for r in rows:
+        offs = r["seq_offsets"]
+        for k, i in enumerate(r["example_ids"]):
+            where[i] = (at + offs[k], at + offs[k + 1])
+        at += budget if fixed else len(r["input_ids"])
+    assert at == T
+    ids = [i for r in rows for i in r["example_ids"]]
+    assert len(set(ids)) == len(ids) == len(examples_)
+
+    losses, logps = example_losses(logits, batch), sequence_logps(logits, batch)
+    assert list(losses.ids) == list(logps.ids) == ids  # each id exactly once, in the rows' order
+    assert losses.loss.shape == logps.sum.shape == (len(ids),)
+    for k, e in enumerate(examples_):
+        a, z = where[e.id]
+        assert batch["input_ids"][0, a:z].tolist() == e.input_ids
+        targets = [j for j in range(1, z - a) if e.loss_mask[j]]
+        lp = torch.log_softmax(logits[0, a:z].double(), -1)
+        by_hand = [float(lp[j - 1, e.input_ids[j]]) for j in targets]
+        j = ids.index(e.id)
+        assert int(losses.targets[j]) == int(logps.tokens[j]) == len(targets)
+        assert logps.sum[j].item() == pytest.approx(sum(by_hand), abs=1e-5)
+        if targets:
+            assert losses.loss[j].item() == pytest.approx(-sum(by_hand) / len(targets), abs=1e-5)
+        else:
+            assert e.id == "hollow" and math.isnan(losses.loss[j].item())
+        alone = Collator()([make_row([e])])  # the example alone, its own logits
+        alone_losses, alone_logps = example_losses(logits[:, a:z], alone), sequence_logps(logits[:, a:z], alone)
+        assert alone_losses.ids == (e.id,) and alone_logps.ids == (e.id,)
+        assert torch.equal(alone_losses.loss[0], losses.loss[j]) or (not targets and alone_losses.loss.isnan().all())
+        assert alone_logps.sum[0].item() == logps.sum[j].item()
+    if pairs:
+        assert logps.pair_ids == tuple(p.id for p in items)
+        for n, p in enumerate(items):
+            assert logps.chosen[n] == logps.sum[ids.index(p.id + "#chosen")]
+            assert logps.rejected[n] == logps.sum[ids.index(p.id + "#rejected")]
 
 
 # -- two ranks on CPU (gloo), DDP averaging the gradients --------------------------------------------------------
