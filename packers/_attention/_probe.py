@@ -350,16 +350,19 @@ def agree(ok: bool, device: torch.device) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return ok
-    backend = str(dist.get_backend())
-    if "gloo" in backend or backend == "mpi":
-        dev = torch.device("cpu")
-    elif device.type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = device
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device(device))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _collective_device(device: torch.device) -> torch.device:
+    """Where a collective's tensor lives: the CPU for gloo and MPI, this rank's GPU for NCCL."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
 
 
 def agree_max(value: int, device: torch.device) -> int:
@@ -368,10 +371,7 @@ def agree_max(value: int, device: torch.device) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    backend = str(dist.get_backend())
-    dev = torch.device("cpu") if ("gloo" in backend or backend == "mpi") else (
-        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=dev)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
