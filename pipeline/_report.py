@@ -69,13 +69,17 @@ def summary_table(manifest: dict) -> str:
                   + (f"  ({c['no_target_pieces']:,} pieces without a target dropped)" if c.get("no_target_pieces") else "")))
     notes = c.get("normalization", {})
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
+    as_text = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("tool_calls_as_text:")}
     for k, v in notes.items():
-        if not k.startswith("ignored_field:"):
+        if not k.startswith(("ignored_field:", "tool_calls_as_text:")):
             unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
             lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
     if ignored:
         shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
         lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
+    for field, n in sorted(as_text.items()):
+        lines.append(("tool calls as text", f"{printable(field)} holds JSON tool calls in {n:,} records, trained as raw "
+                                            f"text; --field {printable(field)}=tool_calls renders them as calls"))
     lines += [
         ("rows", f"{c['rows']:,}  (lower bound {c['lower_bound']:,}, "
                  f"+{(c['rows'] / c['lower_bound'] - 1) if c['lower_bound'] else 0:.2%})"),

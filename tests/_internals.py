@@ -27,7 +27,7 @@ from pipeline._formats import (
     NOTE_KEYS, ORDER, REGISTRY, Conversation, Fix, Hole, Reason, Rejected, _fast, _normalize, conversations, detect,
     normalize, pair_conversations, parse_path, resolve, tree,
 )
-from pipeline._formats._driver import read_as
+from pipeline._formats._driver import looks_like_tool_calls, read_as
 from pipeline._formats._fix import KEY, ROLE
 from pipeline._formats.detect import KNOWN_KEYS, by_name, shape_table
 from pipeline._formats.preference import layout as preference_layout, preference_turns

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 from packers import InternalError, PackstreamError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
-from pipeline._formats._paths import unused_beside_paths
+from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
 from pipeline._formats.detect import ORDER, REGISTRY, detect
 from pipeline._options import Format, FormatOptions
@@ -142,6 +142,7 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
     for key in record:  # the record's own notes: once, on its first conversation
         if key not in used:
             ctx.ignore(key)
+    _tool_calls_as_text(record, options, ctx)
     if shape.follows is not None:
         unused_beside_paths(record, shape.follows(options), ctx)
     if len(drafts) > 1:
@@ -152,6 +153,46 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
             else:
                 first.notes[k] = first.notes.get(k, 0) + v
     return [_renderable(c) for c in convs]
+
+
+TOOL_TEXT_NOTE = "tool_calls_as_text:"
+"""A note per field mapped to a text role whose value is a JSON list of tool calls: ``tool_calls_as_text:<field>``."""
+
+
+def _tool_calls_as_text(record: dict, options: FormatOptions, ctx: Ctx) -> None:
+    """A field mapped to a text role (``--field calls=assistant``) that holds tool calls as JSON text is trained as
+    raw JSON, while ``--field calls=tool_calls`` would render them as calls: say so, once per record and field."""
+    for path, role in options.fields:
+        if role not in ("assistant", "user", "system"):
+            continue
+        value = resolve(record, path)
+        if isinstance(value, str) and looks_like_tool_calls(value):
+            ctx.note(f"{TOOL_TEXT_NOTE}{path}")
+
+
+def looks_like_tool_calls(text: str) -> bool:
+    """Does ``text`` parse as JSON tool calls: a non-empty list of (or one) ``{name, arguments|parameters}`` or
+    ``{function: {name, ...}}`` objects?
+
+    >>> looks_like_tool_calls('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    True
+    >>> looks_like_tool_calls('The answer is [1, 2].'), looks_like_tool_calls('[{"name": "x"}]')
+    (False, False)
+    """
+    text = text.strip()
+    if not text.startswith(("[", "{")):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    calls = value if isinstance(value, list) else [value]
+
+    def call(c: Any) -> bool:
+        fn = c.get("function") if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+        return isinstance(fn, dict) and isinstance(fn.get("name"), str) and ("arguments" in fn or "parameters" in fn)
+
+    return bool(calls) and all(call(c) for c in calls)
 
 
 def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Conversation:

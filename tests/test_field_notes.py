@@ -1,0 +1,45 @@
+"""A mapped field whose text is structured data says so (issue 35): tool calls stored as JSON text under a field
+mapped to a text role are trained as raw JSON; the summary names the field and the mapping that renders them."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests._internals import looks_like_tool_calls
+
+CALLS = json.dumps([{"name": "get_weather", "arguments": {"city": "Oslo"}}])
+RECORDS = [{"query": f"Weather in Oslo, day {i}?", "calls": CALLS,
+            "tools": json.dumps([{"name": "get_weather", "parameters": {"type": "object", "properties": {}}}])}
+           for i in range(12)]
+
+
+def _pack(tmp_path, *fields):
+    src = tmp_path / "calls.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+    args = ["pack", str(src), "-o", str(out), "--workers", "1", "--no-progress"]
+    for f in fields:
+        args += ["--field", f]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    return r.output, json.loads((out / "manifest.json").read_text())
+
+
+def test_tool_calls_kept_as_text_under_a_text_role_are_named_with_the_mapping_that_renders_them(tmp_path):
+    output, manifest = _pack(tmp_path, "query=user", "calls=assistant")
+    assert manifest["counts"]["normalization"]["tool_calls_as_text:calls"] == 12
+    [line] = [line for line in output.splitlines() if line.startswith("tool calls as text")]
+    assert "calls holds JSON tool calls in 12 records, trained as raw text; --field calls=tool_calls" in line
+    # The mapping it names renders them as calls, and says nothing more.
+    output, manifest = _pack(tmp_path, "query=user", "calls=tool_calls")
+    assert not [k for k in manifest["counts"]["normalization"] if k.startswith("tool_calls_as_text:")]
+    assert "tool calls as text" not in output
+
+
+def test_what_counts_as_tool_calls():
+    assert looks_like_tool_calls(CALLS) and looks_like_tool_calls(' {"function": {"name": "f", "arguments": "{}"}} ')
+    for text in ("plain words", "[1, 2]", "[]", '[{"name": "f"}]', "{broken", '{"name": 3, "arguments": {}}'):
+        assert not looks_like_tool_calls(text), text
