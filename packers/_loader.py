@@ -25,6 +25,7 @@ schedule; restoring it gives the same next batches as an uninterrupted run.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ import torch
 import torch.utils.data
 
 from packers._folder import open_rows
-from packers._options import Batching, BatchBy, LossWeighting, Sampling, Sharding, check_loss_weight
+from packers._options import Batching, BatchBy, LossWeighting, Sampling, Sharding, check_loss_weight, regrouped
 from packers._schedule import Rows, Schedule, schedule_epoch, step_denominators
 from packers.errors import ContractError, PackstreamError, is_int, short
 from packers.manifest import MANIFEST, Manifest, escape_source
@@ -186,7 +187,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
         batching: Batching = Batching(),
         cache_dir: str | None = None,
         storage_options: dict | None = None,
+        **old: Any,
     ) -> None:
+        if old:  # the flat keywords of the old signature (batch_size=, rank=, seed=...): their new spelling, issue 35
+            raise PackstreamError(regrouped(old, _OWN))
         for name, value, kind in (("sampling", sampling, Sampling), ("sharding", sharding, Sharding),
                                   ("batching", batching, Batching)):
             if not isinstance(value, kind):
@@ -461,6 +465,11 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
 def _as_is(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
+
+
+_OWN = [p.name for p in inspect.signature(PackedDataset.__init__).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY]
+"""The keywords PackedDataset takes (split=, verify=, sampling=, ...), named when it is given another."""
 
 
 class PackedLoader(torch.utils.data.DataLoader):

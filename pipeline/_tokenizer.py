@@ -234,11 +234,106 @@ def _plain_ok(path: str, files: Optional[FolderFiles] = None) -> bool:
                                                                         "additional_chat_templates"))
 
 
+_FILE_EXTENSIONS = (".json", ".jinja", ".model", ".txt", ".bin", ".safetensors", ".tiktoken", ".vocab", ".bpe",
+                    ".spm", ".gz", ".zip", ".tar", ".tgz")
+"""Endings that make a name a file's, never a Hub repo's (a Hub name may hold dots: Qwen/Qwen2.5-0.5B-Instruct)."""
+
+_GIVE = "give a folder holding tokenizer.json (or tokenizer_config.json), or a Hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def _looks_like_path(name: str) -> bool:
+    """``name`` can only be a local path: it starts like one (/, ./, ../, ~), ends like a file, or is not a Hub
+    repo id (``org/name`` or ``name``: huggingface_hub's own rule, so ``a/b/c`` and ``my tokenizer`` are paths)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith(("/", "./", "../", "~", "." + os.sep, ".." + os.sep)) or name in (".", ".."):
+        return True
+    if name.lower().endswith(_FILE_EXTENSIONS):
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def _hub_offline() -> bool:
+    """huggingface_hub's offline mode: its constant, or the variables it reads (``HF_HUB_OFFLINE``,
+    ``TRANSFORMERS_OFFLINE``) set after it was imported."""
+    from huggingface_hub import constants, is_offline_mode
+
+    return is_offline_mode() or constants._is_true(os.environ.get("HF_HUB_OFFLINE")
+                                                   or os.environ.get("TRANSFORMERS_OFFLINE"))
+
+
+def _in_hub_cache(name: str) -> bool:
+    """The local Hugging Face cache holds ``name``'s tokenizer files (the default revision): transformers can
+    load it without the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(name, f), str) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+_OFFLINE = "HF_HUB_OFFLINE=1"
+
+
+def _hub_unreachable(name: str) -> Optional[str]:
+    """Why the Hub cannot be reached for ``name`` (offline mode, or a failed connection), else None: one request
+    for the repo's metadata, through huggingface_hub (its endpoint, proxies and token). An HTTP answer (not found,
+    private, gated) is the Hub reached: transformers then says what is wrong."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if _hub_offline():
+        return _OFFLINE
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    try:
+        HfApi(endpoint=endpoint).model_info(name, timeout=10)
+    except HfHubHTTPError:
+        return None
+    except OfflineModeIsEnabled:
+        return _OFFLINE
+    except Exception as e:  # a transport error of httpx (the module's name varies by version), an OSError
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{endpoint}: {reason}"
+    return None
+
+
+def check_source(name: str) -> None:
+    """Refuse at once, in one line, a ``--tokenizer`` that cannot be found, before transformers is imported (it
+    would take seconds, then retry the network, then say "Repo id must be in the form 'repo_name'"): a local path
+    that does not exist, a file given for a folder, or a Hub name that is not in the local cache while the Hub
+    cannot be reached. Anything else passes, to be loaded."""
+    if name == DEFAULT_TOKENIZER or os.path.isdir(name):
+        return
+    shown = show_path(name)
+    if os.path.lexists(name):
+        parent = os.path.dirname(name) or "."
+        raise PackstreamError(f"--tokenizer {shown}: is a file, not a folder; give the folder holding it "
+                              f"(--tokenizer {show_path(parent)}), or a Hub name such as Qwen/Qwen2.5-0.5B-Instruct")
+    if _looks_like_path(name):
+        home = os.path.expanduser(name)
+        if home != name and os.path.isdir(home):  # "~/tok" quoted: no shell expanded it
+            raise PackstreamError(f"--tokenizer {shown}: no such folder (nothing expands ~ inside quotes); give "
+                                  f"--tokenizer {show_path(home)}")
+        raise PackstreamError(f"--tokenizer {shown}: no such folder; {_GIVE}")
+    if _in_hub_cache(name):
+        return
+    why = _hub_unreachable(name)
+    if why is not None:
+        once = "unset HF_HUB_OFFLINE for one run" if why == _OFFLINE else f"run hf download {shown}"
+        raise PackstreamError(
+            f"--tokenizer {shown}: not in the local Hugging Face cache, and the Hub cannot be reached ({why}); "
+            f"download it once with the network up ({once}: later runs find it in the cache, offline too), "
+            "or give a local folder holding tokenizer.json")
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """Load a fast tokenizer once per process (cached): a Hub name, a local path or the default."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    check_source(name)
     path = default_tokenizer_path() if name == DEFAULT_TOKENIZER else name
     check_folder(path)
     files = read_folder(path) if os.path.isdir(path) else None  # its own errors, before any loader reads a file

@@ -604,7 +604,7 @@ def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
 
     from packers import PackstreamError
     from pipeline import DEFAULT_TOKENIZER
-    from tests._internals import _job, load_tokenizer
+    from tests._internals import _job, _tokenizer, load_tokenizer
 
     assert PackOptions(inputs=("x",), output="y").trust_remote_code is False
     seen = []
@@ -614,6 +614,7 @@ def test_trust_remote_code_is_off_by_default_and_passed_through(monkeypatch):
         raise OSError("not loaded in this test")
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr(_tokenizer, "_in_hub_cache", lambda name: True)  # as if cached: no Hub check before the spy
     # A tokenizer that may bring a class of its own (a Hub name, or a folder whose config names one)
     # loads through AutoTokenizer with the flag as given.
     for flag in (False, True):

