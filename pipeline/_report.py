@@ -91,6 +91,7 @@ def summary_table(manifest: dict) -> str:
         lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
     lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
     lines += [("  note", printable(note)) for note in manifest.get("notes", [])]
+    lines += [("input", printable(f"{e['source']} {e['reason']}")) for e in manifest.get("inputs_skipped", [])]
     if "elapsed_s" in manifest:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     return table(lines)
