@@ -2,8 +2,10 @@
 
 Repeated in turn order. ROLE is ``system``, ``user``, ``assistant``, ``tool``, ``transcript``
 ("Human: ... Assistant: ..." in one string) or ``text`` (the whole record as plain text). Strings
-keep their place; lists of equal length interleave turn by turn. What a path leaves beside it
-(``choices[0].index``, ``choices[1:]``) is counted as ignored.
+keep their place; lists of equal length interleave turn by turn; a field mapped to ``system`` goes first
+(role order, issue 35). Hygiene never cuts a turn a field names: it refuses the record
+(``mapped_field_cut``). What a path leaves beside it (``choices[0].index``, ``choices[1:]``) is counted
+as ignored.
 
 >>> from pipeline._formats._base import Ctx
 >>> from pipeline._options import FormatOptions
@@ -84,7 +86,6 @@ def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
         role = markers[marker]
         turns.append(Turn(role, text[m.end():end].strip(), f"{at} turn {k + 1}", marker))
     return turns
-
 
 
 def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
