@@ -98,7 +98,7 @@ def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
             end += 1
         if o.leading_assistant is LeadingAssistant.DROP:
             _keep_mapped(turns[first:end], "opens the conversation, answering nothing, and would be dropped",
-                         "a user turn before it, or --leading-assistant keep to keep it as context")
+                         "a (non-empty) user turn before it, or --leading-assistant keep to keep it as context")
             del turns[first:end]
             ctx.note("leading_assistant_dropped", end - first)
         else:
@@ -124,7 +124,7 @@ def _keep_mapped(cut: list[Turn], why: str, needs: str) -> None:
     is refused, naming the field (issue 35: a mapped field lands where it means, or the record says why)."""
     named = next((t for t in cut if t.mapped), None)
     if named is not None:
-        raise Rejected(Reason.MAPPED_FIELD_CUT, f"{named.at} ({named.mapped}) is a {named.role} turn that {why}; "
+        raise Rejected(Reason.MAPPED_FIELD_CUT, f"{named.at} ({named.mapped}) is {'an' if named.role == 'assistant' else 'a'} {named.role} turn that {why}; "
                                                 f"it needs {needs}: give the --field options in turn order (user, "
                                                 "then assistant), or leave this field out")
 
