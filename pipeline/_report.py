@@ -91,7 +91,10 @@ def summary_table(manifest: dict) -> str:
         lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
     lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
     lines += [("  note", printable(note)) for note in manifest.get("notes", [])]
-    lines += [("input", printable(f"{e['source']} {e['reason']}")) for e in manifest.get("inputs_skipped", [])]
+    skipped = manifest.get("inputs_skipped", [])  # every file of a folder input: packed, or named here (issue 35)
+    lines += [("input", printable(f"{e['source']} {e['reason']}")) for e in skipped[:8]]
+    if len(skipped) > 8:
+        lines.append(("input", f"and {len(skipped) - 8} more skipped (the manifest's inputs_skipped)"))
     if "elapsed_s" in manifest:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     return table(lines)
