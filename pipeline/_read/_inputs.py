@@ -184,9 +184,6 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
             remote = "://" in pattern
             left: list[str] = []
             paths = _remote_matches(pattern) if remote else _local_matches(pattern, left)
-            for p in left:
-                source = os.path.relpath(p, os.path.dirname(os.path.abspath(pattern).rstrip("/")))
-                not_read.setdefault(p, Skipped(p, source, skip_reason(posixpath.basename(p))))
             if not paths:
                 raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
             usable = [(p, "hf_disk" if is_hf_disk(p) else file_kind(p)) for p in paths]
@@ -201,6 +198,10 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
                 shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
                 raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
                                       f"({shown}); {fix_for(unread)}, or name only the files to read")
+            root = _pattern_root(pattern, remote)
+            for p in left + skipped:  # a folder's other files, or a glob's: said, never skipped in silence
+                source = p[len(root):].lstrip("/") if p.startswith(root) else p
+                not_read.setdefault(p, Skipped(p, source, skip_reason(posixpath.basename(p))))
             for p, k in usable:
                 check_utf8_name(p, "input")
                 if not remote and k != "hf_disk":
@@ -239,6 +240,13 @@ def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
     from pipeline._options import DatasetSpec, FormatOptions
 
     return expand_datasets((DatasetSpec(name="default", paths=tuple(patterns), format=FormatOptions()),))[0]
+
+
+def _pattern_root(pattern: str, remote: bool) -> str:
+    """The folder a skipped file's source is shown from: the parent of a folder input (``data`` ->
+    ``data/notes.csv``), or of a glob's fixed part (``data/*`` -> ``data/notes.csv``)."""
+    fixed = pattern[: min((pattern.find(c) for c in "*?[" if c in pattern), default=len(pattern))]
+    return posixpath.dirname((fixed if remote else os.path.abspath(fixed)).rstrip("/"))
 
 
 def _common_root(paths: list[str]) -> str:
