@@ -119,6 +119,10 @@ def summary_table(manifest: dict) -> str:
     if tokenizer_line(manifest) is not None:
         lines.append(tokenizer_line(manifest))
     lines += [("  note", printable(note)) for note in manifest.get("notes", [])]
+    skipped = manifest.get("inputs_skipped", [])  # every file of a folder input: packed, or named here (issue 35)
+    lines += [("input", printable(f"{e['source']} {e['reason']}")) for e in skipped[:8]]
+    if len(skipped) > 8:
+        lines.append(("input", f"and {len(skipped) - 8} more skipped (the manifest's inputs_skipped)"))
     if "elapsed_s" in manifest:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     return table(lines)

@@ -273,6 +273,7 @@ def test_corpus_is_big_and_covers_every_reason():
         "ambiguous_field",  # two keys of one slot holding different text: tests/test_formats_loss.py
         "not_a_pair", "pair_prompt_mismatch",  # only under --pairs: tests/test_pack_pairs.py
         "no_preference",  # only under --pair-winner: tests/test_preference.py, tests/test_pack_pairs.py
+        "mapped_field_cut",  # only under --field: tests/test_formats.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
 

@@ -392,3 +392,31 @@ def test_help_lists_verify():
     r = cli("verify", "--help")
     text = " ".join(r.output.split())  # click rewraps the docstring
     assert "--inputs" in text and "0 when everything matches, 1 on any mismatch" in text
+
+
+def test_a_folder_input_accounts_for_every_file(tmp_path):
+    # A folder of .jsonl, .json, .txt and .csv (issue 35): the JSONL and JSON records are packed; the .csv and
+    # .txt used to be skipped in silence (exit 0, mentioned nowhere). Now the summary and the manifest name each
+    # with its reason.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(GOOD * 3)
+    (data / "b.json").write_text("[" + GOOD.strip() + "]")
+    (data / "c.csv").write_text("question,answer\nHi,Hello\n")
+    (data / "d.txt").write_text("Hi\n")
+    r = cli("pack", str(data), "-o", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["counts"]["examples_packed"] == 4
+    reason = "skipped: {} is not a supported input format (JSONL, JSON, Parquet, Arrow)"
+    assert m["inputs_skipped"] == [
+        {"path": str(data / "c.csv"), "source": "data/c.csv", "reason": reason.format(".csv")},
+        {"path": str(data / "d.txt"), "source": "data/d.txt", "reason": reason.format(".txt")},
+    ]
+    assert "data/c.csv " + reason.format(".csv") in r.output and "data/d.txt " + reason.format(".txt") in r.output
+
+
+def test_a_manifest_says_nothing_of_skipped_files_when_none_were(tmp_path, src):
+    # the key is added only when a file was skipped: a run that skips nothing writes the manifest it always did
+    cli("pack", str(src), "-o", str(tmp_path / "out"))
+    assert "inputs_skipped" not in json.loads((tmp_path / "out" / "manifest.json").read_text())

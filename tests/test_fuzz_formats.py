@@ -43,8 +43,9 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 # becomes.
 
 
-def expected(turns: list[tuple[str, str]], fmt: FormatOptions):
-    """(messages as (role, content), notes) or the reason the record is refused."""
+def expected(turns: list[tuple[str, str]], fmt: FormatOptions, mapped: bool = False):
+    """(messages as (role, content), notes) or the reason the record is refused. ``mapped``: every turn is a
+    ``--field``'s, which hygiene never cuts (the record is refused as ``mapped_field_cut`` instead)."""
     notes = Counter()
     if not turns:
         return Reason.EMPTY_CONVERSATION
@@ -67,6 +68,8 @@ def expected(turns: list[tuple[str, str]], fmt: FormatOptions):
         if fmt.leading_assistant.value == "reject":
             return Reason.STARTS_WITH_ASSISTANT
         if fmt.leading_assistant.value == "drop":
+            if mapped:
+                return Reason.MAPPED_FIELD_CUT
             del merged[first]
             notes["leading_assistant_dropped"] += 1
         else:
@@ -74,6 +77,8 @@ def expected(turns: list[tuple[str, str]], fmt: FormatOptions):
     n = len(merged)
     while merged and (merged[-1][0] != "assistant" or id(merged[-1]) in trained_off):
         merged.pop()
+    if mapped and merged and len(merged) < n:
+        return Reason.MAPPED_FIELD_CUT
     notes["trailing_turns_trimmed"] = n - len(merged)
     if not any(r == "assistant" for r, _ in merged):
         return Reason.NO_ASSISTANT_TURN
@@ -101,11 +106,12 @@ HYGIENE = st.builds(dict, leading_assistant=st.sampled_from(["drop", "keep", "re
                     same_role=st.sampled_from(["merge", "reject"]))
 
 
-def check(record, opts: dict, roles: list[tuple[str, str]], raw_turns: int, strip: bool = False):
+def check(record, opts: dict, roles: list[tuple[str, str]], raw_turns: int, strip: bool = False,
+          mapped: bool = False):
     fmt = FormatOptions(**opts)
     if strip:
         roles = [(r, c.strip()) for r, c in roles]
-    want = expected(roles, fmt)
+    want = expected(roles, fmt, mapped)
     try:
         conv = normalize(record, fmt)
     except Rejected as e:
@@ -142,7 +148,7 @@ def test_alpaca_with_history_keeps_every_turn_or_counts_it(history, instruction,
 def test_interleaved_fields_keep_every_turn_or_count_it(pairs, hygiene):
     record = {"q": [p for p, _ in pairs], "meta": {"a": [a for _, a in pairs]}}
     roles = [t for q, a in pairs for t in (("user", q), ("assistant", a))]
-    check(record, {"fields": "q=user,meta.a=assistant", **hygiene}, roles, len(roles))
+    check(record, {"fields": "q=user,meta.a=assistant", **hygiene}, roles, len(roles), mapped=True)
 
 
 MARKERS = {"user": "Human:", "assistant": "Assistant:", "system": "System:"}

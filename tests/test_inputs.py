@@ -694,3 +694,24 @@ def test_no_raw_open_of_a_user_named_file():
     assert not unlisted, f"raw opens outside packers.files: {unlisted}; use open_checked/read_checked, or list a writer"
     stale = sorted(set(ALLOWED) - found)
     assert not stale, f"listed but no raw open there any more: {stale}; remove them from ALLOWED"
+
+
+@pytest.mark.parametrize("pattern", ["data", "data/", "data/*"])
+def test_every_file_a_folder_or_glob_names_is_read_or_said(tmp_path, monkeypatch, pattern):
+    # data/a.jsonl is read; data/notes.csv, data/sub/README.md and data/LICENSE are not, each said with its
+    # reason (the manifest's inputs_skipped); hidden names (.cache) are left out, as before (issue 35)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
+    for name in ("notes.csv", "sub/README.md", "LICENSE", ".cache"):
+        (tmp_path / "data" / name).write_text("x\n")
+    files, _, skipped = _read.expand_datasets(PackOptions(inputs=(pattern,), output="out").datasets())
+    assert [f.source for f in files] == ["a.jsonl"]
+    said = {s.source: s.reason for s in skipped}
+    want = {"data/LICENSE": "skipped: a name without an extension is not a supported input format (JSONL, JSON, "
+                            "Parquet, Arrow)",
+            "data/notes.csv": "skipped: .csv is not a supported input format (JSONL, JSON, Parquet, Arrow)",
+            "data/sub/README.md": "skipped: .md is not a supported input format (JSONL, JSON, Parquet, Arrow)"}
+    if pattern == "data/*":  # a glob does not walk into sub/ (and a folder it matches is not an input file)
+        del want["data/sub/README.md"]
+    assert said == want

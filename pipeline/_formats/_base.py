@@ -47,6 +47,7 @@ class Reason(str, enum.Enum):
     NOT_A_PAIR = "not_a_pair"
     PAIR_PROMPT_MISMATCH = "pair_prompt_mismatch"
     NO_PREFERENCE = "no_preference"
+    MAPPED_FIELD_CUT = "mapped_field_cut"
 
 
 class Rejected(Exception):
@@ -200,6 +201,9 @@ class Turn:
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     train: Optional[bool] = None
+    mapped: Optional[str] = None
+    """The ``--field PATH=ROLE`` that named this turn, if one did: hygiene never trims or drops such a turn
+    (the record is refused instead), since the user asked for that field by name."""
 
     def empty(self) -> bool:
         return (self.role != "tool" and not self.content.strip() and not self.tool_calls

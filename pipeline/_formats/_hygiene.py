@@ -52,7 +52,7 @@ def _merge(a: Turn, b: Turn) -> Turn:
     reasoning = join(a.reasoning or "", b.reasoning or "") or None
     calls = (a.tool_calls or []) + (b.tool_calls or []) or None
     return Turn(a.role, join(a.content, b.content), a.at, a.speaker, reasoning, calls, a.name, a.tool_call_id,
-                 a.train)
+                 a.train, a.mapped or b.mapped)
 
 
 def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
@@ -97,18 +97,36 @@ def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
         while end < len(turns) and turns[end].role == "assistant":
             end += 1
         if o.leading_assistant is LeadingAssistant.DROP:
+            _keep_mapped(turns[first:end], "opens the conversation, answering nothing, and would be dropped",
+                         "a (non-empty) user turn before it, or --leading-assistant keep to keep it as context")
             del turns[first:end]
             ctx.note("leading_assistant_dropped", end - first)
         else:
             for t in turns[first:end]:
                 t.train = False
     n = len(turns)
-    while turns and (turns[-1].role != "assistant" or turns[-1].train is False):
+    end = len(turns)
+    while end and (turns[end - 1].role != "assistant" or turns[end - 1].train is False):
+        end -= 1
+    if end:  # with no trained answer at all the record is no_assistant_turn (below), mapped fields or not
+        _keep_mapped(turns[end:], "comes after the last trained assistant turn and would be trimmed",
+                     "a trained assistant turn after it")
+    while len(turns) > end:
         ctx.flagged_off += turns.pop().train is False
     ctx.note("trailing_turns_trimmed", n - len(turns))
     if not any(t.role == "assistant" for t in turns):
         raise _no_assistant(ctx)
     return turns
+
+
+def _keep_mapped(cut: list[Turn], why: str, needs: str) -> None:
+    """Hygiene cuts turns no mapping named; a turn a ``--field`` named is never cut in silence: the record
+    is refused, naming the field (issue 35: a mapped field lands where it means, or the record says why)."""
+    named = next((t for t in cut if t.mapped), None)
+    if named is not None:
+        raise Rejected(Reason.MAPPED_FIELD_CUT, f"{named.at} ({named.mapped}) is {'an' if named.role == 'assistant' else 'a'} {named.role} turn that {why}; "
+                                                f"it needs {needs}: give the --field options in turn order (user, "
+                                                "then assistant), or leave this field out")
 
 
 def _no_assistant(ctx: Ctx) -> Rejected:

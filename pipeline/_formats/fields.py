@@ -2,8 +2,10 @@
 
 Repeated in turn order. ROLE is ``system``, ``user``, ``assistant``, ``tool``, ``transcript``
 ("Human: ... Assistant: ..." in one string) or ``text`` (the whole record as plain text). Strings
-keep their place; lists of equal length interleave turn by turn. What a path leaves beside it
-(``choices[0].index``, ``choices[1:]``) is counted as ignored.
+keep their place; lists of equal length interleave turn by turn; a field mapped to ``system`` goes first
+(role order, issue 35). Hygiene never cuts a turn a field names: it refuses the record
+(``mapped_field_cut``). What a path leaves beside it (``choices[0].index``, ``choices[1:]``) is counted
+as ignored.
 
 >>> from pipeline._formats._base import Ctx
 >>> from pipeline._options import FormatOptions
@@ -86,19 +88,33 @@ def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
     return turns
 
 
-
 def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
-    """``--field PATH=ROLE`` mappings; lists of equal length interleave, strings keep their place."""
-    fields = ctx.o.fields
-    if fields[0][1] == "text":
-        path = fields[0][0]
-        ctx.mapping.append(f"{path} -> text (every token trained)")
-        return _content(resolve(record, path), path, ctx, "text").text
+    """``--field PATH=ROLE`` mappings; lists of equal length interleave, strings keep their place, except that
+    a field mapped to ``system`` goes first (role order: hygiene trims a trailing system turn, and a system
+    prompt after the turns means nothing)."""
+    if ctx.o.fields[0][1] == "text":
+        return _text_field(record, ctx)
+    head, rest = _mapped_turns(record, ctx)
+    return head + rest
+
+
+def _text_field(record: dict, ctx: Ctx) -> str:
+    path = ctx.o.fields[0][0]
+    ctx.mapping.append(f"{path} -> text (every token trained)")
+    return _content(resolve(record, path), path, ctx, "text").text
+
+
+def _mapped_turns(record: dict, ctx: Ctx) -> tuple[list[Turn], list[Turn]]:
+    """The turns of the ``--field`` mappings (no ``text`` role), as (the system fields, the others): each
+    turn a field names carries it in ``Turn.mapped``, so hygiene refuses rather than cut it. Transcript turns
+    are a turn list of their own, trimmed like one."""
+    head: list[Turn] = []
     before: list[Turn] = []
     after: list[Turn] = []
     columns: list[tuple[str, str, list]] = []
-    for path, role in fields:
+    for path, role in ctx.o.fields:
         value = resolve(record, path)
+        named = f"--field {path}={role}"
         if role == "transcript":
             (after if columns else before).extend(_transcript(value, path, ctx))
             ctx.mapping.append(f"{path} -> transcript turns")
@@ -106,7 +122,7 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
             # {name, arguments} objects (or their JSON text, with =tool_calls): one assistant turn of tool calls,
             # rendered as the template's calls with the arguments as the record holds them (xLAM/APIGen answers)
             calls = _tool_calls(value, path, ctx)
-            (after if columns else before).append(Turn("assistant", "", path, tool_calls=calls or None))
+            (after if columns else before).append(Turn("assistant", "", path, tool_calls=calls or None, mapped=named))
             ctx.mapping.append(f"{path} -> assistant tool calls ({len(calls)})")
         elif isinstance(value, dict) and role in ROLES and any(k in value for k in (*ROLE_KEYS, ctx.o.role_key) if k):
             # one turn object under the field (LLaMA-Factory's chosen: {from, value}): read as a turn of the mapped role
@@ -114,7 +130,8 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
             if t.role != role:
                 raise Rejected(Reason.BAD_TYPE, f"field {path!r} is a turn object of role {t.role} ({t.speaker!r}), "
                                                 f"mapped as {role}; map it with ", Fix.of(fields=((path, t.role),)))
-            (after if columns else before).append(t)
+            t.mapped = named
+            (head if role == "system" else after if columns else before).append(t)
             ctx.mapping.append(f"{path} -> {role} (a turn object)")
         elif isinstance(value, list) and not (value and all(isinstance(p, dict) and "type" in p for p in value)):
             if value and all(isinstance(v, dict) and any(k in v for k in ROLE_KEYS) for v in value):
@@ -123,7 +140,8 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
             columns.append((path, role, value))
             ctx.mapping.append(f"{path}[] -> {role}")
         else:
-            (after if columns else before).append(Turn(role, _content(value, path, ctx, role).text, path))
+            t = Turn(role, _content(value, path, ctx, role).text, path, mapped=named)
+            (head if role == "system" else after if columns else before).append(t)
             ctx.mapping.append(f"{path} -> {role}")
     turns = before
     if columns:
@@ -131,10 +149,12 @@ def _read_fields(record: dict, ctx: Ctx) -> "list[Turn] | str":
         if len(set(lengths.values())) > 1:
             raise Rejected(Reason.BAD_TYPE, "mapped lists must have equal lengths to interleave into turns: "
                                             + ", ".join(f"{p} has {n}" for p, n in lengths.items()))
+        columns.sort(key=lambda c: c[1] != "system")  # role order in each step too: a system text opens it
         for k in range(len(columns[0][2])):
             for path, role, value in columns:
-                turns.append(Turn(role, _content(value[k], f"{path}[{k}]", ctx, role).text, f"{path}[{k}]"))
-    return turns + after
+                turns.append(Turn(role, _content(value[k], f"{path}[{k}]", ctx, role).text, f"{path}[{k}]",
+                                  mapped=f"--field {path}={role}"))
+    return head, turns + after
 
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pipeline._formats._base import MISSING, Claim, Ctx, Draft, Shape
 from pipeline._formats._paths import resolve, top_key
 from pipeline._formats._turns import _speaker_words, _turn_list
-from pipeline._formats.fields import _read_fields
+from pipeline._formats.fields import _mapped_turns
 from pipeline._options import FormatOptions
 
 
@@ -25,7 +25,10 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
     turns = _turn_list(resolve(record, path), path, ctx, strings_alternate=True)
     ctx.mapping.insert(0, f"{path}[]: " + (_speaker_words(ctx) or "turns"))
     if ctx.o.fields:  # the answer after the list: --messages-field conversations --field chosen=assistant
-        turns += _read_fields(record, ctx)
+        # role order: a field mapped to system opens the conversation (--field system_prompt=system), the
+        # others follow the list (issue 35: appended, a system field was trimmed as a trailing turn)
+        head, rest = _mapped_turns(record, ctx)
+        turns = head + turns + rest
     return [Draft(turns=turns)]
 
 

@@ -214,6 +214,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         },
         "rejected_file": "rejected.jsonl",
     }
+    if ctx.skipped:  # files of a folder input not read, each with its reason; absent when none (byte-identical)
+        manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]
     if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was
         manifest["notes"] = list(ctx.notes)
     if not verdict.complete:

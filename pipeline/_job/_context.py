@@ -54,6 +54,8 @@ class RunContext:
     the same for a rerun of the same run."""
     spill: str
     """The spill folder (:mod:`pipeline._spill`), under the output folder."""
+    skipped: tuple[_read.Skipped, ...] = ()
+    """Files of folder inputs not read, with the reason (the manifest's ``inputs_skipped``, absent when none)."""
     notes: tuple[str, ...] = ()
     """One line each on what the run chose other than asked (a ``--num-shards`` capped at the records): the
     manifest's ``notes``."""
@@ -108,6 +110,8 @@ class Inputs:
     read_once: tuple[str, ...]
     tokenizer: dict
     size: int
+    skipped: tuple[_read.Skipped, ...] = ()
+    """Files of folder inputs not read, with the reason (:func:`pipeline._read.expand_datasets`)."""
 
 
 def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = _read.TASK_BYTES,
@@ -120,7 +124,8 @@ def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = 
     records = sum(_read.expected_records(f) * weights[f.dataset] for f in inputs.files)
     groups, shards = _write.shard_layout(options, records, inputs.size)
     digest = _write.run_digest(options.to_dict(), input_entries(inputs.files), inputs.tokenizer)
-    return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, tokenizer=inputs.tokenizer,
+    return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, skipped=inputs.skipped,
+                      tokenizer=inputs.tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
                       notes=tuple(_write.shard_cap_notes(options, shards)),
                       spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes, lanes=lanes)

@@ -104,12 +104,12 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     options = dataclasses.replace(options, output=_output.normalize_output(options.output))
     _trace.mark("launch", process_cpu=time.process_time())
     with _trace.span("launch_inputs"):
-        files, notes = _read.expand_datasets(options.datasets())
+        files, notes, skipped = _read.expand_datasets(options.datasets())
     with _trace.span("launch_tokenizer"):
         identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
         _check_launch(options, identity, quiet)
     sizes = [_read.input_bytes(f) for f in files]
-    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes))
+    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
     par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size)
     pipe_opts, runner = pipeline_options(beam_args, par.workers)
     local = runner is not None

@@ -20,7 +20,7 @@ A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Re
 """
 
 from pipeline._read._files import COMPRESSIONS, SUPPORTED, InputFile, compression, file_kind, open_raw, supported_text
-from pipeline._read._inputs import expand_datasets, expand_inputs
+from pipeline._read._inputs import Skipped, expand_datasets, expand_inputs
 from pipeline._read._json import json_items, parse_line
 from pipeline._read._lines import jsonl_texts, line_ends, split_lines
 from pipeline._read._sample import Sample, sample
@@ -32,7 +32,7 @@ from pipeline._read._tasks import (
 
 __all__ = [
     "COMPRESSIONS", "SUPPORTED", "InputFile", "compression", "file_kind", "open_raw", "supported_text",
-    "expand_datasets", "expand_inputs", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
+    "Skipped", "expand_datasets", "expand_inputs", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
     "Sample", "sample", "row_decoder", "table_rows", "MIN_TASK_BYTES", "TASK_BYTES", "TASK_ROWS", "TASKS_PER_WORKER",
     "UNKNOWN_WORKERS", "CorruptInput", "ReadTask", "count_records", "cut_tasks", "expected_records", "input_bytes",
     "read_file", "read_task", "task_bytes", "task_count",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import posixpath
 import zlib
+from typing import NamedTuple
 
 from packers import PackstreamError
 from packers.files import check_regular, check_utf8_name, show_path
@@ -95,12 +96,30 @@ def _one_line(path: str) -> bool:
     return True
 
 
-def _local_matches(pattern: str) -> list[str]:
+class Skipped(NamedTuple):
+    """A file of a folder input that is not read, and why (the manifest's ``inputs_skipped``)."""
+
+    path: str
+    source: str
+    """The path from the folder input's parent (``data/notes.csv``), as the summary shows it."""
+    reason: str
+
+
+def skip_reason(name: str) -> str:
+    """Why a file of a folder input is not read (a ``.csv``, a ``.txt``, a ``README.md``): said in the summary and
+    the manifest's ``inputs_skipped``, so every file of a folder is packed or accounted for (issue 35)."""
+    ext = posixpath.splitext(name)[1].lower()
+    said = f"{ext} is not" if ext else "a name without an extension is not"
+    return f"skipped: {said} a supported input format (JSONL, JSON, Parquet, Arrow)"
+
+
+def _local_matches(pattern: str, skipped: "list[str] | None" = None) -> list[str]:
     """Absolute paths of the local files (or datasets folders) that ``pattern`` names.
 
     A name that exists is taken literally, before any glob expansion (so ``a[1].jsonl`` is that
     file); a folder is walked recursively, skipping hidden names (``.tmp-*``, ``.git``) and not
-    following symlinked folders; otherwise the pattern is a glob (``**`` recursive).
+    following symlinked folders; otherwise the pattern is a glob (``**`` recursive). The other files
+    of a walked folder (no reader's, and not named like data) are appended to ``skipped``.
     """
     import glob
 
@@ -115,8 +134,11 @@ def _local_matches(pattern: str) -> list[str]:
                 out.append(dirpath)
                 dirnames[:] = []
                 continue
-            out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")
-                    and (file_kind(f) or looks_like_data(f))]
+            for f in sorted(filenames):
+                if f.startswith("."):
+                    continue
+                (out if file_kind(f) or looks_like_data(f) else skipped if skipped is not None else []).append(
+                    os.path.join(dirpath, f))
         if not any(file_kind(p) or is_hf_disk(p) for p in out):
             raise PackstreamError(
                 f"input folder {show_path(pattern)} holds no supported file (supported: {supported_text()}; hidden "
@@ -142,8 +164,9 @@ def _remote_matches(pattern: str) -> list[str]:
         raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
 
 
-def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
-    """Resolve every data set's files, globs and folders into checked inputs, plus notes on duplicates.
+def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]]:
+    """Resolve every data set's files, globs and folders into checked inputs, plus notes on duplicates and
+    the files of folder inputs that are not read (by path).
 
     Local paths are made absolute and de-duplicated by real path (``d/./x.jsonl``, a symlink to a
     file already named): the first name is kept and the others are noted. Each input's source
@@ -153,12 +176,14 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
     found: list[tuple[str, str, int]] = []  # (path, kind, dataset)
     owner: dict[str, tuple[str, int]] = {}  # real path -> (first path, dataset)
     notes: list[str] = []
+    not_read: dict[str, Skipped] = {}  # files of folder inputs that no reader takes, by path
     for d, spec in enumerate(datasets):
         for pattern in spec.paths:
             if not pattern:
                 raise PackstreamError("an input path is empty; give a file, glob or folder")
             remote = "://" in pattern
-            paths = _remote_matches(pattern) if remote else _local_matches(pattern)
+            left: list[str] = []
+            paths = _remote_matches(pattern) if remote else _local_matches(pattern, left)
             if not paths:
                 raise PackstreamError(f"input {pattern!r} matches no file; check the path or the glob")
             usable = [(p, "hf_disk" if is_hf_disk(p) else file_kind(p)) for p in paths]
@@ -173,6 +198,10 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
                 shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
                 raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
                                       f"({shown}); {fix_for(unread)}, or name only the files to read")
+            root = _pattern_root(pattern, remote)
+            for p in left + skipped:  # a folder's other files, or a glob's: said, never skipped in silence
+                source = p[len(root):].lstrip("/") if p.startswith(root) else p
+                not_read.setdefault(p, Skipped(p, source, skip_reason(posixpath.basename(p))))
             for p, k in usable:
                 check_utf8_name(p, "input")
                 if not remote and k != "hf_disk":
@@ -203,7 +232,7 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str]]:
             out.extend(_hf_splits(p, source, d, datasets[d].split))
         else:
             out.append(InputFile(p, source, k, dataset=d))
-    return out, notes
+    return out, notes, [not_read[p] for p in sorted(not_read)]
 
 
 def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
@@ -211,6 +240,13 @@ def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:
     from pipeline._options import DatasetSpec, FormatOptions
 
     return expand_datasets((DatasetSpec(name="default", paths=tuple(patterns), format=FormatOptions()),))[0]
+
+
+def _pattern_root(pattern: str, remote: bool) -> str:
+    """The folder a skipped file's source is shown from: the parent of a folder input (``data`` ->
+    ``data/notes.csv``), or of a glob's fixed part (``data/*`` -> ``data/notes.csv``)."""
+    fixed = pattern[: min((pattern.find(c) for c in "*?[" if c in pattern), default=len(pattern))]
+    return posixpath.dirname((fixed if remote else os.path.abspath(fixed)).rstrip("/"))
 
 
 def _common_root(paths: list[str]) -> str:

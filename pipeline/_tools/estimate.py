@@ -198,7 +198,7 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
 
     started = time.perf_counter()
     specs = options.datasets()
-    files, _ = _read.expand_datasets(specs)
+    files = _read.expand_datasets(specs)[0]
     input_bytes = sum(_read.input_bytes(f) for f in files)
     par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes)
     t = time.perf_counter()

@@ -67,7 +67,7 @@ def prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote
     from pipeline._tokenizer import tokenizer_identity
 
     options = options_from_config(m.config, inputs, folder, trust_remote_code)
-    files, _ = _read.expand_datasets(options.datasets())  # PackstreamError: the inputs cannot be read
+    files = _read.expand_datasets(options.datasets())[0]  # PackstreamError: the inputs cannot be read
     want = sorted({i.source for i in m.inputs})
     got = sorted({f.source for f in files})
     if want != got:
