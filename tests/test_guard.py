@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard, register_varlen_attention
-from tests._internals import GUARD, VARLEN, probe_layout as layout
+from tests._internals import GUARD, VARLEN, cached_verdict, probe_layout as layout
 from tests._models import TOL, VOCAB, max_diff, tiny_model, tiny_opt
 from tests._shards import make_row, random_examples
 
@@ -233,8 +233,6 @@ def count_forwards(model) -> list[int]:
 
 def probe_forwards(model, batch) -> int:
     """The forwards the probe ran for ``batch``: each packed row once, and each of its sequences alone."""
-    from tests._internals import cached_verdict
-
     return sum(1 + len(row) for row in cached_verdict(model, batch).probes)
 
 
@@ -246,7 +244,7 @@ def test_probe_runs_once_per_model_state():
     model(**batch)
     probe = probe_forwards(model, batch)
     # (5, 7), then a row as long as the batch rounded up to a power of two, its last sequence starting late
-    assert probe == 3 + 1 + len(cached_verdict_of(model, batch).probes[-1])
+    assert probe == 3 + 1 + len(cached_verdict(model, batch).probes[-1])
     assert n[0] == probe + 1  # the probe, then the batch
     model(**batch)
     model(**Collator()(ROWS[:1]))
@@ -265,12 +263,6 @@ def test_probe_runs_once_per_model_state():
     install_packing_guard(twin)
     twin(**batch)
     assert m[0] == probe_forwards(twin, batch) + 1
-
-
-def cached_verdict_of(model, batch):
-    from tests._internals import cached_verdict
-
-    return cached_verdict(model, batch)
 
 
 def test_probe_cost_on_a_tiny_model():

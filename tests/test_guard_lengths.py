@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from packers import Collator, PackstreamError, check_packing_safe, install_packing_guard
 from tests._internals import batch_rope, cached_verdict, probe_layout as layout, run_probe, special_lengths
@@ -292,9 +293,6 @@ def test_the_guard_probes_at_the_budget_of_the_folder_a_packed_dataset_opened(tm
     model = tiny_model("llama", "sdpa", max_position_embeddings=256).train()
     check_packing_safe(model, Collator()(rows_of([[5, 7]])))
     assert cached_verdict(model, Collator()(rows_of([[5, 7]]))).reach == 128
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=12, deadline=None)

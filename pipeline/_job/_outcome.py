@@ -21,7 +21,7 @@ written is a :class:`Failed` with the reason the commit recorded, not a success.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 from packers import PackstreamError
 from packers.manifest import Status
@@ -42,10 +42,7 @@ class Committed:
     """The run committed: ``manifest`` is complete."""
 
     manifest: dict
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return ExitCode.OK
+    exit_code: ClassVar[ExitCode] = ExitCode.OK
 
     def result(self) -> dict:
         return self.manifest
@@ -72,10 +69,7 @@ class TemplateLaunched:
 
     location: str
     config: dict
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return ExitCode.OK
+    exit_code: ClassVar[ExitCode] = ExitCode.OK
 
     def result(self) -> dict:
         return {"config": self.config, "template_location": self.location}
