@@ -26,6 +26,7 @@ _TORCH_NAMES = {
     "GuardHandle": "packers._attention",
     "sequence_logps": "packers._logps",
     "SequenceLogps": "packers._logps",
+    "kto_loss": "packers._logps",
 }
 
 __all__ = [

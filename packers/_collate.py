@@ -15,6 +15,7 @@ Two rows of budget 8 (``T`` = target token, ``.`` = not), collated with the defa
     seq_idx       [[0 0 0 0 1 1 2 2 2 2 2]]                 (int32) sequence index, for Mamba-style layers
     example_index [0, 1, 2]                                 (int64) the sequence of each of the rows' examples
     example_ids   ["a", "b", "c"]                           the rows' example_ids (rows without: no key)
+    desirable     [1, 0, -1]                                (int8) KTO labels, when a row carries them (else no key)
     use_cache     False                                     see "why use_cache" below
 
 With ``fixed_shape=True, budget=8`` every row is padded to the budget, so ``T = rows x budget``
@@ -119,6 +120,9 @@ class PackedBatch(TypedDict, total=False):
     example_ids: list[Any]
     """The rows' ``example_ids``, flattened (one per ``example_index`` entry). Only with ``return_example_index``
     and rows that carry them (rows from :class:`packers.PackedDataset` or packstream shards)."""
+    desirable: torch.Tensor
+    """``[E]`` int8, one per ``example_index`` entry: 1 desirable, 0 undesirable, -1 no label (KTO data). Only with
+    ``return_example_index`` and a batch where some row carries the ``desirable`` column."""
     use_cache: bool
     """Always ``False`` (unless ``disable_cache=False``): see the module docstring."""
     completion_mask: torch.Tensor
@@ -208,6 +212,8 @@ class Collator:
             batch["example_index"] = torch.from_numpy(np.concatenate(parts.examples))
             if parts.named:
                 batch["example_ids"] = parts.example_ids
+            if parts.labelled:
+                batch["desirable"] = torch.from_numpy(np.concatenate(parts.desirable))
         if self.disable_cache:
             batch["use_cache"] = False
         if parts.pairs:
@@ -245,6 +251,8 @@ class Collator:
             raise PackstreamError(f"row 0 carries no example_ids, row {i} does; collate rows of one source "
                                   "(all with their example_ids, or all without)")
         parts.examples.append(np.arange(parts.seqs, parts.seqs + nseq, dtype=np.int64))
+        parts.desirable.append(_row_desirable(i, row, nseq))
+        parts.labelled |= parts.desirable[-1].size > 0 and bool((parts.desirable[-1] != -1).any())
         parts.seqs += nseq
         parts.ids.append(ids)
         parts.mask.append(mask)
@@ -287,6 +295,10 @@ class _Parts:
     """Per row, the batch sequence index of each of its examples (its padding is none)."""
     example_ids: list[Any] = field(default_factory=list)
     """The rows' example ids, flattened (when ``named``)."""
+    desirable: list[np.ndarray] = field(default_factory=list)
+    """Per row, each example's desirability label (-1 where the row carries none)."""
+    labelled: bool = False
+    """Some row carries a desirability label."""
     seqs: int = 0
     """Sequences so far (padding included)."""
     at: int = 0
@@ -335,6 +347,17 @@ def _row_example_ids(i: int, row: Mapping[str, Any], nseq: int) -> list[Any]:
         raise ContractError(f"row {i}: {len(ids)} example_ids for {nseq} sequences (seq_offsets "
                             f"{np.asarray(row['seq_offsets']).tolist()[:8]}); one id per example")
     return ids
+
+
+def _row_desirable(i: int, row: Mapping[str, Any], nseq: int) -> np.ndarray:
+    """Row ``i``'s ``desirable`` labels, one per sequence (-1 each when the row carries none)."""
+    labels = row.get("desirable")
+    labels = np.asarray(labels if labels is not None else (), dtype=np.int8)
+    if labels.size == 0:
+        return np.full(nseq, -1, dtype=np.int8)
+    if labels.shape != (nseq,):
+        raise ContractError(f"row {i}: desirable holds {labels.size} values for {nseq} sequences; one per example")
+    return labels
 
 
 def _row_weights(i: int, row: Mapping[str, Any], n: int) -> np.ndarray:

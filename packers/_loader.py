@@ -136,7 +136,14 @@ def _piece(row: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
             "example_ids": row["example_ids"][lo:hi], "num_tokens": z - a,
             "num_targets": count_targets(mask, piece_offs),
             "pair_ids": list(row.get("pair_ids") or ())[lo:hi], "sides": np.asarray(row.get("sides", ()))[lo:hi],
-            "completion_spans": (spans[2 * lo : 2 * hi] - a).astype(np.int32) if len(spans) else spans.astype(np.int32)}
+            "completion_spans": (spans[2 * lo : 2 * hi] - a).astype(np.int32) if len(spans) else spans.astype(np.int32),
+            "desirable": _slice_desirable(row, lo, hi)}
+
+
+def _slice_desirable(row: dict[str, Any], lo: int, hi: int) -> np.ndarray:
+    """Sequences ``lo..hi-1``'s desirability labels (empty when the row carries none)."""
+    labels = np.asarray(row.get("desirable", ()), dtype=np.int8)
+    return labels[lo:hi] if len(labels) else labels
 
 
 class PackedDataset(torch.utils.data.IterableDataset):
@@ -314,6 +321,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 "pair_ids": pair_ids[i],
                 "sides": flat["sides"][i],
                 "completion_spans": flat["completion_spans"][i],
+                "desirable": flat["desirable"][i],
             }
             for i in range(len(example_ids))
         ]

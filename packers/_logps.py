@@ -54,6 +54,9 @@ class SequenceLogps:
     ids: tuple[Any, ...] | None = None
     """The examples' ids (the rows' ``example_ids``, e.g. ``"dpo@1#chosen"``), aligned with ``sum``; None when
     the rows carried none."""
+    desirable: torch.Tensor | None = None
+    """``[E]`` int8, aligned with ``sum``: each example's KTO label (1 desirable, 0 undesirable, -1 none), the
+    batch's ``desirable``; None when no row carried one. What :func:`kto_loss` reads."""
 
     @property
     def mean(self) -> torch.Tensor:
@@ -136,7 +139,14 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLo
                                   f"examples (example_index {index.tolist()[:8]}): the batch was changed after "
                                   "collation; pass the packers.Collator batch as it is")
         pair_index = at.reshape(pair_index.shape)
-    return SequenceLogps(sum=sums[index].float(), tokens=tokens[index], pair_index=pair_index, ids=ids)
+    desirable = batch.get("desirable")
+    if desirable is not None:
+        desirable = torch.as_tensor(desirable).to(device, torch.int8)
+        if desirable.shape != index.shape:
+            raise PackstreamError(f"{desirable.shape[0]} desirable labels for {index.shape[0]} examples: the batch was "
+                                  "changed after collation; pass the packers.Collator batch as it is")
+    return SequenceLogps(sum=sums[index].float(), tokens=tokens[index], pair_index=pair_index, ids=ids,
+                         desirable=desirable)
 
 
 def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -173,3 +183,44 @@ def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torc
     # training"); lp itself stays fp32 (never the [tokens, vocab] logits in float64)
     sums = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add(0, seq[at], lp.double())
     return sums, torch.bincount(seq[at], minlength=n_seq), n_seq
+
+
+def kto_loss(policy: SequenceLogps, reference: SequenceLogps, kl: torch.Tensor | float, *, beta: float = 0.1,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
+    """The KTO loss (Ethayarajh et al. 2024, as TRL's ``KTOTrainer`` computes it) of a batch of labelled examples.
+
+    ``policy`` and ``reference``: :func:`sequence_logps` of the policy's and the reference model's logits on one
+    batch of rows packed from KTO data (each example's ``desirable`` label kept in the row). ``kl``: the
+    reference point, an estimate of KL(policy || reference) (TRL: the mean log-ratio on mismatched
+    prompt/completion pairs, clamped at 0 and detached). Per example, with ``r`` = policy - reference log-prob::
+
+        desirable    w_d * (1 - sigmoid(beta * (r - kl)))
+        undesirable  w_u * (1 - sigmoid(beta * (kl - r)))
+
+    and the loss is their mean over the batch's labelled examples. An example without a label (-1) is refused:
+    pack only labelled records for KTO.
+
+    >>> import torch
+    >>> lp = SequenceLogps(sum=torch.tensor([-2.0, -3.0]), tokens=torch.tensor([2, 3]), pair_index=None,
+    ...                    desirable=torch.tensor([1, 0], dtype=torch.int8))
+    >>> ref = SequenceLogps(sum=torch.tensor([-2.5, -2.0]), tokens=torch.tensor([2, 3]), pair_index=None)
+    >>> round(kto_loss(lp, ref, kl=0.0, beta=1.0).item(), 4)   # (1 - sigmoid(0.5) + 1 - sigmoid(1.0)) / 2
+    0.3232
+    """
+    labels = policy.desirable if policy.desirable is not None else reference.desirable
+    if labels is None:
+        raise PackstreamError("kto_loss needs each example's desirability: the batch carries no desirable labels; pack "
+                              "KTO data (a boolean label, kto_tag or --kto-label field) with packstream pack")
+    if policy.sum.shape != reference.sum.shape:
+        raise PackstreamError(f"policy has {policy.sum.shape[0]} examples, reference {reference.sum.shape[0]}: compute "
+                              "both with sequence_logps on the same batch")
+    labels = labels.to(policy.sum.device)
+    if bool((labels < 0).any()):
+        raise PackstreamError(f"{int((labels < 0).sum())} of the batch's {labels.shape[0]} examples carry no "
+                              "desirability label; KTO trains labelled examples only (pack only labelled records)")
+    ratio = policy.sum - reference.sum.to(policy.sum.device).detach()
+    kl = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device)
+    good = labels == 1
+    losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return losses.mean()

@@ -28,7 +28,7 @@ from packers.manifest import RowChecks
 class Batch:
     """A gathered batch of rows as flat numpy arrays: ``values[name]`` back to back, ``lengths[name]`` per row."""
 
-    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets, sides, completion_spans
+    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets, sides, completion_spans, desirable
     lengths: dict[str, np.ndarray]  # the same columns
     num_tokens: np.ndarray
     num_targets: np.ndarray
@@ -46,7 +46,7 @@ class Failure:
     sequence: int | None = None
 
 
-_NUMERIC_LISTS = ("input_ids", "loss_mask", "seq_offsets", "sides", "completion_spans")
+_NUMERIC_LISTS = ("input_ids", "loss_mask", "seq_offsets", "sides", "completion_spans", "desirable")
 _STRING_LISTS = ("example_ids", "pair_ids")
 
 
@@ -101,7 +101,8 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
     {0, 1}; ``num_targets`` = the targets the Collator's labels keep; the pair columns empty, or, in a
     run of pairs (``row_checks.pairs``), one side, pair id and completion span per sequence, sides
     alternating chosen/rejected, a pair's two sides sharing their pair id and their prompt tokens, each
-    span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; then what the
+    span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; ``desirable`` empty or
+    one of 1, 0, -1 per sequence; then what the
     manifest says every row of the run satisfies: ``eos_at_boundaries``, ``targets_in_every_sequence``,
     ``all_targets`` (see :mod:`packers.manifest`).
 
@@ -128,7 +129,7 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
         return Failure(i, "loss_mask_values", f"loss_mask[{t - int(lengths[:i].sum())}] is {int(mask[t])}; only 0 and 1 "
                                               "are allowed")
     seqs = _Sequences.of(b.values["seq_offsets"], lengths, offsets - 1, inside)
-    return (_check_pair_columns(b, checks.pairs, seqs) or _check_row_checks(checks, b, seqs)
+    return (_check_pair_columns(b, checks.pairs, seqs) or _check_desirable(b, seqs) or _check_row_checks(checks, b, seqs)
             or _check_targets(b, lengths, seqs))
 
 
@@ -247,6 +248,21 @@ def _flat_strings(col: Any) -> pa.Array:
     """The values of a (chunked) list<string> column as one array."""
     flat = pc.list_flatten(col)
     return flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+
+
+def _check_desirable(b: Batch, seqs: _Sequences) -> Failure | None:
+    """The ``desirable`` column: per row empty or one value per sequence, each 1, 0 or -1 (no label)."""
+    D = b.lengths["desirable"].astype(np.int64)
+    if (bad := (D != 0) & (D != seqs.per_row)).any():
+        i = _first(bad)
+        return Failure(i, "desirable", f"holds {int(D[i])} values for {int(seqs.per_row[i])} sequences; one per "
+                                       "sequence, or none")
+    values = b.values["desirable"]
+    if values.size and ((values > 1) | (values < -1)).any():
+        t = _first((values > 1) | (values < -1))
+        i = int(np.searchsorted(D.cumsum(), t, side="right"))
+        return Failure(i, "desirable", f"holds {int(values[t])}; only 1 (desirable), 0 (undesirable) and -1 (no label)")
+    return None
 
 
 def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | None:

@@ -1,4 +1,4 @@
-"""The packed-row contract (version 2): one Arrow schema, written by the pipeline and read by the loader.
+"""The packed-row contract (version 3): one Arrow schema, written by the pipeline and read by the loader.
 
 A packed row holds several tokenized examples back to back, with no padding stored. Here is
 one row of budget 16 holding three examples (``T`` is a target token, ``.`` is not)::
@@ -9,6 +9,7 @@ one row of budget 16 holding three examples (``T`` is a target token, ``.`` is n
     seq_offsets  [0,                6,          10,          14]    cu_seqlens style
     num_targets  7                                                  the targets the loss sees (below)
     pair_ids, sides, completion_spans   []                          no pairs in this row
+    desirable    []                                                 no KTO labels in this row
 
 and what the loader (:class:`packers.Collator`) derives from it at training time::
 
@@ -52,6 +53,10 @@ Columns (see :data:`SCHEMA`):
   completion, as token offsets in the row. A completion starts after at least one prompt token
   (a first token has nothing to predict it) and ends within its sequence; ``loss_mask`` is 1
   exactly on the completions; the two sides of a pair hold the same prompt tokens before them.
+* ``desirable`` ``list<int8>``: empty in a row whose examples carry no desirability label; else one
+  per sequence: 1 desirable, 0 undesirable, -1 no label (KTO data: a record's boolean ``label``,
+  ``kto_tag`` or ``--kto-label`` field). :class:`packers.Collator` gives it as the batch's
+  ``desirable``, and :func:`packers.sequence_logps` beside each example's log-prob.
 
 A row holds pairs or plain examples, never both (a run is ``--pairs`` or not; the manifest's
 ``row_checks.pairs`` says which).
@@ -63,13 +68,13 @@ the shard belongs: the ``run_id`` of the run that wrote it (``manifest.json`` ha
 against the manifest's entry for the file, so a shard listed twice, renamed, moved to another
 split or taken from another run is refused without reading a row (:mod:`packers.manifest`).
 
-Version history: 1, the first five columns; 2 (this), ``num_targets`` and the pair columns. A
-version 1 folder is refused with "repack" (:func:`read_metadata`).
+Version history: 1, the first five columns; 2, ``num_targets`` and the pair columns; 3 (this),
+``desirable``. An older folder is refused with "repack" (:func:`read_metadata`).
 
 >>> import pyarrow as pa
 >>> row = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
 ...        "seq_offsets": [0, 6, 10], "example_ids": ["a:1", "b:2"], "num_tokens": 10, "num_targets": 5,
-...        "pair_ids": [], "sides": [], "completion_spans": []}
+...        "pair_ids": [], "sides": [], "completion_spans": [], "desirable": []}
 >>> validate_row(pa.Table.from_pylist([row], schema=SCHEMA).to_pylist()[0], budget=16)
 >>> validate_row({**row, "seq_offsets": [0, 6, 9]}, budget=16)
 Traceback (most recent call last):
@@ -77,7 +82,8 @@ Traceback (most recent call last):
 packers.errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
 >>> pair = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 9, 2, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
 ...         "seq_offsets": [0, 6, 11], "example_ids": ["dpo@1#chosen", "dpo@1#rejected"], "num_tokens": 11,
-...         "num_targets": 5, "pair_ids": ["dpo@1", "dpo@1"], "sides": [0, 1], "completion_spans": [3, 6, 9, 11]}
+...         "num_targets": 5, "pair_ids": ["dpo@1", "dpo@1"], "sides": [0, 1], "completion_spans": [3, 6, 9, 11],
+...         "desirable": []}
 >>> validate_row(pair, budget=16)
 >>> validate_row({**pair, "input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 2, 30, 1]}, budget=16)
 Traceback (most recent call last):
@@ -98,7 +104,7 @@ import pyarrow as pa
 
 from packers.errors import ContractError
 
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3
 """Bump on any incompatible change to :data:`SCHEMA` or its metadata keys (see the version history above)."""
 
 MAX_TOKENS_LIMIT = 1 << 24
@@ -116,12 +122,16 @@ SCHEMA = pa.schema(
         pa.field("pair_ids", pa.list_(pa.string()), nullable=False),
         pa.field("sides", pa.list_(pa.uint8()), nullable=False),
         pa.field("completion_spans", pa.list_(pa.int32()), nullable=False),
+        pa.field("desirable", pa.list_(pa.int8()), nullable=False),
     ]
 )
 """The shard schema. Never inferred from data: every writer casts to it."""
 
 PAIR_COLUMNS = ("pair_ids", "sides", "completion_spans")
 """Empty in a row of plain examples; one entry per sequence (two for the spans) in a row of pairs."""
+
+NO_LABEL = -1
+"""A sequence's ``desirable`` value when its record carries no desirability label (in a row where another does)."""
 
 
 class Side(enum.IntEnum):
@@ -236,6 +246,17 @@ def validate_row(row: Mapping[str, Any], budget: int) -> None:
         raise ContractError(f"num_targets={row['num_targets']} but the row has {targets} targets "
                             "(loss_mask 1, not on a sequence's first token)")
     validate_pairs(row)
+    validate_desirable(row)
+
+
+def validate_desirable(row: Mapping[str, Any]) -> None:
+    """The ``desirable`` column of one row: empty, or one of 1, 0, -1 per sequence."""
+    values = list(row.get("desirable") or [])
+    nseq = len(row["seq_offsets"]) - 1
+    if values and len(values) != nseq:
+        raise ContractError(f"desirable holds {len(values)} values for {nseq} sequences; expected {nseq} (or none)")
+    if any(int(v) not in (1, 0, NO_LABEL) for v in values):
+        raise ContractError(f"desirable holds a value other than 1, 0 and {NO_LABEL}: {values[:8]}")
 
 
 def validate_pairs(row: Mapping[str, Any]) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from packers import InternalError
 from pipeline import _rows
 from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
 from pipeline._options import FormatOptions, PackOptions, TrainOn
@@ -69,6 +70,8 @@ class _Prepared:
     """Index in ``meta`` -> a pre-tokenized (2, n) example."""
     no_eos: set[int] = dataclasses.field(default_factory=set)
     """Indices in ``meta`` that get no EOS appended (pre-tokenized examples and labelled segments)."""
+    labels: list[int] = dataclasses.field(default_factory=list)
+    """Per kept record (as ``meta``), its desirability: 1, 0, or -1 without a label (pipeline._formats._labels)."""
     pairs: bool = False
     """``--pairs``: ``owner`` names a side, ``2 * k`` (chosen) or ``2 * k + 1`` (rejected) of ``meta[k]``."""
     rejected: list[dict] = dataclasses.field(default_factory=list)
@@ -189,6 +192,7 @@ class Encoder:
                     p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, ceid))
                     continue
                 p.meta.append((ceid, source, position, dataset))
+                p.labels.append(-1 if conv.desirable is None else int(conv.desirable))
         return p
 
     def prepare_pair(self, record: Any, fmt: FormatOptions) -> tuple[tuple[list, list], dict[str, int]]:
@@ -265,8 +269,12 @@ class Encoder:
             token_keep = np.repeat(keep, rec_lens)
             ids, mask, rec_lens = ids[token_keep], mask[token_keep], rec_lens[keep]
             kept_meta = [m for m, k in zip(kept_meta, keep) if k]
+        if len(p.labels) != n:
+            raise InternalError(f"{len(p.labels)} desirability labels for {n} examples")
+        labels = np.asarray(p.labels, dtype=np.int8)[keep]
         batch = _rows.ExampleBatch.from_arrays(
             [m[0] for m in kept_meta], [m[1] for m in kept_meta], [m[2] for m in kept_meta], rec_lens, ids, mask,
+            desirable=labels if (labels != -1).any() else None,
         )
         batch, copies = self._repeat(batch, [m[3] for m in kept_meta])
         if copies:

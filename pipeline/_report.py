@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pipeline._formats import NOTE_UNITS
+from pipeline._formats import KTO_NOTE, NOTE_UNITS
 from pipeline._options import DEFAULT_TOKENIZER
 
 
@@ -93,12 +93,16 @@ def summary_table(manifest: dict) -> str:
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
     as_text = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("tool_calls_as_text:")}
     for k, v in notes.items():
-        if not k.startswith(("ignored_field:", "tool_calls_as_text:")):
+        if not k.startswith(("ignored_field:", "tool_calls_as_text:", KTO_NOTE)):
             unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
             lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
     if ignored:
         shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
         lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
+    good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
+    if good or bad:
+        lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "
+                                    "desirable column (packers.kto_loss reads it); a plain SFT loss trains on both"))
     for field, n in sorted(as_text.items()):
         lines.append(("tool calls as text", f"{printable(field)} holds JSON tool calls in {n:,} records, trained as raw "
                                             f"text; --field {printable(field)}=tool_calls renders them as calls"))

@@ -124,18 +124,25 @@ class ExampleBatch:
     """uint8 (tokens,)."""
     cuts: np.ndarray | None = None
     """int64 (n,): where each pair's rejected side starts; None for plain examples."""
+    desirable: np.ndarray | None = None
+    """int8 (n,): each example's KTO label (1, 0, -1 for none); None when no example carries one."""
 
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
-                    input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None) -> "ExampleBatch":
+                    input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None, *,
+                    desirable: np.ndarray | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if cuts is not None:
             cuts = np.asarray(cuts, dtype=np.int64)
             if cuts.shape != (len(ids),) or (len(ids) and ((cuts < 1) | (cuts >= np.diff(offsets))).any()):
                 raise packers.InternalError(f"pair cuts {cuts[:8]} do not fit examples of lengths {np.diff(offsets)[:8]}")
+        if desirable is not None:
+            desirable = np.asarray(desirable, dtype=np.int8)
+            if desirable.shape != (len(ids),):
+                raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False), cuts)
+                   loss_mask.astype(np.uint8, copy=False), cuts, desirable)
 
     @classmethod
     def empty(cls) -> "ExampleBatch":
@@ -165,7 +172,8 @@ class ExampleBatch:
         return ExampleBatch.from_arrays([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
                                         [self.positions[i] for i in which], stops - starts,
                                         self.input_ids[idx], self.loss_mask[idx],
-                                        None if self.cuts is None else self.cuts[which])
+                                        None if self.cuts is None else self.cuts[which],
+                                        desirable=None if self.desirable is None else self.desirable[which])
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
@@ -179,7 +187,15 @@ class ExampleBatch:
                                [p for b in batches for p in b.positions], np.concatenate([b.lengths for b in batches]),
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
-                               np.concatenate([b.cuts for b in batches]) if paired == {True} else None)
+                               np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
+                               desirable=_labels(batches))
+
+
+def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
+    """The batches' desirability labels concatenated (-1 for a batch without), or None when none has any."""
+    if all(b.desirable is None for b in batches):
+        return None
+    return np.concatenate([np.full(len(b), -1, np.int8) if b.desirable is None else b.desirable for b in batches])
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -461,6 +477,8 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         pair_cols = [_list(row_start_piece, [batch.ids[e] for e in ex[piece_order].tolist()], pa.string()),
                      _list(row_start_piece, sides.astype(np.uint8), pa.uint8()),
                      _list(2 * row_start_piece, spans, pa.int32())]
+    labels = np.zeros(0, np.int8) if batch.desirable is None else batch.desirable[ex[piece_order]]
+    desirable = _list(row_start_piece if batch.desirable is not None else np.zeros(rows + 1, np.int64), labels, pa.int8())
     arrays = [
         _list(tok_row_off, input_ids, pa.int32()),
         _list(tok_row_off, loss_mask, pa.uint8()),
@@ -469,6 +487,7 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         pa.array(row_tokens, pa.int32()),
         pa.array(num_targets, pa.int32()),
         *pair_cols,
+        desirable,
     ]
     record_batch = pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?

@@ -55,6 +55,7 @@ SPILL_SCHEMA = pa.schema([
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
     pa.field("cut", pa.int64(), nullable=False),  # a pair's rejected side starts here (-1: not a pair)
+    pa.field("desirable", pa.int8(), nullable=False),  # the KTO label: 1, 0, or -1 (none)
 ])
 
 
@@ -148,15 +149,17 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
         pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.input_ids[o[0]:o[-1]], pa.int32())),
         pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.loss_mask[o[0]:o[-1]], pa.uint8())),
         pa.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
+        pa.array(np.full(b - a, -1, np.int8) if batch.desirable is None else batch.desirable[a:b], pa.int8()),
     ], schema=SPILL_SCHEMA)
 
 
 def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     """The examples of ``slices``, concatenated in the given order."""
-    ids, sources, positions, lengths, tok_ids, masks, cuts = [], [], [], [], [], [], []
+    ids, sources, positions, lengths, tok_ids, masks, cuts, labels = [], [], [], [], [], [], [], []
     for s in slices:
         rb = _read_batch(s.path, s.batch)
         cuts.append(rb.column(5).to_numpy())
+        labels.append(rb.column(6).to_numpy())
         ids += rb.column(0).to_pylist()
         sources += rb.column(1).to_pylist()
         positions += rb.column(2).to_pylist()
@@ -166,9 +169,10 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
         lengths.append(np.diff(rb.column(3).offsets.to_numpy()))
     if not ids:
         return ExampleBatch.empty()
-    cut = np.concatenate(cuts)
+    cut, label = np.concatenate(cuts), np.concatenate(labels)
     return ExampleBatch.from_arrays(ids, sources, positions, np.concatenate(lengths), np.concatenate(tok_ids),
-                                    np.concatenate(masks), None if (cut < 0).all() else cut)
+                                    np.concatenate(masks), None if (cut < 0).all() else cut,
+                                    desirable=None if (label < 0).all() else label)
 
 
 def _read_batch(path: str, index: int) -> pa.RecordBatch:

@@ -488,8 +488,8 @@ Rows of at most **{manifest['config']['max_tokens']}** tokens, each holding seve
 Columns: `input_ids` (list<int32>), `loss_mask` (list<uint8>, 1 = training target),
 `seq_offsets` (list<int32>, `[0, end_1, ..., len]`), `example_ids` (list<string>), `num_tokens` (int32),
 `num_targets` (int32, the targets the loss sees), `pair_ids` (list<string>), `sides` (list<uint8>, 0 chosen,
-1 rejected) and `completion_spans` (list<int32>, `[start, stop)` per sequence); the last three are empty
-in rows without pairs.
+1 rejected) and `completion_spans` (list<int32>, `[start, stop)` per sequence), empty in rows without
+pairs; and `desirable` (list<int8>, KTO labels: 1, 0, -1 for none per sequence), empty in rows without labels.
 
 Load it with `datasets.load_dataset("<this folder>")`, or zero-copy with
 `packers.PackedDataset("<this folder>")`, and collate with `packers.Collator()`.

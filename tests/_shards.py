@@ -87,6 +87,7 @@ def make_row(examples: Sequence[Example]) -> dict:
         "pair_ids": [],
         "sides": [],
         "completion_spans": [],
+        "desirable": [],
     }
 
 
@@ -135,7 +136,7 @@ def v2_row(r: dict) -> dict:
         targets = count_targets(r["loss_mask"], r["seq_offsets"])
     except (IndexError, TypeError):  # offsets broken on purpose: the test checks those
         targets = 0
-    out = {"num_targets": targets, "pair_ids": [], "sides": [], "completion_spans": [], **r}
+    out = {"num_targets": targets, "pair_ids": [], "sides": [], "completion_spans": [], "desirable": [], **r}
     out["num_tokens"] = len(r["input_ids"])
     return out
 

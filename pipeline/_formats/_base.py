@@ -93,6 +93,9 @@ class Conversation:
     """The shape the record was read as (``alpaca``, ``messages``, ``fields``, ...)."""
     mapping: tuple[str, ...] = ()
     """How the record's fields became turns, in words (``instruction+input -> user``), for ``preview``."""
+    desirable: Optional[bool] = None
+    """KTO data: whether the record's answer is desirable (its boolean ``label``/``kto_tag``, or ``--kto-label``);
+    None when it carries no such label (pipeline._formats._labels)."""
 
 
 # The public classes are documented, pickled and printed under the package that exports them.

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 from packers import InternalError, PackstreamError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind
+from pipeline._formats._labels import labelled
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -36,20 +37,23 @@ def conversations(record: Any, options: FormatOptions) -> list[Conversation]:
     """Every conversation one raw record holds (one, except message trees), or :class:`Rejected`."""
     fast = _fast(record, options)
     if fast is not None:
-        return [fast]
-    try:
-        return _conversations(record, options)
-    except Rejected as r:
-        raise _validated(r, record, options) from None
+        convs = [fast]
+    else:
+        try:
+            convs = _conversations(record, options)
+        except Rejected as r:
+            raise _validated(r, record, options) from None
+    labelled(record, options, convs)
+    return convs
 
 
 def normalize(record: Any, options: FormatOptions) -> Conversation:
     """Turn one raw record into a :class:`Conversation`, or raise :class:`Rejected` (see the package docstring).
     For a record that may hold several conversations (``--tree``), use :func:`conversations`."""
     fast = _fast(record, options)
-    if fast is not None:
-        return fast
-    return _normalize(record, options)
+    conv = fast if fast is not None else _normalize(record, options)
+    labelled(record, options, [conv])
+    return conv
 
 
 def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversation, Conversation]:

@@ -14,7 +14,7 @@ from pipeline._options._modes import (
 
 _EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
              "tokenized_with": DEFAULT_TOKENIZER, "pair_sides": "response_0,response_1", "pair_prompt": "history",
-             "pair_ranked": "completions=response/overall_score"}
+             "pair_ranked": "completions=response/overall_score", "kto_label": "label"}
 """An example value of each option that names a field, a key or a tokenizer, for the error of an empty one."""
 
 
@@ -85,6 +85,11 @@ class FormatOptions:
         "--pair-prompt", "With --pairs: the path of a preference record's prompt (a string or a list of messages) "
         "when it is not prompt/question/query, instruction or conversations: --pair-prompt history (SHP).",
         metavar="PATH"))
+    kto_label: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--kto-label", "The field that says whether a record's answer is desirable (KTO data: true/false, 1/0): kept "
+        "per example in the rows' desirable column, which packers.kto_loss reads. Without it a top-level boolean "
+        "label or kto_tag field is kept; a record this option names no value for is dead-lettered.",
+        metavar="FIELD"))
     train_on: TrainOn = dataclasses.field(default=TrainOn.ASSISTANT, metadata=cli(
         "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
@@ -102,7 +107,7 @@ class FormatOptions:
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
 
     _NAMES_SOMETHING = ("messages_field", "role_key", "content_key", "tokenized_with", "tree", "pair_sides",
-                        "pair_prompt", "pair_ranked")
+                        "pair_prompt", "pair_ranked", "kto_label")
     """Text options that name a field, a key or a tokenizer: an empty one names nothing (omit it for the default)."""
 
     def __post_init__(self) -> None:

@@ -1,0 +1,68 @@
+"""A record's desirability label (KTO data), read beside its conversation and kept per example in the rows.
+
+KTO sets pair one answer with a label saying whether it is a good one: TRL's unpaired preference layout
+``{prompt, completion, label: true}``, LLaMA-Factory's ``kto_tag``, ``{messages, label}``. Packed as SFT with the
+label dropped, the undesirable answers would be trained like the others; kept, the rows' ``desirable`` column
+(:mod:`packers.schema`) carries it to the loader's batch and :func:`packers.kto_loss`.
+
+- Without ``--kto-label``: a top-level ``label`` or ``kto_tag`` whose value is a JSON boolean is the label. Any
+  other value (a class name, a score) is not a desirability, and the field stays an ignored field, counted.
+- With ``--kto-label FIELD``: the field (a path) must hold true/false, 1/0, or the strings "true"/"false"/"1"/"0"
+  (CSV cells); a record without one is dead-lettered (``missing_field``), never packed unlabelled.
+
+>>> from pipeline._options import FormatOptions
+>>> label_of({"messages": [], "label": False}, FormatOptions())
+(False, 'label')
+>>> label_of({"messages": [], "label": "sports"}, FormatOptions())
+(None, None)
+>>> label_of({"prompt": "p", "good": "1"}, FormatOptions(kto_label="good"))
+(True, 'good')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from pipeline._formats._base import Conversation, Reason, Rejected, _kind
+from pipeline._formats._paths import resolve
+from pipeline._options import FormatOptions
+
+AUTO_KEYS = ("label", "kto_tag")
+"""Top-level fields read as the label when they hold a JSON boolean (TRL ``label``, LLaMA-Factory ``kto_tag``)."""
+NOTE = "kto_labels:"
+"""Notes ``kto_labels:desirable`` / ``kto_labels:undesirable``: records kept with each label."""
+_TEXT = {"true": True, "false": False, "1": True, "0": False}
+
+
+def label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optional[str]]:
+    """The record's desirability and the field it came from, or ``(None, None)``; :class:`Rejected` when
+    ``--kto-label`` names a field the record holds no label in."""
+    if not isinstance(record, dict):
+        return None, None
+    if options.kto_label is None:
+        key = next((k for k in AUTO_KEYS if isinstance(record.get(k), bool)), None)
+        return (record[key], key) if key is not None else (None, None)
+    value = resolve(record, options.kto_label)
+    if isinstance(value, bool):
+        return value, options.kto_label
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value), options.kto_label
+    if isinstance(value, str) and value.strip().lower() in _TEXT:
+        return _TEXT[value.strip().lower()], options.kto_label
+    shown = "missing" if value is None else f"{_kind(value)} {str(value)[:40]!r}"
+    raise Rejected(Reason.MISSING_FIELD, f"--kto-label {options.kto_label}: the record's value is {shown}, not "
+                                         "true/false or 1/0; a KTO example needs its desirability")
+
+
+def labelled(record: Any, options: FormatOptions, convs: Sequence[Conversation]) -> None:
+    """Set each conversation's ``desirable`` from the record, and count the label as read (not ignored) on the
+    first conversation, where the record's notes are."""
+    value, key = label_of(record, options)
+    if value is None:
+        return
+    first = convs[0]
+    first.notes.pop(f"ignored_field:{key}", None)
+    note = f"{NOTE}{'desirable' if value else 'undesirable'}"
+    first.notes[note] = first.notes.get(note, 0) + 1
+    for conv in convs:
+        conv.desirable = value
