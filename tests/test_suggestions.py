@@ -23,11 +23,13 @@ from hypothesis import strategies as st
 
 from pipeline import PackOptions
 from packers import PackstreamError
-from tests._internals import Fix, FormatOptions, Hole, Reason, Rejected, conversations, preview
+from tests._internals import Fix, FormatOptions, Hole, Reason, Rejected, conversations, pair_conversations, preview
 from tests.test_formats import REFUSALS, SHAPES, load
 from tests.test_fuzz_formats import SKELETONS
 
 PAIRS = {"--field": "fields", "--roles": "roles", "--transcript-marker": "transcript_markers"}
+SWITCHES = {"--pairs": "pairs"}
+"""Pack-level switches a fix may name (Fix.pack): tried by the pair reader."""
 
 
 def printed_fix(detail: str, given: dict) -> dict:
@@ -35,9 +37,14 @@ def printed_fix(detail: str, given: dict) -> dict:
     it asks for none."""
     fix: dict = {}
     g = FormatOptions(**given)
-    for flag, raw in re.findall(r"(?<![\w-])(--[a-z-]+) ('[^']*'|[^\s;,()]+(?:,[^\s;,()]+)*)", detail):
+    for m in re.finditer(r"(?<![\w-])(--[a-z-]+)(?: ('[^']*'|[^\s;,()-][^\s;,()]*(?:,[^\s;,()]+)*))?", detail):
+        flag, raw = m.group(1), m.group(2)
+        if raw is None:  # a switch: a pack-level one is part of a fix when more options follow it (--pairs --pair-...)
+            if flag in SWITCHES and detail[m.end():].startswith(" --"):
+                fix[SWITCHES[flag]] = True
+            continue
         value = raw.strip("'")
-        if re.search(r"\b[A-Z]{2,}", value):  # KEY, ROLE, PATH: for the user to fill in
+        if re.search(r"\b[A-Z]{2,}|\[[A-Z]\]", value):  # KEY, ROLE, PATH, an item [N]: for the user to fill in
             continue
         key = PAIRS.get(flag, flag[2:].replace("-", "_"))
         if key in PAIRS.values():
@@ -130,12 +137,15 @@ def check_refusal(record: dict, given: dict) -> int:
         except PackstreamError as e:
             raise AssertionError(f"the fix {fix} is not even valid options ({e}): {r.detail}") from None
         try:
-            convs = conversations(record, tried)
+            convs = pair_conversations(record, tried) if fix.pack().get("pairs") else conversations(record, tried)
         except Rejected as e:
             raise AssertionError(f"the fix {fix} does not pack the record ({e}): {r.detail}") from None
         for c in convs:
             for note in c.notes:
                 path = note.split(":", 1)[1] if note.startswith("ignored_field:") else None
+                if path is not None and any(path == k or path.startswith((k + ".", k + "[")) for k in fix.drops):
+                    assert fix.drops[0] in r.detail, f"the fix leaves part of {path} on purpose, unsaid: {r.detail}"
+                    continue
                 if path is not None and re.search(r"[.\[]", path):
                     assert not any(map(_holds_text, _values(record, path))), \
                         f"the fix {fix} leaves {path} unread: {r.detail}"
