@@ -284,3 +284,86 @@ def test_a_fix_is_typed_as_it_is_tried_and_its_holes_hold_nothing_to_try(fix, gi
     assert holed.failed and not holed.changes(given_) and holed.outcome().startswith(" (no single option")
     assert [n for n, _ in holed.options] == [n for n, _ in fix.options]
     assert pickle.loads(pickle.dumps(fix)) == fix
+
+
+# ------------------------------------------------------------------------------------------------
+# Coverage: a suggestion trains what the record means. Records of unknown shape are generated from role-named
+# fields in random casings (twins of another case included), parallel lists of answers and scores, lists of
+# answer objects, nested answers and fields no role is known for.
+
+ROLE_NAMES = {"user": ["question", "instruction", "prompt", "query", "problem"],
+              "assistant": ["answer", "response", "output", "solution", "completion"],
+              "reasoning": ["complex_cot", "reasoning", "rationale"], "other": ["source", "category", "notes_x"]}
+ANSWER_LIKE = {n for n in ROLE_NAMES["assistant"]} | {"responses", "completions", "answers", "outputs"}
+words = st.text(alphabet="abc defgh.", min_size=1, max_size=120).filter(str.strip)
+
+
+def _cased(name: str, style: int) -> str:
+    return [name, name.capitalize(), name.upper(), name.replace("_", " ").title().replace(" ", "_")][style]
+
+
+@st.composite
+def unknown_records(draw) -> dict:
+    rec: dict = {}
+    for role in ("user", "assistant", "reasoning", "other"):
+        for name in draw(st.lists(st.sampled_from(ROLE_NAMES[role]), max_size=2, unique=True)):
+            rec[_cased(name, draw(st.integers(0, 3)))] = draw(words)
+    if draw(st.booleans()) and rec:  # a twin of another case
+        key = draw(st.sampled_from(sorted(rec)))
+        twin = key.lower() if key != key.lower() else key.capitalize()
+        if twin != key:
+            rec[twin] = draw(words)
+    extra = draw(st.integers(0, 4))
+    if extra == 1:  # alternatives as a list of strings, maybe with a parallel list of scores
+        answers = draw(st.lists(words, min_size=2, max_size=5))
+        rec[draw(st.sampled_from(["responses", "answers", "outputs"]))] = answers
+        if draw(st.booleans()):
+            rec["rewards"] = draw(st.lists(st.floats(-5, 5), min_size=len(answers), max_size=len(answers)))
+    elif extra == 2:  # alternatives as objects, maybe scored
+        n = draw(st.integers(2, 4))
+        scored = draw(st.booleans())
+        rec["completions"] = [{"model": f"m{i}", "completion": draw(words), **({"score": i} if scored else {})}
+                              for i in range(n)]
+    elif extra == 3:  # a nested answer
+        rec["meta"] = {"answer": draw(words)}
+    elif extra == 4:  # a field of a name no role is known for
+        rec[draw(st.sampled_from(["zz_body", "Passage", "blob"]))] = draw(words)
+    return rec
+
+
+def _mapped(fix) -> dict:
+    return dict(fix.options)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rec=unknown_records())
+def test_a_suggestion_trains_what_the_record_means(rec):
+    """A suggestion never silently drops the longest text field (it is read, or named in the detail), never
+    merges a list of alternatives into one turn, never takes the user turn from an answer-like field; and every
+    printed fix packs the record (check_refusal)."""
+    try:
+        conversations(rec, FormatOptions())
+        return  # a known shape
+    except Rejected as e:
+        r = e
+    check_refusal(rec, {})
+    fix = r.fix
+    if fix is None or fix.failed:
+        return
+    opts = _mapped(fix)
+    fields = tuple(p for p in opts.get("fields", ()) if not _holes(p))
+    read = {p.split("[")[0].split(".")[0] for p, _ in fields} | {opts.get("messages_field")}
+    read |= {p.split("[")[0].split("/")[0].split("=")[0] for p in [opts.get("pair_ranked") or ""]}
+    read |= set((opts.get("pair_sides") or "").split(",")) | {opts.get("pair_prompt")}
+    texts = {k: len(v.strip()) for k, v in rec.items() if isinstance(v, str)}
+    if texts:
+        longest = max(texts, key=texts.get)
+        assert longest in read or longest in r.detail, f"{longest} dropped unseen: {r.detail}"
+    for path, role in fields:
+        key = path.split("[")[0].split(".")[0]
+        if role == "user":
+            assert key.lower().replace(" ", "_") not in ANSWER_LIKE, f"user turn from an answer field: {r.detail}"
+        if role == "assistant" and isinstance(rec.get(path), list) and not any(
+                isinstance(rec.get(p), list) and r2 == "user" for p, r2 in fields):
+            raise AssertionError(f"a list of alternatives merged into one turn: {r.detail}")
+    assert sum(role == "assistant" for _, role in fields) <= 1 or any(isinstance(rec.get(p), list) for p, _ in fields)
