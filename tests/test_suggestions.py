@@ -23,11 +23,13 @@ from hypothesis import strategies as st
 
 from pipeline import PackOptions
 from packers import PackstreamError
-from tests._internals import Fix, FormatOptions, Hole, Reason, Rejected, conversations, preview
+from tests._internals import Fix, FormatOptions, Hole, Reason, Rejected, conversations, pair_conversations, preview
 from tests.test_formats import REFUSALS, SHAPES, load
 from tests.test_fuzz_formats import SKELETONS
 
 PAIRS = {"--field": "fields", "--roles": "roles", "--transcript-marker": "transcript_markers"}
+SWITCHES = {"--pairs": "pairs"}
+"""Pack-level switches a fix may name (Fix.pack): tried by the pair reader."""
 
 
 def printed_fix(detail: str, given: dict) -> dict:
@@ -35,9 +37,14 @@ def printed_fix(detail: str, given: dict) -> dict:
     it asks for none."""
     fix: dict = {}
     g = FormatOptions(**given)
-    for flag, raw in re.findall(r"(?<![\w-])(--[a-z-]+) ('[^']*'|[^\s;,()]+(?:,[^\s;,()]+)*)", detail):
+    for m in re.finditer(r"(?<![\w-])(--[a-z-]+)(?: ('[^']*'|[^\s;,()-][^\s;,()]*(?:,[^\s;,()]+)*))?", detail):
+        flag, raw = m.group(1), m.group(2)
+        if raw is None:  # a switch: a pack-level one is part of a fix when more options follow it (--pairs --pair-...)
+            if flag in SWITCHES and detail[m.end():].startswith(" --"):
+                fix[SWITCHES[flag]] = True
+            continue
         value = raw.strip("'")
-        if re.search(r"\b[A-Z]{2,}", value):  # KEY, ROLE, PATH: for the user to fill in
+        if re.search(r"\b[A-Z]{2,}|\[[A-Z]\]", value):  # KEY, ROLE, PATH, an item [N]: for the user to fill in
             continue
         key = PAIRS.get(flag, flag[2:].replace("-", "_"))
         if key in PAIRS.values():
@@ -130,12 +137,15 @@ def check_refusal(record: dict, given: dict) -> int:
         except PackstreamError as e:
             raise AssertionError(f"the fix {fix} is not even valid options ({e}): {r.detail}") from None
         try:
-            convs = conversations(record, tried)
+            convs = pair_conversations(record, tried) if fix.pack().get("pairs") else conversations(record, tried)
         except Rejected as e:
             raise AssertionError(f"the fix {fix} does not pack the record ({e}): {r.detail}") from None
         for c in convs:
             for note in c.notes:
                 path = note.split(":", 1)[1] if note.startswith("ignored_field:") else None
+                if path is not None and any(path == k or path.startswith((k + ".", k + "[")) for k in fix.drops):
+                    assert fix.drops[0] in r.detail, f"the fix leaves part of {path} on purpose, unsaid: {r.detail}"
+                    continue
                 if path is not None and re.search(r"[.\[]", path):
                     assert not any(map(_holds_text, _values(record, path))), \
                         f"the fix {fix} leaves {path} unread: {r.detail}"
@@ -274,3 +284,86 @@ def test_a_fix_is_typed_as_it_is_tried_and_its_holes_hold_nothing_to_try(fix, gi
     assert holed.failed and not holed.changes(given_) and holed.outcome().startswith(" (no single option")
     assert [n for n, _ in holed.options] == [n for n, _ in fix.options]
     assert pickle.loads(pickle.dumps(fix)) == fix
+
+
+# ------------------------------------------------------------------------------------------------
+# Coverage: a suggestion trains what the record means. Records of unknown shape are generated from role-named
+# fields in random casings (twins of another case included), parallel lists of answers and scores, lists of
+# answer objects, nested answers and fields no role is known for.
+
+ROLE_NAMES = {"user": ["question", "instruction", "prompt", "query", "problem"],
+              "assistant": ["answer", "response", "output", "solution", "completion"],
+              "reasoning": ["complex_cot", "reasoning", "rationale"], "other": ["source", "category", "notes_x"]}
+ANSWER_LIKE = {n for n in ROLE_NAMES["assistant"]} | {"responses", "completions", "answers", "outputs"}
+words = st.text(alphabet="abc defgh.", min_size=1, max_size=120).filter(str.strip)
+
+
+def _cased(name: str, style: int) -> str:
+    return [name, name.capitalize(), name.upper(), name.replace("_", " ").title().replace(" ", "_")][style]
+
+
+@st.composite
+def unknown_records(draw) -> dict:
+    rec: dict = {}
+    for role in ("user", "assistant", "reasoning", "other"):
+        for name in draw(st.lists(st.sampled_from(ROLE_NAMES[role]), max_size=2, unique=True)):
+            rec[_cased(name, draw(st.integers(0, 3)))] = draw(words)
+    if draw(st.booleans()) and rec:  # a twin of another case
+        key = draw(st.sampled_from(sorted(rec)))
+        twin = key.lower() if key != key.lower() else key.capitalize()
+        if twin != key:
+            rec[twin] = draw(words)
+    extra = draw(st.integers(0, 4))
+    if extra == 1:  # alternatives as a list of strings, maybe with a parallel list of scores
+        answers = draw(st.lists(words, min_size=2, max_size=5))
+        rec[draw(st.sampled_from(["responses", "answers", "outputs"]))] = answers
+        if draw(st.booleans()):
+            rec["rewards"] = draw(st.lists(st.floats(-5, 5), min_size=len(answers), max_size=len(answers)))
+    elif extra == 2:  # alternatives as objects, maybe scored
+        n = draw(st.integers(2, 4))
+        scored = draw(st.booleans())
+        rec["completions"] = [{"model": f"m{i}", "completion": draw(words), **({"score": i} if scored else {})}
+                              for i in range(n)]
+    elif extra == 3:  # a nested answer
+        rec["meta"] = {"answer": draw(words)}
+    elif extra == 4:  # a field of a name no role is known for
+        rec[draw(st.sampled_from(["zz_body", "Passage", "blob"]))] = draw(words)
+    return rec
+
+
+def _mapped(fix) -> dict:
+    return dict(fix.options)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rec=unknown_records())
+def test_a_suggestion_trains_what_the_record_means(rec):
+    """A suggestion never silently drops the longest text field (it is read, or named in the detail), never
+    merges a list of alternatives into one turn, never takes the user turn from an answer-like field; and every
+    printed fix packs the record (check_refusal)."""
+    try:
+        conversations(rec, FormatOptions())
+        return  # a known shape
+    except Rejected as e:
+        r = e
+    check_refusal(rec, {})
+    fix = r.fix
+    if fix is None or fix.failed:
+        return
+    opts = _mapped(fix)
+    fields = tuple(p for p in opts.get("fields", ()) if not _holes(p))
+    read = {p.split("[")[0].split(".")[0] for p, _ in fields} | {opts.get("messages_field")}
+    read |= {p.split("[")[0].split("/")[0].split("=")[0] for p in [opts.get("pair_ranked") or ""]}
+    read |= set((opts.get("pair_sides") or "").split(",")) | {opts.get("pair_prompt")}
+    texts = {k: len(v.strip()) for k, v in rec.items() if isinstance(v, str)}
+    if texts:
+        longest = max(texts, key=texts.get)
+        assert longest in read or longest in r.detail, f"{longest} dropped unseen: {r.detail}"
+    for path, role in fields:
+        key = path.split("[")[0].split(".")[0]
+        if role == "user":
+            assert key.lower().replace(" ", "_") not in ANSWER_LIKE, f"user turn from an answer field: {r.detail}"
+        if role == "assistant" and isinstance(rec.get(path), list) and not any(
+                isinstance(rec.get(p), list) and r2 == "user" for p, r2 in fields):
+            raise AssertionError(f"a list of alternatives merged into one turn: {r.detail}")
+    assert sum(role == "assistant" for _, role in fields) <= 1 or any(isinstance(rec.get(p), list) for p, _ in fields)

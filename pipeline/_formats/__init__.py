@@ -48,7 +48,8 @@ different text for one slot (Alpaca ``input``/``context``, ``output``/``response
 a turn's ``content``/``text``/``value``; two reasoning keys) refuse the record as ``ambiguous_field``.
 
 Layout: ``_base`` (types), ``_fix`` (a refusal's fix), ``_turns`` (turn objects, content, tool calls),
-``_hygiene``, ``_paths``, ``detect`` (ORDER, detect, suggest), ``_driver`` (normalize), and one module per shape.
+``_hygiene``, ``_paths``, ``detect`` (ORDER, detect), ``_suggest`` (suggest), ``_driver`` (normalize), and one module
+per shape.
 
 >>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
 >>> c.shape, c.messages

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 from packers import InternalError, PackstreamError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind
+from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
@@ -295,19 +296,22 @@ def _holds_text(value: Any) -> bool:
 
 def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
     """``r`` as its fix, tried on the record, finds it: the fix (and its alternative) read the record whole
-    (packed, no text left unread below the top level), naming the top-level fields left unread; or no value
-    of it does, and its values are the user's to choose (holes). A fix with nothing to try is shown as it is."""
+    (packed, no text left unread below the top level but under the keys it reads in part on purpose,
+    ``Fix.drops``), naming the top-level fields left unread; or no value of it does, and its values are the
+    user's to choose (holes). A fix with nothing to try is shown as it is; one that names ``--pairs`` is tried
+    by the pair reader (:func:`pair_conversations`)."""
     fix = r.fix
     if fix is None or not isinstance(record, dict) or not fix.changes(options):
         return r
     left: list[str] = []
+    read = pair_conversations if fix.pack().get("pairs") else _conversations  # a --pairs fix: the pair reader
     for alternative in (False, True) if fix.alternative is not None else (False,):
         try:
-            convs = _conversations(record, fix.applied(options, alternative))
+            convs = list(read(record, fix.applied(options, alternative)))
         except (Rejected, PackstreamError, ValueError, TypeError):
             return r.with_fix(fix.holes(options))
         ignored = sorted({n.split(":", 1)[1] for c in convs for n in c.notes if n.startswith("ignored_field:")})
-        if any(_text_below_top(record, name) for name in ignored):
+        if any(_text_below_top(record, name) for name in ignored if not under(name, fix.drops)):
             return r.with_fix(fix.holes(options))
         if not alternative:
             left = ignored

@@ -15,6 +15,13 @@ detail); one that does not has them swapped for holes, the user's to choose (:me
 '--messages-field PATH --role-key KEY --roles A=user,B=ROLE'
 >>> Fix.of(fields=(("turns", "user"), ("choices[0].turns", "assistant"))).text()
 "--field turns=user --field 'choices[0].turns=assistant'"
+
+A fix may also name a pack-level option (:data:`PACK_OPTIONS`: ``--pairs``), typed first and never set on the
+FormatOptions it is tried with: a fix that names ``--pairs`` is tried by the pair reader.
+
+>>> f = Fix.of(pairs=True, pair_sides="chosen_messages,rejected_messages")
+>>> f.text(), f.changes(FormatOptions()), f.pack()
+('--pairs --pair-sides chosen_messages,rejected_messages', {'pair_sides': 'chosen_messages,rejected_messages'}, {'pairs': True})
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import re
 from typing import Any
 
 from packers import InternalError
-from pipeline._options import FormatOptions
+from pipeline._options import FormatOptions, PackOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +47,10 @@ class Hole:
 
 KEY, NAME, PATH, ROLE, MARKER, VALUE = (Hole(w) for w in ("KEY", "NAME", "PATH", "ROLE", "MARKER", "VALUE"))
 
-_CLI = {f.name: f.metadata["cli"] for f in dataclasses.fields(FormatOptions) if "cli" in f.metadata}
+PACK_OPTIONS = ("pairs",)
+"""PackOptions fields (beyond FormatOptions) a fix may name: switches of how the job reads every record."""
+_CLI = {f.name: f.metadata["cli"] for f in dataclasses.fields(PackOptions)
+        if "cli" in f.metadata and (f.name in FormatOptions.__dataclass_fields__ or f.name in PACK_OPTIONS)}
 _PAIRS = {name for name, meta in _CLI.items() if meta["kind"] == "pairs"}
 _JOINED = {name for name in _PAIRS if (_CLI[name]["metavar"] or "").endswith(",...")}
 """Pair options given as one comma-separated value (``--roles a=user,b=assistant``); the others repeat the flag."""
@@ -69,18 +79,26 @@ class Fix:
     """Found by trying it: the fields of the record it leaves unread (counted as ignored)."""
     failed: bool = False
     """Found by trying it: no value reads the record whole, so its values are holes."""
+    drops: tuple[str, ...] = ()
+    """Top-level keys the fix reads only in part on purpose (one answer of several): what it leaves under them is
+    not trained, named in the words, and does not fail the try."""
 
     def __post_init__(self) -> None:
         for name in (*(n for n, _ in self.options), *self.drop):
-            if name not in _CLI:
-                raise InternalError(f"a fix names {name!r}, which is not an option of FormatOptions")
+            if name not in _CLI or (name in PACK_OPTIONS and name in self.drop):
+                raise InternalError(f"a fix names {name!r}, which is not an option of FormatOptions or PACK_OPTIONS")
         if not self.options:
             raise InternalError("a fix names no option")
 
     @classmethod
-    def of(cls, *, alternative: Any = None, drop: tuple[str, ...] = (), **options: Any) -> "Fix":
+    def of(cls, *, alternative: Any = None, drop: tuple[str, ...] = (), drops: tuple[str, ...] = (),
+           **options: Any) -> "Fix":
         """``Fix.of(content_key="answer")``: the options in the order given."""
-        return cls(tuple(options.items()), alternative, drop)
+        return cls(tuple(options.items()), alternative, drop, drops=drops)
+
+    def pack(self) -> dict[str, Any]:
+        """The pack-level options it names (``{"pairs": True}``): the job's, not the FormatOptions it is tried with."""
+        return {name: value for name, value in self.options if name in PACK_OPTIONS}
 
     # -- the words ---------------------------------------------------------------------------------
     def text(self) -> str:
@@ -96,7 +114,8 @@ class Fix:
         """What trying it found, in words for the end of the detail ("" when it was not tried or left nothing)."""
         if self.failed:
             return " (no single option found that reads this record whole; check the record with packstream preview)"
-        return f" ({', '.join(self.leaves)} then counted as ignored)" if self.leaves else ""
+        left = [k for k in self.leaves if not under(k, self.drops)]
+        return f" ({', '.join(left)} then counted as ignored)" if left else ""
 
     # -- trying it ---------------------------------------------------------------------------------
     def changes(self, given: FormatOptions, alternative: bool = False) -> dict[str, Any]:
@@ -108,7 +127,7 @@ class Fix:
             options[-1] = (name, value[:-1] + self.alternative if name in _PAIRS else self.alternative)
         out: dict[str, Any] = {}
         for name, value in options:
-            if _has_hole(value):
+            if _has_hole(value) or name in PACK_OPTIONS:
                 continue
             have = getattr(given, name)
             if name not in _PAIRS:
@@ -128,8 +147,14 @@ class Fix:
         """The fix with every value the user did not give swapped for a hole (``--content-key KEY``), as failed."""
         last = self.options[-1][0]
         alternative = None if self.alternative is None else _holed(last, self.alternative, getattr(given, last))
-        options = tuple((name, _holed(name, value, getattr(given, name))) for name, value in self.options)
+        options = tuple((name, value if name in PACK_OPTIONS else _holed(name, value, getattr(given, name)))
+                        for name, value in self.options)
         return dataclasses.replace(self, options=options, alternative=alternative, leaves=(), failed=True)
+
+
+def under(name: str, keys: tuple[str, ...]) -> bool:
+    """Is the field path ``name`` one of ``keys`` or below one (``responses[1:]`` under ``responses``)?"""
+    return any(name == k or name.startswith((k + ".", k + "[")) for k in keys)
 
 
 def _has_hole(value: Any) -> bool:
@@ -182,6 +207,8 @@ def _word(value: Any) -> str:
 def _typed(name: str, value: Any) -> str:
     """One option as typed in a shell: ``--content-key answer``, ``--field 'choices[0].turns=assistant'``."""
     flag = _CLI[name]["flag"]
+    if _CLI[name]["kind"] == "switch":
+        return flag if value else ""
     if name not in _PAIRS:
         return f"{flag} {_quoted(_word(value))}"
     pairs = [f"{_word(a)}={_word(b)}" for a, b in value]

@@ -414,12 +414,42 @@ def _content_key(m: dict, at: str, ctx: Ctx, used: set, optional: bool = False) 
     return found
 
 
+_NUMBERED = re.compile(r"^(.*?)[ _.-]?(\d+)$")
+
+
+def numbered(value: Any) -> Optional[list[tuple[str, Any]]]:
+    """A dict whose keys are one name and a number (``turn_1``, ``turn_2``; ``turn1``, ``Turn 1``) as its
+    ``(key, value)`` items in numeric order (``turn_10`` after ``turn_9``); None for any other value.
+
+    >>> [k for k, _ in numbered({"turn_10": "j", "turn_2": "b", "turn_1": "a"})]
+    ['turn_1', 'turn_2', 'turn_10']
+    >>> numbered({"turn_1": "a", "answer_2": "b"}), numbered({"q": "a"})
+    (None, None)
+    """
+    if not isinstance(value, dict) or not value or not all(isinstance(k, str) for k in value):
+        return None
+    found = [_NUMBERED.match(k) for k in value]
+    if not all(found) or len({m.group(1).lower() for m in found}) != 1:
+        return None
+    numbers = [int(m.group(2)) for m in found]
+    if len(set(numbers)) != len(numbers):
+        return None
+    return [(k, value[k]) for _, k in sorted(zip(numbers, value))]
+
+
 def _turn_list(items: Any, where: str, ctx: Ctx, strings_alternate: bool = False) -> list[Turn]:
-    if not isinstance(items, list):
+    listed = numbered(items)
+    if listed is not None:  # {"turn_1": ..., "turn_2": ...}: the turns in numeric order
+        ctx.mapping.append(f"{where}: keys {listed[0][0]}..{listed[-1][0]} in numeric order")
+        places = [f"{where}.{k}" for k, _ in listed]
+        items = [v for _, v in listed]
+    elif not isinstance(items, list):
         raise Rejected(Reason.BAD_TYPE, f"{where} is {_kind(items)}, expected a list of turns")
+    else:
+        places = [f"{where}[{i}]" for i in range(len(items))]
     turns = []
     for i, m in enumerate(items):
-        at = f"{where}[{i}]"
+        at = places[i]
         if isinstance(m, dict) and _is_exchange(m, ctx):  # Capybara-style {input, output}: one exchange
             turns.append(Turn("user", _content(m["input"], f"{at}.input", ctx, "user").text, f"{at}.input"))
             turns.append(Turn("assistant", _content(m["output"], f"{at}.output", ctx, "assistant").text, f"{at}.output"))

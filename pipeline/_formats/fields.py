@@ -149,12 +149,53 @@ def _mapped_turns(record: dict, ctx: Ctx) -> tuple[list[Turn], list[Turn]]:
         if len(set(lengths.values())) > 1:
             raise Rejected(Reason.BAD_TYPE, "mapped lists must have equal lengths to interleave into turns: "
                                             + ", ".join(f"{p} has {n}" for p, n in lengths.items()))
+        _scored_alternatives(record, columns, before + after)
         columns.sort(key=lambda c: c[1] != "system")  # role order in each step too: a system text opens it
         for k in range(len(columns[0][2])):
             for path, role, value in columns:
                 turns.append(Turn(role, _content(value[k], f"{path}[{k}]", ctx, role).text, f"{path}[{k}]",
                                   mapped=f"--field {path}={role}"))
-    return head, turns + after
+    return head, _attach_reasoning(turns + after)
+
+
+def _attach_reasoning(turns: list[Turn]) -> list[Turn]:
+    """``--field X=reasoning`` turns become the reasoning of the assistant turn they lead to (the next one before
+    any user turn, else the one just before it), rendered and masked (``--mask-reasoning``) as parsed reasoning."""
+    out = [t for t in turns if t.role != "reasoning"]
+    for i, t in enumerate(turns):
+        if t.role != "reasoning":
+            continue
+        after = next((u for u in turns[i + 1:] if u.role != "reasoning"), None)
+        before = next((u for u in reversed(turns[:i]) if u.role != "reasoning"), None)
+        target = after if after is not None and after.role == "assistant" else before
+        if target is None or target.role != "assistant":
+            raise Rejected(Reason.MISSING_FIELD, f"{t.at} is mapped as reasoning (--field {t.at.split('[')[0]}="
+                                                 "reasoning), and no assistant turn follows it or comes just before "
+                                                 "it; map the answer with --field ANSWER=assistant after it")
+        if target.reasoning:
+            raise Rejected(Reason.AMBIGUOUS_FIELD, f"{t.at} and {target.at} both give the reasoning of the assistant "
+                                                   f"turn {target.at}; map one of them")
+        target.reasoning = t.content
+    return out
+
+
+def _scored_alternatives(record: dict, columns: list[tuple[str, str, list]], strings: list[Turn]) -> None:
+    """A list mapped to assistant beside a parallel list of numbers (Magpie-PO: ``responses`` and ``rewards``) and
+    no user list: its items are scored alternatives to one prompt, which interleaving would merge into one
+    trained reply. Refused, naming the pair reader."""
+    if any(role == "user" for _, role, _ in columns) or not any(t.role == "user" for t in strings):
+        return
+    for path, role, value in columns:
+        if role != "assistant" or len(value) < 2:
+            continue
+        scores = next((k for k, v in record.items() if isinstance(v, list) and len(v) == len(value) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)), None)
+        if scores is not None:
+            raise Rejected(Reason.AMBIGUOUS_FIELD, f"--field {path}=assistant maps {len(value)} answers scored by "
+                                                   f"{scores} to one prompt: they are alternatives, and one trained "
+                                                   "reply would merge them all; pack the best against the worst with ",
+                           Fix.of(pairs=True, pair_ranked=f"{path}/{scores}", drop=("fields",), drops=(path,)),
+                           f", or train one of them with --field '{path}[N]=assistant' in its place (N: the item)")
 
 
 

@@ -284,8 +284,9 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     from pipeline._formats._paths import resolve, top_key, unused_beside_paths
 
     _an_object(record)
-    ranked = o.ranked()
-    named = [(p, "--pair-sides") for p in o.sides()] if ranked is None else [(ranked[0], "--pair-ranked")]
+    ranked, lists = o.ranked(), o.ranked_lists()
+    named = ([(ranked[0], "--pair-ranked")] if ranked is not None else [(p, "--pair-ranked") for p in lists]
+             if lists is not None else [(p, "--pair-sides") for p in o.sides()])
     named += [(f, "--pair-winner") for f, _ in o.pair_winner] + ([(o.pair_prompt, "--pair-prompt")] if o.pair_prompt else [])
     paths = [p for p, _ in named]
     for path, flag in named:
@@ -294,6 +295,9 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
     ignored: list[str] = []
     if ranked is not None:
         chosen, rejected, mapping = _ranked(resolve(record, ranked[0]), ranked, o, ignored)
+    elif lists is not None:
+        chosen, rejected, mapping = _ranked_lists(resolve(record, lists[0]), resolve(record, lists[1]), lists, o,
+                                                  ignored)
     else:
         a, b = o.sides()
         first = _winner(record, o, a, b) if o.pair_winner else 0
@@ -324,18 +328,48 @@ def mapped_pair(record: Any, o: FormatOptions) -> MappedPair:
 def _ranked(items: Any, ranked: tuple[str, str, str], o: FormatOptions, ignored: list[str]) -> tuple[Any, Any, list[str]]:
     """``--pair-ranked``: the best- and the worst-scored answer of a list (ties: the first in list order); the
     items between them, unscored items and the two items' other keys are counted in ``ignored``."""
-    from pipeline._options import PairBest
-
     path, text, score = ranked
     if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
         raise Rejected(Reason.BAD_TYPE, f"{path} is {_kind(items)}, expected a list of scored answers "
                                         f"{{{text}, {score}}} (--pair-ranked {o.pair_ranked})")
-    scored = []
     for i, item in enumerate(items):
-        value = item.get(score)
         if text not in item:
             raise Rejected(Reason.MISSING_FIELD, f"{path}[{i}] has no {text!r} (--pair-ranked {o.pair_ranked}); its keys "
                                                  f"are [{_keys(item)}]")
+    best, worst = _best_worst([item.get(score) for item in items], path, score, o, ignored)
+    for i in (best[0], worst[0]):
+        ignored += [f"{path}[{i}].{k}" for k in items[i] if k not in (text, score)]
+    mapping = [f"{path}[{best[0]}].{text} ({score} {_short(best[1])}) -> chosen, {path}[{worst[0]}].{text} "
+               f"({score} {_short(worst[1])}) -> rejected"]
+    return items[best[0]][text], items[worst[0]][text], mapping
+
+
+def _ranked_lists(texts: Any, scores: Any, lists: tuple[str, str], o: FormatOptions,
+                  ignored: list[str]) -> tuple[Any, Any, list[str]]:
+    """``--pair-ranked TEXTS/SCORES``: the answers of one list scored by the parallel list (Magpie-PO's
+    ``responses``/``rewards``), as :func:`_ranked` picks them; the items of both lists not picked are counted."""
+    a, b = lists
+    if not isinstance(texts, list) or not isinstance(scores, list) or len(texts) != len(scores):
+        said = f"{a} is {_kind(texts)} and {b} is {_kind(scores)}" if not (isinstance(texts, list) and isinstance(
+            scores, list)) else f"{a} has {len(texts)} items and {b} has {len(scores)}"
+        raise Rejected(Reason.BAD_TYPE, f"{said}; --pair-ranked {o.pair_ranked} needs two lists of equal length, the "
+                                        "answers and their scores")
+    best, worst = _best_worst(scores, b, "score", o, ignored)
+    ignored[:] = [n for n in ignored if not n.startswith(f"{b}[")]  # scores: counted through their answers
+    ignored += [f"{a}[{i}]" for i in range(len(texts)) if i not in (best[0], worst[0])]
+    mapping = [f"{a}[{best[0]}] ({b} {_short(best[1])}) -> chosen, {a}[{worst[0]}] ({b} {_short(worst[1])}) -> "
+               "rejected"]
+    return texts[best[0]], texts[worst[0]], mapping
+
+
+def _best_worst(values: list, path: str, score: str, o: FormatOptions,
+                ignored: list[str]) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """The best- and the worst-scored ``(index, score)`` (ties: the first in list order); unscored items and the
+    scored ones between them are counted in ``ignored`` as ``path[i]``."""
+    from pipeline._options import PairBest
+
+    scored = []
+    for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             ignored.append(f"{path}[{i}]")  # unscored ("N/A", null): not compared, counted
         else:
@@ -352,11 +386,7 @@ def _ranked(items: Any, ranked: tuple[str, str, str], o: FormatOptions, ignored:
     for i, _ in scored:
         if i not in (best[0], worst[0]):
             ignored.append(f"{path}[{i}]")
-    for i in (best[0], worst[0]):
-        ignored += [f"{path}[{i}].{k}" for k in items[i] if k not in (text, score)]
-    mapping = [f"{path}[{best[0]}].{text} ({score} {_short(best[1])}) -> chosen, {path}[{worst[0]}].{text} "
-               f"({score} {_short(worst[1])}) -> rejected"]
-    return items[best[0]][text], items[worst[0]][text], mapping
+    return best, worst
 
 
 def _winner(record: dict, o: FormatOptions, a: str, b: str) -> int:

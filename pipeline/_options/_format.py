@@ -78,7 +78,8 @@ class FormatOptions:
         "--pair-ranked", "With --pairs: a list of scored answers, as LIST=TEXT/SCORE (each item's answer key and score "
         "key): the best-scored answer is chosen, the worst rejected, the others counted as ignored; "
         "--pair-ranked completions=response/overall_score (UltraFeedback), answers=answer/rank with --pair-best low "
-        "(Nectar).", metavar="LIST=TEXT/SCORE"))
+        "(Nectar). Or TEXTS/SCORES: a list of answers and a parallel list of their scores, of equal length "
+        "(--pair-ranked responses/rewards).", metavar="LIST=TEXT/SCORE|TEXTS/SCORES"))
     pair_best: PairBest = dataclasses.field(default=PairBest.HIGH, metadata=cli(
         "--pair-best", "With --pair-ranked: whether the highest score (a rating) or the lowest (a rank) is the best."))
     pair_prompt: Optional[str] = dataclasses.field(default=None, metadata=cli(
@@ -125,7 +126,7 @@ class FormatOptions:
             object.__setattr__(self, enum_name, option_enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", option_enum(Preference, self.preference, "preference"))
-        allowed = ROLES + ("text", "transcript", "tool_calls")
+        allowed = ROLES + ("text", "transcript", "tool_calls", "reasoning")
         for field, role in self.fields:
             if role not in allowed:
                 raise PackstreamError(f"--field {field}={role}: unknown role {role!r}; use one of {', '.join(allowed)}")
@@ -178,12 +179,19 @@ class FormatOptions:
         return self.pair_sides is not None or self.pair_ranked is not None or self.pair_prompt is not None
 
     def ranked(self) -> Optional[tuple[str, str, str]]:
-        """``--pair-ranked LIST=TEXT/SCORE`` as (list path, text key, score key), or None."""
-        if self.pair_ranked is None:
+        """``--pair-ranked LIST=TEXT/SCORE`` as (list path, text key, score key), or None (also for TEXTS/SCORES)."""
+        if self.pair_ranked is None or "=" not in self.pair_ranked:
             return None
         path, _, keys = self.pair_ranked.partition("=")
         text, _, score = keys.partition("/")
         return path.strip(), text.strip(), score.strip()
+
+    def ranked_lists(self) -> Optional[tuple[str, str]]:
+        """``--pair-ranked TEXTS/SCORES`` (two parallel lists) as (texts path, scores path), or None."""
+        if self.pair_ranked is None or "=" in self.pair_ranked or self.pair_ranked.count("/") != 1:
+            return None
+        texts, _, scores = self.pair_ranked.partition("/")
+        return texts.strip(), scores.strip()
 
     def _check_pair_fields(self) -> None:
         if self.pair_sides is not None:
@@ -202,11 +210,13 @@ class FormatOptions:
                 if op and number is None:
                     raise PackstreamError(f"--pair-winner {field}={spec}: {v!r} compares with a number; e.g. <0, >=3")
         if self.pair_ranked is not None:
-            path, text, score = self.ranked()
-            if not (path and text and score) or "=" not in self.pair_ranked or "/" not in self.pair_ranked:
-                raise PackstreamError(f"--pair-ranked {self.pair_ranked!r} must look like LIST=TEXT/SCORE: the list of "
-                                      "answers, then each item's answer key and score key, e.g. --pair-ranked "
-                                      "completions=response/overall_score")
+            lists = self.ranked_lists()
+            path, text, score = self.ranked() or ("", "", "")
+            if not ((path and text and score and "/" in self.pair_ranked) or (lists and all(lists)
+                                                                                and lists[0] != lists[1])):
+                raise PackstreamError(f"--pair-ranked {self.pair_ranked!r} must look like LIST=TEXT/SCORE (a list of "
+                                      "objects, each item's answer key and score key: completions=response/"
+                                      "overall_score) or TEXTS/SCORES (two parallel lists: responses/rewards)")
             if self.pair_sides is not None or self.pair_winner:
                 raise PackstreamError("--pair-ranked picks the two answers from a list itself; it does not combine with "
                                       "--pair-sides or --pair-winner")
@@ -217,7 +227,8 @@ class FormatOptions:
             raise PackstreamError("--pair-winner picks between the two answers --pair-sides names; add --pair-sides A,B "
                                   "(e.g. --pair-sides response_0,response_1)")
         _check_paths([(self.pair_prompt, "--pair-prompt"), *((f, "--pair-winner") for f, _ in self.pair_winner),
-                      *(((self.ranked()[0], "--pair-ranked"),) if self.pair_ranked else ()),
+                      *(((self.ranked()[0], "--pair-ranked"),) if self.ranked() else ()),
+                      *((p, "--pair-ranked") for p in (self.ranked_lists() or ())),
                       *((p, "--pair-sides") for p in (self.sides() if self.pair_sides else ()))])
         if self.maps_pairs() and (self.fields or self.messages_field is not None or self.tree is not None
                                   or self.format is not Format.AUTO):

@@ -1,0 +1,351 @@
+"""Suggestions for a record of no known shape: candidate readings ranked by the text they train correctly.
+
+:func:`suggest` looks at a record's keys and values and answers with a :class:`Fix` (the options, as data; the
+driver tries it on the record before it is shown) and the words after it, or with no fix and words that say
+what is ambiguous. A reading is offered only when
+
+* every field that holds long text is read, or the words say which it leaves and why (a shorter copy of the
+  same fields under keys of another case: HuatuoGPT's ``question``/``answer`` beside ``Question``/``Response``);
+* no two alternative answers are merged into one trained turn: a list of answers to one prompt (Magpie-PO's
+  ``responses`` with their ``rewards``; completions from several models) is packed as a pair when scores say
+  which is best (``--pairs --pair-ranked``), else one item is trained and the words say so;
+* the user turn is never taken from an answer field.
+
+Tried in order, first found wins: two sides of a pair under other keys (``--pairs --pair-sides``); a list of
+turns (or a ``turn_1``, ``turn_2``... dict) under any key; alternatives; a transcript string; fields by role
+(keys matched case-insensitively, the longest text of each role kept); parallel lists; one string.
+
+>>> fix, words = suggest({"question": "2+2?", "answer": "4"})
+>>> fix.text(), words
+('--field question=user --field answer=assistant', '')
+>>> fix, words = suggest({"instruction": "Name a prime.", "responses": ["2", "4"], "rewards": [0.9, 0.1]})
+>>> fix.text()
+'--pairs --pair-ranked responses/rewards'
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from pipeline._formats._base import ID_KEYS
+from pipeline._formats._fix import NAME, ROLE, Fix
+from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
+
+_WORDS = {
+    "system": ("system", "system_prompt", "sys", "system_message"),
+    "reasoning": ("reasoning", "cot", "complex_cot", "chain_of_thought", "thinking", "thought", "thoughts",
+                  "rationale", "think", "explanation", "reasoning_content"),
+    "user": ("instruction", "question", "query", "prompt", "input", "problem", "human", "request", "user",
+             "context", "inputs", "task", "instructions", "questions", "prompts"),
+    "assistant": ("output", "answer", "response", "completion", "solution", "target", "chosen", "reply",
+                  "assistant", "outputs", "answers", "responses", "label", "targets", "completions",
+                  "generations", "generation", "candidates", "replies"),
+}
+"""Key names (lower case, ``-`` and spaces as ``_``) by the role a field under them plays."""
+_ANSWER_ITEM_KEYS = ("completion", "response", "output", "answer", "text", "content", "generation", "reply")
+"""Keys of the answer inside one item of a list of alternatives (``completions: [{model, completion}]``)."""
+_BETTER = {"chosen", "preferred", "accepted", "good", "better", "positive", "pos", "win", "winner", "selected",
+           "correct", "best"}
+_WORSE = {"rejected", "dispreferred", "bad", "worse", "negative", "neg", "lose", "loser", "incorrect", "worst"}
+PAIR_PROMPTS = ("prompt", "question", "query", "instruction", "input")
+"""Prompt keys the pair reader finds by itself (others need ``--pair-prompt``)."""
+LONG = 64
+"""Characters from which a field's text counts as long: left unread, it must be named with a reason."""
+
+
+def _norm(key: str) -> str:
+    return re.sub(r"[\s\-]+", "_", key.strip().lower())
+
+
+def role_of(key: str) -> Optional[str]:
+    """The role a key's name says its field plays (``Complex_CoT`` -> reasoning), or None."""
+    k = _norm(key)
+    return next((role for role, words in _WORDS.items() if k in words), None)
+
+
+def _text(value: Any) -> int:
+    """How much text a value holds (characters of its strings, nested)."""
+    if isinstance(value, str):
+        return len(value.strip())
+    if isinstance(value, dict):
+        return sum(_text(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text(v) for v in value)
+    return 0
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def suggest(record: dict) -> tuple[Optional[Fix], str]:
+    """Options that would read a record of unknown shape and the words after them; or no options, and words that
+    say what is ambiguous (see the module docstring)."""
+    for step in (_pair_sides, _turn_lists, _alternatives, _transcript, _by_role, _parallel, _one_string):
+        found = step(record)
+        if found is not None:
+            return found
+    return Fix.of(fields=((NAME, ROLE),)), " for each turn's field, or --messages-field PATH for a list of turns"
+
+
+# ------------------------------------------------------------------------------------------------
+# Two sides of a pair: chosen_messages/rejected_messages, response_good/response_bad, two transcripts.
+
+def _side_rank(key: str) -> int:
+    words = set(_norm(key).split("_"))
+    return -1 if words & _BETTER else 1 if words & _WORSE else 0
+
+
+def _turnish(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 1 and all(isinstance(m, dict) for m in v)
+
+
+def _differ_at_end(a: Any, b: Any) -> bool:
+    """Two turn lists that share all but their last turns, or two strings that share a long beginning."""
+    if isinstance(a, str) and isinstance(b, str):
+        shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a != b and shared >= max(LONG, min(len(a), len(b)) // 2)
+    if _turnish(a) and _turnish(b):
+        return a[:-1] == b[:-1] and a[-1] != b[-1]
+    return False
+
+
+def _pair_sides(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    keys = [k for k, v in record.items() if _turnish(v) or (isinstance(v, str) and _text(v))]
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            va, vb = record[a], record[b]
+            named = {_side_rank(a), _side_rank(b)} == {-1, 1}
+            if not (named and type(va) is type(vb)) and not _differ_at_end(va, vb):
+                continue
+            won, lost = (a, b) if _side_rank(a) <= _side_rank(b) else (b, a)
+            order = "" if named else f"; {won} is taken as the chosen one: add --pair-winner FIELD=A/B if a field says"
+            return (Fix.of(pairs=True, pair_sides=f"{won},{lost}"),
+                    f" ({won} and {lost} look like the chosen and the rejected side of one preference pair{order}; to "
+                    "train one side only as SFT, pass that key alone to --messages-field (the other side is then "
+                    "dropped))")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# A list of turns under any key, or one level down; a dict of numbered turns (turn_1, turn_2, ...).
+
+def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    found = [(k, v) for k, v in record.items()] + [
+        (f"{k}.{k2}", v2) for k, v in record.items() if isinstance(v, dict) for k2, v2 in v.items()]
+    for path, v in found:
+        listed = numbered(v)
+        if listed is not None and len(listed) > 1 and all(isinstance(x, (str, dict)) for _, x in listed):
+            items = [x for _, x in listed]
+            if all(isinstance(x, str) for x in items):
+                return Fix.of(messages_field=path), f" (its {listed[0][0]}, {listed[1][0]}, ... keys are turns in " \
+                                                    "numeric order; strings alternate user, assistant)"
+            v = items
+        if isinstance(v, list) and v and all(isinstance(m, dict) for m in v) and not _is_alternatives(path, v, record):
+            if all("input" in m and "output" in m for m in v):
+                return Fix.of(messages_field=path), " (each {input, output} is one exchange)"
+            keys = _turn_keys(v)
+            if keys is not None:
+                return Fix.of(messages_field=path, **keys[0]), keys[1]
+    return None
+
+
+def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
+    """For a list of turn objects: the options beside ``--messages-field`` that read it (its speaker and text keys
+    when they are not the usual ones, the speaker names no built-in role covers) and the words after them; None
+    when no key looks like the speaker or the text."""
+    rk = next((k for k in ROLE_KEYS if k in v[0]), None)
+    ck = next((k for k in CONTENT_KEYS if k in v[0]), None)
+    opts: dict[str, Any] = {}
+    if ck is None:  # the text: the key with the longest strings
+        texts = [k for k in v[0] if isinstance(v[0][k], str) and k != rk]
+        ck = max(texts, key=lambda k: sum(len(m.get(k) or "") for m in v if isinstance(m.get(k), str)), default=None)
+        if ck is None:
+            return None
+        opts["content_key"] = ck
+    if rk is None:  # the speaker: a key with few distinct short values
+        cands = [k for k in v[0] if k != ck and all(isinstance(m.get(k), (str, int, bool)) for m in v)]
+        cands = [k for k in cands if len({str(m[k]) for m in v}) <= max(2, len(v) // 2)]
+        if not cands:
+            return None
+        rk = cands[0]
+        opts = {"role_key": rk, **opts}
+    names = list(dict.fromkeys(speaker_name(m[rk]) for m in v if rk in m))
+    unknown = [n for n in names if n.lower() not in ROLE_ALIASES]
+    if not unknown:
+        return opts, ""
+    guess = ("user", "assistant") if len(names) == 2 else (ROLE, ROLE)
+    opts["roles"] = tuple((n, guess[min(i, 1)]) for i, n in enumerate(names) if n in unknown)
+    return opts, " (check the roles with preview)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Alternatives: several answers to one prompt. Never merged into one trained turn.
+
+def _prompt_key(record: dict) -> Optional[str]:
+    """The user-like string field with the most text."""
+    keys = [k for k, v in record.items() if role_of(k) == "user" and isinstance(v, str) and _text(v)]
+    return max(keys, key=lambda k: _text(record[k]), default=None)
+
+
+def _answer_key(item: dict) -> Optional[str]:
+    return next((k for k in item if _norm(k) in _ANSWER_ITEM_KEYS and isinstance(item[k], str)), None)
+
+
+def _is_alternatives(path: str, v: list, record: dict) -> bool:
+    """A list of objects that each hold an answer and no speaker, beside a prompt string (Tulu's human-eval
+    ``completions: [{model, completion}]``)."""
+    if len(v) < 2 or _prompt_key(record) is None or "." in path:
+        return False
+    return all(isinstance(m, dict) and not any(k in m for k in ROLE_KEYS) and _answer_key(m) == _answer_key(v[0])
+               and _answer_key(m) is not None for m in v)
+
+
+def _alternatives(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    prompt = _prompt_key(record)
+    if prompt is None:
+        return None
+    for key, v in record.items():
+        strings = isinstance(v, list) and len(v) > 1 and all(isinstance(x, str) for x in v)
+        if strings and role_of(key) == "assistant":
+            item, text = f"{key}[N]", None
+        elif isinstance(v, list) and _is_alternatives(key, v, record):
+            text = _answer_key(v[0])
+            item = f"{key}[N].{text}"
+        else:
+            continue
+        head = f" ({key} holds {len(v)} alternative answers to one prompt, which one trained turn would merge"
+        pair_prompt = {} if prompt in PAIR_PROMPTS else {"pair_prompt": prompt}
+        scores = _scores(record, key, v, text)
+        if scores is not None:
+            return (Fix.of(pairs=True, pair_ranked=scores, **pair_prompt, drops=(key,)),
+                    f"{head}: packed as a pair, the best-scored against the worst; to train one of them as SFT "
+                    f"instead, map it alone with --field '{item}=assistant')")
+        one = f"{key}[0]" if text is None else f"{key}[0].{text}"
+        return (Fix.of(fields=((prompt, "user"), (one, "assistant")), drops=(key,)),
+                f"{head}, and nothing scores them: this trains the first only, the others are not trained; pick "
+                f"another with --field '{item}=assistant', or pack two as a preference pair with --pairs)")
+    return None
+
+
+def _scores(record: dict, key: str, v: list, text: Optional[str]) -> Optional[str]:
+    """``--pair-ranked`` for a list of alternatives, when numbers score them: a parallel list (``responses/rewards``)
+    or a number in every item (``completions=completion/score``); None without."""
+    if text is None:
+        other = next((k for k, s in record.items() if k != key and isinstance(s, list) and len(s) == len(v)
+                      and all(_number(x) for x in s)), None)
+        return None if other is None else f"{key}/{other}"
+    common = [k for k in v[0] if k != text and all(isinstance(m, dict) and _number(m.get(k)) for m in v)]
+    return None if not common else f"{key}={text}/{common[0]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# One string of marked turns; fields by role; parallel lists; one string.
+
+_BUILTIN_RE = re.compile(r"(?:(?:\A|\n)[ \t]*(?:Human|Assistant|User|USER|ASSISTANT):|### (?:Human|Assistant))")
+
+
+def _system(record: dict) -> tuple[tuple[str, str], ...]:
+    system = next((k for k in record if role_of(k) == "system" and isinstance(record[k], str)), None)
+    if system is None:
+        return ()
+    return ((system, "transcript" if re.match(r"(?:SYSTEM|System):", record[system]) else "system"),)
+
+
+def _transcript(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    head = _system(record)
+    for k, v in record.items():
+        if isinstance(v, str) and len(_BUILTIN_RE.findall(v)) >= 2 and (not head or k != head[0][0]):
+            return Fix.of(fields=head + ((k, "transcript"),)), ""
+    return None
+
+
+def _case_copies(record: dict) -> tuple[set[str], str]:
+    """Keys of another case than their twin (``question`` beside ``Question``): the family (capitalised or
+    lower-case keys) whose twins hold less text, as keys to leave, and the words that say why."""
+    lower: dict[str, list[str]] = {}
+    for k in record:
+        lower.setdefault(k.lower(), []).append(k)
+    twins = [ks for ks in lower.values() if len(ks) > 1]
+    if not twins:
+        return set(), ""
+    style = lambda k: k[:1].isupper()  # noqa: E731
+    held = {s: sum(_text(record[k]) for ks in twins for k in ks if style(k) is s) for s in (True, False)}
+    keep = held[True] >= held[False]
+    left = {k for k in record if style(k) is not keep and role_of(k) is not None}
+    words = (f"; {', '.join(sorted(left))}: a shorter copy of the same fields in "
+             f"{'lower-case' if keep else 'capitalised'} keys, left") if left else ""
+    return left, words
+
+
+def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    left, why = _case_copies(record)
+    keys = [k for k in record if k not in left and k not in ID_KEYS and not isinstance(record[k], bool)
+            and (isinstance(record[k], str) or (role_of(k) == "assistant" and (_number(record[k])
+                                                                               or _looks_like_calls(record[k]))))]
+    roles = {k: role_of(k) for k in keys}
+    users = [k for k in keys if roles[k] == "user" and _text(record[k])]
+    answers = sorted((k for k in keys if roles[k] == "assistant"), key=lambda k: -_text(record[k]))
+    thoughts = sorted((k for k in keys if roles[k] == "reasoning"), key=lambda k: -_text(record[k]))
+    if not answers and thoughts:  # a rationale alone is the answer
+        answers, thoughts = thoughts[:1], thoughts[1:]
+    if not users or not answers:
+        return None
+    if len(answers) > 1 and _text(record[answers[1]]) * 4 > _text(record[answers[0]]) and \
+            _text(record[answers[1]]) >= LONG:
+        return None, (f"read it with --field NAME=ROLE per turn: {answers[0]} and {answers[1]} both hold an answer "
+                      f"({_text(record[answers[0]])} and {_text(record[answers[1]])} characters), and training both "
+                      "would merge two answers into one turn; map the one to train with --field NAME=assistant")
+    unread = [k for k in keys if roles[k] is None and isinstance(record[k], str)]
+    longest = max(record, key=lambda k: _text(record[k]))
+    if longest in unread and _text(record[longest]) >= LONG:
+        return None, (f"read it with --field NAME=ROLE per turn: its longest field, {longest} "
+                      f"({_text(record[longest])} characters), has a name no role is known for; map it with --field "
+                      f"{longest}=ROLE beside the others")
+    fields = _system(record) + tuple((k, "user") for k in users)
+    fields += ((thoughts[0], "reasoning"),) if thoughts else ()
+    fields += ((answers[0], "assistant"),)
+    words = why
+    others = [k for k in answers[1:] + thoughts[1:]]
+    if others:
+        words += f"; {', '.join(others)}: shorter than {answers[0]}, left as another answer"
+    long_left = [k for k in unread if _text(record[k]) >= LONG]
+    if long_left:
+        words += f"; {', '.join(long_left)}: long text no role is known for (add --field NAME=ROLE if it is a turn)"
+    return Fix.of(fields=fields), f" ({words[2:]})" if words else ""
+
+
+def _string_lists(record: dict) -> list[tuple[str, list]]:
+    """Lists of strings at the top level or one step down (``meta.turns``, ``choices[0].turns``)."""
+    out = []
+    for k, v in record.items():
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            out.append((k, v))
+        subs = v.items() if isinstance(v, dict) else (v[0].items() if isinstance(v, list) and v and
+                                                      isinstance(v[0], dict) else ())
+        for k2, v2 in subs:
+            if isinstance(v2, list) and v2 and all(isinstance(x, str) for x in v2):
+                out.append((f"{k}.{k2}" if isinstance(v, dict) else f"{k}[0].{k2}", v2))
+    return out
+
+
+def _parallel(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    lists = _string_lists(record)
+    head = _system(record)
+    for i, (p1, v1) in enumerate(lists):  # questions and answers as parallel lists (MT-bench: turns, choices[0].turns)
+        for p2, v2 in lists[i + 1:]:
+            if len(v1) == len(v2) and role_of(p1.split(".")[-1]) != "assistant":
+                return Fix.of(fields=head + ((p1, "user"), (p2, "assistant"))), ""
+    if lists:
+        path = max(lists, key=lambda pv: sum(map(len, pv[1])))[0]
+        if len(record[path] if path in record else ()) > 1:
+            return Fix.of(messages_field=path), " (its strings alternate user, assistant)"
+    return None
+
+
+def _one_string(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    strings = [k for k, v in record.items() if isinstance(v, str) and k not in ID_KEYS]
+    if len(strings) == 1:
+        return Fix.of(fields=((strings[0], "text"),)), " (plain text, every token trained), or --field NAME=ROLE per turn"
+    return None

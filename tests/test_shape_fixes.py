@@ -1,0 +1,266 @@
+"""Records of no known shape, read as a new user would: preview refuses them, the printed fix is typed back as it
+stands, and the packed rows hold what the record meant (not merely something that packs).
+
+Each case is one fixture in tests/shapes/ (written for the project, shaped like a public set):
+
+=========================  ======================================================  ===============================
+file                       the record                                              what must be trained
+=========================  ======================================================  ===============================
+parallel_answers.jsonl     instruction + 5 ``responses`` + 5 parallel ``rewards``  a pair: best against worst
+                           (Magpie-PO)                                             (never all five in one turn)
+model_completions.jsonl    prompt + ``completions: [{model, completion}]``         the prompt as the user turn,
+                           (Tulu human-eval)                                       one completion as the answer
+capitalised_fields.jsonl   Question/Complex_CoT/Response beside question/answer    Question, its reasoning and
+                           (HuatuoGPT-o1)                                          Response; not the short answer
+pair_conversations.jsonl   chosen_messages / rejected_messages                     a pair (--pairs), both sides
+turn_keys.jsonl            ``dialogue: {turn_1: ..., turn_12: ...}``               every turn, in numeric order
+=========================  ======================================================  ===============================
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline import PackOptions
+from pipeline.cli import main
+from tests._internals import FormatOptions, Rejected, conversations, load_tokenizer
+
+SHAPES_DIR = Path(__file__).parent / "shapes"
+
+
+def records(name: str) -> list[dict]:
+    return [json.loads(line) for line in (SHAPES_DIR / name).read_text().splitlines() if line.strip()]
+
+
+def cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    return result.output
+
+
+def refusals(name: str) -> list[str]:
+    """``packstream preview FILE``: the detail of every refused record."""
+    out = cli("preview", str(SHAPES_DIR / name), "--no-color", "-n", "50")
+    return [line.strip() for line in out.splitlines() if line.startswith("   keys [")]
+
+
+def printed_fix(detail: str) -> list[str]:
+    """The options after "read it with", as a shell would split them; [] when the detail offers none."""
+    m = re.search(r"read it with (.*?)(?: \(|$)", detail)
+    return shlex.split(m.group(1)) if m else []
+
+
+def the_fix(name: str) -> list[str]:
+    """The one fix preview prints for every record of the file (each record refused, all with the same fix)."""
+    details = refusals(name)
+    assert len(details) == len(records(name)), details
+    fixes = {tuple(printed_fix(d)) for d in details}
+    assert len(fixes) == 1 and () not in fixes, details
+    return list(fixes.pop())
+
+
+def packed(tmp_path: Path, name: str, args: list[str]) -> list[dict]:
+    """``packstream pack FILE --output OUT ARGS``: per example, its full text and its trained text (decoded)."""
+    from tests.test_pipeline import _rows
+
+    out = tmp_path / "out"
+    cli("pack", str(SHAPES_DIR / name), "--output", str(out), *args)
+    tok = load_tokenizer(PackOptions(inputs=("-",)).tokenizer)  # the default, as the fix does not name one
+    examples = []
+    for row in _rows(str(out)):
+        ids, mask, offs = row["input_ids"], row["loss_mask"], list(row["seq_offsets"])
+        for j, eid in enumerate(row["example_ids"]):
+            a, b = offs[j], offs[j + 1]
+            examples.append({"id": eid, "text": tok.decode(ids[a:b]),
+                             "trained": tok.decode([t for t, m in zip(ids[a:b], mask[a:b]) if m])})
+    return examples
+
+
+# ------------------------------------------------------------------------------------------------
+# What preview prints: the fix, or why there is none. Fast: no job runs.
+
+def test_parallel_answers_are_refused_with_a_pair_reading_not_merged():
+    assert the_fix("parallel_answers.jsonl") == ["--pairs", "--pair-ranked", "responses/rewards"]
+    detail = refusals("parallel_answers.jsonl")[0]
+    assert "5 alternative answers" in detail and "'responses[N]=assistant'" in detail
+
+
+def test_model_completions_keep_the_prompt_as_the_user_turn():
+    fix = the_fix("model_completions.jsonl")
+    assert fix == ["--field", "prompt=user", "--field", "completions[0].completion=assistant"]
+    detail = refusals("model_completions.jsonl")[0]
+    assert "2 alternative answers" in detail and "--pairs" in detail  # the other completion: said, not dropped unseen
+
+
+def test_capitalised_fields_are_read_by_the_longest_texts():
+    assert the_fix("capitalised_fields.jsonl") == ["--field", "Question=user", "--field", "Complex_CoT=reasoning",
+                                                   "--field", "Response=assistant"]
+    detail = refusals("capitalised_fields.jsonl")[0]
+    assert "answer, question: a shorter copy of the same fields in lower-case keys, left" in detail
+
+
+def test_two_whole_conversations_are_suggested_as_a_pair():
+    assert the_fix("pair_conversations.jsonl") == ["--pairs", "--pair-sides", "chosen_messages,rejected_messages"]
+    detail = refusals("pair_conversations.jsonl")[0]
+    assert "(the other side is then dropped)" in detail  # the SFT reading only with words saying what it drops
+
+
+def test_numbered_turn_keys_are_suggested_as_a_turn_list():
+    assert the_fix("turn_keys.jsonl") == ["--messages-field", "dialogue"]
+
+
+def test_preview_with_the_printed_fix_shows_the_best_answer_trained_against_the_worst():
+    out = cli("preview", str(SHAPES_DIR / "parallel_answers.jsonl"), "--no-color", *the_fix("parallel_answers.jsonl"))
+    rec = records("parallel_answers.jsonl")[0]
+    chosen, rejected = out.split("chosen:")[1].split("rejected:")[:2]
+    best, worst = (rec["responses"][i] for i in (1, 3))
+    assert f"[[{best}" in chosen and f"[[{worst}" in rejected
+    assert not any(r in out.split("-- line 2")[0] for r in (rec["responses"][0], rec["responses"][2], rec["responses"][4]))
+
+
+def test_a_user_mapping_of_scored_answers_is_refused_not_merged():
+    """--field responses=assistant beside a parallel list of scores would train all five answers as one reply:
+    refused (ambiguous_field), naming the pair reading, which the driver tried."""
+    rec = records("parallel_answers.jsonl")[0]
+    with pytest.raises(Rejected) as e:
+        conversations(rec, FormatOptions(fields=(("instruction", "user"), ("responses", "assistant"))))
+    assert e.value.reason.value == "ambiguous_field"
+    assert "--pairs --pair-ranked responses/rewards instead of --field" in e.value.detail
+    assert not e.value.fix.failed and e.value.fix.pack() == {"pairs": True}
+
+
+def test_pair_ranked_reads_parallel_lists_and_says_the_form_when_wrong():
+    from packers import PackstreamError
+    from tests._internals import pair_conversations
+
+    rec = records("parallel_answers.jsonl")[1]
+    chosen, rejected = pair_conversations(rec, FormatOptions(pair_ranked="responses/rewards"))
+    assert chosen.messages[-1]["content"] == rec["responses"][1]
+    assert rejected.messages[-1]["content"] == rec["responses"][4]
+    assert chosen.messages[0] == {"role": "user", "content": rec["instruction"]}
+    for bad in ("responses/", "responses/responses", "responses"):
+        with pytest.raises(PackstreamError, match=r"LIST=TEXT/SCORE .* or TEXTS/SCORES") as err:
+            FormatOptions(pair_ranked=bad)
+        assert "\n" not in str(err.value)
+    short = dict(rec, rewards=rec["rewards"][:3])
+    with pytest.raises(Rejected, match="responses has 5 items and rewards has 3"):
+        pair_conversations(short, FormatOptions(pair_ranked="responses/rewards"))
+
+
+def test_turn_keys_read_in_numeric_order_through_messages_field():
+    rec = records("turn_keys.jsonl")[0]
+    conv = conversations(rec, FormatOptions(messages_field="dialogue"))[0]
+    want = [rec["dialogue"][f"turn_{i}"] for i in range(1, 13)]  # turn_10..12 after turn_9, not after turn_1
+    assert [m["content"] for m in conv.messages] == want
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"] * 6
+    for keys in (("turn1", "turn2"), ("Turn 1", "Turn 2"), ("t-1", "t-2")):
+        conv = conversations({"d": {keys[1]: "hello", keys[0]: "hi"}}, FormatOptions(messages_field="d"))[0]
+        assert [m["content"] for m in conv.messages] == ["hi", "hello"]
+
+
+def test_a_pair_refusal_without_pairs_names_pairs():
+    rec = {"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."}
+    with pytest.raises(Rejected) as e:
+        conversations(rec, FormatOptions())
+    assert "--pairs" in e.value.detail
+
+
+# ------------------------------------------------------------------------------------------------
+# --field X=reasoning: the reasoning of the assistant turn, rendered as parsed reasoning and masked on request.
+
+def test_reasoning_field_renders_as_reasoning_and_mask_reasoning_masks_it():
+    from tests._internals import preview
+
+    rec = records("capitalised_fields.jsonl")[0]
+    fields = (("Question", "user"), ("Complex_CoT", "reasoning"), ("Response", "assistant"))
+    conv = conversations(rec, FormatOptions(fields=fields))[0]
+    assert conv.messages[-1] == {"role": "assistant", "content": rec["Response"], "reasoning": rec["Complex_CoT"]}
+    path = SHAPES_DIR / "capitalised_fields.jsonl"
+    for mask in (False, True):
+        item = preview(PackOptions(inputs=(str(path),), fields=fields, mask_reasoning=mask), n=1)[0]
+        trained = "".join(t for t, flag in item["spans"] if flag)
+        context = "".join(t for t, flag in item["spans"] if not flag)
+        assert rec["Response"] in trained and rec["Question"] in context
+        assert (rec["Complex_CoT"] in context) is mask and (rec["Complex_CoT"] in trained) is not mask
+        assert "<think>" in trained + context  # the built-in ChatML writes reasoning as a think block
+
+
+def test_reasoning_field_with_a_template_that_renders_reasoning():
+    from tests._internals import preview
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<reason>"
+                "{{ m.reasoning_content }}</reason>\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rec = records("capitalised_fields.jsonl")[1]
+    fields = (("Question", "user"), ("Complex_CoT", "reasoning"), ("Response", "assistant"))
+    path = SHAPES_DIR / "capitalised_fields.jsonl"
+    for mask in (False, True):
+        opts = PackOptions(inputs=(str(path),), fields=fields, mask_reasoning=mask, chat_template=template)
+        item = preview(opts, n=2)[1]
+        text = "".join(t for t, _ in item["spans"])
+        trained = "".join(t for t, flag in item["spans"] if flag)
+        assert f"<reason>{rec['Complex_CoT']}</reason>" in text
+        assert (rec["Complex_CoT"] in trained) is not mask and rec["Response"] in trained
+
+
+def test_reasoning_field_with_no_answer_to_belong_to_is_refused():
+    with pytest.raises(Rejected, match="no assistant turn follows it"):
+        conversations({"q": "Q", "cot": "because"}, FormatOptions(fields=(("q", "user"), ("cot", "reasoning"))))
+
+
+# ------------------------------------------------------------------------------------------------
+# The printed fix, typed back to pack: the packed rows hold what the record meant.
+
+def test_pack_parallel_answers_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "parallel_answers.jsonl", the_fix("parallel_answers.jsonl"))
+    recs = records("parallel_answers.jsonl")
+    assert len(rows) == 2 * len(recs)  # a chosen and a rejected side per record
+    for rec in recs:
+        best = max(range(5), key=lambda i: rec["rewards"][i])
+        worst = min(range(5), key=lambda i: rec["rewards"][i])
+        sides = [r for r in rows if rec["instruction"] in r["text"]]
+        assert [s["trained"].split("<|im_end|>")[0] for s in sides] == [rec["responses"][best], rec["responses"][worst]]
+        for i in set(range(5)) - {best, worst}:  # the others: not trained, not merged into a turn
+            assert not any(rec["responses"][i] in s["text"] for s in sides)
+
+
+def test_pack_model_completions_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "model_completions.jsonl", the_fix("model_completions.jsonl"))
+    for rec in records("model_completions.jsonl"):
+        (row,) = [r for r in rows if rec["prompt"] in r["text"]]
+        assert rec["prompt"] not in row["trained"]  # the prompt is the user turn, context
+        assert row["trained"].startswith(rec["completions"][0]["completion"])
+        assert rec["completions"][1]["completion"] not in row["text"]
+
+
+def test_pack_capitalised_fields_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "capitalised_fields.jsonl", the_fix("capitalised_fields.jsonl"))
+    for rec in records("capitalised_fields.jsonl"):
+        (row,) = [r for r in rows if rec["Question"] in r["text"]]
+        assert rec["Response"] in row["trained"] and rec["Complex_CoT"] in row["trained"]
+        assert rec["answer"] not in row["text"] and rec["question"] not in row["text"]
+
+
+def test_pack_pair_conversations_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "pair_conversations.jsonl", the_fix("pair_conversations.jsonl"))
+    for rec in records("pair_conversations.jsonl"):
+        last = rec["chosen_messages"][-1]["content"], rec["rejected_messages"][-1]["content"]
+        sides = [r for r in rows if r["trained"].split("<|im_end|>")[0] in last]
+        assert [s["trained"].split("<|im_end|>")[0] for s in sides] == list(last)
+        assert all(rec["chosen_messages"][0]["content"] in s["text"] for s in sides)
+
+
+def test_pack_turn_keys_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "turn_keys.jsonl", the_fix("turn_keys.jsonl"))
+    rec = records("turn_keys.jsonl")[0]
+    (row,) = [r for r in rows if r["id"].endswith(":bread")]
+    texts = [rec["dialogue"][f"turn_{i}"] for i in range(1, 13)]
+    places = [row["text"].index(t) for t in texts]
+    assert places == sorted(places)  # in numeric order
+    assert all(t in row["trained"] for t in texts[1::2]) and not any(t in row["trained"] for t in texts[::2])
