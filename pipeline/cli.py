@@ -73,9 +73,9 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     unknown = unknown_beam_args(tokens)
     bad = [t for t in unknown if t.startswith("-")]
     if bad:
-        known = beam_flags() + list(own_options)
         name = bad[0].split("=", 1)[0]
-        hint = difflib.get_close_matches(name, known, n=1)
+        hint = (difflib.get_close_matches(name, list(own_options), n=1, cutoff=0.7)
+                or difflib.get_close_matches(name, beam_flags(), n=1, cutoff=0.8))
         raise click.UsageError(
             f"unknown option {name}" + (f"; did you mean {hint[0]}?" if hint else "; see packstream pack --help")
         )
@@ -124,12 +124,26 @@ class _Commands(click.Group):
                 _fail(e if isinstance(e, signals.Interrupted) else f"interrupted by {signals.name(signum)}",
                       signals.exit_code(signum))
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as e:
+            _click_error(e)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except click.ClickException as e:
-            e.message = printable(e.message)
-            raise
+            _click_error(e)
+
+
+def _click_error(e: click.ClickException) -> None:
+    """A mistyped command, option or value (click's own checks): click's usage lines, then one ``error:`` line
+    like every other error of packstream (click prints ``Error:``), exit 2."""
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        click.echo(f"{ctx.get_usage()}\nTry '{ctx.command_path} {ctx.help_option_names[-1]}' for help.\n", err=True)
+    _fail(e.format_message(), e.exit_code)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})

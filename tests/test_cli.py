@@ -230,6 +230,20 @@ def test_runner_and_beam_option_mistakes_are_one_error_line(tmp_path, src, args)
     assert not (tmp_path / "out").exists()  # refused before the job claims the output folder
 
 
+@pytest.mark.parametrize("args", [["pak"], ["--bogus"], ["pack", "--max-token", "8"], ["pack", "x.jsonl", "--max-tokens", "abc"],
+                                  ["preview", "--nope"], ["estimate", "x.jsonl", "--max-tokens", "-"],
+                                  ["inspect", "a", "b", "c"], ["verify", "--bad-flag"]])
+def test_click_usage_errors_end_in_our_error_line(args):
+    """A mistyped command, option or value: click's usage lines, then one ``error:`` line like every other error of
+    packstream (click itself prints ``Error:``), exit 2; a close option name is suggested."""
+    r = cli(*args)
+    lines = [line for line in r.output.splitlines() if line.strip() and "apitools" not in line]
+    assert r.exit_code == 2 and lines[-1].startswith("error: "), r.output
+    assert not any(line.startswith("Error") for line in lines) and "Traceback" not in r.output
+    if args[1:2] == ["--max-token"]:
+        assert "did you mean --max-tokens?" in lines[-1]
+
+
 def test_an_unknown_runner_names_the_valid_ones():
     from packers import PackstreamError
     from tests._internals import runner_args

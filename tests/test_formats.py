@@ -304,7 +304,8 @@ def pack_options(opts: dict) -> PackOptions:
 
 
 UNKNOWN_SHAPES = ("parallel_answers.jsonl", "model_completions.jsonl", "capitalised_fields.jsonl",
-                  "pair_conversations.jsonl", "turn_keys.jsonl")
+                  "pair_conversations.jsonl", "turn_keys.jsonl", "named_solution.jsonl", "solution_steps.jsonl",
+                  "marked_sides.jsonl")
 """Fixtures of records no shape claims, read through their refusal's printed fix (tests/test_shape_fixes.py)."""
 
 

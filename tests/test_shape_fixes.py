@@ -14,6 +14,12 @@ capitalised_fields.jsonl   Question/Complex_CoT/Response beside question/answer 
                            (HuatuoGPT-o1)                                          Response; not the short answer
 pair_conversations.jsonl   chosen_messages / rejected_messages                     a pair (--pairs), both sides
 turn_keys.jsonl            ``dialogue: {turn_1: ..., turn_12: ...}``               every turn, in numeric order
+named_solution.jsonl       problem, generated_solution, expected_answer            the solution, not the bare answer
+                           (OpenMathInstruct)
+solution_steps.jsonl       question, a list of ``steps``, a one-word label (PRM)   no fix: the label is never the
+                                                                                   answer; the steps are named
+marked_sides.jsonl         history, human_ref_A / human_ref_B, labels (SHP)        a pair; the label's values the
+                                                                                   user's to give
 =========================  ======================================================  ===============================
 """
 
@@ -264,3 +270,48 @@ def test_pack_turn_keys_with_the_printed_fix(tmp_path):
     places = [row["text"].index(t) for t in texts]
     assert places == sorted(places)  # in numeric order
     assert all(t in row["trained"] for t in texts[1::2]) and not any(t in row["trained"] for t in texts[::2])
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes found after the first round: an answer under a compound name, an answer that is a list of steps beside a
+# short label, two answers under marked keys with a label that picks one.
+
+def test_a_compound_answer_name_is_read_by_its_head_word_and_the_longest_text_wins():
+    """OpenMathInstruct-like: generated_solution (a solution) beside expected_answer (the bare result): the
+    solution is trained, the short answer named as left."""
+    assert the_fix("named_solution.jsonl") == ["--field", "problem=user", "--field", "generated_solution=assistant"]
+    assert "expected_answer: shorter than generated_solution, left as another answer" in refusals("named_solution.jsonl")[0]
+
+
+def test_a_short_label_is_never_trained_in_place_of_the_longest_text():
+    """PRM-like: question, a list of solution steps, a one-word label. Training the label as the answer would
+    drop the steps: no fix, and the refusal names the longest field and how to map it."""
+    for detail in refusals("solution_steps.jsonl"):
+        assert printed_fix(detail)[:2] == ["--field", "NAME=ROLE"] and "label=assistant" not in detail
+        assert "its longest field, steps" in detail and "--field steps=ROLE" in detail
+
+
+def test_marked_sides_are_suggested_as_a_pair_with_the_winner_left_to_the_user():
+    """SHP-like: history, human_ref_A/human_ref_B, labels (1: A preferred). The sides and the prompt are found; the
+    label's meaning is not guessed: its values are holes the user fills."""
+    fix = the_fix("marked_sides.jsonl")
+    assert fix == ["--pairs", "--pair-sides", "human_ref_A,human_ref_B", "--pair-prompt", "history",
+                   "--pair-winner", "labels=VALUE_human_ref_A/VALUE_human_ref_B"]
+    assert "(domain, post_id, score_A, score_B then counted as ignored)" in refusals("marked_sides.jsonl")[0]
+
+
+def test_pack_named_solution_with_the_printed_fix(tmp_path):
+    rows = packed(tmp_path, "named_solution.jsonl", the_fix("named_solution.jsonl"))
+    for rec in records("named_solution.jsonl"):
+        (row,) = [r for r in rows if rec["problem"] in r["text"]]
+        assert row["trained"].startswith(rec["generated_solution"]) and rec["problem"] not in row["trained"]
+
+
+def test_pack_marked_sides_with_the_printed_fix_filled_in(tmp_path):
+    fix = [w.replace("VALUE_human_ref_A/VALUE_human_ref_B", "1/0") for w in the_fix("marked_sides.jsonl")]
+    rows = packed(tmp_path, "marked_sides.jsonl", fix)
+    for rec in records("marked_sides.jsonl"):
+        chosen, rejected = ((rec["human_ref_A"], rec["human_ref_B"]) if rec["labels"] == 1
+                            else (rec["human_ref_B"], rec["human_ref_A"]))
+        sides = [r for r in rows if rec["history"] in r["text"]]
+        assert [s["trained"].split("<|im_end|>")[0] for s in sides] == [chosen, rejected]

@@ -7,8 +7,9 @@ label dropped, the undesirable answers would be trained like the others; kept, t
 
 - Without ``--kto-label``: a top-level ``label`` or ``kto_tag`` whose value is a JSON boolean is the label. Any
   other value (a class name, a score) is not a desirability, and the field stays an ignored field, counted.
-- With ``--kto-label FIELD``: the field (a path) must hold true/false, 1/0, or the strings "true"/"false"/"1"/"0"
-  (CSV cells); a record without one is dead-lettered (``missing_field``), never packed unlabelled.
+- With ``--kto-label FIELD``: the field (a path) must hold true/false, 1/0, or one of the words of :data:`_TEXT`
+  (``"true"``, ``"1"``, ``"yes"``, ``"correct"``, ``"good"``, ... and their opposites: CSV cells, labels written
+  as words); a record without one is dead-lettered (``missing_field``), never packed unlabelled.
 
 >>> from pipeline._options import FormatOptions
 >>> label_of({"messages": [], "label": False}, FormatOptions())
@@ -31,7 +32,10 @@ AUTO_KEYS = ("label", "kto_tag")
 """Top-level fields read as the label when they hold a JSON boolean (TRL ``label``, LLaMA-Factory ``kto_tag``)."""
 NOTE = "kto_labels:"
 """Notes ``kto_labels:desirable`` / ``kto_labels:undesirable``: records kept with each label."""
-_TEXT = {"true": True, "false": False, "1": True, "0": False}
+_TEXT = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "good": True, "bad": False,
+         "correct": True, "incorrect": False, "desirable": True, "undesirable": False, "positive": True,
+         "negative": False}
+"""Text values ``--kto-label`` reads (case-insensitive): CSV cells, and labels written as words."""
 
 
 def label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optional[str]]:
@@ -51,7 +55,8 @@ def label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optio
         return _TEXT[value.strip().lower()], options.kto_label
     shown = "missing" if value is None else f"{_kind(value)} {str(value)[:40]!r}"
     raise Rejected(Reason.MISSING_FIELD, f"--kto-label {options.kto_label}: the record's value is {shown}, not "
-                                         "true/false or 1/0; a KTO example needs its desirability")
+                                         "true/false, 1/0 or yes/no (also correct/incorrect, good/bad); a KTO "
+                                         "example needs its desirability")
 
 
 def labelled(record: Any, options: FormatOptions, convs: Sequence[Conversation]) -> None:

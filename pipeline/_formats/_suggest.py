@@ -29,7 +29,7 @@ import re
 from typing import Any, Optional
 
 from pipeline._formats._base import ID_KEYS
-from pipeline._formats._fix import NAME, ROLE, Fix
+from pipeline._formats._fix import NAME, ROLE, Fix, Hole
 from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
 
 _WORDS = {
@@ -59,9 +59,24 @@ def _norm(key: str) -> str:
 
 
 def role_of(key: str) -> Optional[str]:
-    """The role a key's name says its field plays (``Complex_CoT`` -> reasoning), or None."""
+    """The role a key's name says its field plays (``Complex_CoT`` -> reasoning), or None. A name of several words
+    plays the role of its last word (its head noun: ``generated_solution`` and ``expectedAnswer`` -> assistant,
+    ``original_question`` -> user), never of another (``question_id``, ``answer_type``: none).
+
+    >>> [role_of(k) for k in ("Complex_CoT", "generated_solution", "expectedAnswer", "question_id", "answer_type")]
+    ['reasoning', 'assistant', 'assistant', None, None]
+    """
     k = _norm(key)
-    return next((role for role, words in _WORDS.items() if k in words), None)
+    found = next((role for role, words in _WORDS.items() if k in words), None)
+    if found is not None:
+        return found
+    head = _words(key)[-1:]
+    return next((role for role, words in _WORDS.items() if head and head[0] in words), None)
+
+
+def _words(key: str) -> list[str]:
+    """A key's words, lower case: split at ``_``, ``-``, spaces, dots and camelCase humps."""
+    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", key)]
 
 
 def _text(value: Any) -> int:
@@ -111,11 +126,54 @@ def _differ_at_end(a: Any, b: Any) -> bool:
     return False
 
 
+_MARKED = re.compile(r"^(?P<stem>.*?)[_\- ]?(?P<mark>[AaBb]|[0-2])$")
+_MARK_PAIRS = ({"a", "b"}, {"0", "1"}, {"1", "2"})
+_WINNER_WORDS = {"label", "labels", "winner", "preference", "preferred", "choice", "better", "best", "chosen",
+                 "prefer", "pick", "selected"}
+
+
+def _marked(a: str, b: str) -> bool:
+    """Two keys that differ only by a trailing side mark: ``human_ref_A``/``human_ref_B``, ``response_0``/
+    ``response_1``, ``conversation_a``/``conversation_b``."""
+    ma, mb = _MARKED.match(a), _MARKED.match(b)
+    return bool(ma and mb and ma["stem"] and ma["stem"] == mb["stem"]
+                and {ma["mark"].lower(), mb["mark"].lower()} in _MARK_PAIRS)
+
+
+def _marked_extras(record: dict, a: str, b: str) -> tuple[dict[str, Any], str]:
+    """For two marked sides (SHP, Chatbot Arena): the prompt when the pair reader would not find it by itself, and
+    the field that may say which side won (its values are the user's to give), with the words about them."""
+    opts: dict[str, Any] = {}
+    words = ""
+    prompt = _prompt_key(record)
+    if prompt is None:
+        rest = [k for k, v in record.items() if k not in (a, b) and isinstance(v, str) and _text(v) >= LONG // 2]
+        prompt = max(rest, key=lambda k: _text(record[k]), default=None)
+    if prompt is not None and prompt not in PAIR_PROMPTS:
+        opts["pair_prompt"] = prompt
+        words += f"; {prompt} read as the prompt"
+    winner = next((k for k, v in record.items() if k not in (a, b) and set(_words(k)) & _WINNER_WORDS
+                   and isinstance(v, (str, int, bool)) and (not isinstance(v, str) or len(v) <= 32)), None)
+    if winner is not None:
+        opts["pair_winner"] = ((winner, Hole(f"VALUE_{a}/VALUE_{b}")),)
+        opts["drops"] = (winner,)  # read once the user gives its values: not an ignored field of the fix
+        words += (f"; {winner} ({record[winner]!r} here) may say which side is preferred: give its value for {a}, "
+                  f"then for {b} (e.g. --pair-winner {winner}=1/0)")
+    else:
+        words += f"; {a} is taken as the chosen one: add --pair-winner FIELD=A/B if a field says"
+    return opts, words
+
+
 def _pair_sides(record: dict) -> Optional[tuple[Optional[Fix], str]]:
     keys = [k for k, v in record.items() if _turnish(v) or (isinstance(v, str) and _text(v))]
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
             va, vb = record[a], record[b]
+            if _marked(a, b) and type(va) is type(vb) and min(_text(va), _text(vb)) >= LONG // 2:
+                extras, more = _marked_extras(record, a, b)
+                return (Fix.of(pairs=True, pair_sides=f"{a},{b}", **extras),
+                        f" ({a} and {b} look like the two answers of one preference pair{more}; to train one "
+                        "side only as SFT, map it with --field (the other side is then dropped))")
             named = {_side_rank(a), _side_rank(b)} == {-1, 1}
             if not (named and type(va) is type(vb)) and not _differ_at_end(va, vb):
                 continue
@@ -286,6 +344,8 @@ def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
                                                                                or _looks_like_calls(record[k]))))]
     roles = {k: role_of(k) for k in keys}
     users = [k for k in keys if roles[k] == "user" and _text(record[k])]
+    exact = [k for k in users if _norm(k) in _WORDS["user"]]
+    users = exact or users  # original_question beside query: a copy, not a second user turn
     answers = sorted((k for k in keys if roles[k] == "assistant"), key=lambda k: -_text(record[k]))
     thoughts = sorted((k for k in keys if roles[k] == "reasoning"), key=lambda k: -_text(record[k]))
     if not answers and thoughts:  # a rationale alone is the answer
@@ -297,11 +357,15 @@ def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
         return None, (f"read it with --field NAME=ROLE per turn: {answers[0]} and {answers[1]} both hold an answer "
                       f"({_text(record[answers[0]])} and {_text(record[answers[1]])} characters), and training both "
                       "would merge two answers into one turn; map the one to train with --field NAME=assistant")
-    unread = [k for k in keys if roles[k] is None and isinstance(record[k], str)]
+    unread = [k for k in keys if (roles[k] is None or (roles[k] == "user" and k not in users))
+              and isinstance(record[k], str)]
     longest = max(record, key=lambda k: _text(record[k]))
-    if longest in unread and _text(record[longest]) >= LONG:
+    taken = {*users, answers[0], *thoughts[:1], *left}
+    if longest not in taken and _text(record[longest]) >= max(LONG, _text(record[answers[0]])):
+        known = "has a name no role is known for" if role_of(longest) is None else \
+            f"is not a string the guessed answer ({answers[0]}, {_text(record[answers[0]])} characters) could replace"
         return None, (f"read it with --field NAME=ROLE per turn: its longest field, {longest} "
-                      f"({_text(record[longest])} characters), has a name no role is known for; map it with --field "
+                      f"({_text(record[longest])} characters), {known}; map it with --field "
                       f"{longest}=ROLE beside the others")
     fields = _system(record) + tuple((k, "user") for k in users)
     fields += ((thoughts[0], "reasoning"),) if thoughts else ()
@@ -312,7 +376,7 @@ def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
         words += f"; {', '.join(others)}: shorter than {answers[0]}, left as another answer"
     long_left = [k for k in unread if _text(record[k]) >= LONG]
     if long_left:
-        words += f"; {', '.join(long_left)}: long text no role is known for (add --field NAME=ROLE if it is a turn)"
+        words += f"; {', '.join(long_left)}: long text left unread (add --field NAME=ROLE if it is a turn)"
     return Fix.of(fields=fields), f" ({words[2:]})" if words else ""
 
 

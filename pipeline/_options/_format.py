@@ -87,7 +87,8 @@ class FormatOptions:
         "when it is not prompt/question/query, instruction or conversations: --pair-prompt history (SHP).",
         metavar="PATH"))
     kto_label: Optional[str] = dataclasses.field(default=None, metadata=cli(
-        "--kto-label", "The field that says whether a record's answer is desirable (KTO data: true/false, 1/0): kept "
+        "--kto-label", "The field that says whether a record's answer is desirable (KTO data: true/false, 1/0, yes/no, "
+        "correct/incorrect): kept "
         "per example in the rows' desirable column, which packers.kto_loss reads. Without it a top-level boolean "
         "label or kto_tag field is kept; a record this option names no value for is dead-lettered.",
         metavar="FIELD"))
