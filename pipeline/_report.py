@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pipeline._formats import KTO_NOTE, NOTE_UNITS
+from pipeline._formats import KTO_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
 from pipeline._options import DEFAULT_TOKENIZER
 
 
@@ -93,12 +93,18 @@ def summary_table(manifest: dict) -> str:
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
     as_text = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("tool_calls_as_text:")}
     for k, v in notes.items():
-        if not k.startswith(("ignored_field:", "tool_calls_as_text:", KTO_NOTE)):
+        if not k.startswith(("ignored_field:", "tool_calls_as_text:", KTO_NOTE, TRANSCRIPT_NOTE)):
             unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
             lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
     if ignored:
         shown = ", ".join(f"{k} ({v:,})" for k, v in sorted(ignored.items(), key=lambda kv: -kv[1])[:8])
         lines.append(("fields ignored", shown + (f", and {len(ignored) - 8} more" if len(ignored) > 8 else "")))
+    for k, n in sorted(notes.items()):
+        if k.startswith(TRANSCRIPT_NOTE):
+            field = printable(k[len(TRANSCRIPT_NOTE):])
+            lines.append(("transcript as text", f"{field} holds 'Human:'/'Assistant:' turns in {n:,} records, trained "
+                                                f"as plain text (every turn); --field {field}=transcript trains the "
+                                                "assistant turns only"))
     good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
     if good or bad:
         lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "

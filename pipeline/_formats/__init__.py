@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
 from pipeline._formats._labels import NOTE as KTO_NOTE
-from pipeline._formats._driver import TOOL_TEXT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
+from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._fix import Fix, Hole
 from pipeline._formats._hygiene import target_flags
 from pipeline._formats._paths import resolve
@@ -82,7 +82,7 @@ from pipeline._formats.preference import PreferenceTurns, preference_turns
 from pipeline._options import FormatOptions, parse_path
 
 __all__ = [
-    "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
+    "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
     "PreferenceTurns", "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
     "preference_turns", "resolve", "suggest", "target_flags",
     "_fast", "_normalize",

@@ -45,6 +45,7 @@ def conversations(record: Any, options: FormatOptions) -> list[Conversation]:
         except Rejected as r:
             raise _validated(r, record, options) from None
     labelled(record, options, convs)
+    _transcript_as_text(options, convs)
     return convs
 
 
@@ -54,6 +55,7 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     fast = _fast(record, options)
     conv = fast if fast is not None else _normalize(record, options)
     labelled(record, options, [conv])
+    _transcript_as_text(options, [conv])
     return conv
 
 
@@ -158,6 +160,27 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
             else:
                 first.notes[k] = first.notes.get(k, 0) + v
     return [_renderable(c) for c in convs]
+
+
+TRANSCRIPT_NOTE = "transcript_as_text:"
+"""A note per plain-text field whose text is a transcript of speaker turns: ``transcript_as_text:<field>``."""
+_USER_MARK = re.compile(r"(?:\A|\n)[ \t]*(?:Human|User|USER|### Human|### User):")
+_ASSISTANT_MARK = re.compile(r"(?:\A|\n)[ \t]*(?:Assistant|ASSISTANT|### Assistant):")
+
+
+def _transcript_as_text(options: FormatOptions, convs: Sequence[Conversation]) -> None:
+    """Plain text (every token trained) that holds "Human: ... Assistant: ..." turns trains the human turns too,
+    while ``--field X=transcript`` would train the assistant turns only: say so, once per record.
+
+    >>> convs = [Conversation(text="Human: Hi there.\\n\\nAssistant: Hello! How can I help?")]
+    >>> _transcript_as_text(FormatOptions(), convs); convs[0].notes
+    {'transcript_as_text:text': 1}
+    """
+    text = convs[0].text if convs else None
+    if text is None or not (_USER_MARK.search(text) and _ASSISTANT_MARK.search(text)):
+        return
+    field = next((path for path, role in options.fields if role == "text"), "text")
+    convs[0].notes[f"{TRANSCRIPT_NOTE}{field}"] = 1
 
 
 TOOL_TEXT_NOTE = "tool_calls_as_text:"

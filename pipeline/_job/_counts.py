@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from packers import InternalError
-from pipeline._formats import KTO_NOTE, NOTE_UNITS, TOOL_TEXT_NOTE, Reason
+from pipeline._formats import KTO_NOTE, NOTE_UNITS, TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, Reason
 from pipeline._options import PackOptions
 
 _NOTES = tuple(NOTE_UNITS)
@@ -19,7 +19,7 @@ def count(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict
     rows = sum(s["rows"] for s in shards)
     tokens = sum(s["tokens"] for s in shards)
     notes = {k: v for k, v in stats.items()
-             if k in _NOTES or k.startswith(("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE))}
+             if k in _NOTES or k.startswith(("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, TRANSCRIPT_NOTE))}
     counts = {
         "records_read": stats.get("records_read", 0),
         "not_sampled": stats.get("not_sampled", 0),

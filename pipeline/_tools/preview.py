@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
-from pipeline._formats import Reason, Rejected, conversations, detect, pair_conversations
+from pipeline._formats import TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect, pair_conversations
 from pipeline._options import PackOptions
 
 def inputs(options: PackOptions) -> list:
@@ -157,6 +157,11 @@ def format_preview(items: list[dict], color: bool) -> str:
         notes = it.get("notes") or {}
         if notes:
             out.append("   notes: " + ", ".join(f"{k} {v}" for k, v in sorted(notes.items())))
+        for k in sorted(notes):
+            if k.startswith(TRANSCRIPT_NOTE):
+                field = k[len(TRANSCRIPT_NOTE):]
+                out.append(c(_BOLD, f"   suggest: --field {field}=transcript") + f" ({field} holds 'Human:'/'Assistant:' "
+                           "turns; as plain text every turn is trained, the human ones too)")
         for k, spans in enumerate(it.get("sides") or [it["spans"]]):
             if "sides" in it:
                 out.append(c(_BOLD, "   chosen:" if k == 0 else "   rejected:"))
