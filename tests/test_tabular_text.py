@@ -200,6 +200,20 @@ def test_ids_that_repeat_by_design_pack_with_ids_position(tmp_path):
     assert report.ok and report.records == 4, report.problems
 
 
+def test_new_options_at_their_defaults_leave_the_run_id_alone():
+    # The run id (in every shard's metadata) digests the options; --ids and --text-split at their defaults are left
+    # out, so a run that does not use them keeps its bytes (bench/same_output.py --ref f8bb4a4); used, they count.
+    from tests._internals import _write
+
+    def run_id(**kw):
+        return _write.run_digest(PackOptions(inputs=("x.jsonl",), output="o", **kw).to_dict(), [], {})
+
+    before = {k: v for k, v in PackOptions(inputs=("x.jsonl",), output="o").to_dict().items()
+              if k not in ("ids", "text_split", "output")}
+    assert run_id() == _write.run_digest(before, [], {})
+    assert len({run_id(), run_id(ids="position"), run_id(text_split="paragraph")}) == 3
+
+
 def test_ids_and_text_split_are_checked_options():
     with pytest.raises(Exception, match="--ids"):
         PackOptions(inputs=("x",), ids="rows")

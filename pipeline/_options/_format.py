@@ -233,6 +233,12 @@ class FormatOptions:
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
 
 
+LATER_DEFAULTS = {"text_split": "line", "ids": "auto"}
+"""Options added after runs were made, at their defaults: left out of a run's id (:func:`pipeline._write.run_digest`),
+so a run that does not use them keeps the id, and so the shard bytes, it had before they existed
+(``bench/same_output.py``). The manifest's ``config`` records them all the same."""
+
+
 def _check_paths(paths: list[tuple[Optional[str], str]]) -> None:
     """Each ``(path, flag)``: a field path of the one grammar (:func:`~pipeline._options.parse_path`), or None."""
     for path, flag in paths:
