@@ -39,7 +39,7 @@ import numpy as np
 from packers import InternalError
 from pipeline import _rows
 from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
-from pipeline._options import FormatOptions, PackOptions, TrainOn
+from pipeline._options import FormatOptions, Ids, PackOptions, TrainOn
 from pipeline._render import Renderer
 
 Item = tuple[int, str, int, Any]
@@ -159,11 +159,11 @@ class Encoder:
             try:
                 if isinstance(record, Rejected):
                     raise record
-                eid = _rows.example_id(source, position, record)
+                fmt = self.datasets[dataset].format
+                eid = _rows.example_id(source, position, record, fmt.ids is not Ids.POSITION)
                 if not self._sampled(dataset, eid):
                     p.counts["not_sampled"] = p.counts.get("not_sampled", 0) + 1
                     continue
-                fmt = self.datasets[dataset].format
                 if p.pairs:
                     sides, notes = self.prepare_pair(record, fmt)
                     for k, segs in enumerate(sides):

@@ -63,6 +63,24 @@ def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
     return ("tokenizer", text)
 
 
+_TEXT_SPLITS = {"line": "each line one record", "paragraph": "each paragraph (blank lines between) one record",
+                "file": "each file one record"}
+
+
+def _text_split_lines(manifest: dict) -> list[tuple[str, str]]:
+    """How the plain-text inputs were cut into documents (``--text-split``), one line per data set that has some."""
+    config = manifest["config"]
+    specs = config.get("config") or [config]
+    used = sorted({int(i.get("dataset", 0)) for i in manifest.get("inputs", []) if i.get("kind") == "text"})
+    out = []
+    for d in used:
+        split = str((specs[d] if d < len(specs) else config).get("text_split") or "line")
+        name = f" ({printable(str(specs[d].get('name')))})" if len(specs) > 1 and d < len(specs) else ""
+        out.append(("text split", f"{printable(split)}{name}: {_TEXT_SPLITS.get(split, split)} of the .txt inputs "
+                                  "(--text-split line|paragraph|file)"))
+    return out
+
+
 def summary_table(manifest: dict) -> str:
     """The run's counts for people: which tokenizer packed it, every reason a record left the main path, with its
     first case."""
@@ -84,6 +102,8 @@ def summary_table(manifest: dict) -> str:
     lines += [("rejected", f"{c['rejected']:,}"),
               *[(f"  {printable(k)}", f"{v:,}" + case(k))
                 for k, v in sorted(c["rejected_by_reason"].items(), key=lambda kv: -kv[1])]]
+    if c["rejected_by_reason"].get("duplicate_id"):
+        lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
     lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
     if c["dropped_too_long"] and case("too_long"):
         lines.append(("  too_long", case("too_long").lstrip()))
@@ -126,6 +146,7 @@ def summary_table(manifest: dict) -> str:
     if len(splits) > 1:
         lines.append(("splits", ", ".join(f"{k} {v['rows']:,} rows" for k, v in splits.items())))
     lines.append(("shards", f"{len(manifest['shards'])}  -> {manifest['config']['output']}"))
+    lines += _text_split_lines(manifest)
     if tokenizer_line(manifest) is not None:
         lines.append(tokenizer_line(manifest))
     lines += [("  note", printable(note)) for note in manifest.get("notes", [])]

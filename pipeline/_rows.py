@@ -41,10 +41,11 @@ def stable_hash(text: str, salt: str = "") -> int:
 _ID_ESCAPES = str.maketrans({"%": "%25", "#": "%23", "~": "%7E"})
 
 
-def example_id(source: str, position: int, record: Any) -> str:
-    """The example's id (see the module docstring): its own ``id`` when it has one, else its position."""
+def example_id(source: str, position: int, record: Any, own_ids: bool = True) -> str:
+    """The example's id (see the module docstring): its own ``id`` when it has one, else its position;
+    always its position when ``own_ids`` is False (``--ids position``: ids that repeat by design)."""
     src = escape_source(source)
-    own = record.get("id") if isinstance(record, dict) else None
+    own = record.get("id") if isinstance(record, dict) and own_ids else None
     if isinstance(own, str) and own:
         text = own.translate(_ID_ESCAPES)
         return f'{src}:"{text}"' if _looks_numeric(own) else f"{src}:{text}"
@@ -285,6 +286,11 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
     return ex, starts, stops, parts
 
 
+DUPLICATE_FIX = ("if ids repeat by design (several completions of one prompt), pass --ids position to key records "
+                 "by file and position")
+"""The fix a ``duplicate_id`` dead letter and the summary name."""
+
+
 def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
     """Sort by id and keep the first of each duplicate id (by source, then position).
 
@@ -310,7 +316,8 @@ def dedupe(batch: ExampleBatch) -> tuple[ExampleBatch, list[dict]]:
             first = keep[-1]
             rejected.append(reject_record(
                 batch.sources[i], batch.positions[i], Reason.DUPLICATE_ID,
-                f"id {batch.ids[i]!r} already used by {batch.sources[first]} at {batch.positions[first]}", batch.ids[i]))
+                f"id {batch.ids[i]!r} already used by {batch.sources[first]} at {batch.positions[first]}; "
+                f"{DUPLICATE_FIX}", batch.ids[i]))
         else:
             keep.append(i)
     return batch.take(keep), rejected

@@ -84,8 +84,22 @@ def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:
     the contract version). A rerun of the same run, into any folder, gets the same id and the same bytes;
     readers use it to tell this run's shards and resume states from another run's."""
     recipe = {"contract_version": packers.CONTRACT_VERSION, "tokenizer": tokenizer, "inputs": inputs,
-              "config": {k: v for k, v in config.items() if k != "output"}}
+              "config": _recipe(config)}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _recipe(config: dict) -> dict:
+    """``config`` as it enters the run's id: without the output folder, and without the options added later at their
+    defaults (:data:`pipeline._options.LATER_DEFAULTS`), in the data sets of a ``--config`` too."""
+    from pipeline._options import LATER_DEFAULTS
+
+    def kept(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k != "output" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}
+
+    out = kept(config)
+    if isinstance(out.get("config"), list):
+        out["config"] = [kept(d) if isinstance(d, dict) else d for d in out["config"]]
+    return out
 
 
 def run_metadata(options, identity: dict, run_id: str) -> dict:

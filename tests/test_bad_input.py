@@ -245,6 +245,10 @@ CASES = [
     Case("sharegpt_system_twice", jsonl(sharegpt(("system", "s"), ("human", "a"), ("gpt", "b"), system="t")), {}),
     Case("path_like_id", jsonl({"id": "../../escape/x", **GOOD}, {"id": "/etc/passwd", **GOOD}), {}),
     Case("crlf_lines", jsonl(GOOD).replace(b"\n", b"\r\n") * 2, {}),
+    # --- CSV: positions are row numbers (the header is row 1); a bad row costs that row alone
+    Case("csv_rows", b'instruction,output\nHi,Hello\nbroken row\n"Q, with comma","multi\nline"\n\xff,x\n', {
+        3: ("malformed_row", "it holds 1 cells, the header 2"), 5: ("invalid_utf8", "column 'instruction'")},
+        ext="csv", records=4),
 ]
 
 
@@ -274,6 +278,7 @@ def test_corpus_is_big_and_covers_every_reason():
         "not_a_pair", "pair_prompt_mismatch",  # only under --pairs: tests/test_pack_pairs.py
         "no_preference",  # only under --pair-winner: tests/test_preference.py, tests/test_pack_pairs.py
         "mapped_field_cut",  # only under --field: tests/test_formats.py
+        "blank_text",  # plain text only, which a folder of other data does not read: tests/test_tabular_text.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
 
@@ -412,7 +417,7 @@ WHOLE_INPUT = {
     "missing_path": ({}, "nope.jsonl", "matches no file"),
     # A folder that exists but holds nothing packstream reads: "supported: ..." names what would be read.
     "empty_folder": ({"d/.keep": b""}, "d", "holds no supported file"),
-    "unsupported_files": ({"d/readme.txt": b"hi"}, "d", "holds no supported file"),
+    "unsupported_files": ({"d/readme.md": b"hi"}, "d", "holds no supported file"),
     "glob_matching_nothing": ({"a.jsonl": jsonl(GOOD)}, "*.parquet", "matches no file"),
     # Compressions: the magic bytes checked, a small stream decompressed whole at launch; a name no reader
     # supports names the supported list and the fix, in a folder too (never skipped in silence).
@@ -421,7 +426,15 @@ WHOLE_INPUT = {
     "truncated_zst_small": ({"a.jsonl.zst": _zstd(b'{"text": "a"}\n' * 50)[:-6]}, "a.jsonl.zst", "corrupt or truncated zstd"),
     "truncated_bz2_small": ({"a.ndjson.bz2": bz2.compress(b'{"text": "a"}\n' * 50)[:-9]}, "a.ndjson.bz2", "corrupt or truncated bzip2"),
     "unsupported_compression": ({"a.jsonl.lz4": b"\x04\x22\x4d\x18"}, "a.jsonl.lz4", "lz4 -d"),
-    "unsupported_name": ({"a.txt": b'{"text": "a"}\n'}, "a.txt", "supported: .jsonl, .ndjson, .json, .parquet, .arrow (JSONL and JSON also compressed: .gz, .zst, .xz, .bz2)"),
+    # .csv, .tsv and .txt are inputs now (tests/test_tabular_text.py): an unreadable kind keeps one line, no rename
+    # advice for those three
+    "unsupported_name": ({"a.md": b'{"text": "a"}\n'}, "a.md", "supported: .jsonl, .ndjson, .json, .csv, .tsv, .txt, .parquet, .arrow (all but Parquet and Arrow also compressed: .gz, .zst, .xz, .bz2)"),
+    "spreadsheet": ({"a.xlsx": b"PK\x03\x04"}, "a.xlsx", "packstream does not read .xlsx files: save it as CSV"),
+    # CSV/TSV: the header row names every field, once each; a file of blanks is no input
+    "csv_duplicate_column": ({"a.csv": b"text,text\na,b\n"}, "a.csv", "two columns are named 'text'; rename one"),
+    "csv_unnamed_column": ({"a.tsv": b"instruction\t\toutput\na\tb\tc\n"}, "a.tsv", "column 2 of the header row has no name"),
+    "csv_header_not_utf8": ({"a.csv": b"instruction,outp\xfft\na,b\n"}, "a.csv", "cannot read its header row"),
+    "text_whitespace_only": ({"a.txt": b" \n\n\t\n"}, "a.txt", "holds only whitespace"),
     "unsupported_in_a_folder": ({"d/a.jsonl": jsonl(GOOD), "d/b.jsonl.lz4": b"\x04\x22\x4d\x18", "d/README.md": b"hi"}, "d",
                                 "holds 1 file(s) no reader supports (b.jsonl.lz4)"),
 }

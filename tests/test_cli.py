@@ -409,25 +409,28 @@ def test_help_lists_verify():
 
 
 def test_a_folder_input_accounts_for_every_file(tmp_path):
-    # A folder of .jsonl, .json, .txt and .csv (issue 35): the JSONL and JSON records are packed; the .csv and
-    # .txt used to be skipped in silence (exit 0, mentioned nowhere). Now the summary and the manifest name each
-    # with its reason.
+    # A folder of .jsonl, .json, .csv, .txt and .md (issue 35): the JSONL, JSON and CSV records are packed; the .txt
+    # beside them is notes and the .md no input: the summary and the manifest name each with its reason.
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.jsonl").write_text(GOOD * 3)
     (data / "b.json").write_text("[" + GOOD.strip() + "]")
-    (data / "c.csv").write_text("question,answer\nHi,Hello\n")
+    (data / "c.csv").write_text("instruction,output\nHi,Hello\n")
     (data / "d.txt").write_text("Hi\n")
+    (data / "e.md").write_text("# notes\n")
     r = cli("pack", str(data), "-o", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert m["counts"]["examples_packed"] == 4
-    reason = "skipped: {} is not a supported input format (JSONL, JSON, Parquet, Arrow)"
+    assert m["counts"]["examples_packed"] == 5
+    txt = ("skipped: a .txt file beside other data is taken for notes, not read; name it, or a glob such as "
+           "'DIR/*.txt', as an input to read it as text")
+    md = "skipped: .md is not a supported input format (JSONL, JSON, CSV, TSV, text, Parquet, Arrow)"
     assert m["inputs_skipped"] == [
-        {"path": str(data / "c.csv"), "source": "data/c.csv", "reason": reason.format(".csv")},
-        {"path": str(data / "d.txt"), "source": "data/d.txt", "reason": reason.format(".txt")},
+        {"path": str(data / "d.txt"), "source": "data/d.txt", "reason": txt},
+        {"path": str(data / "e.md"), "source": "data/e.md", "reason": md},
     ]
-    assert "data/c.csv " + reason.format(".csv") in r.output and "data/d.txt " + reason.format(".txt") in r.output
+    assert "data/d.txt " + txt in r.output.replace("\n", " ") or "data/d.txt skipped" in r.output
+    assert "data/e.md " + md in r.output
 
 
 def test_a_manifest_says_nothing_of_skipped_files_when_none_were(tmp_path, src):

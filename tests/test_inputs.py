@@ -698,20 +698,39 @@ def test_no_raw_open_of_a_user_named_file():
 
 @pytest.mark.parametrize("pattern", ["data", "data/", "data/*"])
 def test_every_file_a_folder_or_glob_names_is_read_or_said(tmp_path, monkeypatch, pattern):
-    # data/a.jsonl is read; data/notes.csv, data/sub/README.md and data/LICENSE are not, each said with its
-    # reason (the manifest's inputs_skipped); hidden names (.cache) are left out, as before (issue 35)
+    # data/a.jsonl and data/b.csv are read; data/notes.txt (text beside other data: notes, not documents),
+    # data/sub/README.md and data/LICENSE are not, each said with its reason (the manifest's inputs_skipped);
+    # hidden names (.cache) are left out, as before (issue 35)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "sub").mkdir(parents=True)
     (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
-    for name in ("notes.csv", "sub/README.md", "LICENSE", ".cache"):
+    (tmp_path / "data" / "b.csv").write_text("text\nx\n")
+    for name in ("notes.txt", "sub/README.md", "LICENSE", ".cache"):
         (tmp_path / "data" / name).write_text("x\n")
     files, _, skipped = _read.expand_datasets(PackOptions(inputs=(pattern,), output="out").datasets())
-    assert [f.source for f in files] == ["a.jsonl"]
+    assert [f.source for f in files] == ["a.jsonl", "b.csv"]
     said = {s.source: s.reason for s in skipped}
-    want = {"data/LICENSE": "skipped: a name without an extension is not a supported input format (JSONL, JSON, "
-                            "Parquet, Arrow)",
-            "data/notes.csv": "skipped: .csv is not a supported input format (JSONL, JSON, Parquet, Arrow)",
-            "data/sub/README.md": "skipped: .md is not a supported input format (JSONL, JSON, Parquet, Arrow)"}
+    formats = "(JSONL, JSON, CSV, TSV, text, Parquet, Arrow)"
+    want = {"data/LICENSE": f"skipped: a name without an extension is not a supported input format {formats}",
+            "data/notes.txt": "skipped: a .txt file beside other data is taken for notes, not read; name it, or a glob "
+                              "such as 'DIR/*.txt', as an input to read it as text",
+            "data/sub/README.md": f"skipped: .md is not a supported input format {formats}"}
     if pattern == "data/*":  # a glob does not walk into sub/ (and a folder it matches is not an input file)
         del want["data/sub/README.md"]
     assert said == want
+
+
+@pytest.mark.parametrize("pattern", ["data/notes.txt", "data/*.txt", "texts", "texts/*"])
+def test_text_files_are_read_when_named_or_alone(tmp_path, monkeypatch, pattern):
+    # A .txt file is read as text when the input names it, when a glob names .txt files, or when its folder (or
+    # glob) holds text files only; beside other data it is notes (the test above).
+    monkeypatch.chdir(tmp_path)
+    for folder in ("data", "texts"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "notes.txt").write_text("a document\n")
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "texts" / "more.txt").write_text("another\n")
+    files, _, skipped = _read.expand_datasets(PackOptions(inputs=(pattern,), output="out", text_split="paragraph").datasets())
+    assert files and all(f.kind == "text" and f.text_split == "paragraph" for f in files) and not skipped
+
+

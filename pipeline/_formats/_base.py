@@ -48,6 +48,8 @@ class Reason(str, enum.Enum):
     PAIR_PROMPT_MISMATCH = "pair_prompt_mismatch"
     NO_PREFERENCE = "no_preference"
     MAPPED_FIELD_CUT = "mapped_field_cut"
+    MALFORMED_ROW = "malformed_row"  #: a CSV/TSV row of the wrong cell count, or an unterminated quote
+    BLANK_TEXT = "blank_text"  #: a plain-text document (a line, or a whole file) that holds only whitespace
 
 
 class Rejected(Exception):

@@ -8,8 +8,8 @@ from typing import Any, Optional
 from packers import PackstreamError
 from pipeline._options._fields import cli, flag_of, jsonable, option_enum, parse_pairs
 from pipeline._options._modes import (
-    DEFAULT_TOKENIZER, ROLES, Format, LeadingAssistant, PairBest, Preference, SameRole, TrainOn, TreePaths, parse_path,
-    winner_test,
+    DEFAULT_TOKENIZER, ROLES, Format, Ids, LeadingAssistant, PairBest, Preference, SameRole, TextSplit, TrainOn, TreePaths,
+    parse_path, winner_test,
 )
 
 _EXAMPLES = {"messages_field": "conversation", "role_key": "speaker", "content_key": "text", "tree": "prompt",
@@ -104,6 +104,14 @@ class FormatOptions:
         "reject the record."))
     same_role: SameRole = dataclasses.field(default=SameRole.MERGE, metadata=cli(
         "--same-role", "Consecutive turns of one role: merge them, or reject the record."))
+    text_split: TextSplit = dataclasses.field(default=TextSplit.LINE, metadata=cli(
+        "--text-split", "Plain-text (.txt) inputs: what one document (one {text} record, every token trained) is: "
+        "each line (the default; a blank line is a blank_text dead letter), each paragraph (blank lines between "
+        "documents), or the whole file. The summary says which was used."))
+    ids: Ids = dataclasses.field(default=Ids.AUTO, metadata=cli(
+        "--ids", "What keys each record: auto (its own 'id' field when it has one, else its file and position; a "
+        "repeated id is dead-lettered as duplicate_id) or position (always its file and position: for data whose ids "
+        "repeat by design, e.g. several completions of one prompt sharing an id; the id field is kept as metadata)."))
     tokenized_with: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--tokenized-with", "Pre-tokenized records (input_ids): the tokenizer they were made with; must equal "
         "--tokenizer. Without it such records are refused.", metavar="TOKENIZER"))
@@ -123,7 +131,8 @@ class FormatOptions:
                 raise PackstreamError(f"{flag} {value!r} is empty; give a name, e.g. {flag} "
                                       f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
-                               ("same_role", SameRole), ("tree_paths", TreePaths), ("pair_best", PairBest)):
+                               ("same_role", SameRole), ("tree_paths", TreePaths), ("pair_best", PairBest),
+                               ("text_split", TextSplit), ("ids", Ids)):
             object.__setattr__(self, enum_name, option_enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", option_enum(Preference, self.preference, "preference"))
@@ -239,6 +248,12 @@ class FormatOptions:
     def format_dict(self) -> dict[str, Any]:
         """JSON-ready, for manifest.json."""
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
+
+
+LATER_DEFAULTS = {"text_split": "line", "ids": "auto"}
+"""Options added after runs were made, at their defaults: left out of a run's id (:func:`pipeline._write.run_digest`),
+so a run that does not use them keeps the id, and so the shard bytes, it had before they existed
+(``bench/same_output.py``). The manifest's ``config`` records them all the same."""
 
 
 def _check_paths(paths: list[tuple[Optional[str], str]]) -> None:

@@ -27,6 +27,21 @@ class Format(str, enum.Enum):
     TOKENS = "tokens"  #: pre-tokenized input_ids (+ labels or loss_mask)
 
 
+class TextSplit(str, enum.Enum):
+    """What one document (one record, ``{"text": ...}``) of a ``.txt`` input is."""
+
+    LINE = "line"  #: every line (a blank line is a blank_text dead letter)
+    PARAGRAPH = "paragraph"  #: each run of non-blank lines (blank lines separate documents)
+    FILE = "file"  #: the whole file
+
+
+class Ids(str, enum.Enum):
+    """What keys a record (its example id: de-duplication, groups, the validation split, dead letters)."""
+
+    AUTO = "auto"  #: the record's own ``id`` field when it has one, else its source and position
+    POSITION = "position"  #: always its source and position; an ``id`` field is kept as metadata, not a key
+
+
 class Preference(str, enum.Enum):
     """Which side of a preference pair (chosen/rejected) a record trains as SFT."""
 

@@ -1,9 +1,10 @@
 """Input files: the kind a name says, the one checked open, decompression, and bytes in blocks.
 
-An input's kind comes from its name (:data:`SUPPORTED`): JSONL (``.jsonl``, ``.ndjson``) and JSON
-arrays (``.json``), plain or compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet and Arrow; a
-Hugging Face ``save_to_disk`` folder is known by its ``state.json`` or ``dataset_dict.json``. Every
-file is opened through :func:`packers.files.open_checked`.
+An input's kind comes from its name (:data:`SUPPORTED`): JSONL (``.jsonl``, ``.ndjson``), JSON
+arrays (``.json``), CSV (``.csv``), TSV (``.tsv``) and plain text (``.txt``), plain or compressed
+(``.gz``, ``.zst``, ``.xz``, ``.bz2``), Parquet and Arrow; a Hugging Face ``save_to_disk`` folder is
+known by its ``state.json`` or ``dataset_dict.json``. Every file is opened through
+:func:`packers.files.open_checked`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ from typing import Any, Iterator, Optional
 
 from packers.files import open_checked
 
-_TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_TYPES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".txt": "text",
+          ".parquet": "parquet", ".arrow": "arrow"}
 """File name endings -> input kind (the one table; everything else is derived from it)."""
 COMPRESSIONS = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh"}
-"""Compressions of JSONL and JSON inputs -> the magic bytes their streams start with."""
+"""Compressions of the text inputs (JSONL, JSON, CSV, TSV, plain text) -> the magic bytes their streams start with."""
 CODEC = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}
-_COMPRESSIBLE = ("jsonl", "json")
+_COMPRESSIBLE = ("jsonl", "json", "csv", "tsv", "text")
 SUPPORTED = tuple(ext + c for ext, kind in _TYPES.items() for c in ("", *(COMPRESSIONS if kind in _COMPRESSIBLE else ())))
+OTHER_FORMATS = {".xlsx": "save it as CSV (File > Save As > .csv)", ".xls": "save it as CSV (File > Save As > .csv)",
+                 ".ods": "save it as CSV (File > Save As > .csv)"}
+"""Data formats packstream does not read, and how to make one it reads."""
 OTHER_COMPRESSIONS = {".lz4": "lz4 -d", ".zip": "unzip", ".snappy": "a Snappy tool", ".br": "brotli -d",
                        ".zz": "a zlib tool", ".lzma": "xz -d", ".z": "uncompress", ".tar": "tar -xf", ".tgz": "tar -xzf",
                        ".7z": "7z x", ".rar": "unrar x"}
@@ -35,10 +40,12 @@ class InputFile:
     path: str
     source: str
     """Short, stable name used in example ids and dead letters (path relative to the common root)."""
-    kind: str  # jsonl | json | parquet | arrow | hf_disk
+    kind: str  # jsonl | json | csv | tsv | text | parquet | arrow | hf_disk
     split: str = ""
     dataset: int = 0
     """Index of the data set (``PackOptions.datasets()``) whose format options apply."""
+    text_split: str = ""
+    """A ``text`` input: its data set's ``--text-split`` (``line``, ``paragraph``, ``file``); "" for other kinds."""
 
 
 def open_raw(path: str):
@@ -55,7 +62,7 @@ def _beam_open(path: str):
 
 
 def compression(path: str) -> Optional[str]:
-    """The compression suffix of a JSONL or JSON input (``.gz``, ``.zst``, ``.xz``, ``.bz2``), or None."""
+    """The compression suffix of a JSONL, JSON, CSV, TSV or text input (``.gz``, ``.zst``, ``.xz``, ``.bz2``), or None."""
     low = path.lower()
     for c in COMPRESSIONS:
         if low.endswith(c) and _TYPES.get(posixpath.splitext(low[: -len(c)])[1]) in _COMPRESSIBLE:
@@ -66,8 +73,8 @@ def compression(path: str) -> Optional[str]:
 def file_kind(path: str) -> str | None:
     """The input kind a file name says (``data.jsonl.zst``: jsonl), or None.
 
-    >>> [file_kind(p) for p in ("a/b.ndjson.zst", "b.JSON.bz2", "b.parquet", "b.parquet.gz", "b.jsonl.lz4")]
-    ['jsonl', 'json', 'parquet', None, None]
+    >>> [file_kind(p) for p in ("a/b.ndjson.zst", "b.JSON.bz2", "b.parquet", "b.parquet.gz", "b.jsonl.lz4", "t.tsv.gz")]
+    ['jsonl', 'json', 'parquet', None, None, 'tsv']
     """
     low = path.lower()
     c = compression(low)
@@ -77,26 +84,32 @@ def file_kind(path: str) -> str | None:
 def supported_text() -> str:
     """The supported inputs, for messages."""
     plain = ", ".join(ext for ext in _TYPES)
-    return (f"{plain} (JSONL and JSON also compressed: {', '.join(COMPRESSIONS)}), or a datasets save_to_disk folder")
+    return (f"{plain} (all but Parquet and Arrow also compressed: {', '.join(COMPRESSIONS)}), or a datasets "
+            "save_to_disk folder")
 
 
 def looks_like_data(name: str) -> bool:
     """A file name that says data packstream does not read (``a.jsonl.lz4``, ``shard.parquet.gz``, ``data.zip``):
-    a folder holding one is noted, never skipped in silence."""
+    a folder holding one is noted, never skipped in silence. A ``.txt.`` name (``notes.txt.bak``) is not data."""
     low = name.lower()
-    return low.endswith(tuple(OTHER_COMPRESSIONS)) or any(f"{ext}." in low for ext in _TYPES)
+    return low.endswith(tuple(OTHER_COMPRESSIONS) + tuple(OTHER_FORMATS)) or any(
+        f"{ext}." in low for ext, kind in _TYPES.items() if kind != "text")
 
 
 def fix_for(paths: list[str]) -> str:
-    """What to do about files no reader supports: the command that undoes a compression packstream does not
-    read, else a rename."""
+    """What to do about files no reader supports: how to make a spreadsheet a CSV, the command that undoes a
+    compression packstream does not read, else a rename."""
     for p in paths:
         low = p.lower()
+        for ext, how in OTHER_FORMATS.items():
+            if low.endswith(ext):
+                return f"packstream does not read {ext} files: {how}"
         for ext, command in OTHER_COMPRESSIONS.items():
             if low.endswith(ext):
                 return (f"packstream does not read {ext} files: decompress them first ({command}), or recompress "
-                        "JSONL/JSON as .zst, .gz, .xz or .bz2")
-    return "name each file for its type (data.jsonl for JSON lines, data.json for a JSON array, data.parquet, ...)"
+                        "the file as .zst, .gz, .xz or .bz2")
+    return ("name each file for its type (data.jsonl for JSON lines, data.json for a JSON array, data.csv, data.txt "
+            "for plain text, data.parquet, ...)")
 
 
 def is_hf_disk(path: str) -> bool:

@@ -19,6 +19,7 @@ from pipeline._read._files import (
     CODEC, COMPRESSIONS, InputFile, compression, file_kind, fix_for, is_hf_disk, looks_like_data, open_bytes, open_raw,
     read_blocks, supported_text,
 )
+from pipeline._read._csv import csv_header
 from pipeline._read._json import json_texts
 
 
@@ -50,6 +51,10 @@ def _sniff(path: str, kind: str) -> None:
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
         raise PackstreamError(f"input {path} has extension .arrow but is not an Arrow IPC file (starts with {head[:8]!r})")
+    if kind in ("csv", "tsv", "text") and not head.lstrip(b"\xef\xbb\xbf \t\r\n"):
+        raise PackstreamError(f"input {show_path(path)} holds only whitespace; remove it from the inputs")
+    if kind in ("csv", "tsv"):
+        csv_header(InputFile(path, path, kind), 2**24)  # a header that cannot key records: one error line
     if kind in ("jsonl", "json"):
         stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
         if not stripped:
@@ -110,7 +115,25 @@ def skip_reason(name: str) -> str:
     the manifest's ``inputs_skipped``, so every file of a folder is packed or accounted for (issue 35)."""
     ext = posixpath.splitext(name)[1].lower()
     said = f"{ext} is not" if ext else "a name without an extension is not"
-    return f"skipped: {said} a supported input format (JSONL, JSON, Parquet, Arrow)"
+    return f"skipped: {said} a supported input format (JSONL, JSON, CSV, TSV, text, Parquet, Arrow)"
+
+
+TEXT_SKIPPED = ("skipped: a .txt file beside other data is taken for notes, not read; name it, or a glob such as "
+                "'DIR/*.txt', as an input to read it as text")
+"""Why a ``.txt`` file of a folder or glob that also holds other data (README.txt beside JSONL) is not read."""
+
+
+def _text_beside_data(pattern: str, usable: list[tuple[str, str]]) -> list[str]:
+    """The ``.txt`` files of a folder or glob input that also holds data of another kind (a README.txt, a
+    LICENSE.txt, notes beside JSONL): not read, but listed as skipped (:data:`TEXT_SKIPPED`). A ``.txt`` file is
+    read when the input names it, when a glob names ``.txt`` files (``*.txt``, ``**/*.txt.gz``), or when the
+    folder holds text files only."""
+    if not any(k == "text" for _, k in usable) or all(k == "text" for _, k in usable):
+        return []
+    base = posixpath.basename(pattern.rstrip("/")).lower()
+    if file_kind(base) == "text":  # the file itself, or a glob of .txt names
+        return []
+    return [p for p, k in usable if k == "text"]
 
 
 def _local_matches(pattern: str, skipped: "list[str] | None" = None) -> list[str]:
@@ -193,15 +216,18 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
                 shown = ", ".join(show_path(posixpath.basename(p)) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
                 raise PackstreamError(f"input {show_path(pattern)} matches no supported file ({shown}); supported: "
                                       f"{supported_text()}; {fix_for(skipped)}")
+            notes_txt = _text_beside_data(pattern, usable)
+            usable = [(p, k) for p, k in usable if p not in notes_txt]
             unread = [p for p in skipped if looks_like_data(posixpath.basename(p))]
             if unread:  # data no reader supports is refused, never skipped in silence
                 shown = ", ".join(show_path(posixpath.basename(p)) for p in unread[:3]) + (", ..." if len(unread) > 3 else "")
                 raise PackstreamError(f"input {show_path(pattern)} holds {len(unread)} file(s) no reader supports "
                                       f"({shown}); {fix_for(unread)}, or name only the files to read")
             root = _pattern_root(pattern, remote)
-            for p in left + skipped:  # a folder's other files, or a glob's: said, never skipped in silence
+            for p in left + skipped + notes_txt:  # a folder's other files, or a glob's: said, never skipped in silence
                 source = p[len(root):].lstrip("/") if p.startswith(root) else p
-                not_read.setdefault(p, Skipped(p, source, skip_reason(posixpath.basename(p))))
+                why = TEXT_SKIPPED if p in notes_txt else skip_reason(posixpath.basename(p))
+                not_read.setdefault(p, Skipped(p, source, why))
             for p, k in usable:
                 check_utf8_name(p, "input")
                 if not remote and k != "hf_disk":
@@ -231,7 +257,8 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
         if k == "hf_disk":
             out.extend(_hf_splits(p, source, d, datasets[d].split))
         else:
-            out.append(InputFile(p, source, k, dataset=d))
+            split = datasets[d].format.text_split.value if k == "text" else ""
+            out.append(InputFile(p, source, k, dataset=d, text_split=split))
     return out, notes, [not_read[p] for p in sorted(not_read)]
 
 

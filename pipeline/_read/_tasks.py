@@ -1,6 +1,8 @@
 """Read tasks: pieces of the inputs that workers read, their sizes, and the records of each.
 
-Positions: 1-based line numbers for JSONL, 0-based row indices for everything else. A record that
+Positions: 1-based line numbers for JSONL and text, spreadsheet row numbers for CSV/TSV (the header is
+row 1), 0-based row indices for everything else. A CSV/TSV or text file is one task: a quoted cell may
+hold line ends, so no byte cut is safe without parsing from the start. A record that
 cannot even be parsed comes out as a :class:`~pipeline._formats.Rejected`; a file that breaks off
 mid-way raises :class:`CorruptInput`.
 """
@@ -13,8 +15,10 @@ import zlib
 from typing import Any, Iterator, Optional
 
 from packers import PackstreamError
+from pipeline._read._csv import csv_count, csv_records
 from pipeline._read._files import InputFile, compression, hf_dataset, open_bytes, open_raw, read_blocks
 from pipeline._read._json import json_records, json_texts, jsonl_records
+from pipeline._read._text import text_count, text_records
 from pipeline._read._lines import line_ends
 from pipeline._read._tables import table_batches
 
@@ -150,6 +154,10 @@ def count_records(f: InputFile) -> int:
         return len(hf_dataset(f))
     if f.kind == "json":
         return sum(1 for _ in json_texts(f, 2**31 - 1))  # split, not parsed
+    if f.kind in ("csv", "tsv"):
+        return csv_count(f, 16 * 2**20)  # parsed, not decoded
+    if f.kind == "text":
+        return text_count(f, 16 * 2**20)
     return sum(1 for _ in read_file(f, 2**31 - 1))
 
 
@@ -186,6 +194,10 @@ def read_task(t: ReadTask, max_bytes: int) -> Iterator[tuple[int, Any]]:
             records = jsonl_records(f, max_bytes, t.start, t.stop, t.first)
         elif f.kind == "json":
             records = json_records(f, max_bytes)
+        elif f.kind in ("csv", "tsv"):
+            records = csv_records(f, max_bytes)
+        elif f.kind == "text":
+            records = text_records(f, max_bytes)
         else:
             records = enumerate((row for rows in table_batches(f, max_bytes, t.start, t.stop) for row in rows), start=t.start)
         for position, record in records:
