@@ -41,6 +41,45 @@ def _fresh_guard_budget():
         guard.GUARD.budget = 0
 
 
+# -- signals: a suite started under nohup or as a background job ----------------------------------------------------
+# `nohup pytest &` (or `pytest &` from a script) starts the suite with SIGINT and SIGHUP ignored, and every process
+# it spawns inherits that: packstream rightly leaves an ignored signal ignored (pipeline._workers.signals), so the
+# tests that interrupt a run would see nothing happen. Those tests take `default_signals`: for their duration the
+# handled signals that are ignored get their default disposition back (SIGINT: KeyboardInterrupt), in this process
+# and so in the children it starts; the header of the run says when that happens.
+
+HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def ignored_signals() -> list[str]:
+    import signal
+
+    return [name for name in HANDLED_SIGNALS if signal.getsignal(getattr(signal, name)) is signal.SIG_IGN]
+
+
+def pytest_report_header(config):
+    ignored = ignored_signals()
+    if ignored:
+        return (f"signals: {', '.join(ignored)} ignored by whoever started the suite (nohup, a background job); the "
+                "interruption tests give them their default disposition for their own duration (tests/conftest.py)")
+    return None
+
+
+@pytest.fixture
+def default_signals():
+    """The handled signals that are ignored get their default disposition for this test (see above)."""
+    import signal
+
+    saved = {}
+    for name in ignored_signals():
+        signum = getattr(signal, name)
+        saved[signum] = signal.getsignal(signum)
+        signal.signal(signum, signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     return shared_data()
@@ -107,6 +146,7 @@ SLOW_CASES = (
     "tests/test_inputs.py::test_fuzz_",
     "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
     "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
+    "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",
 )
 

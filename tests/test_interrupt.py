@@ -38,6 +38,8 @@ import packers
 from pipeline.cli import bundled_sample, main
 from tests._internals import signals
 
+pytestmark = pytest.mark.usefixtures("default_signals")  # signals ignored by nohup: tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["-q", "--max-tokens", "256", "--group-size", "16", "--num-shards", "3", "--batch-size", "8",
         "--validation-fraction", "0.2"]

@@ -19,6 +19,8 @@ from packers import PackstreamError
 from pipeline.cli import main
 from tests._internals import _job, _read, _sink
 
+pytestmark = pytest.mark.usefixtures("default_signals")  # signals ignored by nohup: tests/conftest.py
+
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 
 

@@ -17,6 +17,8 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from tests._internals import _job, interrupted_message, signals
 
+pytestmark = pytest.mark.usefixtures("default_signals")  # signals ignored by nohup: tests/conftest.py
+
 SIGNALS = ("INT", "TERM", "HUP")
 
 
@@ -65,3 +67,27 @@ def test_an_interrupted_run_says_what_its_folder_holds(state, words, monkeypatch
     monkeypatch.setattr(_job, "launch", interrupted_run)
     r = CliRunner().invoke(main, ["pack", "-o", str(tmp_path / "out")])
     assert r.exit_code == 143 and r.stderr == f"error: {line}\n", r.output
+
+
+def test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored(tmp_path):
+    """``nohup pytest &``: the suite starts with SIGINT and SIGHUP ignored, inherited by everything it spawns. The
+    interruption tests give them back their default for their own duration (tests/conftest.py), and the run's
+    header says so; without that, every case that sends SIGINT or SIGHUP saw nothing happen."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def as_nohup():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+         "tests/test_signals.py::test_a_signal_maps_to_its_exit_code_and_one_line", "tests/test_interrupt.py::test_a_signal_in_every_phase[spill-INT-2-launcher]",
+         "tests/test_interrupt.py::test_a_signal_in_every_phase[encode-HUP-1-launcher]",
+         "tests/test_interrupt.py::test_a_signal_in_every_phase[commit-INT-1-group]"],
+        cwd=root, preexec_fn=as_nohup, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "signals: SIGINT, SIGHUP ignored by whoever started the suite" in proc.stdout
+    assert "6 passed" in proc.stdout, proc.stdout[-2000:]
