@@ -43,6 +43,41 @@ def one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def split_remedy(detail: str) -> tuple[str, str]:
+    """A refusal's detail as (what was found, what to do): split at its first ``; `` outside brackets, the
+    convention every refusal follows (``keys [...] match no format (...); read it with --field ...``). The
+    remedy is ``""`` when the detail names none.
+
+    >>> split_remedy("2731 tokens > budget 2048 (--long drop; default); use --long split or a larger --max-tokens")
+    ('2731 tokens > budget 2048 (--long drop; default)', 'use --long split or a larger --max-tokens')
+    >>> split_remedy("the record renders to no tokens")
+    ('the record renders to no tokens', '')
+    """
+    depth = 0
+    for i, ch in enumerate(detail):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == ";" and depth == 0 and detail[i + 1:i + 2] == " ":
+            return detail[:i], detail[i + 2:]
+    return detail, ""
+
+
+def with_whole_remedy(detail: str, limit: int = 160) -> str:
+    """``detail`` on one line within ``limit`` characters, shortening only what was found: the remedy is never cut
+    (a long one is shown whole, past the limit), since it is what the reader acts on.
+
+    >>> with_whole_remedy("keys [a, b, c, d] match no format (x, y, z); read it with --field a=user --field b=assistant",
+    ...                   limit=70)
+    'keys [a, b, c, d] match…; read it with --field a=user --field b=assistant'
+    """
+    what, remedy = split_remedy(" ".join(str(detail).split()))
+    if not remedy:
+        return one_line(what, limit)
+    return one_line(what, max(24, limit - len(remedy) - 2)) + "; " + remedy
+
+
 def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
     """The summary's ``tokenizer`` row: the name or path that packed the run, "(the built-in default)" when it is
     the embedded one (easy to miss for a Llama or Qwen user), and its vocabulary's content hash (the first 12 hex
@@ -89,7 +124,7 @@ def summary_table(manifest: dict) -> str:
 
     def case(reason: str) -> str:
         f = first.get(reason)
-        return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(one_line(f['detail']))}" if f else ""
+        return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
 
     lines = [
         ("records read", f"{c['records_read']:,}"

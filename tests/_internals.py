@@ -36,6 +36,7 @@ from pipeline._formats.preference import layout as preference_layout, preference
 from pipeline import _render, _tokenizer
 from pipeline._render import BUILTIN_CHATML, Renderer, merge_runs
 from pipeline._tokenizer import PlainTokenizer, default_tokenizer_path, load_tokenizer, tokenizer_identity
+from pipeline._report import split_remedy, with_whole_remedy
 
 # Encoding and rows: records -> encoded examples -> packed rows.
 from pipeline import _rows

@@ -23,6 +23,7 @@ from pipeline import _output, _trace, _write
 from pipeline._exit import ExitCode
 from pipeline._job._context import RunContext
 from pipeline._job._counts import count, reconcile, top_reasons
+from pipeline._report import split_remedy
 from pipeline._job._outputs import Failure, Flags, Rejects, Stats, Written, cannot_write
 from pipeline._sink import Site
 from pipeline._workers import signals
@@ -141,14 +142,28 @@ def _verdict(ctx: RunContext, counts: dict, failures: list[str]) -> Verdict:
     if counts["examples_packed"] == 0:
         return Verdict.failed(
             f"no example was packed: all {counts['records_read']:,} records were rejected or dropped "
-            f"({top_reasons(counts)}); see {o.output}/rejected.jsonl, or try `packstream preview` on the inputs",
-            ExitCode.REJECTED)
+            f"({top_reasons(counts)}){_top_remedy(counts)}; see {o.output}/rejected.jsonl, or try "
+            "`packstream preview` on the inputs", ExitCode.REJECTED)
     if frac > o.max_reject_fraction:
         return Verdict.failed(
             f"{frac:.1%} of {counts['records_read']:,} records were rejected or dropped ({top_reasons(counts)}), "
-            f"more than --max-reject-fraction {o.max_reject_fraction:.1%}; see {o.output}/rejected.jsonl",
-            ExitCode.REJECTED)
+            f"more than --max-reject-fraction {o.max_reject_fraction:.1%}{_top_remedy(counts)}; see "
+            f"{o.output}/rejected.jsonl", ExitCode.REJECTED)
     return Verdict()
+
+
+def _top_remedy(counts: dict) -> str:
+    """The remedy the most common reason's first case names, whole (``: fix: read it with --field ...``), for the
+    final error line; ``""`` when it names none."""
+    reasons = dict(counts["rejected_by_reason"])
+    if counts["dropped_too_long"]:
+        reasons["too_long"] = counts["dropped_too_long"]
+    first = counts.get("first_rejected", {})
+    for reason, _ in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        if reason in first:
+            remedy = split_remedy(" ".join(str(first[reason]["detail"]).split()))[1]
+            return f"; fix ({reason}, as its first record says): {remedy}" if remedy else ""
+    return ""
 
 
 def commit(output: str, manifest: dict) -> None:
