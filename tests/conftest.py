@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -85,6 +87,30 @@ def shared_data_dir() -> Path:
     return shared_data()
 
 
+def _project_files() -> list[str]:
+    """What a fresh clone holds: tracked and untracked-but-not-ignored files."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout.decode()
+        files = [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but the usual caches
+        skip = ("__pycache__", ".egg-info", ".pytest_cache", ".hypothesis", ".git/", "build/", "dist/", "out/")
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not any(s in str(p.relative_to(ROOT)) + "/" for s in skip)]
+    return files
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A copy of the project as a fresh clone would have it (no build outputs, no egg-info); one per test module
+    (tests/test_packaging.py builds in its own), to be copied before a test writes into it."""
+    dst = tmp_path_factory.mktemp("clone") / "packstream"
+    for f in _project_files():
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dst / f)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory) -> Path:
     """One real ``pack`` output, packed once per session for the tests that edit or abuse a folder
@@ -145,6 +171,7 @@ SLOW_CASES = (
     "tests/test_suggestions.py::test_generated_refusals_print_only_fixes_that_work",
     "tests/test_inputs.py::test_fuzz_",
     "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
+    "tests/test_docs_commands.py::test_documented_commands_run_as_written",  # minutes: every doc's commands
     "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
     "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",

@@ -1,5 +1,5 @@
 """Packaging and deployment: the Docker image's Beam pin, the Flex Template, sdist/wheel, Dataflow's
-``--setup_file`` stager, the dataset card, and the docs/operations.md walkthrough run as written.
+``--setup_file`` stager and the dataset card (the docs' commands run as written: tests/test_docs_commands.py).
 
 Docker cannot run here, so the image files are checked statically.
 """
@@ -144,29 +144,6 @@ def test_flex_launcher_builds_arguments_pack_accepts():
 # Built artifacts: sdist, wheel, and what Dataflow's stager builds from pyproject.toml.
 
 
-def _project_files() -> list[str]:
-    """What a fresh clone holds: tracked and untracked-but-not-ignored files."""
-    try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
-                             capture_output=True, check=True, timeout=60).stdout.decode()
-        files = [f for f in out.split("\0") if f and (ROOT / f).is_file()]
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but the usual caches
-        skip = ("__pycache__", ".egg-info", ".pytest_cache", ".hypothesis", ".git/", "build/", "dist/", "out/")
-        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
-                 and not any(s in str(p.relative_to(ROOT)) + "/" for s in skip)]
-    return files
-
-
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A copy of the project as a fresh clone would have it (no build outputs, no egg-info)."""
-    dst = tmp_path_factory.mktemp("clone") / "packstream"
-    for f in _project_files():
-        (dst / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, dst / f)
-    return dst
-
-
 def _expected(clone: Path) -> set[str]:
     wanted = set()
     for pkg in ("packers", "pipeline"):
@@ -249,33 +226,3 @@ def test_dataset_card_header_is_what_datasets_and_the_hub_read(tmp_path):
     shutil.copytree(out, pushed)
     dd = datasets.load_dataset(str(pushed))
     assert list(dd) == ["train"] and dd["train"].num_rows == rows and dd["train"].features == features
-
-
-# ---------------------------------------------------------------------------------------
-# docs/operations.md, tried as a new user would.
-
-
-def _section(doc: str, heading: str) -> str:
-    start = doc.index(f"\n## {heading}\n")
-    end = doc.find("\n## ", start + 1)
-    return doc[start : end if end > 0 else len(doc)]
-
-
-@pytest.mark.slow  # ~45 s: seven packstream runs, each paying Beam's and the tokenizer's start-up
-def test_run_locally_walkthrough_works_as_written(clone):
-    """Every ```bash block under "Run locally", copy-pasted in order from the clone's root."""
-    doc = (ROOT / "docs" / "operations.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", _section(doc, "Run locally"), re.S)
-    assert len(blocks) >= 4
-    work = clone.parent / "walkthrough"
-    shutil.copytree(clone, work)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for block in blocks:
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=work, env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, f"{block}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
-    assert (work / "out" / "sample" / "manifest.json").exists()
-    assert json.loads((work / "out" / "pack-log.jsonl").read_text().splitlines()[-1])["event"] == "done"
-    assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 3
-    assert sorted(os.listdir(work / "out" / "packed-inspect")) == [  # the marker: inspect owns this folder
-        ".packstream-inspect.json", "example_lengths.png", "examples_per_row.png", "row_fill.png"]
