@@ -289,6 +289,8 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
 
 def _text_below_top(record: dict, note: str) -> bool:
     """Does an ignored field below the top level (``choices[0].index``, ``answers[].arguments``) hold text?"""
+    if note.endswith(".") or ".." in note or ".[" in note:
+        return True  # an empty key below the top level (``prompt.``): no path reaches it; never say it holds nothing
     steps = re.findall(r"\[(-?\d*)(:?)(-?\d*)\]|([^.\[\]]+)", note)
     if len(steps) < 2:
         return False  # a top-level key: named in the detail, counted

@@ -98,7 +98,7 @@ def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
             end += 1
         if o.leading_assistant is LeadingAssistant.DROP:
             _keep_mapped(turns[first:end], "opens the conversation, answering nothing, and would be dropped",
-                         "a (non-empty) user turn before it, or --leading-assistant keep to keep it as context")
+                         "a (non-empty) user turn before it", Fix.of(leading_assistant=LeadingAssistant.KEEP))
             del turns[first:end]
             ctx.note("leading_assistant_dropped", end - first)
         else:
@@ -119,14 +119,19 @@ def _hygiene(turns: list[Turn], ctx: Ctx) -> list[Turn]:
     return turns
 
 
-def _keep_mapped(cut: list[Turn], why: str, needs: str) -> None:
+def _keep_mapped(cut: list[Turn], why: str, needs: str, keep: "Fix | None" = None) -> None:
     """Hygiene cuts turns no mapping named; a turn a ``--field`` named is never cut in silence: the record
-    is refused, naming the field (issue 35: a mapped field lands where it means, or the record says why)."""
+    is refused, naming the field (issue 35: a mapped field lands where it means, or the record says why).
+    ``keep``: the option that would keep the turn instead (as context), carried as the refusal's fix so that
+    it is tried before it is shown."""
     named = next((t for t in cut if t.mapped), None)
     if named is not None:
-        raise Rejected(Reason.MAPPED_FIELD_CUT, f"{named.at} ({named.mapped}) is {'an' if named.role == 'assistant' else 'a'} {named.role} turn that {why}; "
-                                                f"it needs {needs}: give the --field options in turn order (user, "
-                                                "then assistant), or leave this field out")
+        detail = (f"{named.at} ({named.mapped}) is {'an' if named.role == 'assistant' else 'a'} {named.role} turn "
+                  f"that {why}; it needs {needs}: give the --field options in turn order (user, then assistant), or "
+                  "leave this field out")
+        if keep is None:
+            raise Rejected(Reason.MAPPED_FIELD_CUT, detail)
+        raise Rejected(Reason.MAPPED_FIELD_CUT, detail + ", or keep it as context (not trained) with ", keep)
 
 
 def _no_assistant(ctx: Ctx) -> Rejected:

@@ -361,8 +361,8 @@ def _turn_object(m: dict, at: str, ctx: Ctx, used: set) -> Turn:
             elif not _same(v, m[said[0]]):
                 raise Rejected(Reason.AMBIGUOUS_FIELD, f"{at} holds reasoning under both {said[0]!r} and {k!r} "
                                                        f"({_short(m[said[0]])} vs {_short(v)}), and a turn has one "
-                                                       "reasoning: keep one of the two keys in the data (--content-key picks "
-                                                       "the text, not the reasoning)")
+                                                       "reasoning: keep one of the two keys in the data (no option picks one: "
+                                                       "the content key names the text, not the reasoning)")
         reasoning = m[said[0]] if said else None
     ckey = _content_key(m, at, ctx, used, optional=bool(calls) or bool(reasoning))
     c = _content(m.get(ckey) if ckey else None, f"{at}.{ckey or 'content'}", ctx, role,
