@@ -305,6 +305,7 @@ class Progress:
             "output": manifest.get("config", {}).get("output"),
             "shards": len(manifest.get("shards", [])),
             "counts": manifest.get("counts", {}),
+            "run": manifest.get("run"),  # a local run's workers, tokenizer threads and why; null on a cluster
         }
         self.events.append(event)
         self._json(event)

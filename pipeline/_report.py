@@ -98,6 +98,21 @@ def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
     return ("tokenizer", text)
 
 
+def workers_line(manifest: dict) -> "tuple[str, str] | None":
+    """The summary's ``workers`` row: a local run's worker processes x tokenizer threads, and why (the manifest's
+    ``run``, issue 28). ``None`` for a run on a cluster (its runner owns the processes) or an older manifest.
+
+    >>> workers_line({"run": {"workers": 1, "tokenizer_threads": 2, "why": "--workers auto: 2 cores"}})
+    ('workers', '1 x 2 tokenizer threads (--workers auto: 2 cores)')
+    """
+    run = manifest.get("run")
+    if not isinstance(run, dict) or not isinstance(run.get("workers"), int):
+        return None
+    threads = run.get("tokenizer_threads")
+    return ("workers", f"{run['workers']} x {threads} tokenizer thread{'s' if threads != 1 else ''} "
+                       f"({printable(str(run.get('why', '')))})")
+
+
 _TEXT_SPLITS = {"line": "each line one record", "paragraph": "each paragraph (blank lines between) one record",
                 "file": "each file one record"}
 
@@ -189,6 +204,8 @@ def summary_table(manifest: dict) -> str:
     lines += [("input", printable(f"{e['source']} {e['reason']}")) for e in skipped[:8]]
     if len(skipped) > 8:
         lines.append(("input", f"and {len(skipped) - 8} more skipped (the manifest's inputs_skipped)"))
+    if workers_line(manifest) is not None:
+        lines.append(workers_line(manifest))
     if "elapsed_s" in manifest:
         lines.append(("time", f"{manifest['elapsed_s']:.1f} s  ({c['tokens'] / max(manifest['elapsed_s'], 1e-9):,.0f} tokens/s)"))
     return table(lines)

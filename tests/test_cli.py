@@ -296,6 +296,18 @@ def test_the_summary_names_what_each_normalization_note_counts(tmp_path):
         "padding_tokens_removed": 3, "turns_merged": 2}
 
 
+def test_the_summary_names_the_workers_and_why(tmp_path):
+    """Issue 28: --workers auto says what it chose, workers x tokenizer threads and why, in the summary and in the
+    manifest's run."""
+    r = cli("pack", "-o", str(tmp_path / "out"), "--max-tokens", "512")
+    assert r.exit_code == 0, r.output
+    run = json.loads((tmp_path / "out" / "manifest.json").read_text())["run"]
+    assert run["why"].startswith("--workers auto: ") and run["workers"] >= 1 and run["tokenizer_threads"] >= 1
+    threads = f"{run['tokenizer_threads']} tokenizer thread{'s' if run['tokenizer_threads'] != 1 else ''}"
+    assert [line.split(None, 1)[1] for line in r.output.splitlines() if line.startswith("workers ")] == [
+        f"{run['workers']} x {threads} ({run['why']})"]
+
+
 def test_the_summary_names_the_tokenizer(tmp_path):
     """Issue 35: the summary says which tokenizer packed the data. The bundled sample packed with no --tokenizer
     gets the embedded default, said to be the default (a Llama or Qwen user would otherwise miss it), with the

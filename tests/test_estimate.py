@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,9 +26,10 @@ ESTIMATE_KEYS = {
     "schema_version", "inputs", "sampled_records", "records", "not_sampled", "repeated_copies", "rejected",
     "rejected_by_reason", "dropped_too_long", "examples_packed", "truncated_examples", "split_examples",
     "no_target_pieces", "pieces", "tokens", "target_tokens", "rows", "lower_bound", "fill", "examples_per_row",
-    "splits", "output_bytes", "shards", "workers", "local_seconds", "sample_tokens_per_s", "estimate_seconds",
-    "max_tokens", "pairs",
+    "splits", "output_bytes", "shards", "workers", "tokenizer_threads", "workers_why", "local_seconds",
+    "local_seconds_error", "timed_sample", "sample_tokens_per_s", "estimate_seconds", "max_tokens", "pairs",
 }
+TIMED_KEYS = {"records", "seconds", "fixed_s", "read_s", "pack_write_s", "calibration"}
 INPUT_KEYS = {"source", "dataset", "records", "records_exact", "sampled", "mean_tokens"}
 
 
@@ -118,6 +120,9 @@ def test_data_set_weights_and_validation_fraction(tmp_path):
     options = PackOptions(config=load_config(str(cfg), FormatOptions()), output=str(tmp_path / "o"), max_tokens=512,
                           validation_fraction=0.2, group_size=50, num_shards=2)
     e = estimate(options, sample=10_000)
+    timed = estimate(options, sample=10_000, timed_run=run)  # its timed pack: the mix's sample, in a temp folder
+    assert timed["timed_sample"]["records"] > 0 and timed["rows"] == e["rows"] and not (tmp_path / "o").exists()
+    assert e["timed_sample"]["records"] == 0 and "without timed_run" in e["timed_sample"]["why"]
     m = run(options)
     c = m["counts"]
     _same_counts(e, c)
@@ -147,7 +152,12 @@ def test_cli_estimate_json_and_table(tmp_path):
     r = runner.invoke(main, ["pack", "--estimate", "--log-format", "json", "--max-tokens", "512", "--sample", "5"])
     assert r.exit_code == 0, r.output
     e = json.loads(r.stdout)
-    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 3
+    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 4
+    # The run time is calibrated by a timed pack of the sample (issue 28): its parts and the error bound are shown.
+    assert set(e["timed_sample"]) == TIMED_KEYS and 0 < e["timed_sample"]["records"] <= sum(
+        i["sampled"] for i in e["inputs"])
+    assert e["local_seconds_error"] == 0.25 and e["local_seconds"] > 0
+    assert e["workers"] >= 1 and e["tokenizer_threads"] >= 1 and e["workers_why"].startswith("--workers auto")
     assert {i["source"] for i in e["inputs"]} >= {"alpaca.jsonl", "sharegpt.json"}
     assert all(set(i) == INPUT_KEYS for i in e["inputs"])
     assert all(i["sampled"] <= 5 for i in e["inputs"])
@@ -157,6 +167,8 @@ def test_cli_estimate_json_and_table(tmp_path):
     assert r.exit_code == 0, r.output
     for label in ("records", "tokens", "rows", "fill", "output", "local run time (--workers 2)"):
         assert label in r.stdout
+    assert "(±25%, from a timed " in r.stdout and "-record pack)" in r.stdout
+    assert re.search(r"2 x \d+ tokenizer threads? \(--workers 2: ", r.stdout), r.stdout
     assert "KiB" in r.stdout and not any(f" {u} " in r.stdout + " " for u in ("KB", "MB", "GB"))
     assert not (tmp_path / "o").exists()
     r = runner.invoke(main, ["pack", "--max-tokens", "512"])
@@ -213,8 +225,10 @@ def test_seeks_that_land_in_one_long_line_sample_distinct_places(tmp_path, monke
     (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     monkeypatch.setattr(_sample, "WHOLE_JSONL_BYTES", 1000)
     f = expand_inputs((str(tmp_path / "long.jsonl"),))[0]
-    s = sample(f, 100, 2**24)
-    positions = [p for p, _ in s.items]
-    assert s.records == 40 and len(positions) > 40 and positions == sorted(set(positions))  # lines taken twice
+    items, records, _ = _sample._seek_lines(f, 100, 2**24, (tmp_path / "long.jsonl").stat().st_size)  # remote files
+    positions = [p for p, _ in items]
+    assert records == 40 and len(positions) > 40 and positions == sorted(set(positions))  # lines taken twice
+    s = sample(f, 100, 2**24)  # a local file: evenly spaced lines of its two passes, each once
+    assert s.records == 40 and [p for p, _ in s.items] == list(range(1, 41))
     e = estimate(PackOptions(inputs=(str(tmp_path),), output=str(tmp_path / "o"), max_tokens=8192), sample=100)
-    assert e["records"] == 40 and e["sampled_records"] == len(positions)
+    assert e["records"] == 40 and e["sampled_records"] == 40

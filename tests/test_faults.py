@@ -34,12 +34,14 @@ from tests._internals import Encoder, _read, _rows, _sink, _spill, _write, verif
 
 def digest(folder) -> dict[str, str]:
     """sha256 of every shard and of rejected.jsonl, plus the manifest minus the output folder
-    (the only option a rerun changes; --overwrite is not recorded)."""
+    (the only option a rerun changes; --overwrite is not recorded) and minus ``run`` (a local run's workers and
+    threads: the retrying runner is not local, so it has none)."""
     folder = Path(folder)
     out = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
            for p in sorted(folder.iterdir()) if p.name.startswith(("train-", "rejected"))}
     m = json.loads((folder / "manifest.json").read_text())
     m["config"].pop("output")
+    m.pop("run", None)
     assert "overwrite" not in m["config"]
     out["manifest.json"] = json.dumps(m, sort_keys=True)
     return out

@@ -150,7 +150,7 @@ def test_two_reasoning_keys_with_different_text_are_ambiguous():
     with pytest.raises(Rejected) as e:
         normalize(rec, FormatOptions())
     assert e.value.reason is Reason.AMBIGUOUS_FIELD
-    assert "'reasoning_content' and 'thinking'" in e.value.detail and "--content-key" in e.value.detail
+    assert "'reasoning_content' and 'thinking'" in e.value.detail and "keep one of the two keys in the data" in e.value.detail
     rec["messages"][1]["thinking"] = "R1"  # the same reasoning twice: read once
     assert normalize(rec, FormatOptions()).messages[1]["reasoning"] == "R1"
 

@@ -83,6 +83,7 @@ WRITES_ELSEWHERE = {
     "pipeline/_workers/handoff.py": "the warm pool's lock, in the pool's temp folder",
     "pipeline/_workers/signals.py": "stderr to /dev/null, and the test hook's marker file",
     "pipeline/_tools/inspect.py": "inspect's plots, in --plots-dir (not a run's output)",
+    "pipeline/_tools/estimate.py": "the timed sample pack's inputs, in a temporary folder (not a run's output)",
     "packers/_folder.py": "the loader's cache of a remote folder's shards, under cache_dir",
 }
 

@@ -147,6 +147,9 @@ def test_json_log_of_a_real_run_and_output_unchanged(tmp_path, monkeypatch):
     assert {e["stage"] for e in progress} <= {"tokenizing", "packing and writing", "finishing"}
     manifest = json.load(open(tmp_path / "a" / "manifest.json"))
     assert done["event"] == "done" and done["counts"] == manifest["counts"]
+    # Issue 28: the workers x threads the run chose, and why, as data: the manifest's run, the done event's too.
+    assert set(manifest["run"]) == {"workers", "tokenizer_threads", "why"} and done["run"] == manifest["run"]
+    assert manifest["run"]["why"].startswith("--workers auto: ")
     assert done["output"] == str(tmp_path / "a") and done["shards"] == len(manifest["shards"])
     assert {e["records_total"] for e in progress} <= {None, manifest["counts"]["records_read"]}
     # The progress folder (and the outcome file) are gone: nothing leaks into the next run.

@@ -234,6 +234,17 @@ def test_auto_parallelism(cores, size, expected):
     assert p.workers * p.threads <= cores
 
 
+def test_auto_says_why_and_starts_no_worker_without_a_read_task():
+    """Issue 28: the run summary names workers x threads and why; auto starts at most one worker per read task."""
+    p = parallel.choose(0, 0, 1000 * MIB, n_cores=16, read_tasks=lambda n: 3)  # e.g. three gzipped files
+    assert (p.workers, p.threads) == (3, 5) and p.why == "--workers auto: 16 cores, 3 read tasks"
+    assert parallel.choose(0, 0, 9 * MIB, n_cores=16).why == ("--workers auto: 16 cores, a small input (9 MiB: a "
+                                                              "worker per 4 MiB)")
+    assert parallel.choose(2, 0, 0, 2).describe() == "2 x 1 tokenizer thread (--workers 2: 2 cores shared by 2 workers)"
+    assert parallel.choose(0, 0, 1000 * MIB, n_cores=2).to_dict() == {
+        "workers": 1, "tokenizer_threads": 2, "why": "--workers auto: 2 cores, a worker per 2 cores"}
+
+
 def test_given_workers_and_threads_are_kept():
     def pair(*args):
         p = parallel.choose(*args)

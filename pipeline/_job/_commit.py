@@ -233,6 +233,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]
     if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was
         manifest["notes"] = list(ctx.notes)
+    if ctx.parallelism:  # a local run: the workers x threads it ran with and why (issue 28); absent on a cluster
+        manifest["run"] = dict(ctx.parallelism)
     if not verdict.complete:
         manifest.update(error=verdict.error, exit_code=verdict.code)
     return manifest

@@ -68,6 +68,9 @@ class RunContext:
     """A local run watched for progress: the folder its workers count into (:mod:`pipeline._progress`)."""
     outcome: Optional[str] = None
     """A local run: the file where the commit leaves its outcome when the manifest cannot be written."""
+    parallelism: Optional[dict] = None
+    """A local run: its worker processes, tokenizer threads and why (:meth:`pipeline._workers.parallel.Parallelism.
+    to_dict`), the manifest's ``run``; None on a cluster, whose runner owns the processes."""
 
     @property
     def output(self) -> str:

@@ -110,7 +110,8 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
         _check_launch(options, identity, quiet)
     sizes = [_read.input_bytes(f) for f in files]
     inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
-    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size)
+    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size,
+                          read_tasks=lambda n: _read.read_tasks(files, inputs.size, n))
     pipe_opts, runner = pipeline_options(beam_args, par.workers)
     local = runner is not None
     task_bytes, lanes = _read.task_bytes(inputs.size, par.workers if local else None), 0
@@ -122,7 +123,8 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     with _trace.span("launch_context", workers=par.workers, threads=par.threads):
         ctx = decide(options, inputs, run_id, task_bytes, lanes)
     if local:
-        ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"))
+        ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"),
+                                  parallelism=par.to_dict())
     avoid = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
     return Launch(ctx, pipe_opts, runner, par.workers, par.env() if local else {},
                   pipe_opts.view_as(GoogleCloudOptions).template_location, tuple(avoid))

@@ -32,7 +32,7 @@ from pipeline._read._sample import Sample, sample
 from pipeline._read._tables import row_decoder, table_rows
 from pipeline._read._tasks import (
     MIN_TASK_BYTES, TASK_BYTES, TASK_ROWS, TASKS_PER_WORKER, UNKNOWN_WORKERS, CorruptInput, ReadTask, count_records,
-    cut_tasks, expected_records, input_bytes, read_file, read_task, task_bytes, task_count,
+    cut_tasks, expected_records, input_bytes, read_file, read_task, read_tasks, task_bytes, task_count,
 )
 
 __all__ = [
@@ -40,5 +40,5 @@ __all__ = [
     "Skipped", "expand_datasets", "expand_inputs", "csv_header", "csv_records", "text_records", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
     "Sample", "sample", "row_decoder", "table_rows", "MIN_TASK_BYTES", "TASK_BYTES", "TASK_ROWS", "TASKS_PER_WORKER",
     "UNKNOWN_WORKERS", "CorruptInput", "ReadTask", "count_records", "cut_tasks", "expected_records", "input_bytes",
-    "read_file", "read_task", "task_bytes", "task_count",
+    "read_file", "read_task", "read_tasks", "task_bytes", "task_count",
 ]

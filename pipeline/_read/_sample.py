@@ -1,6 +1,7 @@
 """About ``k`` records of one input, spread over all of it, read as the job reads them (``packstream estimate``).
 
-Evenly spaced seeks for a big JSONL file, evenly spaced rows of the row groups of a Parquet file
+Evenly spaced lines of a JSONL file (a big local one read twice: counted, then sampled), evenly spaced seeks
+for a big remote one, evenly spaced rows of the row groups of a Parquet file
 and of a datasets folder, a seeded reservoir for compressed JSONL (no seeking into the stream),
 every record of a small JSONL file, a JSON array or an Arrow file (no seeking; the records at
 evenly spaced places kept in one pass). Records are parsed by the job's own parser and restored by
@@ -88,6 +89,13 @@ def _jsonl(f: InputFile, k: int, max_bytes: int, rng: random.Random) -> tuple[li
     if size <= WHOLE_JSONL_BYTES:
         lines = list(jsonl_texts(f, max_bytes))
         return _parse([lines[i] for i in _evenly(len(lines), k)], max_bytes), len(lines), True
+    if "://" not in f.path:
+        # A local file is counted in one pass anyway; a second takes evenly spaced lines. Seeks would choose lines
+        # by the bytes before them: a file of long and short records in runs would be sampled long (issue 28: the
+        # 6x shared mix's tokens were predicted twice over).
+        n = sum(1 for _ in jsonl_texts(f, max_bytes))
+        wanted = set(_evenly(n, k))
+        return _parse([line for i, line in enumerate(jsonl_texts(f, max_bytes)) if i in wanted], max_bytes), n, True
     return _seek_lines(f, k, max_bytes, size)
 
 

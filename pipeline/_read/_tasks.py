@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from packers import PackstreamError
 from pipeline._read._csv import csv_count, csv_records
@@ -172,6 +172,13 @@ def input_bytes(f: InputFile) -> int:
         return int(FileSystems.match([f.path])[0].metadata_list[0].size_in_bytes)
     except Exception:  # noqa: BLE001 - an unsizable input adds nothing; the reader reports what is wrong with it
         return 0
+
+
+def read_tasks(files: Sequence[InputFile], input_bytes: int, workers: int) -> int:
+    """About how many read tasks a local run on ``workers`` workers cuts ``files`` into (``input_bytes``: their
+    total size), without reading them: what ``--workers auto`` starts at most workers for."""
+    size = task_bytes(input_bytes, workers)
+    return sum(task_count(f, expected_records(f) if f.kind in ("parquet", "hf_disk") else 0, size) for f in files)
 
 
 def expected_records(f: InputFile) -> int:

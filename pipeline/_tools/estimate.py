@@ -20,8 +20,16 @@ and extrapolates::
                     tokens of input bytes, never more than the groups
     output bytes    shards * (an empty shard's bytes) + tokens * (bytes per token of a real shard
                     written from the packed sample, pipeline._write.ShardWriter)
-    local time      startup + tokenizer load + records * measured seconds per record
-                    + Beam's per-record and per-token overhead (calibrated, see _BEAM_*)
+    local time      a timed pack (``timed_run``, the job's own runner with the run's workers and
+                    threads) of ~TIMED_RECORDS sampled records, split by its trace (pipeline._trace)
+                    into a fixed part, read tasks and packing-and-writing:
+                      fixed (start-up, Beam, the commit) + tokenizer load
+                      + read tasks: sum_f N_f * (f's sampled seconds per record) * calibration,
+                        spread over the workers; calibration = the timed pack's read-task seconds /
+                        the same records' seconds in the sample (Beam's per-record cost, the load)
+                      + packing and writing: the timed pack's, per token
+                    Without ``timed_run`` (the library call), the sample's seconds per record plus
+                    fixed guesses (_UNTIMED_*), with no error bound.
 
 Sizes are computed in bytes and shown in binary units (KiB, MiB, GiB: powers of 1024).
 Duplicate ids are not detected from a sample; the prediction assumes none.
@@ -33,7 +41,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -48,13 +56,19 @@ from pipeline._options import PackMode, PackOptions
 
 _SIM_CAP = 1_000_000
 """Most lengths simulated by packers.pack; beyond it, rows are scaled from the simulation."""
-# Beam's cost on top of the functions timed on the sample, fitted to local FnApiRunner runs
-# (--workers 1) on ../shared/data (17k records, 3.4M tokens, 9-13 s on 2 busy cores): start-up,
-# moving record chunks between steps, and grouping, packing, assembling and writing per token.
-_BEAM_STARTUP_S = 2.0
-_BEAM_PER_RECORD_S = 30e-6
-_BEAM_PER_TOKEN_S = 0.2e-6
-ESTIMATE_SCHEMA_VERSION = 3
+TIMED_RECORDS = 2000
+"""Records of the timed sample pack, spread over the inputs by their record counts: ~1-2 s of read tasks on
+2 cores, long enough to measure the job's per-record cost, short enough for a quick estimate."""
+TIME_ERROR = 0.25
+"""The error bound shown with a run time calibrated by a timed pack: what ``bench/bench_estimate.py`` checks
+(predicted / real within 1 +- this on ../shared/data and 6x the shared mix, 2 cores shared with other work).
+Other load on the machine moves a real run by about as much."""
+# Without a timed pack (estimate() called without timed_run): fixed guesses for Beam's cost on top of the
+# functions timed on the sample (start-up, moving record chunks between steps, packing and writing per token).
+_UNTIMED_STARTUP_S = 2.0
+_UNTIMED_PER_RECORD_S = 30e-6
+_UNTIMED_PER_TOKEN_S = 0.2e-6
+ESTIMATE_SCHEMA_VERSION = 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,14 +198,17 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
     return float(empty), (desc["bytes"] - empty) / desc["tokens"]
 
 
-def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
+def estimate(options: PackOptions, *, sample: int = 1000,
+             timed_run: Optional[Callable[[PackOptions], dict]] = None) -> dict[str, Any]:
     """Predict rows, fill, tokens, output size and the local run time of ``packstream pack``.
 
     Every data set of ``options`` counts with its weight (a fraction samples, an integer repeats),
     and ``--validation-fraction`` splits the rows and shards. Returns a JSON-ready dict (keys
     documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers`` and
     ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted
-    local run time.
+    local run time. ``timed_run`` (the job's launcher, which the tools do not import: the command passes it)
+    packs ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to measure the run time's
+    fixed and per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
     """
     from pipeline._encode import Encoder
     from pipeline._tokenizer import tokenizer_identity
@@ -200,7 +217,8 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
     specs = options.datasets()
     files = _read.expand_datasets(specs)[0]
     input_bytes = sum(_read.input_bytes(f) for f in files)
-    par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes)
+    par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes,
+                           read_tasks=lambda n: _read.read_tasks(files, input_bytes, n))  # as pack chooses
     t = time.perf_counter()
     encoder = Encoder(options)  # loads the tokenizer (once per process)
     tokenizer_s = time.perf_counter() - t
@@ -223,6 +241,7 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
     empty, per_token = _shard_bytes(_rows.ExampleBatch.concat([e.batch for e in encoded]), options, identity,
                                     encoder.eos_id)
     sample_s = sum(e.seconds_per_record * len(e.sample.items) for e in encoded)
+    local_s, timed = _run_time(encoded, options, par, (input_bytes, tokenizer_s, tokens), timed_run)
     return {
         "schema_version": ESTIMATE_SCHEMA_VERSION,
         "inputs": [_input_report(e, specs) for e in encoded],
@@ -248,7 +267,11 @@ def estimate(options: PackOptions, *, sample: int = 1000) -> dict[str, Any]:
         "output_bytes": int(round(n_shards * empty + tokens * per_token)),
         "shards": n_shards,
         "workers": par.workers,
-        "local_seconds": round(_local_seconds(encoded, par, input_bytes, tokenizer_s, tokens), 1),
+        "tokenizer_threads": par.threads,
+        "workers_why": par.why,
+        "local_seconds": round(local_s, 1),
+        "local_seconds_error": TIME_ERROR if timed["records"] else None,
+        "timed_sample": timed,
         "sample_tokens_per_s": round(sum(e.batch.num_tokens for e in encoded) / max(1e-9, sample_s), 1),
         "estimate_seconds": round(time.perf_counter() - started, 2),
         "max_tokens": budget,
@@ -292,19 +315,132 @@ def _split(encoded: list[_Encoded], split: str, options: PackOptions, groups: in
             "pieces": int(round(pieces)), "lower_bound": lower, "shards": shards}
 
 
-def _local_seconds(encoded: list[_Encoded], par, input_bytes: int, tokenizer_s: float, tokens: int) -> float:
-    """The local run time: reading and encoding spread over the workers (at most one per read task). The sample
-    was timed here with this process's tokenizer threads; the run has workers x threads of them."""
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    """A short real pack of sampled records (:func:`_timed_pack`), its wall time split by its trace."""
+
+    records: int
+    """Records the timed pack read."""
+    tokens: int
+    seconds: float
+    """Its wall time from the launch to the commit, as ``pack``'s summary times a run."""
+    read_s: float
+    """Seconds in read tasks (reading, parsing, encoding: ``encode_task`` spans), summed over the workers."""
+    read_wall_s: float
+    """From the first read task's start to the last one's end."""
+    pack_write_s: float
+    """From the first group packed to the last shard written."""
+    sampled_s: float
+    """The same records' seconds in the sample (:attr:`_Encoded.seconds_per_record`, this process)."""
+
+    @property
+    def fixed_s(self) -> float:
+        """Start-up, Beam's stages, the commit: the part of the run that does not grow with the input."""
+        return max(0.0, self.seconds - self.read_wall_s - self.pack_write_s)
+
+    @property
+    def calibration(self) -> float:
+        """A record's seconds in the job's read tasks / in the sample: Beam's per-record cost, the threads."""
+        return self.read_s / self.sampled_s if self.sampled_s > 0 else 1.0
+
+    def report(self) -> dict[str, Any]:
+        return {"records": self.records, "seconds": round(self.seconds, 2), "fixed_s": round(self.fixed_s, 2),
+                "read_s": round(self.read_s, 2), "pack_write_s": round(self.pack_write_s, 2),
+                "calibration": round(self.calibration, 3)}
+
+
+def _timed_pack(encoded: list[_Encoded], options: PackOptions, par, timed_run: Callable[[PackOptions], dict],
+                k: int = TIMED_RECORDS) -> _Timing:
+    """Pack ~``k`` of the sampled records (each input's share by its record count, evenly spaced), as JSONL in a
+    temporary folder, with ``timed_run`` and the full run's workers and threads, traced (:mod:`pipeline._trace`).
+    Nothing goes to ``--output``. Raises PackstreamError (the pack failed) or TypeError (a record JSON cannot hold)."""
+    import json
+    import tempfile
+
+    from pipeline import _trace
+
+    total = max(1, sum(e.sample.records for e in encoded))
+    with tempfile.TemporaryDirectory(prefix="packstream-estimate-") as tmp:
+        paths: dict[int, list[str]] = {}
+        sampled_s = 0.0
+        for i, e in enumerate(encoded):
+            good = [rec for _, rec in e.sample.items if isinstance(rec, dict)]  # not the sample's unreadable lines
+            n = min(len(good), max(1, round(k * e.sample.records / total)))
+            if not n:
+                continue
+            path = os.path.join(tmp, f"{i:04d}-{os.path.basename(e.sample.file.path)}.jsonl")
+            with open(path, "w", encoding="utf-8") as out:
+                out.writelines(json.dumps(good[j * len(good) // n], ensure_ascii=False) + "\n" for j in range(n))
+            paths.setdefault(e.sample.file.dataset, []).append(path)
+            sampled_s += n * e.seconds_per_record
+        specs = options.datasets()
+        config = tuple(dataclasses.replace(specs[d], paths=tuple(p), split=None) for d, p in sorted(paths.items()))
+        timed = dataclasses.replace(
+            options, output=os.path.join(tmp, "out"), overwrite=False, workers=par.workers,
+            tokenizer_threads=par.threads, force_workers=True,
+            **({"config": config} if options.config else {"inputs": tuple(p for ps in paths.values() for p in ps)}))
+        trace = os.path.join(tmp, "trace")
+        os.mkdir(trace)
+        saved = os.environ.get(_trace.ENV)
+        os.environ[_trace.ENV] = trace  # every process of the run (forked workers inherit it) writes its spans
+        try:
+            started = time.perf_counter()
+            manifest = timed_run(timed)
+            seconds = manifest.get("elapsed_s", time.perf_counter() - started)
+        finally:
+            if saved is None:
+                os.environ.pop(_trace.ENV, None)
+            else:
+                os.environ[_trace.ENV] = saved
+        spans = _trace.read(trace)
+
+    def phase(*names: str) -> tuple[float, float]:
+        mine = [s for s in spans if s["span"] in names]
+        if not mine:
+            return 0.0, 0.0
+        return sum(s["wall"] for s in mine), max(s["start"] + s["wall"] for s in mine) - min(s["start"] for s in mine)
+
+    read_s, read_wall = phase("encode_task")
+    c = manifest["counts"]
+    return _Timing(c["records_read"], c["tokens"], float(seconds), read_s, read_wall,
+                   phase("pack_group", "write_shard")[1], sampled_s)
+
+
+def _run_time(encoded: list[_Encoded], options: PackOptions, par, sizes: tuple[int, float, int],
+              timed_run: Optional[Callable[[PackOptions], dict]]) -> tuple[float, dict[str, Any]]:
+    """The predicted local run time and the report's ``timed_sample`` (``records`` 0 and ``why`` when there is
+    none). ``sizes``: the input's bytes, the tokenizer's load seconds, the predicted tokens."""
+    timing, why = None, "no timed pack (estimate() called without timed_run)"
+    if timed_run is not None:
+        try:
+            timing = _timed_pack(encoded, options, par, timed_run)
+        except (PackstreamError, TypeError, ValueError, OSError) as e:  # the prediction falls back to the sample's
+            why = f"the timed pack failed: {e}"
+    input_bytes, tokenizer_s, tokens = sizes
+    seconds = _local_seconds(encoded, par, input_bytes, tokenizer_s, tokens, timing)
+    return seconds, (timing.report() if timing is not None else {"records": 0, "why": why})
+
+
+def _local_seconds(encoded: list[_Encoded], par, input_bytes: int, tokenizer_s: float, tokens: int,
+                   timing: Optional[_Timing]) -> float:
+    """The local run time: reading and encoding spread over the workers (at most one per read task), plus the fixed
+    part and packing and writing. With ``timing``, each input's sampled seconds per record times the timed pack's
+    calibration are seconds of one worker of this run; without, the sample was timed here with this process's
+    tokenizer threads, and the run has workers x threads of them."""
     workers = par.workers
-    sampled_threads = 1 if os.environ.get(_parallel.PARALLELISM_ENV, "true").lower() == "false" else _parallel.cores()
-    speed = min(workers * par.threads, _parallel.cores()) / sampled_threads
-    per_file_s = [e.sample.records * (e.seconds_per_record + _BEAM_PER_RECORD_S) for e in encoded]
     task_bytes = _read.task_bytes(input_bytes, workers)
     tasks = [_read.task_count(e.sample.file, e.sample.records, task_bytes) for e in encoded]
     parallel = max(1, min(workers, sum(tasks)))
+    if timing is not None:
+        per_file_s = [e.sample.records * e.seconds_per_record * timing.calibration for e in encoded]
+        work = max(sum(per_file_s) / parallel, max((s / n for s, n in zip(per_file_s, tasks)), default=0.0))
+        return timing.fixed_s + tokenizer_s + work + timing.pack_write_s * tokens / max(1, timing.tokens)
+    sampled_threads = 1 if os.environ.get(_parallel.PARALLELISM_ENV, "true").lower() == "false" else _parallel.cores()
+    speed = min(workers * par.threads, _parallel.cores()) / sampled_threads
+    per_file_s = [e.sample.records * (e.seconds_per_record + _UNTIMED_PER_RECORD_S) for e in encoded]
     work = max(sum(per_file_s) / max(speed, 1e-9) * max(1.0, workers / parallel),
                max((s / n * sampled_threads / par.threads for s, n in zip(per_file_s, tasks)), default=0.0))
-    return _BEAM_STARTUP_S + tokenizer_s + work + tokens * _BEAM_PER_TOKEN_S
+    return _UNTIMED_STARTUP_S + tokenizer_s + work + tokens * _UNTIMED_PER_TOKEN_S
 
 
 def _input_report(e: _Encoded, specs) -> dict[str, Any]:
@@ -338,6 +474,14 @@ def _duration(s: float) -> str:
     return f"{h} h {m:02d} min" if h else f"{m} min {sec:02d} s"
 
 
+def _time_basis(e: dict[str, Any]) -> str:
+    """What the run time rests on: a timed pack and its error bound, or why there was none."""
+    t = e["timed_sample"]
+    if not t["records"]:
+        return f"not calibrated: {t['why']}"
+    return f"±{e['local_seconds_error']:.0%}, from a timed {t['records']:,}-record pack"
+
+
 def format_estimate(e: dict[str, Any]) -> str:
     """The estimate as a two-column table, counted like ``pack``'s summary."""
     from pipeline._report import table
@@ -369,6 +513,8 @@ def format_estimate(e: dict[str, Any]) -> str:
                   for name, s in e["splits"].items()]
     lines += [
         ("output", f"~{human_bytes(e['output_bytes'])} in {e['shards']} shard(s)"),
-        (f"local run time (--workers {e['workers']})", f"~{_duration(e['local_seconds'])}"),
+        ("workers", f"{e['workers']} x {e['tokenizer_threads']} tokenizer thread{'s' if e['tokenizer_threads'] != 1 else ''}"
+                    f" ({e['workers_why']})"),
+        (f"local run time (--workers {e['workers']})", f"~{_duration(e['local_seconds'])}  ({_time_basis(e)})"),
     ]
     return table(lines)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 THREADS_ENV = "RAYON_NUM_THREADS"
 """The tokenizers library's thread pool size (Rust rayon), read once when a process first tokenizes."""
@@ -56,10 +56,26 @@ class Parallelism:
     workers: int
     threads: int
     why: str
+    """What was given, or what ``auto`` went by: the cores, and what kept it to fewer workers (a small input,
+    few read tasks)."""
 
     def env(self) -> dict[str, str]:
         """The environment that gives a worker process ``threads`` tokenizer threads."""
         return tokenizer_env(self.threads)
+
+    def describe(self) -> str:
+        """One line for pack's summary and estimate's report.
+
+        >>> choose(0, 0, 2**30, n_cores=2).describe()
+        '1 x 2 tokenizer threads (--workers auto: 2 cores, a worker per 2 cores)'
+        >>> choose(2, 0, 2**30, n_cores=2).describe()
+        '2 x 1 tokenizer thread (--workers 2: 2 cores shared by 2 workers)'
+        """
+        return f"{self.workers} x {self.threads} tokenizer thread{'s' if self.threads != 1 else ''} ({self.why})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``run``: ``workers``, ``tokenizer_threads``, ``why``."""
+        return {"workers": self.workers, "tokenizer_threads": self.threads, "why": self.why}
 
 
 def tokenizer_env(threads: int) -> dict[str, str]:
@@ -67,14 +83,35 @@ def tokenizer_env(threads: int) -> dict[str, str]:
     return {THREADS_ENV: str(threads), PARALLELISM_ENV: "false" if threads == 1 else "true"}
 
 
-def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int] = None) -> Parallelism:
-    """Resolve ``--workers`` and ``--tokenizer-threads`` (0: auto) for a local run over ``input_bytes``."""
+def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int] = None,
+           read_tasks: Optional[Callable[[int], int]] = None) -> Parallelism:
+    """Resolve ``--workers`` and ``--tokenizer-threads`` (0: auto) for a local run over ``input_bytes``.
+
+    ``read_tasks(n)``: about how many read tasks the inputs give ``n`` workers (:func:`pipeline._read.read_tasks`);
+    ``auto`` starts no more workers than that (a worker without a task costs a process and does nothing).
+
+    >>> choose(0, 0, 9 * 2**20, n_cores=16).why
+    '--workers auto: 16 cores, a small input (9 MiB: a worker per 4 MiB)'
+    >>> choose(0, 0, 2**30, n_cores=16, read_tasks=lambda n: 3).describe()
+    '3 x 5 tokenizer threads (--workers auto: 16 cores, 3 read tasks)'
+    """
     c = n_cores or cores()
     if workers and threads:
-        return Parallelism(workers, threads, "as given")
+        return Parallelism(workers, threads, f"--workers {workers} --tokenizer-threads {threads}, as given; {c} cores")
     if workers:
-        return Parallelism(workers, max(1, c // workers), f"{c} cores shared by {workers} workers")
+        return Parallelism(workers, max(1, c // workers), f"--workers {workers}: {c} cores shared by {workers} workers")
+    per = threads or THREADS_PER_WORKER
+    by_cores = max(1, c // per)
     by_size = max(1, int(input_bytes // BYTES_PER_WORKER))
-    n = max(1, min(by_size, c // (threads or THREADS_PER_WORKER)))
-    t = threads or max(1, c // n)
-    return Parallelism(n, t, f"{n} workers x {t} tokenizer threads for {input_bytes / 2**20:,.0f} MiB on {c} cores")
+    n = min(by_size, by_cores)
+    tasks = read_tasks(n) if read_tasks is not None and n > 1 else n
+    why = [f"{c} core{'s' if c != 1 else ''}"]
+    if tasks < n:
+        n = max(1, tasks)
+        why.append(f"{n} read task{'s' if n != 1 else ''}")
+    elif by_size < by_cores:
+        why.append(f"a small input ({input_bytes / 2**20:,.0f} MiB: a worker per {BYTES_PER_WORKER // 2**20} MiB)")
+    elif c >= per:
+        why.append(f"a worker per {per} cores")
+    head = "--workers auto" + (f" --tokenizer-threads {threads}" if threads else "")
+    return Parallelism(n, threads or max(1, c // n), f"{head}: " + ", ".join(why))
