@@ -315,3 +315,19 @@ def test_pack_marked_sides_with_the_printed_fix_filled_in(tmp_path):
                             else (rec["human_ref_B"], rec["human_ref_A"]))
         sides = [r for r in rows if rec["history"] in r["text"]]
         assert [s["trained"].split("<|im_end|>")[0] for s in sides] == [chosen, rejected]
+
+
+def test_scores_kept_as_objects_rank_the_parallel_answers(tmp_path):
+    """Magpie's ``rewards_armorm`` holds one ``{"score": x}`` per answer: a parallel list of scores all the same, read
+    through the one number of each object, suggested and packed as best against worst."""
+    rec = {"instruction": "Suggest a name for a bakery that sells only sourdough bread.",
+           "responses": ["Crumb & Crust", "The Bread Shop", "Wild Rise Bakery", "Bakery"],
+           "rewards_armorm": [{"score": 0.31}, {"score": 0.12}, {"score": 0.77}, {"score": 0.05}]}
+    src = tmp_path / "magpie.jsonl"
+    src.write_text(json.dumps(rec) + "\n")
+    out = cli("preview", str(src), "--no-color")
+    [detail] = [line.strip() for line in out.splitlines() if line.startswith("   keys [")]
+    assert printed_fix(detail) == ["--pairs", "--pair-ranked", "responses/rewards_armorm"]
+    out = cli("preview", str(src), "--no-color", *printed_fix(detail))
+    chosen, rejected = out.split("chosen:")[1].split("rejected:")[:2]
+    assert "[[Wild Rise Bakery" in chosen and "[[Bakery<" in rejected

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from pipeline._formats._base import ID_KEYS
 from pipeline._formats._fix import NAME, ROLE, Fix, Hole
+from pipeline._formats.preference import score_value
 from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
 
 _WORDS = {
@@ -292,7 +293,7 @@ def _scores(record: dict, key: str, v: list, text: Optional[str]) -> Optional[st
     or a number in every item (``completions=completion/score``); None without."""
     if text is None:
         other = next((k for k, s in record.items() if k != key and isinstance(s, list) and len(s) == len(v)
-                      and all(_number(x) for x in s)), None)
+                      and all(_number(score_value(x)) for x in s)), None)
         return None if other is None else f"{key}/{other}"
     common = [k for k in v[0] if k != text and all(isinstance(m, dict) and _number(m.get(k)) for m in v)]
     return None if not common else f"{key}={text}/{common[0]}"

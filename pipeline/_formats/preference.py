@@ -354,12 +354,26 @@ def _ranked_lists(texts: Any, scores: Any, lists: tuple[str, str], o: FormatOpti
             scores, list)) else f"{a} has {len(texts)} items and {b} has {len(scores)}"
         raise Rejected(Reason.BAD_TYPE, f"{said}; --pair-ranked {o.pair_ranked} needs two lists of equal length, the "
                                         "answers and their scores")
-    best, worst = _best_worst(scores, b, "score", o, ignored)
+    best, worst = _best_worst([score_value(s) for s in scores], b, "score", o, ignored)
     ignored[:] = [n for n in ignored if not n.startswith(f"{b}[")]  # scores: counted through their answers
     ignored += [f"{a}[{i}]" for i in range(len(texts)) if i not in (best[0], worst[0])]
     mapping = [f"{a}[{best[0]}] ({b} {_short(best[1])}) -> chosen, {a}[{worst[0]}] ({b} {_short(worst[1])}) -> "
                "rejected"]
     return texts[best[0]], texts[worst[0]], mapping
+
+
+def score_value(item: Any) -> Any:
+    """An item of a list of scores as a number: the item itself, or the one number of an object that holds one
+    (Magpie's ``rewards_armorm: [{"score": 0.12}, ...]``); anything else as it is (unscored, counted).
+
+    >>> score_value(0.5), score_value({"score": 0.25}), score_value({"a": 1, "b": 2}), score_value("N/A")
+    (0.5, 0.25, {'a': 1, 'b': 2}, 'N/A')
+    """
+    if isinstance(item, dict):
+        numbers = [v for v in item.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) == 1:
+            return numbers[0]
+    return item
 
 
 def _best_worst(values: list, path: str, score: str, o: FormatOptions,
