@@ -25,7 +25,7 @@ from pipeline._options import MAX_REPEAT, FormatOptions, TreePaths, load_config
 import pipeline._formats as _formats
 from pipeline._formats import (
     NOTE_KEYS, ORDER, REGISTRY, Conversation, Fix, Hole, Reason, Rejected, _fast, _normalize, conversations, detect,
-    normalize, pair_conversations, parse_path, resolve, tree,
+    normalize, pair_conversations, parse_path, resolve, suggest, tree,
 )
 from pipeline._formats._driver import looks_like_tool_calls, read_as
 from pipeline._formats._fix import KEY, ROLE

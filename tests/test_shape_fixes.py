@@ -331,3 +331,19 @@ def test_scores_kept_as_objects_rank_the_parallel_answers(tmp_path):
     out = cli("preview", str(src), "--no-color", *printed_fix(detail))
     chosen, rejected = out.split("chosen:")[1].split("rejected:")[:2]
     assert "[[Wild Rise Bakery" in chosen and "[[Bakery<" in rejected
+
+
+def test_any_one_character_side_mark_pairs_two_long_answers():
+    """stack-exchange-paired keeps its two answers as response_j (the better) and response_k: the same stem with a
+    one-character mark, two long texts. Short marked fields (multiple-choice distractor1/distractor2) are not sides."""
+    from tests._internals import suggest
+
+    rec = {"qid": 7, "question": "How do I reverse a list in Python without changing the original list?",
+           "response_j": "Use slicing: reversed_copy = items[::-1] makes a new list and leaves items unchanged.",
+           "response_k": "Call items.reverse(); it reverses the list in place and returns None, which is fine."}
+    fix, words = suggest(rec)
+    assert fix.text() == "--pairs --pair-sides response_j,response_k" and "response_j is taken as the chosen" in words
+    quiz = {"question": "Which gas do plants absorb from the air for photosynthesis, mostly through their leaves?",
+            "distractor1": "oxygen", "distractor2": "helium", "correct_answer": "carbon dioxide"}
+    fix, _ = suggest(quiz)
+    assert fix is None or "--pairs" not in fix.text()

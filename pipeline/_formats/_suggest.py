@@ -127,18 +127,16 @@ def _differ_at_end(a: Any, b: Any) -> bool:
     return False
 
 
-_MARKED = re.compile(r"^(?P<stem>.*?)[_\- ]?(?P<mark>[AaBb]|[0-2])$")
-_MARK_PAIRS = ({"a", "b"}, {"0", "1"}, {"1", "2"})
+_MARKED = re.compile(r"^(?P<stem>.*?[^_\- ])[_\- ]?(?P<mark>[A-Za-z0-9])$")
 _WINNER_WORDS = {"label", "labels", "winner", "preference", "preferred", "choice", "better", "best", "chosen",
                  "prefer", "pick", "selected"}
 
 
 def _marked(a: str, b: str) -> bool:
-    """Two keys that differ only by a trailing side mark: ``human_ref_A``/``human_ref_B``, ``response_0``/
-    ``response_1``, ``conversation_a``/``conversation_b``."""
+    """Two keys that differ only by a one-character side mark: ``human_ref_A``/``human_ref_B``, ``response_0``/
+    ``response_1``, ``conversation_a``/``conversation_b``, ``response_j``/``response_k``."""
     ma, mb = _MARKED.match(a), _MARKED.match(b)
-    return bool(ma and mb and ma["stem"] and ma["stem"] == mb["stem"]
-                and {ma["mark"].lower(), mb["mark"].lower()} in _MARK_PAIRS)
+    return bool(ma and mb and ma["stem"] == mb["stem"] and ma["mark"].lower() != mb["mark"].lower())
 
 
 def _marked_extras(record: dict, a: str, b: str) -> tuple[dict[str, Any], str]:
