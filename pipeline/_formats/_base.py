@@ -117,6 +117,21 @@ MISSING = object()
 """What :func:`pipeline._formats._paths.resolve` gives for a path the record does not have."""
 
 
+def text_size(value: Any) -> int:
+    """How much text a value holds: the characters of its strings, stripped, nested in lists and objects (0: none).
+
+    >>> text_size({"a": " hi ", "b": [1, "yes", {"c": ""}]}), text_size([None, "  "])
+    (5, 0)
+    """
+    if isinstance(value, str):
+        return len(value.strip())
+    if isinstance(value, dict):
+        return sum(text_size(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(text_size(v) for v in value)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Words for details.
 

@@ -24,7 +24,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from packers import InternalError, PackstreamError
-from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind, text_size
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
@@ -306,17 +306,7 @@ def _text_below_top(record: dict, note: str) -> bool:
                 b = (int(hi) if hi else None) if colon or not lo else a + 1
                 nxt.extend(v[a:b] if not (lo and not colon and a < 0) else v[a:][:1])
         values = nxt
-    return any(_holds_text(v) for v in values)
-
-
-def _holds_text(value: Any) -> bool:
-    if isinstance(value, str):
-        return bool(value.strip())
-    if isinstance(value, dict):
-        return any(_holds_text(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_holds_text(v) for v in value)
-    return False
+    return any(text_size(v) for v in values)
 
 
 def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from pipeline._formats._base import ID_KEYS
+from pipeline._formats._base import ID_KEYS, text_size
 from pipeline._formats._fix import NAME, ROLE, Fix, Hole
 from pipeline._formats.preference import score_value
 from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
@@ -78,17 +78,6 @@ def role_of(key: str) -> Optional[str]:
 def _words(key: str) -> list[str]:
     """A key's words, lower case: split at ``_``, ``-``, spaces, dots and camelCase humps."""
     return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", key)]
-
-
-def _text(value: Any) -> int:
-    """How much text a value holds (characters of its strings, nested)."""
-    if isinstance(value, str):
-        return len(value.strip())
-    if isinstance(value, dict):
-        return sum(_text(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text(v) for v in value)
-    return 0
 
 
 def _number(x: Any) -> bool:
@@ -146,8 +135,8 @@ def _marked_extras(record: dict, a: str, b: str) -> tuple[dict[str, Any], str]:
     words = ""
     prompt = _prompt_key(record)
     if prompt is None:
-        rest = [k for k, v in record.items() if k not in (a, b) and isinstance(v, str) and _text(v) >= LONG // 2]
-        prompt = max(rest, key=lambda k: _text(record[k]), default=None)
+        rest = [k for k, v in record.items() if k not in (a, b) and isinstance(v, str) and text_size(v) >= LONG // 2]
+        prompt = max(rest, key=lambda k: text_size(record[k]), default=None)
     if prompt is not None and prompt not in PAIR_PROMPTS:
         opts["pair_prompt"] = prompt
         words += f"; {prompt} read as the prompt"
@@ -164,11 +153,11 @@ def _marked_extras(record: dict, a: str, b: str) -> tuple[dict[str, Any], str]:
 
 
 def _pair_sides(record: dict) -> Optional[tuple[Optional[Fix], str]]:
-    keys = [k for k, v in record.items() if _turnish(v) or (isinstance(v, str) and _text(v))]
+    keys = [k for k, v in record.items() if _turnish(v) or (isinstance(v, str) and text_size(v))]
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
             va, vb = record[a], record[b]
-            if _marked(a, b) and type(va) is type(vb) and min(_text(va), _text(vb)) >= LONG // 2:
+            if _marked(a, b) and type(va) is type(vb) and min(text_size(va), text_size(vb)) >= LONG // 2:
                 extras, more = _marked_extras(record, a, b)
                 return (Fix.of(pairs=True, pair_sides=f"{a},{b}", **extras),
                         f" ({a} and {b} look like the two answers of one preference pair{more}; to train one "
@@ -242,8 +231,8 @@ def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
 
 def _prompt_key(record: dict) -> Optional[str]:
     """The user-like string field with the most text."""
-    keys = [k for k, v in record.items() if role_of(k) == "user" and isinstance(v, str) and _text(v)]
-    return max(keys, key=lambda k: _text(record[k]), default=None)
+    keys = [k for k, v in record.items() if role_of(k) == "user" and isinstance(v, str) and text_size(v)]
+    return max(keys, key=lambda k: text_size(record[k]), default=None)
 
 
 def _answer_key(item: dict) -> Optional[str]:
@@ -328,7 +317,7 @@ def _case_copies(record: dict) -> tuple[set[str], str]:
     if not twins:
         return set(), ""
     style = lambda k: k[:1].isupper()  # noqa: E731
-    held = {s: sum(_text(record[k]) for ks in twins for k in ks if style(k) is s) for s in (True, False)}
+    held = {s: sum(text_size(record[k]) for ks in twins for k in ks if style(k) is s) for s in (True, False)}
     keep = held[True] >= held[False]
     left = {k for k in record if style(k) is not keep and role_of(k) is not None}
     words = (f"; {', '.join(sorted(left))}: a shorter copy of the same fields in "
@@ -342,29 +331,29 @@ def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
             and (isinstance(record[k], str) or (role_of(k) == "assistant" and (_number(record[k])
                                                                                or _looks_like_calls(record[k]))))]
     roles = {k: role_of(k) for k in keys}
-    users = [k for k in keys if roles[k] == "user" and _text(record[k])]
+    users = [k for k in keys if roles[k] == "user" and text_size(record[k])]
     exact = [k for k in users if _norm(k) in _WORDS["user"]]
     users = exact or users  # original_question beside query: a copy, not a second user turn
-    answers = sorted((k for k in keys if roles[k] == "assistant"), key=lambda k: -_text(record[k]))
-    thoughts = sorted((k for k in keys if roles[k] == "reasoning"), key=lambda k: -_text(record[k]))
+    answers = sorted((k for k in keys if roles[k] == "assistant"), key=lambda k: -text_size(record[k]))
+    thoughts = sorted((k for k in keys if roles[k] == "reasoning"), key=lambda k: -text_size(record[k]))
     if not answers and thoughts:  # a rationale alone is the answer
         answers, thoughts = thoughts[:1], thoughts[1:]
     if not users or not answers:
         return None
-    if len(answers) > 1 and _text(record[answers[1]]) * 4 > _text(record[answers[0]]) and \
-            _text(record[answers[1]]) >= LONG:
+    if len(answers) > 1 and text_size(record[answers[1]]) * 4 > text_size(record[answers[0]]) and \
+            text_size(record[answers[1]]) >= LONG:
         return None, (f"read it with --field NAME=ROLE per turn: {answers[0]} and {answers[1]} both hold an answer "
-                      f"({_text(record[answers[0]])} and {_text(record[answers[1]])} characters), and training both "
+                      f"({text_size(record[answers[0]])} and {text_size(record[answers[1]])} characters), and training both "
                       "would merge two answers into one turn; map the one to train with --field NAME=assistant")
     unread = [k for k in keys if (roles[k] is None or (roles[k] == "user" and k not in users))
               and isinstance(record[k], str)]
-    longest = max(record, key=lambda k: _text(record[k]))
+    longest = max(record, key=lambda k: text_size(record[k]))
     taken = {*users, answers[0], *thoughts[:1], *left}
-    if longest not in taken and _text(record[longest]) >= max(LONG, _text(record[answers[0]])):
+    if longest not in taken and text_size(record[longest]) >= max(LONG, text_size(record[answers[0]])):
         known = "has a name no role is known for" if role_of(longest) is None else \
-            f"is not a string the guessed answer ({answers[0]}, {_text(record[answers[0]])} characters) could replace"
+            f"is not a string the guessed answer ({answers[0]}, {text_size(record[answers[0]])} characters) could replace"
         return None, (f"read it with --field NAME=ROLE per turn: its longest field, {longest} "
-                      f"({_text(record[longest])} characters), {known}; map it with --field "
+                      f"({text_size(record[longest])} characters), {known}; map it with --field "
                       f"{longest}=ROLE beside the others")
     fields = _system(record) + tuple((k, "user") for k in users)
     fields += ((thoughts[0], "reasoning"),) if thoughts else ()
@@ -373,7 +362,7 @@ def _by_role(record: dict) -> Optional[tuple[Optional[Fix], str]]:
     others = [k for k in answers[1:] + thoughts[1:]]
     if others:
         words += f"; {', '.join(others)}: shorter than {answers[0]}, left as another answer"
-    long_left = [k for k in unread if _text(record[k]) >= LONG]
+    long_left = [k for k in unread if text_size(record[k]) >= LONG]
     if long_left:
         words += f"; {', '.join(long_left)}: long text left unread (add --field NAME=ROLE if it is a turn)"
     return Fix.of(fields=fields), f" ({words[2:]})" if words else ""
