@@ -27,6 +27,7 @@ from packers import InternalError, PackstreamError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind, text_size
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
+from pipeline._formats.fields import marked_roles
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -164,8 +165,6 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
 
 TRANSCRIPT_NOTE = "transcript_as_text:"
 """A note per plain-text field whose text is a transcript of speaker turns: ``transcript_as_text:<field>``."""
-_USER_MARK = re.compile(r"(?:\A|\n)[ \t]*(?:Human|User|USER|### Human|### User):")
-_ASSISTANT_MARK = re.compile(r"(?:\A|\n)[ \t]*(?:Assistant|ASSISTANT|### Assistant):")
 
 
 def _transcript_as_text(options: FormatOptions, convs: Sequence[Conversation]) -> None:
@@ -177,7 +176,7 @@ def _transcript_as_text(options: FormatOptions, convs: Sequence[Conversation]) -
     {'transcript_as_text:text': 1}
     """
     text = convs[0].text if convs else None
-    if text is None or not (_USER_MARK.search(text) and _ASSISTANT_MARK.search(text)):
+    if text is None or not {"user", "assistant"} <= marked_roles(text):
         return
     field = next((path for path, role in options.fields if role == "text"), "text")
     convs[0].notes[f"{TRANSCRIPT_NOTE}{field}"] = 1

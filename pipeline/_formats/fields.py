@@ -61,6 +61,20 @@ def _marker_re(markers: tuple[tuple[str, str], ...], loose: bool) -> re.Pattern:
     return re.compile("|".join(alts))
 
 
+def marked_roles(text: str) -> set[str]:
+    """The roles of the built-in speaker markers the transcript reader finds in ``text`` (word markers at line
+    starts, ``###`` markers anywhere): what ``--field X=transcript`` would read it as.
+
+    >>> sorted(marked_roles("Human: hi\\n\\nAssistant: hello")), marked_roles("Assistant: alone")
+    (['assistant', 'user'], {'assistant'})
+    """
+    markers = dict(_BUILTIN_MARKERS)
+    return {markers[m.group(m.lastgroup)] for m in _marker_re(_BUILTIN_KEY, False).finditer(text)}
+
+
+_BUILTIN_KEY = tuple(sorted(_BUILTIN_MARKERS))
+
+
 def _transcript(value: Any, at: str, ctx: Ctx) -> list[Turn]:
     text = _content(value, at, ctx, "user").text
     markers = _markers(ctx)
