@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pipeline._formats import KTO_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
+from pipeline._formats import FIELD_NOTES, KTO_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
 from pipeline._options import DEFAULT_TOKENIZER
 
 
@@ -163,7 +163,7 @@ def summary_table(manifest: dict) -> str:
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
     as_text = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("tool_calls_as_text:")}
     for k, v in notes.items():
-        if not k.startswith(("ignored_field:", "tool_calls_as_text:", KTO_NOTE, TRANSCRIPT_NOTE)):
+        if not k.startswith(FIELD_NOTES):
             unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
             lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))
     if ignored:

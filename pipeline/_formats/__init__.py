@@ -81,8 +81,12 @@ from pipeline._formats.detect import ORDER, REGISTRY, detect, suggest
 from pipeline._formats.preference import PreferenceTurns, preference_turns
 from pipeline._options import FormatOptions, parse_path
 
+FIELD_NOTES = ("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, TRANSCRIPT_NOTE)
+"""Prefixes of the notes counted per field or label (``ignored_field:meta``), each shown on a summary line of its
+own rather than as a normalization count."""
+
 __all__ = [
-    "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
+    "FIELD_NOTES", "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
     "PreferenceTurns", "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
     "preference_turns", "resolve", "suggest", "target_flags",
     "_fast", "_normalize",

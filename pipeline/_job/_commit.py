@@ -22,7 +22,7 @@ from packers.manifest import MANIFEST, Status
 from pipeline import _output, _trace, _write
 from pipeline._exit import ExitCode
 from pipeline._job._context import RunContext
-from pipeline._job._counts import count, reconcile, top_reasons
+from pipeline._job._counts import by_count, count, reconcile, top_reasons
 from pipeline._report import split_remedy
 from pipeline._job._outputs import Failure, Flags, Rejects, Stats, Written, cannot_write
 from pipeline._sink import Site
@@ -155,11 +155,8 @@ def _verdict(ctx: RunContext, counts: dict, failures: list[str]) -> Verdict:
 def _top_remedy(counts: dict) -> str:
     """The remedy the most common reason's first case names, whole (``: fix: read it with --field ...``), for the
     final error line; ``""`` when it names none."""
-    reasons = dict(counts["rejected_by_reason"])
-    if counts["dropped_too_long"]:
-        reasons["too_long"] = counts["dropped_too_long"]
     first = counts.get("first_rejected", {})
-    for reason, _ in sorted(reasons.items(), key=lambda kv: -kv[1]):
+    for reason, _ in by_count(counts):
         if reason in first:
             remedy = split_remedy(" ".join(str(first[reason]["detail"]).split()))[1]
             return f"; fix ({reason}, as its first record says): {remedy}" if remedy else ""

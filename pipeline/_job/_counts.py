@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from packers import InternalError
-from pipeline._formats import KTO_NOTE, NOTE_UNITS, TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, Reason
+from pipeline._formats import FIELD_NOTES, NOTE_UNITS, Reason
 from pipeline._options import PackOptions
 
 _NOTES = tuple(NOTE_UNITS)
@@ -19,7 +19,7 @@ def count(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict
     rows = sum(s["rows"] for s in shards)
     tokens = sum(s["tokens"] for s in shards)
     notes = {k: v for k, v in stats.items()
-             if k in _NOTES or k.startswith(("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, TRANSCRIPT_NOTE))}
+             if k in _NOTES or k.startswith(FIELD_NOTES)}
     counts = {
         "records_read": stats.get("records_read", 0),
         "not_sampled": stats.get("not_sampled", 0),
@@ -69,10 +69,14 @@ def reconcile(c: dict) -> None:
         )
 
 
-def top_reasons(counts: dict, k: int = 3) -> str:
-    """The ``k`` most common reasons records left the main path, with their counts."""
+def by_count(counts: dict) -> list[tuple[str, int]]:
+    """Every reason records left the main path (rejections and ``too_long``), most common first."""
     reasons = dict(counts["rejected_by_reason"])
     if counts["dropped_too_long"]:
         reasons["too_long"] = counts["dropped_too_long"]
-    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:k]
-    return ", ".join(f"{r} {n:,}" for r, n in top) or "no reason recorded"
+    return sorted(reasons.items(), key=lambda kv: -kv[1])
+
+
+def top_reasons(counts: dict, k: int = 3) -> str:
+    """The ``k`` most common reasons records left the main path, with their counts."""
+    return ", ".join(f"{r} {n:,}" for r, n in by_count(counts)[:k]) or "no reason recorded"
