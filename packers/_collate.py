@@ -252,7 +252,7 @@ class Collator:
                                   "(all with their example_ids, or all without)")
         parts.examples.append(np.arange(parts.seqs, parts.seqs + nseq, dtype=np.int64))
         parts.desirable.append(_row_desirable(i, row, nseq))
-        parts.labelled |= parts.desirable[-1].size > 0 and bool((parts.desirable[-1] != -1).any())
+        parts.labelled |= bool((parts.desirable[-1] != -1).any())
         parts.seqs += nseq
         parts.ids.append(ids)
         parts.mask.append(mask)
