@@ -11,7 +11,6 @@ import json
 import math
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,6 +21,7 @@ from packers import Collator, ContractError, PackedDataset, kto_loss, sequence_l
 from pipeline.cli import main
 from tests._models import tiny_model
 from tests._shards import make_row, random_examples, v2_row
+from tests.test_pipeline import _rows
 
 KTO_RECORDS = [
     # {messages, label}: LLaMA-Factory's kto demo layout
@@ -59,10 +59,9 @@ def _id(i: int) -> str:
 
 def _labels_by_id(out) -> dict[str, int]:
     found = {}
-    for shard in sorted(out.glob("*.arrow")):
-        table = pa.ipc.open_stream(shard.read_bytes()).read_all()
-        for ids, labels in zip(table.column("example_ids").to_pylist(), table.column("desirable").to_pylist()):
-            found.update(zip(ids, labels or [-1] * len(ids)))
+    for row in _rows(str(out)):
+        ids = row["example_ids"]
+        found.update(zip(ids, row["desirable"] or [-1] * len(ids)))
     return found
 
 
