@@ -93,16 +93,21 @@ def flush(folder: Optional[str]) -> None:
 
 
 class Counter:
-    """A Beam metrics counter that also feeds :func:`record` (``folder``: the watching launcher's, or None)."""
+    """A step's counter: it feeds :func:`record` (``folder``: the watching launcher's, or None) and, where the step
+    runs under Beam (Dataflow, Dask, ...: Beam is imported in this process), a Beam metrics counter too, which the
+    runner's own UI shows. The local runner never imports Beam for it."""
 
     def __init__(self, namespace: str, name: str, folder: Optional[str]):
-        from apache_beam.metrics import Metrics
-
         self.name, self.folder = name, folder
-        self.metric = Metrics.counter(namespace, name)
+        self.metric = None
+        if "apache_beam" in sys.modules:
+            from apache_beam.metrics import Metrics
+
+            self.metric = Metrics.counter(namespace, name)
 
     def inc(self, n: int = 1) -> None:
-        self.metric.inc(n)
+        if self.metric is not None:
+            self.metric.inc(n)
         record(self.folder, self.name, n)
 
 

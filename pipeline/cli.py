@@ -63,6 +63,8 @@ def split_beam_args(tokens: Sequence[str], own_options: Sequence[str]) -> tuple[
     PackstreamError (one ``error:`` line), never Beam's usage text; the runner is checked here too,
     in either spelling (``--runner=X`` or ``--runner X``).
     """
+    if not any(t.startswith("-") for t in tokens):  # inputs only: nothing for Beam to parse (and no Beam to import)
+        return list(tokens), []
     from pipeline._job import beam_flags, runner_args, unknown_beam_args
 
     if any("dask" in t.lower() for t in tokens):
@@ -301,7 +303,7 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
 
 def _quiet_logs(quiet: bool) -> None:
     """Dask's scheduler and nannies log every worker start and stop at INFO: noise to a packstream user. ``quiet``:
-    only errors (local worker processes log nothing below an error anyway: pipeline._workers.worker)."""
+    only errors."""
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core", "distributed.worker"):
         logging.getLogger(name).setLevel(logging.WARNING if not quiet else logging.ERROR)
     if quiet:

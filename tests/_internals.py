@@ -54,8 +54,8 @@ from pipeline._tools.inspect import PERCENTILES, PLOTS, PLOTS_MARK, REPORT_KEYS,
 from pipeline._tools.estimate import estimate, human_bytes
 from pipeline._tools.preview import format_preview, inputs, preview
 
-# Workers: signals, local worker processes, the handoff to a warm pool.
-from pipeline._workers import handoff, parallel, signals
+# Workers: signals, how many local worker processes.
+from pipeline._workers import parallel, signals
 
 # Packers internals that need no torch: the per-item packing loop, pairs, epoch schedules.
 from packers._pack import _pack_per_item
@@ -66,6 +66,7 @@ from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denomi
 _LAZY = {
     # The job (imports apache_beam): its steps' typed outputs, the commit, the runner's flags, the launcher.
     "_job": ("pipeline._job", None),
+    "_local": ("pipeline._job._local", None),
     "pipeline_options": ("pipeline._job", "pipeline_options"),
     "Reports": ("pipeline._job._commit", "Reports"),
     "Verdict": ("pipeline._job._commit", "Verdict"),

@@ -263,8 +263,18 @@ def test_runner_args_take_both_spellings():
     assert runner_args(["--runner=DirectRunner"]) == ["--runner=DirectRunner"]
     pytest.importorskip("dask.distributed")
     assert runner_args(["--runner", "DaskRunner"]) == runner_args(["--runner=DaskRunner"]) == [f"--runner={DASK_RUNNER}"]
-    opts, runner = pipeline_options(["--runner", "DaskRunner"], workers=1)
-    assert runner is None and opts.view_as(StandardOptions).runner == DASK_RUNNER
+    assert pipeline_options(["--runner", "DaskRunner"]).view_as(StandardOptions).runner == DASK_RUNNER
+
+
+def test_beam_options_without_a_runner_are_refused_naming_workers(tmp_path):
+    """Without --runner the run is packstream's own local runner: a Beam option alone would change nothing, so it
+    is one error naming --workers and --runner (never silently ignored)."""
+    r = cli("pack", "-o", str(tmp_path / "out"), "-q", "--direct_num_workers=4")
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith("error: --direct_num_workers is a Beam option, and this run names no --runner")
+    assert "--workers N" in line and "--runner=NAME" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_json_array_with_a_byte_order_mark_is_read(tmp_path):

@@ -80,7 +80,6 @@ WRITES_ELSEWHERE = {
     "pipeline/_job/_commit.py": "the outcome file, in the system's temp folder, for the launcher to read",
     "pipeline/_progress.py": "progress counts, in the run's progress folder under the system's temp folder",
     "pipeline/_trace.py": "trace spans, in the folder PACKSTREAM_TRACE names",
-    "pipeline/_workers/handoff.py": "the warm pool's lock, in the pool's temp folder",
     "pipeline/_workers/signals.py": "stderr to /dev/null, and the test hook's marker file",
     "pipeline/_tools/inspect.py": "inspect's plots, in --plots-dir (not a run's output)",
     "pipeline/_tools/estimate.py": "the timed sample pack's inputs, in a temporary folder (not a run's output)",

@@ -2,7 +2,7 @@
 
 * the read tasks: tasks of any size cover every line of a JSONL file exactly once, at its line number;
 * the job: the same bytes whatever the task size (a group's examples are sorted before packing);
-* local workers forked warm from the launcher (pipeline._workers.pool): the same bytes as one process, and
+* local workers forked warm from the launcher (pipeline._job._local): the same bytes as one process, and
   no process left behind, even when the launcher dies;
 * ``--workers`` / ``--tokenizer-threads`` auto (pipeline._workers.parallel).
 """
@@ -136,7 +136,7 @@ def test_forked_workers_write_the_same_bytes_and_leave_nothing(tmp_path):
         if name not in ("manifest.json", "README.md"):  # both name their own output folder
             assert a[name] == b[name], f"{name} differs between one process and two workers"
     spans = _trace.read(str(trace))
-    forked = {s["pid"] for s in spans if s["span"] == "pool_worker"}
+    forked = {s["pid"] for s in spans if s["span"] == "worker"}
     assert len(forked) == 2
     assert {s["pid"] for s in spans if s["span"] in ("encode_task", "pack_group")} <= forked
     assert len({s["pid"] for s in spans if s["span"] == "pack_group"}) == 2  # groups packed on both workers
@@ -154,17 +154,17 @@ def _assert_gone(pids, within: float = 10.0) -> None:
     assert not alive, f"worker processes left behind: {alive}"
 
 
-def test_idle_pool_workers_end_with_the_pool_or_the_launcher(tmp_path):
+def test_idle_workers_end_with_the_run_or_the_launcher(tmp_path):
     """close() reaps them; a launcher that dies without closing (SIGKILL) leaves none behind either."""
     script = textwrap.dedent("""
         import json, os, sys
-        from pipeline._workers import pool
-        closed = pool.WorkerPool(2)
-        pids = list(closed.pids)
+        from tests._internals import _local
+        closed = _local.Workers(2)
+        pids = [p.pid for p in closed.procs]
         closed.close()
-        orphaned = pool.WorkerPool(2)
-        print(json.dumps({"closed": pids, "orphaned": orphaned.pids}), flush=True)
-        os._exit(0)  # as if killed: the pool is never closed
+        orphaned = _local.Workers(2)
+        print(json.dumps({"closed": pids, "orphaned": [p.pid for p in orphaned.procs]}), flush=True)
+        os._exit(0)  # as if killed: the workers are never closed
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -177,7 +177,7 @@ def test_idle_pool_workers_end_with_the_pool_or_the_launcher(tmp_path):
 @pytest.mark.slow
 def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
     """A step that breaks in a forked worker (patched in the launcher: the fork inherits it) fails the run;
-    the pool's workers are stopped with it, none is left behind."""
+    the workers are stopped with it, none is left behind."""
     src = _write_mix(tmp_path, seed=5)
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -200,16 +200,9 @@ def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, _trace.ENV: str(trace)})
     assert r.returncode == 0 and "FAILED" in r.stdout, r.stdout + r.stderr[-3000:]
-    forked = {s["pid"] for s in _trace.read(str(trace)) if s["span"] == "pool_worker"}
+    forked = {s["pid"] for s in _trace.read(str(trace)) if s["span"] == "worker"}
     assert len(forked) == 2
     _assert_gone(forked)
-
-
-def test_a_handoff_without_a_pool_starts_a_cold_worker(tmp_path):
-    from tests._internals import handoff
-
-    (tmp_path / "lock").touch()
-    assert handoff._claim(str(tmp_path)) is None  # nothing listening: the handoff becomes a cold worker
 
 
 # ---------------------------------------------------------------------------------------

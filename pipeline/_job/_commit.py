@@ -1,6 +1,6 @@
 """The commit: everything the steps reported -> rejected.jsonl, the counts, manifest.json and the dataset card.
 
-:class:`Finalize` runs once, after every shard is staged. It sums the reports (:class:`Reports`:
+:func:`finalize` runs once, after every shard is staged. It sums the reports (:class:`Reports`:
 one handler per type of :mod:`pipeline._job._outputs`), merges the dead letters, checks that the
 counts reconcile and decides the run's status; then :func:`commit` writes the end of the run into
 the folder in the order every reader relies on. Whatever stops a run before that (a signal, a
@@ -14,8 +14,6 @@ import functools
 import json
 from typing import Any, Optional
 
-import apache_beam as beam
-
 import packers
 from packers import InternalError, PackstreamError
 from packers.manifest import MANIFEST, Status
@@ -27,19 +25,6 @@ from pipeline._report import split_remedy
 from pipeline._job._outputs import Failure, Flags, Rejects, Stats, Written, cannot_write
 from pipeline._sink import Site
 from pipeline._workers import signals
-
-
-class Finalize(beam.DoFn):
-    """Everything the steps reported -> rejected.jsonl, README.md and, last, manifest.json."""
-
-    def __init__(self, ctx: RunContext):
-        self.ctx = ctx
-
-    def process(self, keyed):
-        _, items = keyed
-        with _trace.span("finalize"):
-            manifest = finalize(self.ctx, items)
-        yield manifest.get("status")
 
 
 class Reports:

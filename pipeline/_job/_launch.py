@@ -12,9 +12,10 @@
       spill       the spill folder under the output, removed
       outcome     the local outcome file (where the commit says why when it cannot write the manifest)
       environ     the tokenizer's threads for local workers (the Rust library reads them), restored
-      pool        the warm local workers (forked before any thread starts), reaped (killed on an error)
+      workers     the local workers (forked before any thread starts), reaped (killed on an error)
       progress    the progress folder and its reporter (local runs)
-      job         Beam runs the graph (pipeline._job._steps); a signal cancels a remote job
+      job         the local runner (pipeline._job._local), or Beam's runner runs the graph
+                  (pipeline._job._graph); a signal cancels a remote job
 """
 
 from __future__ import annotations
@@ -29,31 +30,27 @@ import time
 import uuid
 from typing import Any, Iterator, Optional, Sequence
 
-import apache_beam as beam
-
 from packers import PackstreamError
 from packers.files import show_path
 from packers.manifest import MANIFEST, Status
 from pipeline import _output, _progress, _read, _trace, _write
+from pipeline._job import _local
 from pipeline._job._commit import Verdict, remove_spill, stopped
 from pipeline._job._context import Inputs, RunContext, decide
 from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, from_manifest
-from pipeline._job._runner import DASK_RUNNER, local_runner, pipeline_options
-from pipeline._job._steps import build
+from pipeline._job._runner import DASK_RUNNER, local_beam_options, names_runner, pipeline_options, unknown_beam_args
 from pipeline._options import PackOptions
 from pipeline._tokenizer import tokenizer_identity
-from pipeline._workers import on_dask, parallel, pool, signals
+from pipeline._workers import on_dask, parallel, signals
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What the launcher decided before it touches the output folder: the run, and how Beam runs it."""
+    """What the launcher decided before it touches the output folder: the run, and what runs it."""
 
     ctx: RunContext
     pipe_opts: Any
-    """Beam's PipelineOptions."""
-    runner: Any
-    """FnApiRunner for a local run; None: the runner ``pipe_opts`` names (Dataflow, Dask, ...)."""
+    """Beam's PipelineOptions for a Beam runner (``--runner``); None for a local run (no Beam)."""
     workers: int
     """Local worker processes."""
     environ: dict[str, str]
@@ -99,8 +96,6 @@ def launch(options: PackOptions, beam_args: Sequence[str] = (), progress: Option
 
 def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool = False) -> Launch:
     """Everything decided before the folder is touched: a mistake here writes nothing."""
-    from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
-
     options = dataclasses.replace(options, output=_output.normalize_output(options.output))
     _trace.mark("launch", process_cpu=time.process_time())
     with _trace.span("launch_inputs"):
@@ -112,11 +107,19 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
     par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size,
                           read_tasks=lambda n: _read.read_tasks(files, inputs.size, n))
-    pipe_opts, runner = pipeline_options(beam_args, par.workers)
-    local = runner is not None
+    local = not names_runner(beam_args)
+    if local and beam_args:  # Beam's options change nothing without a Beam runner: say so, naming what to use
+        unknown_beam_args(beam_args)  # a bad value names itself first
+        raise PackstreamError(local_beam_options(beam_args))
+    pipe_opts = None if local else pipeline_options(beam_args)
     task_bytes, lanes = _read.task_bytes(inputs.size, par.workers if local else None), 0
-    if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
-        task_bytes, lanes = on_dask.layout(pipe_opts, files, sizes)
+    template = None
+    if pipe_opts is not None:
+        from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+
+        template = pipe_opts.view_as(GoogleCloudOptions).template_location
+        if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
+            task_bytes, lanes = on_dask.layout(pipe_opts, files, sizes)
     if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
         options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
     run_id = uuid.uuid4().hex[:12]
@@ -126,8 +129,7 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
         ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"),
                                   parallelism=par.to_dict())
     avoid = [f.path for f in files] + [_glob_root(p) for d in options.datasets() for p in d.paths]
-    return Launch(ctx, pipe_opts, runner, par.workers, par.env() if local else {},
-                  pipe_opts.view_as(GoogleCloudOptions).template_location, tuple(avoid))
+    return Launch(ctx, pipe_opts, par.workers, par.env() if local else {}, template, tuple(avoid))
 
 
 def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome:
@@ -140,15 +142,17 @@ def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome
         if ctx.outcome:
             stack.callback(_remove_file, ctx.outcome)
         stack.enter_context(_environ(launch.environ))
-        runner = launch.runner
-        if runner is not None and launch.workers > 1:
-            warm = stack.enter_context(_pool(launch.workers))
-            if warm is not None:
-                runner = local_runner(launch.workers, warm.command)
-        folder = stack.enter_context(_progress.watching(progress, ctx.files, local=runner is not None,
+        local = launch.pipe_opts is None
+        workers = stack.enter_context(_workers(launch.workers)) if local else None
+        folder = stack.enter_context(_progress.watching(progress, ctx.files, local=local,
                                                         budget=ctx.options.max_tokens))
-        _run_job(dataclasses.replace(ctx, progress=folder), launch.pipe_opts, runner)
-        if launch.template and runner is None:  # DataflowRunner wrote the job graph there and submitted nothing
+        ctx = dataclasses.replace(ctx, progress=folder)
+        if workers is not None:
+            with _trace.span("job"):
+                _local.run(ctx, workers)
+        else:
+            _run_beam(ctx, launch.pipe_opts)
+        if launch.template and not local:  # DataflowRunner wrote the job graph there and submitted nothing
             return TemplateLaunched(launch.template, ctx.options.to_dict())
         return _read_back(ctx)
 
@@ -222,27 +226,28 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _pool(workers: int) -> Iterator[Optional[pool.WorkerPool]]:
-    """Warm workers, forked now (before any thread or server starts here); None where forking is not safe.
-    Reaped when the block ends; killed if it ends with an error (the folder is then made to explain itself)."""
-    with _trace.span("launch_pool", workers=workers):
-        warm = pool.start(workers)
-    if warm is None:
-        yield None
-        return
+def _workers(n: int) -> Iterator["_local.InProcess | _local.Workers"]:
+    """The local run's workers, started now (forked before any thread starts here). Reaped when the block ends;
+    killed if it ends with an error or a signal (the folder is then made to explain itself)."""
+    with _trace.span("launch_pool", workers=n):
+        workers = _local.start(n)
     try:
-        yield warm
+        yield workers
     except BaseException:
-        warm.close(kill=True)
+        workers.close(kill=True)
         raise
-    warm.close()
+    workers.close()
 
 
-def _run_job(ctx: RunContext, pipe_opts, runner) -> None:
-    """Build the graph and run it to its end. A runner error that the commit explained (the outcome file) is
-    that PackstreamError; a signal cancels a remote job."""
+def _run_beam(ctx: RunContext, pipe_opts) -> None:
+    """Build the Beam graph and run it to its end on the runner the options name. A runner error that the commit
+    explained (the outcome file) is that PackstreamError; a signal cancels a remote job."""
+    import apache_beam as beam
+
+    from pipeline._job._graph import build
+
     try:
-        p = beam.Pipeline(runner=runner, options=pipe_opts)
+        p = beam.Pipeline(options=pipe_opts)
         build(p, ctx)
         with _trace.span("job"):
             result = p.run()

@@ -5,8 +5,8 @@ packstream user gets the one line that names the option instead. The parser is t
 builds (``PipelineOptions.get_all_options`` hands it to its ``add_extra_args_fn``), told not to
 exit (argparse's ``exit_on_error``). Runner names are Beam's ``StandardOptions.ALL_KNOWN_RUNNERS``,
 looked up as Beam does (a short name, with or without "Runner", or a class path); ``DaskRunner``
-(not in that list) becomes its class path. Locally the job runs on FnApiRunner (never Prism,
-which downloads a binary).
+(not in that list) becomes its class path. Without a runner the job runs on packstream's local
+runner (:mod:`pipeline._job._local`), which needs no Beam at all.
 """
 
 from __future__ import annotations
@@ -134,32 +134,28 @@ def runner_args(beam_args: Sequence[str]) -> list[str]:
     return out
 
 
-def pipeline_options(beam_args: Sequence[str], workers: int):
-    """Beam options plus the runner: FnApiRunner locally (``workers`` worker processes; never Prism, which
-    downloads a binary), else None (the runner the options name)."""
+def names_runner(beam_args: Sequence[str]) -> bool:
+    """Whether the Beam options name a runner (``--runner=X`` or ``--runner X``): the job then runs on Beam;
+    without one it runs on packstream's local runner (:mod:`pipeline._job._local`), and Beam is never imported."""
+    return any(a == "--runner" or a.startswith("--runner=") for a in beam_args)
+
+
+def pipeline_options(beam_args: Sequence[str]):
+    """Beam's options for the runner ``beam_args`` name (``--runner``), checked: a bad runner or value is one
+    PackstreamError. Without a runner there is no Beam run: the local runner takes ``--workers``, so other Beam
+    options given alone are refused, naming what to use instead."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     args = runner_args(beam_args)
     unknown_beam_args(args)  # a bad value: one error line, not Beam's usage and exit
-    runner = None
-    if not any(a.startswith("--runner=") for a in args):
-        runner = local_runner(workers)
-        if workers > 1:
-            args += [f"--direct_num_workers={workers}"]
-    return PipelineOptions(args, pipeline_type_check=True), runner
+    if not names_runner(args):
+        raise PackstreamError(local_beam_options(args))
+    return PipelineOptions(args, pipeline_type_check=True)
 
 
-def local_runner(workers: int, command: Optional[str] = None):
-    """FnApiRunner: in this process for one worker; else Beam's multi_processing mode, whose workers run
-    ``command`` (default: packstream's cold worker entry point, :mod:`pipeline._workers.worker`, told this
-    process is their launcher)."""
-    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
-    if workers <= 1:
-        return FnApiRunner()
-    from apache_beam.transforms.environments import SubprocessSDKEnvironment
-
-    from pipeline._workers import signals
-
-    command = command or signals.worker_command(os.getpid())  # SIGINT/SIGHUP ignored from exec on
-    return FnApiRunner(default_environment=SubprocessSDKEnvironment.from_command_string(command))
+def local_beam_options(beam_args: Sequence[str]) -> str:
+    """The error for Beam options given to a local run (no ``--runner``): they would change nothing."""
+    names = ", ".join(sorted({a.split("=", 1)[0] for a in beam_args if a.startswith("--")}))
+    return (f"{names} {'is a Beam option' if ',' not in names else 'are Beam options'}, and this run names no "
+            "--runner: a local run is packstream's own (use --workers N for its processes); to run on Beam, "
+            f"add --runner=NAME (e.g. {_RUNNER_EXAMPLES})")

@@ -1,8 +1,11 @@
-"""The job's steps (thin DoFns around the stages' pure functions) and the graph that joins them.
+"""The job's steps: thin classes around the stages' pure functions, with no runner in them.
 
-Every step takes the one :class:`~pipeline._job._context.RunContext` and emits the typed values of
-:mod:`pipeline._job._outputs`, one output per step. While the tokenizer (Rust, its own threads)
-encodes one chunk of a read task, the step's thread reads, parses and renders the next.
+Every step takes the one :class:`~pipeline._job._context.RunContext` and has Beam's shape
+(``setup()``, ``process(element)`` yielding the typed values of :mod:`pipeline._job._outputs`,
+``teardown()``), so the same objects run under both runners: the local one
+(:mod:`pipeline._job._local`, no Beam) and Beam's (:mod:`pipeline._job._graph` wraps each in a DoFn).
+While the tokenizer (Rust, its own threads) encodes one chunk of a read task, the step's thread
+reads, parses and renders the next.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator
 
-import apache_beam as beam
 import numpy as np
 
 import packers
@@ -20,17 +22,16 @@ from packers import PackstreamError
 from pipeline import _progress, _read, _rows, _spill, _trace, _write
 from pipeline._encode import Encoder, add_counts
 from pipeline._formats import Reason
-from pipeline._job._commit import Finalize
 from pipeline._job._context import RunContext
-from pipeline._job._outputs import Failure, Flags, Packed, Rejects, Spilled, Stats, Written, only, reports
+from pipeline._job._outputs import Failure, Flags, Packed, Rejects, Spilled, Stats, Written
 from pipeline._options import PackMode
 from pipeline._workers import parallel, signals
 
 NS = "packstream"
-"""The namespace of the job's Beam metrics."""
+"""The namespace of the job's counters (Beam metrics where the job runs on Beam)."""
 
 
-class EncodeTasks(beam.DoFn):
+class EncodeTasks:
     """A read task -> its examples spilled per packing group (:class:`Spilled`), plus dead letters
     (:class:`Rejects`) and counts (:class:`Stats`); a :class:`Failure` when the folder cannot be written."""
 
@@ -175,7 +176,7 @@ class _TaskState:
         return iter(out)
 
 
-class PackGroups(beam.DoFn):
+class PackGroups:
     """One packing group: read its examples back from the spill, pack them, park the rows for their shard.
 
     Groups are independent, so every worker packs its share of them. Emits a :class:`Packed` for the
@@ -218,7 +219,7 @@ class PackGroups(beam.DoFn):
         yield Flags(group.eos_at_boundaries, group.all_targets)
 
 
-class WriteShards(beam.DoFn):
+class WriteShards:
     """One shard: stream its groups' packed rows, in group order, into the file (hashed as it goes)."""
 
     def __init__(self, ctx: RunContext):
@@ -252,48 +253,9 @@ class WriteShards(beam.DoFn):
         yield Written(desc)
 
 
-def _cut_tasks(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
+def cut_tasks(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
+    """One input's read tasks (:func:`pipeline._read.cut_tasks`), traced."""
     with _trace.span("cut_tasks", source=f.source) as info:
         tasks = _read.cut_tasks(f, task_bytes)
         info["tasks"] = len(tasks)
     return tasks
-
-
-def build(p, ctx: RunContext) -> None:
-    """The job graph (see :mod:`pipeline._job`)."""
-    splits = [s for s in ("train", "validation") if s == "train" or ctx.options.validation_fraction > 0]
-    tasks = (
-        p
-        | "Inputs" >> beam.Create(ctx.files)
-        | "CutTasks" >> beam.FlatMap(_cut_tasks, ctx.task_bytes)
-        | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
-    )
-    if ctx.lanes:  # Dask: a shuffle keeps its input's partitions, so give it ctx.lanes more (Create splits)
-        lanes = p | "Lanes" >> beam.Create([(f"lane-{i}", None) for i in range(ctx.lanes)])
-        tasks = (tasks, lanes) | "WithLanes" >> beam.Flatten()
-    encoded = (
-        tasks
-        | "Spread" >> beam.GroupByKey()
-        | "Tasks" >> beam.FlatMap(lambda kv: [t for t in kv[1] if t is not None])
-        | "EncodeTasks" >> beam.ParDo(EncodeTasks(ctx))
-    )
-    packed = (
-        encoded
-        | "Slices" >> beam.FlatMap(only(Spilled))
-        | "ByGroup" >> beam.GroupByKey()
-        | "PackGroups" >> beam.ParDo(PackGroups(ctx))
-    )
-    every = [((sp, s), None) for sp in splits for s in range(ctx.layout.shards[sp])]
-    written = (
-        (packed | "Pieces" >> beam.FlatMap(only(Packed)), p | "EveryShard" >> beam.Create(every))
-        | "AllPieces" >> beam.Flatten()
-        | "ByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShards(ctx))
-    )
-    (
-        (encoded | "Reports" >> beam.Filter(reports), packed | "PackReports" >> beam.Filter(reports), written)
-        | "Everything" >> beam.Flatten()
-        | "OneKey" >> beam.Map(lambda item: (None, item))
-        | "Collect" >> beam.GroupByKey()
-        | "Finalize" >> beam.ParDo(Finalize(ctx))
-    )

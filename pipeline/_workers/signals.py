@@ -19,7 +19,7 @@
 * A second signal while the first is being handled ends the process at once with the same line
   (the run's lock then stays, and ``--overwrite`` clears what the run left, by its journal).
 * A signal the shell set to be ignored (``nohup``, ``cmd &`` in a script) stays ignored.
-* Local worker processes (``--workers N``, :mod:`pipeline._workers.worker`) ignore SIGINT and SIGHUP
+* Local worker processes (``--workers N``, :mod:`pipeline._job._local`) ignore SIGINT and SIGHUP
   (a terminal sends them to the whole process group) and die with their launcher: it stops them.
 
 The test hook :func:`at` delivers a signal at a named point of a run (``PACKSTREAM_SIGNAL_AT``,
@@ -273,44 +273,8 @@ def unmute_stderr() -> None:
         _state.saved_stderr = None
 
 
-WORKER_MODULE = "pipeline._workers.worker"
-
-
-def worker_pids() -> list[int]:
-    """This process's local Beam workers (children running :mod:`pipeline._workers.worker`): /proc, else psutil."""
-    me = os.getpid()
-    found: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        entries = []
-    if entries:
-        for e in entries:
-            if not e.isdigit():
-                continue
-            try:
-                with open(f"/proc/{e}/stat", "rb") as f:
-                    stat = f.read()
-                if int(stat[stat.rindex(b")") + 2:].split()[1]) != me:
-                    continue
-                with open(f"/proc/{e}/cmdline", "rb") as f:
-                    if WORKER_MODULE.encode() in f.read():
-                        found.append(int(e))
-            except (OSError, ValueError, IndexError):
-                continue
-        return found
-    try:
-        import psutil
-    except ImportError:
-        return found
-    try:
-        return [p.pid for p in psutil.Process(me).children() if WORKER_MODULE in " ".join(p.cmdline())]
-    except Exception:  # noqa: BLE001 - best effort: Beam's own teardown then waits for them
-        return found
-
-
 _REGISTERED: set[int] = set()
-"""Workers that :func:`worker_pids` cannot find by their command line: forked ones (:mod:`pipeline._workers.pool`)."""
+"""This launcher's local worker processes (:mod:`pipeline._job._local`), for :func:`stop_workers`."""
 
 
 def register_workers(pids, add: bool = True) -> None:
@@ -319,21 +283,12 @@ def register_workers(pids, add: bool = True) -> None:
 
 
 def stop_workers() -> None:
-    """SIGTERM the local workers (they die at once, silently): Beam's teardown would wait for their bundles."""
-    for pid in sorted({*worker_pids(), *_REGISTERED}):
+    """SIGTERM the local workers (they die at once, silently)."""
+    for pid in sorted(_REGISTERED):
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
-
-
-def worker_command(launcher: int) -> str:
-    """The shell command FnApiRunner runs per local worker of launcher ``launcher`` (a pid): SIGINT and SIGHUP
-    ignored from exec on (an ignored signal stays ignored across exec, and Python then installs no
-    KeyboardInterrupt handler)."""
-    import shlex
-
-    return f"trap '' INT HUP; exec {shlex.quote(sys.executable)} -m {WORKER_MODULE} {int(launcher)}"
 
 
 _launcher: Optional[int] = None

@@ -1,0 +1,264 @@
+"""The local runner: the job's steps on this machine's cores, with no Beam in the way.
+
+::
+
+    launcher (packstream pack)                            worker processes (--workers N, forked warm)
+      cut the inputs into read tasks
+      deal the tasks, one to each idle worker   ------>   EncodeTasks: read, render, tokenize, spill
+      keep the Spilled descriptions and reports <------   (a task's values, small: files and counts)
+      deal the packing groups                   ------>   PackGroups: read back, pack, park the rows
+      deal the shards                           ------>   WriteShards: stream the rows into the file
+      the commit (pipeline._job._commit.finalize), here
+
+The steps are :mod:`pipeline._job._steps`, the same objects Beam's runners run
+(:mod:`pipeline._job._graph`), so the output is byte-identical either way. Only descriptions and
+counts cross between processes; tokens move through the spill files. Tasks go to whichever worker is
+idle, so a slow task never holds up the others; a stage starts once the last one's values are all
+in (every packing group takes examples from every read task).
+
+Why not Beam here: a local run spent ~0.85 CPU-seconds importing Beam before it read a record, and
+its FnApiRunner moved every value through gRPC threads in every process; on 2 cores that was a third
+of the run's serial time (``bench/bench_scale.py --cores``). With one worker the steps run in this
+process: no second process, nothing pickled.
+
+The workers are forked from the launcher once it has loaded the tokenizer (they share it, copy on
+write), before any thread starts here; where forking is not safe (threads already running, not
+Linux) they start fresh (``spawn``) and load it themselves. A worker ignores the terminal's
+SIGINT and SIGHUP, dies with the launcher, and is stopped by the launcher's signal handler
+(:mod:`pipeline._workers.signals`); one that dies on its own (out of memory, killed) ends the run
+with one line that names it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterable, Iterator, Optional
+
+from packers import PackstreamError
+from pipeline import _trace
+from pipeline._job._commit import finalize
+from pipeline._job._context import RunContext
+from pipeline._job._outputs import Packed, Spilled
+from pipeline._workers import signals
+
+STEPS = ("encode", "pack", "write")
+"""The stages a worker runs, in order: read tasks, packing groups, shards."""
+
+
+def _make_step(kind: str, ctx: RunContext):
+    from pipeline._job._steps import EncodeTasks, PackGroups, WriteShards
+
+    step = {"encode": EncodeTasks, "pack": PackGroups, "write": WriteShards}[kind](ctx)
+    if hasattr(step, "setup"):
+        step.setup()
+    return step
+
+
+class _Steps:
+    """One process's step objects, each set up on its first element and torn down at the end."""
+
+    def __init__(self, ctx: Optional[RunContext] = None):
+        self.ctx = ctx
+        self.steps: dict[str, Any] = {}
+
+    def process(self, kind: str, element: Any) -> list:
+        step = self.steps.get(kind)
+        if step is None:
+            step = self.steps[kind] = _make_step(kind, self.ctx)
+        return list(step.process(element))
+
+    def close(self) -> None:
+        for step in self.steps.values():
+            if hasattr(step, "teardown"):
+                step.teardown()
+        self.steps = {}
+
+
+class InProcess:
+    """One worker: the steps run in the launcher itself."""
+
+    workers = 1
+
+    def start(self, ctx: RunContext) -> None:
+        self.steps = _Steps(ctx)
+
+    def map(self, kind: str, elements: Iterable) -> Iterator:
+        for element in elements:
+            yield from self.steps.process(kind, element)
+
+    def close(self, kill: bool = False) -> None:
+        steps = getattr(self, "steps", None)
+        if steps is not None:
+            steps.close()
+
+
+class Workers:
+    """``n`` worker processes, started now (forked when that is safe: call before any thread starts)."""
+
+    def __init__(self, n: int):
+        self.workers = n
+        self.launcher = os.getpid()
+        self.conns: list[Connection] = []
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        method = "fork" if _fork_is_safe() else "spawn"
+        mp = multiprocessing.get_context(method)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            for _ in range(n):
+                here, there = mp.Pipe(duplex=True)
+                proc = mp.Process(target=_serve, args=(there, self.launcher), daemon=True,
+                                  name="packstream-worker")
+                proc.start()
+                there.close()
+                self.conns.append(here)
+                self.procs.append(proc)
+                signals.register_workers([proc.pid])  # a signal to the launcher stops them too
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def start(self, ctx: RunContext) -> None:
+        """Hand every worker the run's context (once: the steps are built from it)."""
+        for conn in self.conns:
+            conn.send(("ctx", ctx))
+
+    def map(self, kind: str, elements: Iterable) -> Iterator:
+        """Run ``kind`` over ``elements``, an element to each idle worker; the values, as each element finishes."""
+        todo = deque(elements)
+        busy: dict[Connection, tuple[int, Any]] = {}
+        idle = list(self.conns)
+        while todo or busy:
+            while todo and idle:
+                conn = idle.pop()
+                element = todo.popleft()
+                conn.send((kind, element))
+                busy[conn] = (self.conns.index(conn), element)
+            for conn in wait(list(busy)):
+                i, element = busy.pop(conn)
+                try:
+                    what, value = conn.recv()
+                except (EOFError, OSError):
+                    raise self._lost(i, kind) from None
+                if what == "error":
+                    raise RuntimeError(f"a local worker failed in step {kind!r}:\n{value}")
+                idle.append(conn)
+                yield from value
+
+    def _lost(self, i: int, kind: str) -> BaseException:
+        """A worker that ended on its own: the signal that is on its way if there is one (the whole group got it),
+        else one line that names the worker and how it ended."""
+        proc = self.procs[i]
+        proc.join(timeout=2.0)
+        deadline = time.monotonic() + signals.THREAD_GRACE_S
+        while signals.received() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # a signal to the process group reaches this process's handler here
+        code = proc.exitcode
+        how = (f"killed by {signals.name(-code)}" if code is not None and code < 0
+               else f"exited {code}" if code is not None else "stopped answering")
+        return PackstreamError(
+            f"local worker {i + 1} of {self.workers} (pid {proc.pid}) {how} while running step {kind!r}; the run "
+            f"stopped (if it was out of memory, use fewer --workers or a smaller --max-tokens)")
+
+    def close(self, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop the workers and reap them; ``kill``: the run did not end (an error, a signal): at once."""
+        for conn in self.conns:
+            if not kill:
+                try:
+                    conn.send(("stop", None))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (0 if kill else timeout)
+        for proc in self.procs:
+            if proc.pid is None:
+                continue
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        signals.register_workers([p.pid for p in self.procs if p.pid is not None], add=False)
+        self.conns, self.procs = [], []
+
+
+def _fork_is_safe() -> bool:
+    """Forking copies only the calling thread: safe on Linux while no other Python thread runs."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1
+
+
+def _serve(conn: Connection, launcher: int) -> None:
+    """A worker: run the steps the launcher deals, reply each element's values, until told to stop."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not ours: it stops us with SIGTERM
+    try:
+        signal.set_wakeup_fd(-1)  # the launcher's wake-up pipe (a fork copies it) is the launcher's
+    except (ValueError, OSError):
+        pass
+    signals.worker_setup(launcher)  # Ctrl-C and hang-up are the launcher's to handle; die with the launcher
+    _trace.mark("worker", process_cpu=time.process_time())
+    steps = _Steps()
+    try:
+        while True:
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):  # the launcher is gone
+                return
+            if kind == "stop":
+                return
+            if kind == "ctx":
+                steps.ctx = value
+                continue
+            try:
+                out = ("done", steps.process(kind, value))
+            except Exception:  # noqa: BLE001 - a bug in a step: the launcher fails the run with its traceback
+                out = ("error", traceback.format_exc())
+            conn.send(out)
+    finally:
+        steps.close()
+
+
+def start(workers: int) -> "InProcess | Workers":
+    """The run's workers: this process for one, else ``workers`` processes started now."""
+    return InProcess() if workers <= 1 else Workers(workers)
+
+
+def run(ctx: RunContext, workers: "InProcess | Workers") -> dict:
+    """The whole job on ``workers`` (started with the run's context here); returns the manifest it committed."""
+    from pipeline._job._steps import cut_tasks
+
+    workers.start(ctx)
+    reports: list = []
+    tasks = [t for f in ctx.files for t in cut_tasks(f, ctx.task_bytes)]
+    tasks.sort(key=lambda t: -(t.end - t.start) if _sized(t) else 0)  # the biggest first: the last ones are short
+    slices: dict[tuple[str, int], list] = {}
+    for item in workers.map("encode", tasks):
+        if isinstance(item, Spilled):
+            slices.setdefault((item.split, item.group), []).append(item.slice)
+        else:
+            reports.append(item)
+    pieces: dict[tuple[str, int], list] = {
+        (split, s): [] for split, n in ctx.layout.shards.items() if split in _splits(ctx) for s in range(n)}
+    for item in workers.map("pack", sorted(slices.items(), key=lambda kv: kv[0])):
+        if isinstance(item, Packed):
+            pieces.setdefault((item.split, item.shard), []).append(item.piece)
+        else:
+            reports.append(item)
+    reports += workers.map("write", sorted(pieces.items(), key=lambda kv: kv[0]))
+    with _trace.span("finalize"):
+        return finalize(ctx, reports)
+
+
+def _splits(ctx: RunContext) -> tuple[str, ...]:
+    return ("train", "validation") if ctx.options.validation_fraction > 0 else ("train",)
+
+
+def _sized(task: Any) -> bool:
+    return isinstance(getattr(task, "start", None), int) and isinstance(getattr(task, "end", None), int)
