@@ -353,8 +353,17 @@ def _profile(spans: list[dict], workers: int) -> dict:
     model = launch + sum(busiest.values())
     in_launcher = sum(sp["cpu"] for sp in spans if sp["pid"] in launcher and sp["span"] in _WORK)
     spent = launch + sum(total.get(k, 0.0) for k in ("startup", "cut", "pack", "write", "finalize")) + py + tok
+    runner = max(0.0, job_cpu - in_launcher)
+    # CPU accounting: what no number of workers shortens (the launcher before the job, its coordination, cutting
+    # the inputs into tasks, the commit, and the biggest packing group and shard: one worker each) against the rest.
+    items = {k: [sp["cpu"] for sp in spans if sp["span"] == k] for k in ("pack_group", "write_shard")}
+    floor = sum(max(v, default=0.0) for v in items.values())
+    serial = launch + runner + total.get("cut", 0.0) + total.get("finalize", 0.0) + floor
+    parallel = max(0.0, spent - launch - total.get("cut", 0.0) - total.get("finalize", 0.0) - floor)
     return {"launch": launch, "total": total, "busiest": busiest, "model_s": model, "spent": spent,
-            "runner": max(0.0, job_cpu - in_launcher),
+            "serial_cpu": serial, "parallel_cpu": parallel,
+            "serial_fraction_cpu": serial / (serial + parallel) if serial + parallel else None,
+            "runner": runner,
             "encode_python": py, "encode_tokenizer": tok, "tasks": counts.get("encode_task", 0),
             "groups": counts.get("pack_group", 0), "shards": counts.get("write_shard", 0),
             "processes": len({sp["pid"] for sp in spans})}
@@ -450,7 +459,9 @@ def run_cores(args, data: Path, work: Path) -> list[dict]:
                 r["speedup_model"] = base["model_s"] / r["model_s"]
                 r["serial_fraction"] = karp_flatt(r["speedup"], w)
                 r["serial_fraction_model"] = karp_flatt(r["speedup_model"], w)
-                for e_key, pred in (("serial_fraction", "predicted"), ("serial_fraction_model", "predicted_model")):
+                r["serial_fraction_cpu"] = r["profile"]["serial_fraction_cpu"]
+                for e_key, pred in (("serial_fraction", "predicted"), ("serial_fraction_model", "predicted_model"),
+                                    ("serial_fraction_cpu", "predicted_cpu")):
                     e = r[e_key]
                     if e is not None:
                         r[pred] = {str(k): amdahl(max(e, 0.0), k) for k in (16, 64)}
@@ -471,17 +482,26 @@ def cores_table(row: dict) -> list[str]:
              f"{row['cores']} cores, tokenizer pinned to 1 thread per worker",
              "",
              "| run | wall s (median) | speed-up | serial fraction | predicted 16 / 64 | model s | model speed-up "
-             "| serial fraction (model) | predicted 16 / 64 (model) | CPU s | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| serial fraction (model) | predicted 16 / 64 (model) | serial CPU s / all | serial fraction (CPU) "
+             "| predicted 16 / 64 (CPU) | CPU s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in row["runs"].items():
         pred = r.get("predicted") or {}
         predm = r.get("predicted_model") or {}
+        predc = r.get("predicted_cpu") or {}
+        p = r["profile"]
         lines.append(
             f"| {label} | {r['seconds']:.2f} | {_fmt(r.get('speedup'), '.2f')}x | {_fmt(r.get('serial_fraction'), '.3f')} "
             f"| {_fmt(pred.get('16'), '.1f')} / {_fmt(pred.get('64'), '.1f')} | {r['model_s']:.2f} "
             f"| {_fmt(r.get('speedup_model'), '.2f')}x | {_fmt(r.get('serial_fraction_model'), '.3f')} "
-            f"| {_fmt(predm.get('16'), '.1f')} / {_fmt(predm.get('64'), '.1f')} | {r['cpu']:.1f} "
+            f"| {_fmt(predm.get('16'), '.1f')} / {_fmt(predm.get('64'), '.1f')} "
+            f"| {p['serial_cpu']:.2f} / {p['serial_cpu'] + p['parallel_cpu']:.2f} | {_fmt(p.get('serial_fraction_cpu'), '.3f')} "
+            f"| {_fmt(predc.get('16'), '.1f')} / {_fmt(predc.get('64'), '.1f')} | {r['cpu']:.1f} "
             f"| {r['peak_rss'] / 2**20:,.0f} |")
+    lines += ["", "Serial CPU: what no number of workers shortens: the launcher before the job, its coordination while "
+              "the job runs, cutting the inputs into read tasks, the commit, and the biggest packing group and the "
+              "biggest shard (one worker each); the serial fraction (CPU) is its share of the CPU time the run spent "
+              "in its stages, and the predictions are Amdahl's law from it."]
     lines += ["", "Where the CPU time went (seconds, the median run by model; the busiest worker in brackets): the "
               "launcher before the job (Python, Beam, the tokenizer, the run context); a worker's start-up until its "
               "tokenizer is ready; the read tasks (this job's Python thread + the rest of the process: the "

@@ -1,13 +1,13 @@
 """Progress of a local run: records read, tokenized and packed, with the rate and an ETA.
 
-The local FnApiRunner runs the job's DoFns in this process (``--workers 1``) or in worker
-subprocesses it starts itself (``--workers N``), so Beam metrics are only readable once the job
-is over. Progress therefore travels through small files instead::
+The local runner runs the job's steps in this process (``--workers 1``) or in worker processes
+it forks (``--workers N``), and the counts must reach the launcher while the job runs, from
+whichever process made them. Progress therefore travels through small files::
 
-    launcher (this process)                      each process that runs DoFns
+    launcher (this process)                      each process that runs steps
     -----------------------------------------    ---------------------------------------------
     Progress.watch(files) -> folder:             Counter(ns, name, folder).inc(n):
-      mkdtemp(); the folder goes to every          the Beam counter += n, then record(folder,
+      mkdtemp(); the folder goes to every          (a Beam counter += n, on Beam), record(folder,
       step in the run's context                    name, n): counts[name] += n, and at most
       thread, every --log-interval:                every 0.25 s write <folder>/<pid>.json
         read_counts(): sum <dir>/*.json  <------   (temp name, os.replace)
@@ -15,8 +15,7 @@ is over. Progress therefore travels through small files instead::
       on exit: remove the folder
 
 The folder is a fresh temporary folder outside the output; the steps get its name with the rest
-of the run's context (:class:`pipeline._job._context.RunContext`), which Beam hands to every
-worker. A remote run (Dataflow, Flink, Spark) is not watched: its steps get no folder and record
+of the run's context (:class:`pipeline._job._context.RunContext`), which every worker gets. A remote run (Dataflow, Flink, Spark) is not watched: its steps get no folder and record
 nothing. Progress never touches the output folder, so it cannot change the output's bytes; a
 progress file that cannot be written or read is skipped, never an error.
 

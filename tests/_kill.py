@@ -3,7 +3,7 @@
     python -m tests._kill count PACK-ARGS...        run to the end; print {phase: calls} as JSON
     python -m tests._kill PHASE N PACK-ARGS...      SIGKILL at the N-th call of PHASE
 
-The job runs in this process (the local FnApiRunner, one worker), so patching the functions
+The job runs in this process (the local runner, one worker), so patching the functions
 of each phase reaches every step: the kill comes from the phase itself, not from a timer.
 """
 

@@ -1,5 +1,5 @@
 """The job on a real distributed engine: Beam's DaskRunner on a ``distributed.LocalCluster`` of 2 worker
-processes gives byte-identical output to the default (FnApiRunner) runner."""
+processes gives byte-identical output to the default (packstream's local) runner."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ The retry tests therefore run the job on ``BundleBasedDirectRunner``, which real
 failed bundle, and make the *first* attempt of one bundle fail at a chosen point: mid-file,
 mid-chunk, mid-group, after a shard was written, before a rename, after the dead letters and
 after the manifest were written. Each run must give shards, dead letters and manifest counts
-byte-identical to a clean run on the default ``FnApiRunner``. (The local ``FnApiRunner`` does
-not retry bundles; a failure there fails the job, which the kill-and-rerun test covers.)
+byte-identical to a clean run on the default local runner (``pipeline._job._local``, no Beam). (The local
+runner does not retry; a failure there fails the job, which the kill-and-rerun test covers.)
 
 Hard kills (SIGKILL at seeded points of every phase, then a rerun) are tests/test_crash.py.
 """

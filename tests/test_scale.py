@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -203,6 +204,84 @@ def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
     forked = {s["pid"] for s in _trace.read(str(trace)) if s["span"] == "worker"}
     assert len(forked) == 2
     _assert_gone(forked)
+
+
+def test_a_worker_that_dies_on_its_own_fails_the_run_in_one_line(tmp_path):
+    """A worker killed outright (the kernel's OOM killer sends SIGKILL) while the others run: the run stops with one
+    error naming the worker, how it ended and what to try; the folder is a failed output; no worker is left."""
+    src = _write_mix(tmp_path, seed=7)
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pipeline import PackOptions, _rows, launch
+
+        def killed(*a, **kw):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _rows.pack_group = killed  # the forked workers inherit it
+        outcome = launch(PackOptions(inputs=({str(src)!r},), output={str(tmp_path / "out")!r}, max_tokens=512,
+                                     workers=2, tokenizer_threads=1, group_size=100))
+        print(type(outcome).__name__, outcome.exit_code)
+        print(outcome.error)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, _trace.ENV: str(trace)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    kind, message = r.stdout.strip().splitlines()
+    assert kind == "Failed 2", r.stdout
+    assert re.fullmatch(r"local worker [12] of 2 \(pid \d+\) killed by SIGKILL while running step 'pack'; the run "
+                        r"stopped \(if it was out of memory, use fewer --workers or a smaller --max-tokens\)", message)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "killed by SIGKILL" in manifest["error"]
+    _assert_gone({sp["pid"] for sp in _trace.read(str(trace)) if sp["span"] == "worker"})
+
+
+@pytest.mark.slow
+def test_workers_started_fresh_where_forking_is_unsafe_write_the_same_bytes(tmp_path):
+    """A launcher with a thread already running (a notebook, a host program) cannot fork safely: its workers start
+    fresh (spawn), load the tokenizer themselves, and write the same bytes as one process."""
+    src = _write_mix(tmp_path, seed=11)
+    opts = dict(max_tokens=512, group_size=40, num_shards=2, long="split", batch_size=32, tokenizer_threads=1)
+    run(PackOptions(inputs=(str(src),), output=str(tmp_path / "one"), workers=1, **opts))
+    script = textwrap.dedent(f"""
+        import json, threading
+        from pipeline import PackOptions, run
+        from tests._internals import _local
+
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()  # a thread of the host program
+        assert not _local._fork_is_safe()
+        run(PackOptions(inputs=({str(src)!r},), output={str(tmp_path / "two")!r}, workers=2, **{opts!r}))
+        stop.set()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _files(str(tmp_path / "one")), _files(str(tmp_path / "two"))
+    assert a.keys() == b.keys()
+    for name in a:
+        if name not in ("manifest.json", "README.md"):
+            assert a[name] == b[name], f"{name} differs between one process and two spawned workers"
+
+
+def test_a_local_run_imports_no_beam(tmp_path):
+    """``packstream pack`` on local files runs on packstream's own runner: Beam (~0.85 CPU-seconds of imports) is
+    never imported, with one worker or two."""
+    src = _write_mix(tmp_path, seed=13)
+    for workers in ("1", "2"):
+        script = textwrap.dedent(f"""
+            import sys
+            from pipeline.cli import main
+            try:
+                main(["pack", {str(src)!r}, "-o", {str(tmp_path / ("out" + workers))!r}, "-q", "--workers", {workers!r},
+                      "--max-tokens", "512"])
+            except SystemExit as e:
+                assert not e.code, e.code
+            print(sorted(m for m in sys.modules if m == "apache_beam" or m.startswith("apache_beam.")))
+        """)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip() == "[]", f"--workers {workers}: {r.stdout[:500]}"
 
 
 # ---------------------------------------------------------------------------------------

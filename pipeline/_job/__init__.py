@@ -1,4 +1,8 @@
-"""The Beam job behind ``packstream pack``: thin steps around the stages' pure functions, and its launcher.
+"""The job behind ``packstream pack``: thin steps around the stages' pure functions, two runners, the launcher.
+
+Locally the steps run on packstream's own runner (:mod:`~pipeline._job._local`: forked workers, no Beam);
+with ``--runner`` they run as the Beam graph below (:mod:`~pipeline._job._graph`), on Dataflow, Dask, Flink
+or Spark. The graph and the local runner call the same step objects, so their outputs are byte-identical.
 
 ::
 
@@ -27,7 +31,7 @@
                                    (complete) and the dataset card; or a failed manifest
                                    and a card that points at no data
 
-Only small values cross a shuffle (tasks, slices, shard descriptions, counts, file names), so
+Only small values cross a shuffle or a process (tasks, slices, shard descriptions, counts, file names), so
 memory does not grow with the input on any runner; tokens move through spill files
 (:mod:`pipeline._spill`). Every step has one output, of small typed values
 (:mod:`~pipeline._job._outputs`): runners such as Dask support nothing more. Nothing a worker
@@ -39,8 +43,10 @@ The modules, one job each::
 
     _context   RunContext: what the launcher decided (options, inputs, tokenizer, Layout); every step gets it
     _outputs   the typed values the steps emit
-    _steps     the DoFns and the graph
-    _commit    Finalize: counts (_counts), status, manifest, commit; stopped() for a run that did not finish
+    _steps     the steps (Beam's shape: setup, process, teardown; no runner in them)
+    _local     the local runner: the steps in this process or dealt to forked workers, then the commit
+    _graph     the steps as a Beam graph (a DoFn each), for the runners --runner names
+    _commit    finalize(): counts (_counts), status, manifest, commit; stopped() for a run that did not finish
     _runner    Beam's options and the runner, through Beam's public API
     _outcome   how a run ended, as a type: Committed, Failed, TemplateLaunched, Interrupted
     _launch    launch() -> Outcome, and run() -> manifest: prepare, then one ExitStack of the run's resources (the folder's claim, the spill,

@@ -48,8 +48,8 @@ MIN_TASK_BYTES = 512 * 2**10
 """Smaller tasks than this cost more in per-task work (a spill file per task, a tokenizer pipeline
 that fills and drains) than they gain in balance."""
 TASKS_PER_WORKER = 8
-"""Read tasks wanted per worker: local runners deal tasks out to the workers up front (FnApiRunner
-round-robin), so a worker's share is within one task of the others', about 1/8 of its work."""
+"""Read tasks wanted per worker: the local runner deals them, biggest first, to whichever worker is idle, so
+the workers finish within about one small task of each other; a Beam runner may deal them up front."""
 UNKNOWN_WORKERS = 32
 """The workers assumed where the launcher cannot know them (a cluster): 256 tasks for a big input."""
 

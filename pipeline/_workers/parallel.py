@@ -17,7 +17,7 @@ threads spent less CPU time per record than 2 workers of 1 thread (17.6-19.4 s a
 20.5-23.5 s for the 1x mix), so ``auto`` gives each worker :data:`THREADS_PER_WORKER` threads
 and one worker per that many cores; on 2 cores that is today's one worker. A small input gets
 fewer workers (one per :data:`BYTES_PER_WORKER`), so that no worker's start-up outweighs its
-work. Only local runs (FnApiRunner) start workers; on a cluster the runner owns the processes and
+work. Only local runs (pipeline._job._local) start workers; on a cluster the runner owns the processes and
 ``--tokenizer-threads`` (if given) sets each process's tokenizer threads.
 """
 
