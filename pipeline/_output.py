@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from packers import PackstreamError
 from packers.files import check_utf8_name, show_path
 from packers.manifest import LOCK, MANIFEST, SHARD_NAME, TMP_PREFIX
-from pipeline import _sink
+from pipeline import _fs, _sink
 from pipeline._sink import Site
 from pipeline._write import GUARD_MARK, join
 
@@ -84,15 +84,11 @@ def normalize_output(output: str) -> str:
 
 def _check_scheme(output: str, scheme: str) -> None:
     """A remote --output must name a filesystem Beam has (gs://, s3://, hdfs://, ...), installed."""
-    from apache_beam.io.filesystems import FileSystems
-
-    try:
-        FileSystems.get_filesystem(output)
-    except ValueError:
+    if not _fs.supports(output):
         raise PackstreamError(
             f"--output {show_path(output)}: no filesystem for {scheme}:// (Beam reads and writes local paths, gs://, "
             "s3://, hdfs:// and azfs://; gs:// needs apache-beam[gcp], s3:// apache-beam[aws])"
-        ) from None
+        )
 
 
 def check_not_inputs(output: str, inputs: Sequence[str]) -> None:
@@ -138,12 +134,7 @@ class Claim:
     def release(self) -> None:
         _HELD.discard(self.run_id)
         try:
-            if _is_remote(self.lock_path):
-                from apache_beam.io.filesystems import FileSystems
-
-                FileSystems.delete([self.lock_path])
-            else:
-                os.remove(self.lock_path)
+            _fs.delete([self.lock_path])
         except Exception:  # noqa: BLE001 - best effort: the lock is reported as stale next time
             pass
 
@@ -226,24 +217,17 @@ def _remote_create_exclusive(path: str, data: bytes) -> bool:
                 if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
                     return False
                 raise
-    from apache_beam.io.filesystems import FileSystems
-
-    if FileSystems.exists(path):
+    if _fs.exists(path):
         return False
     with _sink.create(path, Site.LOCK) as f:
         f.write(data)
-    with FileSystems.open(path, compression_type="uncompressed") as f:
+    with _fs.open(path) as f:
         return f.read() == data
 
 
 def _read_lock(path: str) -> dict:
     try:
-        if _is_remote(path):
-            from apache_beam.io.filesystems import FileSystems
-
-            with FileSystems.open(path, compression_type="uncompressed") as f:
-                return json.loads(f.read())
-        with open(path, "rb") as f:
+        with _fs.open(path) as f:
             return json.loads(f.read())
     except Exception:  # noqa: BLE001 - a lock we cannot read is still a lock
         return {}
@@ -310,9 +294,7 @@ def lock_state(info: dict) -> LockState:
 
 def _list(folder: str) -> list[str]:
     if _is_remote(folder):
-        from apache_beam.io.filesystems import FileSystems
-
-        found = FileSystems.match([folder.rstrip("/") + "/**"])[0].metadata_list
+        found = _fs.match(folder.rstrip("/") + "/**")
         prefix = folder.rstrip("/") + "/"
         return sorted({m.path[len(prefix):].split("/", 1)[0] for m in found if m.path.startswith(prefix)})
     return sorted(os.listdir(folder))
@@ -322,14 +304,12 @@ def _remove(folder: str, names: Sequence[str]) -> None:
     if not names:
         return
     if _is_remote(folder):
-        from apache_beam.io.filesystems import FileSystems
-
         paths = []
         for n in names:
-            paths += [m.path for m in FileSystems.match([join(folder, n) + "*"])[0].metadata_list
+            paths += [m.path for m in _fs.match(join(folder, n) + "*")
                       if m.path == join(folder, n) or m.path.startswith(join(folder, n) + "/")]
         if paths:
-            FileSystems.delete(paths)
+            _fs.delete(paths)
         return
     import shutil
 
@@ -438,10 +418,9 @@ def _guarded(output: str, names: Sequence[str]) -> bool:
         return False
     from packers.files import MiB, read_checked
 
-    from pipeline._write import beam_open
-
     try:  # packstream's cards are a few KB: a bigger README.md is not one
-        return GUARD_MARK.encode() in read_checked(join(output, "README.md"), what="README.md", limit=MiB, opener=beam_open)
+        return GUARD_MARK.encode() in read_checked(join(output, "README.md"), what="README.md", limit=MiB,
+                                                   opener=_fs.open)
     except (OSError, PackstreamError):  # unreadable: no proof of ownership
         return False
 

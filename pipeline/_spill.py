@@ -177,9 +177,9 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
 
 def _read_batch(path: str, index: int) -> pa.RecordBatch:
     if _is_remote(path):
-        from apache_beam.io.filesystems import FileSystems
+        from pipeline import _fs
 
-        with FileSystems.open(path, compression_type="uncompressed") as f:
+        with _fs.open(path) as f:
             return pa.ipc.open_file(pa.PythonFile(f, mode="r")).get_batch(index)
     with pa.OSFile(path, "rb") as f:
         return pa.ipc.open_file(f).get_batch(index)

@@ -23,7 +23,7 @@ import pyarrow as pa
 import packers
 from packers import PackstreamError
 from packers.manifest import shard_name  # noqa: F401 - the writers' name for shards
-from pipeline import _sink
+from pipeline import _fs, _sink
 from pipeline._rows import reject_sort_key
 from pipeline._sink import Site
 
@@ -111,27 +111,23 @@ def run_metadata(options, identity: dict, run_id: str) -> dict:
 
 
 def join(folder: str, name: str) -> str:
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.join(folder, name) if "://" in folder else posixpath.join(folder, name)
+    """``name`` inside the local or remote ``folder`` (:func:`pipeline._fs.join`)."""
+    return _fs.join(folder, name)
 
 
 def list_folder(folder: str) -> list[str]:
     """The names in a local or remote (gs://, s3://, ...) folder, sorted."""
     if "://" in folder:
-        from apache_beam.io.filesystems import FileSystems
-
-        found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list
+        found = _fs.match(folder.rstrip("/") + "/*")
         return sorted(m.path.rstrip("/").rsplit("/", 1)[-1] for m in found)
     return sorted(os.listdir(folder))
 
 
 def beam_open(path: str):
     """A remote file (gs://, s3://, ...) as a binary stream through Beam's FileSystems, uncompressed: the
-    ``opener`` the checked open (:mod:`packers.files`) uses for anything that is not a local path."""
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type="uncompressed")
+    ``opener`` the checked open (:mod:`packers.files`) uses for anything that is not a local path
+    (:func:`pipeline._fs.open`, which opens a local path without Beam)."""
+    return _fs.open(path)
 
 
 def read_bytes(path: str, *, what: str, limit: int, fix: str = "") -> bytes:
@@ -170,27 +166,18 @@ def read_manifest(folder: str, *, consistent: bool = True, files_only: bool = Fa
 def write_atomic(path: str, data: bytes, site: Site) -> None:
     """Write ``data`` to ``path`` through a temporary sibling and a rename (``site``: what it is, for the one
     door every output write goes through, :func:`pipeline._sink.create`)."""
-    from apache_beam.io.filesystems import FileSystems
-
     folder, name = posixpath.split(path) if "://" not in path else path.rsplit("/", 1)
     tmp = join(folder, f".tmp-{name}.{uuid.uuid4().hex}")
     try:
         with _sink.create(tmp, site) as f:
             f.write(data)
-        if "://" not in path:
-            import os
-
-            os.replace(tmp, path)  # atomic on POSIX
-        else:
-            if FileSystems.exists(path):
-                FileSystems.delete([path])
-            FileSystems.rename([tmp], [path])
+        _fs.replace(tmp, path)  # locally os.replace: atomic on POSIX
     except BaseException:
         # A failed attempt leaves no temp file behind (the retry writes its own); only a hard kill
         # can, and the next --overwrite run removes those (they carry packstream's .tmp- prefix).
         try:
-            if FileSystems.exists(tmp):
-                FileSystems.delete([tmp])
+            if _fs.exists(tmp):
+                _fs.delete([tmp])
         except OSError:  # best effort (BeamIOError is an OSError); the original error matters more
             pass
         raise
@@ -280,14 +267,12 @@ class ShardWriter:
                 "sha256": self._sink.sha.hexdigest(), "staged": self.tmp}
 
     def abort(self) -> None:
-        from apache_beam.io.filesystems import FileSystems
-
         try:
             self._raw.close()
         except Exception:  # noqa: BLE001 - best effort: the original error matters more
             pass
         try:
-            FileSystems.delete([self.tmp])
+            _fs.delete([self.tmp])
         except Exception:  # noqa: BLE001
             pass
 
@@ -298,34 +283,22 @@ def publish(folder: str, shards: Sequence[dict]) -> list[dict]:
     Returns the manifest's shard entries (without ``"staged"``). A commit that is retried (a runner
     retries a failed bundle) finds the shards it already renamed in place, and goes on.
     """
-    from apache_beam.io.filesystems import FileSystems
-
     out = []
     for s in shards:
         entry = {k: v for k, v in s.items() if k != "staged"}
         staged, final = s.get("staged"), join(folder, s["name"])
-        if staged:
-            if "://" not in final:
-                import os
-
-                if os.path.exists(staged) or not os.path.exists(final):
-                    os.replace(staged, final)
-            elif FileSystems.exists(staged) or not FileSystems.exists(final):
-                if FileSystems.exists(final):
-                    FileSystems.delete([final])
-                FileSystems.rename([staged], [final])
+        if staged and (_fs.exists(staged) or not _fs.exists(final)):
+            _fs.replace(staged, final)
         out.append(entry)
     return out
 
 
 def discard(shards: Sequence[dict]) -> None:
     """A failed run publishes nothing: remove its staged shards (best effort; --overwrite removes any ``.tmp-*``)."""
-    from apache_beam.io.filesystems import FileSystems
-
     staged = [s["staged"] for s in shards if s.get("staged")]
     for path in staged:
         try:
-            FileSystems.delete([path])
+            _fs.delete([path])
         except Exception:  # noqa: BLE001 - BeamIOError (an OSError) or a missing file: nothing to keep
             pass
 
@@ -345,10 +318,8 @@ def merge_rejected(folder: str, parts: Sequence[str]) -> tuple[dict[str, int], d
     """Merge sorted dead-letter parts into ``rejected.jsonl`` (streaming); counts and first record by reason."""
     import heapq
 
-    from apache_beam.io.filesystems import FileSystems
-
     def lines(path: str):
-        with FileSystems.open(path, compression_type="uncompressed") as f:
+        with _fs.open(path) as f:
             for line in iter(f.readline, b""):
                 rec = json.loads(line)
                 yield reject_sort_key(rec), line
@@ -363,21 +334,8 @@ def merge_rejected(folder: str, parts: Sequence[str]) -> tuple[dict[str, int], d
             rec = json.loads(line)
             counts[rec["reason"]] = counts.get(rec["reason"], 0) + 1
             first.setdefault(rec["reason"], rec)
-    _rename(tmp, path)
+    _fs.replace(tmp, path)
     return dict(sorted(counts.items())), first
-
-
-def _rename(tmp: str, path: str) -> None:
-    from apache_beam.io.filesystems import FileSystems
-
-    if "://" not in path:
-        import os
-
-        os.replace(tmp, path)
-    else:
-        if FileSystems.exists(path):
-            FileSystems.delete([path])
-        FileSystems.rename([tmp], [path])
 
 
 def _yaml_features(schema: pa.Schema) -> str:

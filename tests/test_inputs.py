@@ -633,11 +633,12 @@ def test_fuzz_through_the_job(tmp_path, monkeypatch, seed):
 
 
 OPENERS = {"open", "io.open", "os.open", "gzip.open", "bz2.open", "lzma.open", "FileSystems.open", "pa.memory_map",
-           "pa.OSFile", "Tokenizer.from_file"}
+           "pa.OSFile", "Tokenizer.from_file", "_fs.open"}  # pipeline._fs.open: io.open locally, Beam's remotely
 ALLOWED: dict[tuple[str, str], str] = {
     # (module, function) -> why a raw open is right there
     ("packers/files.py", "open_checked"): "the checked open itself",
-    ("pipeline/_read/_files.py", "_beam_open"): "the remote opener handed to open_checked",
+    ("pipeline/_fs.py", "open"): "the file system door (local io.open, else Beam's FileSystems): the remote opener "
+                                 "handed to open_checked, and the reader of files a run wrote itself",
     ("pipeline/_render.py", "<module>"): "the built-in template, a package resource",
     ("packers/_attention/_fixes.py", "refuse"): "transformers' own installed source",
     ("pipeline/_sink.py", "create"): "the writer: every file a run writes under its output (tests/test_write_faults.py)",

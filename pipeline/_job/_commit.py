@@ -286,11 +286,11 @@ def remove_spill(folder: str) -> None:
     """Remove the run's spill folder (best effort: --overwrite removes ``.tmp-*`` leftovers)."""
     try:
         if "://" in folder:
-            from apache_beam.io.filesystems import FileSystems
+            from pipeline import _fs
 
-            found = [m.path for m in FileSystems.match([folder.rstrip("/") + "/**"])[0].metadata_list]
+            found = [m.path for m in _fs.match(folder.rstrip("/") + "/**")]
             if found:
-                FileSystems.delete(found)
+                _fs.delete(found)
         else:
             import shutil
 

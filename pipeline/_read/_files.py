@@ -51,14 +51,10 @@ class InputFile:
 def open_raw(path: str):
     """An input's bytes as a binary stream, through the one checked open (:func:`packers.files.open_checked`:
     regular files only, so a FIFO or ``/dev/zero`` is one error line); local files directly (no Beam
-    import), anything else through Beam's FileSystems (gs://, s3://, ...), uncompressed."""
-    return open_checked(path, what="input", opener=_beam_open)
+    import), anything else through Beam's FileSystems (gs://, s3://, ...; :func:`pipeline._fs.open`), uncompressed."""
+    from pipeline import _fs
 
-
-def _beam_open(path: str):
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type="uncompressed")
+    return open_checked(path, what="input", opener=_fs.open)
 
 
 def compression(path: str) -> Optional[str]:
@@ -116,11 +112,9 @@ def is_hf_disk(path: str) -> bool:
     """Whether ``path`` is a datasets ``save_to_disk`` folder."""
     if "://" not in path:
         return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json"))
-    from apache_beam.io.filesystems import FileSystems
+    from pipeline import _fs
 
-    return any(
-        FileSystems.exists(FileSystems.join(path, name)) for name in ("state.json", "dataset_dict.json")
-    )
+    return any(_fs.exists(_fs.join(path, name)) for name in ("state.json", "dataset_dict.json"))
 
 
 def hf_dataset(f: "InputFile"):

@@ -173,16 +173,18 @@ def _local_matches(pattern: str, skipped: "list[str] | None" = None) -> list[str
 
 
 def _remote_matches(pattern: str) -> list[str]:
-    from apache_beam.io.filesystems import FileSystems
+    from pipeline import _fs
 
+    if not _fs.is_remote(pattern):  # file://: read through Beam before, which has no file system for it
+        raise PackstreamError(f"cannot read input {pattern!r}: give a local file as a plain path, not a file:// URL")
     if is_hf_disk(pattern):
         return [pattern.rstrip("/")]
     try:
-        if FileSystems.exists(pattern):  # literal name first
+        if _fs.exists(pattern):  # literal name first
             return [pattern]
         literal_dir = not any(c in pattern for c in "*?[")
-        query = FileSystems.join(pattern, "**") if literal_dir else pattern
-        return sorted(m.path for m in FileSystems.match([query])[0].metadata_list)
+        query = _fs.join(pattern, "**") if literal_dir else pattern
+        return sorted(m.path for m in _fs.match(query))
     except Exception as e:  # noqa: BLE001 - Beam raises BeamIOError (or worse) for unreadable or unknown schemes
         raise PackstreamError(f"cannot read input {pattern!r}: {e}") from None
 

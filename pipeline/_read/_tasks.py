@@ -166,10 +166,10 @@ def input_bytes(f: InputFile) -> int:
     input that cannot be sized, counts 0)."""
     if f.kind == "hf_disk":
         return 0
-    from apache_beam.io.filesystems import FileSystems
+    from pipeline import _fs
 
     try:
-        return int(FileSystems.match([f.path])[0].metadata_list[0].size_in_bytes)
+        return _fs.size(f.path)
     except Exception:  # noqa: BLE001 - an unsizable input adds nothing; the reader reports what is wrong with it
         return 0
 
