@@ -60,7 +60,10 @@ def cluster_threads(pipe_opts) -> Optional[int]:
 
         with distributed.Client(**{"timeout": 10, **opts}) as client:
             threads = sum(client.nthreads().values()) or None
-            client.run(warm)  # the workers import the job's code while this process builds the graph
+            try:
+                client.run(warm)  # the workers import the job's code while this process builds the graph
+            except Exception:  # noqa: BLE001 - only a head start (a worker without packstream fails its tasks)
+                pass
             return threads
     except Exception:  # noqa: BLE001 - only sizes the tasks; the runner reports an unreachable cluster itself
         return None
