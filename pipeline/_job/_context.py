@@ -61,9 +61,6 @@ class RunContext:
     manifest's ``notes``."""
     task_bytes: int = _read.TASK_BYTES
     """The size of JSONL read tasks (:func:`pipeline._read.task_bytes`): enough tasks for the workers."""
-    lanes: int = 0
-    """Dask: empty keys shuffled with the read tasks, so that every Dask worker gets some
-    (:mod:`pipeline._workers.on_dask`); 0 elsewhere."""
     progress: Optional[str] = None
     """A local run watched for progress: the folder its workers count into (:mod:`pipeline._progress`)."""
     outcome: Optional[str] = None
@@ -117,12 +114,10 @@ class Inputs:
     """Files of folder inputs not read, with the reason (:func:`pipeline._read.expand_datasets`)."""
 
 
-def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = _read.TASK_BYTES,
-           lanes: int = 0) -> RunContext:
+def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = _read.TASK_BYTES) -> RunContext:
     """The run's context. Groups and shards per split come from a cheap count of the inputs (exact for local
     JSONL, Parquet and datasets folders; from sizes elsewhere), so they are the same for the same inputs: the
-    output is too. ``task_bytes`` and ``lanes`` only say how the read tasks are cut and spread, which never
-    changes the output."""
+    output is too. ``task_bytes`` only says how the read tasks are cut, which never changes the output."""
     weights = [d.weight for d in options.datasets()]
     records = sum(_read.expected_records(f) * weights[f.dataset] for f in inputs.files)
     groups, shards = _write.shard_layout(options, records, inputs.size)
@@ -131,4 +126,4 @@ def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = 
                       tokenizer=inputs.tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
                       notes=tuple(_write.shard_cap_notes(options, shards)),
-                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes, lanes=lanes)
+                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes)

@@ -58,13 +58,10 @@ def build(p, ctx: RunContext) -> None:
         | "CutTasks" >> beam.FlatMap(cut_tasks, ctx.task_bytes)
         | "KeyTasks" >> beam.Map(lambda t: (t.name, t))
     )
-    if ctx.lanes:  # Dask: a shuffle keeps its input's partitions, so give it ctx.lanes more (Create splits)
-        lanes = p | "Lanes" >> beam.Create([(f"lane-{i}", None) for i in range(ctx.lanes)])
-        tasks = (tasks, lanes) | "WithLanes" >> beam.Flatten()
     encoded = (
         tasks
         | "Spread" >> beam.GroupByKey()
-        | "Tasks" >> beam.FlatMap(lambda kv: [t for t in kv[1] if t is not None])
+        | "Tasks" >> beam.FlatMap(lambda kv: kv[1])
         | "EncodeTasks" >> beam.ParDo(Step(EncodeTasks(ctx)))
     )
     packed = (

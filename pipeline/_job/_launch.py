@@ -100,31 +100,31 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     _trace.mark("launch", process_cpu=time.process_time())
     with _trace.span("launch_inputs"):
         files, notes, skipped = _read.expand_datasets(options.datasets())
-    with _trace.span("launch_tokenizer"):
-        identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
-        _check_launch(options, identity, quiet)
     sizes = [_read.input_bytes(f) for f in files]
-    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
-    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size,
-                          read_tasks=lambda n: _read.read_tasks(files, inputs.size, n))
     local = not names_runner(beam_args)
     if local and beam_args:  # Beam's options change nothing without a Beam runner: say so, naming what to use
         unknown_beam_args(beam_args)  # a bad value names itself first
         raise PackstreamError(local_beam_options(beam_args))
     pipe_opts = None if local else pipeline_options(beam_args)
-    task_bytes, lanes = _read.task_bytes(inputs.size, par.workers if local else None), 0
-    template = None
+    template, dask_task_bytes = None, None
     if pipe_opts is not None:
         from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 
         template = pipe_opts.view_as(GoogleCloudOptions).template_location
-        if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:
-            task_bytes, lanes = on_dask.layout(pipe_opts, files, sizes)
+        if pipe_opts.view_as(StandardOptions).runner == DASK_RUNNER:  # before the tokenizer: the cluster's
+            dask_task_bytes = on_dask.layout(pipe_opts, files, sizes)  # workers warm up meanwhile
+    with _trace.span("launch_tokenizer"):
+        identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
+        _check_launch(options, identity, quiet)
+    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
+    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size,
+                          read_tasks=lambda n: _read.read_tasks(files, inputs.size, n))
+    task_bytes = dask_task_bytes or _read.task_bytes(inputs.size, par.workers if local else None)
     if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
         options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
     run_id = uuid.uuid4().hex[:12]
     with _trace.span("launch_context", workers=par.workers, threads=par.threads):
-        ctx = decide(options, inputs, run_id, task_bytes, lanes)
+        ctx = decide(options, inputs, run_id, task_bytes)
     if local:
         ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"),
                                   parallelism=par.to_dict())

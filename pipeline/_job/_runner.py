@@ -5,8 +5,9 @@ packstream user gets the one line that names the option instead. The parser is t
 builds (``PipelineOptions.get_all_options`` hands it to its ``add_extra_args_fn``), told not to
 exit (argparse's ``exit_on_error``). Runner names are Beam's ``StandardOptions.ALL_KNOWN_RUNNERS``,
 looked up as Beam does (a short name, with or without "Runner", or a class path); ``DaskRunner``
-(not in that list) becomes its class path. Without a runner the job runs on packstream's local
-runner (:mod:`pipeline._job._local`), which needs no Beam at all.
+(not in that list), or Beam's DaskRunner by its class path, becomes packstream's (:mod:`pipeline._workers.on_dask`).
+Without a runner the job runs on packstream's local runner (:mod:`pipeline._job._local`), which needs no
+Beam at all.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Optional, Sequence
 
 from packers import PackstreamError
 
-DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
+DASK_RUNNER = "pipeline._workers.on_dask.DaskRunner"
+"""packstream's DaskRunner: Beam's, with a GroupByKey that spreads the job's few, small keys (see
+:mod:`pipeline._workers.on_dask`)."""
+BEAM_DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 _RUNNER_EXAMPLES = "DataflowRunner, DaskRunner, FlinkRunner, PortableRunner"
 _NEEDS_NAME = f"--runner needs a runner name: --runner=NAME (e.g. {_RUNNER_EXAMPLES})"
 
@@ -94,7 +98,7 @@ def _check_runner(name: str) -> str:
     choices = f"use one of {', '.join(runner_names())}, or the full class path of a PipelineRunner subclass"
     if not name.strip():
         raise PackstreamError(f"--runner is empty; {choices}")
-    if name.lower() in ("daskrunner", "dask"):
+    if name.lower() in ("daskrunner", "dask") or name in (BEAM_DASK_RUNNER, DASK_RUNNER):
         try:
             import dask.distributed  # noqa: F401
         except ImportError:
