@@ -29,6 +29,7 @@ import pyarrow as pa
 import packers
 from packers import LongPolicy
 from packers.manifest import escape_source
+from pipeline import _arrow
 from pipeline._formats import Reason
 from pipeline._options import PackOptions, TruncateSide
 
@@ -415,7 +416,7 @@ def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, r
 
 
 def _list(offsets: np.ndarray, values: np.ndarray | list, typ: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, typ))
+    return _arrow.list_array(offsets, values, typ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,8 +492,8 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         _list(tok_row_off, loss_mask, pa.uint8()),
         _list(seq_row_off, seq_vals, pa.int32()),
         _list(row_start_piece, ordered_ids, pa.string()),
-        pa.array(row_tokens, pa.int32()),
-        pa.array(num_targets, pa.int32()),
+        _arrow.array(row_tokens, pa.int32()),
+        _arrow.array(num_targets, pa.int32()),
         *pair_cols,
         desirable,
     ]

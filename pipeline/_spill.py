@@ -41,7 +41,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from pipeline import _sink
+from pipeline import _arrow, _sink
 from pipeline._rows import ExampleBatch
 from pipeline._sink import Site
 
@@ -143,13 +143,13 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
     o = batch.offsets[a:b + 1]
     off32 = (o - o[0]).astype(np.int32)
     return pa.RecordBatch.from_arrays([
-        pa.array(batch.ids[a:b], pa.string()),
-        pa.array(batch.sources[a:b], pa.string()),
-        pa.array(batch.positions[a:b], pa.int64()),
-        pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.input_ids[o[0]:o[-1]], pa.int32())),
-        pa.ListArray.from_arrays(pa.array(off32), pa.array(batch.loss_mask[o[0]:o[-1]], pa.uint8())),
-        pa.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
-        pa.array(np.full(b - a, -1, np.int8) if batch.desirable is None else batch.desirable[a:b], pa.int8()),
+        _arrow.array(batch.ids[a:b], pa.string()),
+        _arrow.array(batch.sources[a:b], pa.string()),
+        _arrow.array(batch.positions[a:b], pa.int64()),
+        _arrow.list_array(off32, batch.input_ids[o[0]:o[-1]], pa.int32()),
+        _arrow.list_array(off32, batch.loss_mask[o[0]:o[-1]], pa.uint8()),
+        _arrow.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
+        _arrow.array(np.full(b - a, -1, np.int8) if batch.desirable is None else batch.desirable[a:b], pa.int8()),
     ], schema=SPILL_SCHEMA)
 
 
@@ -158,15 +158,15 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     ids, sources, positions, lengths, tok_ids, masks, cuts, labels = [], [], [], [], [], [], [], []
     for s in slices:
         rb = _read_batch(s.path, s.batch)
-        cuts.append(rb.column(5).to_numpy())
-        labels.append(rb.column(6).to_numpy())
+        cuts.append(_arrow.to_numpy(rb.column(5)))
+        labels.append(_arrow.to_numpy(rb.column(6)))
         ids += rb.column(0).to_pylist()
         sources += rb.column(1).to_pylist()
         positions += rb.column(2).to_pylist()
         for col, out in ((rb.column(3), tok_ids), (rb.column(4), masks)):
-            offs = col.offsets.to_numpy()
-            out.append(col.values.to_numpy()[offs[0]:offs[-1]])
-        lengths.append(np.diff(rb.column(3).offsets.to_numpy()))
+            offs = _arrow.to_numpy(col.offsets)
+            out.append(_arrow.to_numpy(col.values)[offs[0]:offs[-1]])
+        lengths.append(np.diff(_arrow.to_numpy(rb.column(3).offsets)))
     if not ids:
         return ExampleBatch.empty()
     cut, label = np.concatenate(cuts), np.concatenate(labels)

@@ -23,7 +23,7 @@ import pyarrow as pa
 import packers
 from packers import PackstreamError
 from packers.manifest import shard_name  # noqa: F401 - the writers' name for shards
-from pipeline import _fs, _sink
+from pipeline import _arrow, _fs, _sink
 from pipeline._rows import reject_sort_key
 from pipeline._sink import Site
 
@@ -259,7 +259,7 @@ class ShardWriter:
 
     def close(self, split: str) -> dict:
         if self.rows == 0 and isinstance(self._writer, pa.ipc.RecordBatchStreamWriter):
-            self._writer.write_batch(pa.RecordBatch.from_pylist([], schema=self.schema))  # readable when empty
+            self._writer.write_batch(_arrow.empty_batch(self.schema))  # readable when empty
         self._writer.close()
         self._raw.close()
         return {"name": self.name, "split": split, "rows": self.rows, "examples": self.examples,

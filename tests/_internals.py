@@ -43,8 +43,8 @@ from pipeline import _rows
 from pipeline._encode import Encoder
 from pipeline._rows import ExampleBatch, dedupe, example_id
 
-# Writing, spilling, the output folder, tracing and progress.
-from pipeline import _fs, _output, _progress, _sink, _spill, _trace, _write
+# Writing, spilling, the output folder, tracing and progress; Arrow arrays without pa.array (pipeline._arrow).
+from pipeline import _arrow, _fs, _output, _progress, _sink, _spill, _trace, _write
 from pipeline._progress import LogFormat, Progress
 
 # Tools: verify, inspect, estimate, preview.

@@ -5,7 +5,7 @@ only the layers below it, packing needs no torch, training needs no pipeline.
     Job      the Beam composites and launcher, progress   Tools   verify, inspect, estimate, preview
     Encode   one stage: records -> encoded examples + typed rejections
     Workers  the processes: signals, local workers, the warm pool, sharing cores, Dask
-    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, trace, report, fs
+    Stages   read, formats, render, rows, write, options, spill, tokenizer, output, trace, report, fs, arrow
     Core     packers: pack, stats, schema, errors, manifest, files     Loader   packers: collate, dataset, attention
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
@@ -26,7 +26,7 @@ LAYERS = {
     "workers": {"pipeline._workers"},
     "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._rows", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
-               "pipeline._exit", "pipeline._report", "pipeline._sink", "pipeline._fs"},
+               "pipeline._exit", "pipeline._report", "pipeline._sink", "pipeline._fs", "pipeline._arrow"},
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",

@@ -19,7 +19,7 @@ import numpy as np
 
 import packers
 from packers import PackstreamError
-from pipeline import _progress, _read, _rows, _spill, _trace, _write
+from pipeline import _arrow, _progress, _read, _rows, _spill, _trace, _write
 from pipeline._encode import Encoder, add_counts
 from pipeline._formats import Reason
 from pipeline._job._context import RunContext
@@ -189,8 +189,6 @@ class PackGroups:
         self.rows = _progress.Counter(NS, "rows", ctx.progress)
 
     def process(self, keyed):
-        import pyarrow as pa
-
         (split, g), slices = keyed
         o, ctx = self.ctx.options, self.ctx
         count = ctx.layout.shards[split]
@@ -203,7 +201,7 @@ class PackGroups:
                     by_shard = {g % count: batch}
                 else:  # global mode: one group per split, its rows dealt out round-robin over the split's shards
                     rows = np.arange(batch.num_rows)
-                    by_shard = {s: batch.take(pa.array(rows[rows % count == s])) for s in range(count)}
+                    by_shard = {s: batch.take(_arrow.array(rows[rows % count == s])) for s in range(count)}
                 pieces = _spill.write_packed(ctx.spill, f"{split}-{g}", g, by_shard)
                 path = _write.write_reject_part(ctx.spill, f"group-{split}-{g}", group.rejected)
         except (OSError, PackstreamError) as e:

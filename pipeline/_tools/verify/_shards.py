@@ -15,6 +15,7 @@ from packers import ContractError
 from packers.manifest import RowChecks, ShardEntry
 from packers.rowcheck import Failure, check_batch, gather
 from packers.schema import PAIR_COLUMNS
+import pipeline._arrow as _arrow
 import pipeline._rows as _rows
 import pipeline._write as _write
 from pipeline._tools.verify._base import Report, in_folder, is_remote, short
@@ -104,7 +105,7 @@ def open_shard(folder: str, name: str, limit: int) -> tuple[int, str, Callable[[
 def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, Any, int]:
     """(offsets from 0, values, null count) of a list column."""
     col = table.column(name)
-    arr = col.combine_chunks() if col.num_chunks else pa.array([], col.type)
+    arr = col.combine_chunks() if col.num_chunks else pa.nulls(0, col.type)
     offsets = arr.offsets.to_numpy().astype(np.int64)
     values = arr.flatten()
     nulls = arr.null_count + values.null_count
@@ -307,7 +308,7 @@ def _check_targets_and_pairs(report: Report, name: str, table: pa.Table, good: n
     for c0 in range(0, len(good), _CHECK_CHUNK):
         idx = good[c0:c0 + _CHECK_CHUNK]
         while len(idx):
-            b = gather(table.take(pa.array(idx)), check=False)
+            b = gather(table.take(_arrow.array(idx)), check=False)
             f = check_batch(b, plain) if not isinstance(b, Failure) else b
             if f is None:
                 break
