@@ -182,6 +182,16 @@ def _measured_output(r: dict, out: Path) -> dict:
             "fill": c["fill"], "records": c["records_read"]}
 
 
+def compiled() -> None:
+    """The package's bytecode compiled, as ``pip install`` leaves it, and the runs allowed to use it: a checkout run
+    with ``PYTHONDONTWRITEBYTECODE`` set compiles ~80 modules from source in every process (~0.13 s each time)."""
+    import compileall
+
+    for pkg in ("pipeline", "packers"):
+        compileall.compile_dir(str(ROOT / pkg), quiet=1)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
@@ -198,6 +208,7 @@ def main(argv=None) -> None:
     p.add_argument("--md", default=None, help="--cores: also write the tables to this markdown file")
     p.add_argument("--mix", default=None, help="--cores: this JSONL instead of the shared mix (scales ignored)")
     args = p.parse_args(argv)
+    compiled()
     data = Path(args.data)
     if not args.mix and not (data / "gsm8k" / "train.jsonl").exists():
         sys.exit(f"no data at {data}; pass --data")

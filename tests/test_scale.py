@@ -293,12 +293,12 @@ MIB = 2**20
 
 @pytest.mark.parametrize("cores,size,expected", [
     (1, 1000 * MIB, (1, 1)),
-    (2, 1000 * MIB, (1, 2)),  # 2 cores: one process, both cores for its tokenizer (as before auto)
-    (3, 1000 * MIB, (1, 3)),
-    (16, 1 * MIB, (1, 16)),  # a small input: one process
-    (16, 9 * MIB, (2, 8)),
-    (16, 1000 * MIB, (8, 2)),  # a big one: a worker per 2 cores
-    (64, 1000 * MIB, (32, 2)),
+    (2, 1000 * MIB, (2, 1)),  # 2 cores: a worker per core, one tokenizer thread each
+    (3, 1000 * MIB, (3, 1)),
+    (16, 1 * MIB, (1, 16)),  # a small input: one process, every core for its tokenizer
+    (16, 9 * MIB, (4, 4)),  # a worker per 2 MiB
+    (16, 1000 * MIB, (16, 1)),  # a big one: a worker per core
+    (64, 1000 * MIB, (64, 1)),
 ])
 def test_auto_parallelism(cores, size, expected):
     p = parallel.choose(0, 0, size, n_cores=cores)
@@ -311,10 +311,10 @@ def test_auto_says_why_and_starts_no_worker_without_a_read_task():
     p = parallel.choose(0, 0, 1000 * MIB, n_cores=16, read_tasks=lambda n: 3)  # e.g. three gzipped files
     assert (p.workers, p.threads) == (3, 5) and p.why == "--workers auto: 16 cores, 3 read tasks"
     assert parallel.choose(0, 0, 9 * MIB, n_cores=16).why == ("--workers auto: 16 cores, a small input (9 MiB: a "
-                                                              "worker per 4 MiB)")
+                                                              "worker per 2 MiB)")
     assert parallel.choose(2, 0, 0, 2).describe() == "2 x 1 tokenizer thread (--workers 2: 2 cores shared by 2 workers)"
     assert parallel.choose(0, 0, 1000 * MIB, n_cores=2).to_dict() == {
-        "workers": 1, "tokenizer_threads": 2, "why": "--workers auto: 2 cores, a worker per 2 cores"}
+        "workers": 2, "tokenizer_threads": 1, "why": "--workers auto: 2 cores, a worker per core"}
 
 
 def test_given_workers_and_threads_are_kept():

@@ -9,14 +9,15 @@ the tokenizer). A run on ``C`` cores can spend them two ways::
                                       end of every batch, and the worker's one Python thread
                                       bounds it once C is large (Python ~10% -> ~10 cores at most)
     N workers x C/N threads           each worker is one more process (forked warm from the
-                                      launcher: ~0.3 CPU-s, plus its share of the runner's gRPC);
-                                      they share the read tasks and the packing groups
+                                      launcher: ~0.02 CPU-s); they share the read tasks and the
+                                      packing groups, and nothing waits at a batch's end
 
-Measured with ``bench/bench_scale.py`` (README, Performance) on 2 cores: one worker with 2
-threads spent less CPU time per record than 2 workers of 1 thread (17.6-19.4 s against
-20.5-23.5 s for the 1x mix), so ``auto`` gives each worker :data:`THREADS_PER_WORKER` threads
-and one worker per that many cores; on 2 cores that is today's one worker. A small input gets
-fewer workers (one per :data:`BYTES_PER_WORKER`), so that no worker's start-up outweighs its
+Measured with ``bench/bench_scale.py`` (README, Performance) on 2 cores, with packstream's own
+local runner (no Beam): 2 workers of 1 thread beat one worker of 2 threads (19.19 s against
+19.96 s for the 6x mix, the same CPU time), so ``auto`` gives each worker
+:data:`THREADS_PER_WORKER` thread and one worker per core. (With Beam's runner a worker cost
+~0.3 CPU-s and its share of gRPC, and one worker of 2 threads won.) A small input gets fewer
+workers (one per :data:`BYTES_PER_WORKER`), so that no worker's start-up outweighs its
 work. Only local runs (pipeline._job._local) start workers; on a cluster the runner owns the processes and
 ``--tokenizer-threads`` (if given) sets each process's tokenizer threads.
 """
@@ -33,12 +34,12 @@ PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
 """``false``: the tokenizer encodes a batch in the calling thread (read at every call)."""
 
 
-THREADS_PER_WORKER = 2
-"""``auto``: tokenizer threads per worker (the cores are shared out over ``cores // 2`` workers)."""
-BYTES_PER_WORKER = 4 * 2**20
-"""``auto``: at most one worker per this much input. A worker pays for itself once it has a few
-CPU-seconds of work: ~1.3 CPU-seconds per MiB of JSONL on the shared mix (bench_scale --cores),
-against ~0.3 s for a forked worker and its share of the runner's coordination."""
+THREADS_PER_WORKER = 1
+"""``auto``: tokenizer threads per worker (a worker per core)."""
+BYTES_PER_WORKER = 2 * 2**20
+"""``auto``: at most one worker per this much input. A worker pays for itself once it has about a CPU-second of
+work: ~0.55 CPU-seconds per MiB of JSONL on the shared mix (bench_scale --cores), against ~0.02 s for a
+forked worker."""
 
 
 def cores() -> int:
@@ -67,7 +68,7 @@ class Parallelism:
         """One line for pack's summary and estimate's report.
 
         >>> choose(0, 0, 2**30, n_cores=2).describe()
-        '1 x 2 tokenizer threads (--workers auto: 2 cores, a worker per 2 cores)'
+        '2 x 1 tokenizer thread (--workers auto: 2 cores, a worker per core)'
         >>> choose(2, 0, 2**30, n_cores=2).describe()
         '2 x 1 tokenizer thread (--workers 2: 2 cores shared by 2 workers)'
         """
@@ -91,7 +92,7 @@ def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int
     ``auto`` starts no more workers than that (a worker without a task costs a process and does nothing).
 
     >>> choose(0, 0, 9 * 2**20, n_cores=16).why
-    '--workers auto: 16 cores, a small input (9 MiB: a worker per 4 MiB)'
+    '--workers auto: 16 cores, a small input (9 MiB: a worker per 2 MiB)'
     >>> choose(0, 0, 2**30, n_cores=16, read_tasks=lambda n: 3).describe()
     '3 x 5 tokenizer threads (--workers auto: 16 cores, 3 read tasks)'
     """
@@ -112,6 +113,6 @@ def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int
     elif by_size < by_cores:
         why.append(f"a small input ({input_bytes / 2**20:,.0f} MiB: a worker per {BYTES_PER_WORKER // 2**20} MiB)")
     elif c >= per:
-        why.append(f"a worker per {per} cores")
+        why.append("a worker per core" if per == 1 else f"a worker per {per} cores")
     head = "--workers auto" + (f" --tokenizer-threads {threads}" if threads else "")
     return Parallelism(n, threads or max(1, c // n), f"{head}: " + ", ".join(why))
