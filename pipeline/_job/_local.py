@@ -237,7 +237,7 @@ def run(ctx: RunContext, workers: "InProcess | Workers") -> dict:
     workers.start(ctx)
     reports: list = []
     tasks = [t for f in ctx.files for t in cut_tasks(f, ctx.task_bytes)]
-    tasks.sort(key=lambda t: -(t.end - t.start) if _sized(t) else 0)  # the biggest first: the last ones are short
+    tasks.sort(key=_weight, reverse=True)  # the biggest first, so the last ones dealt are short
     slices: dict[tuple[str, int], list] = {}
     for item in workers.map("encode", tasks):
         if isinstance(item, Spilled):
@@ -260,5 +260,15 @@ def _splits(ctx: RunContext) -> tuple[str, ...]:
     return ("train", "validation") if ctx.options.validation_fraction > 0 else ("train",)
 
 
-def _sized(task: Any) -> bool:
-    return isinstance(getattr(task, "start", None), int) and isinstance(getattr(task, "end", None), int)
+def _weight(task: Any) -> float:
+    """A read task's size for dealing them biggest first: a JSONL task's bytes, a whole local file's size; a task
+    whose size is not known cheaply (rows of a table, a remote file) counts as the biggest (it goes first)."""
+    jsonl = task.file.kind == "jsonl"  # start and stop are bytes (the last task's stop is None: to the end)
+    if jsonl and task.stop is not None:
+        return float(task.stop - task.start)
+    if (jsonl or task.start == 0) and task.stop is None and "://" not in task.file.path:
+        try:
+            return float(os.path.getsize(task.file.path) - (task.start if jsonl else 0))
+        except OSError:
+            pass
+    return float("inf")
