@@ -23,10 +23,10 @@ and extrapolates::
     local time      a timed pack (``timed_run``, the job's own runner with the run's workers and
                     threads) of ~TIMED_RECORDS sampled records, split by its trace (pipeline._trace)
                     into a fixed part, read tasks and packing-and-writing:
-                      fixed (start-up, Beam, the commit) + tokenizer load
+                      fixed (start-up, the workers, the commit) + tokenizer load
                       + read tasks: sum_f N_f * (f's sampled seconds per record) * calibration,
                         spread over the workers; calibration = the timed pack's read-task seconds /
-                        the same records' seconds in the sample (Beam's per-record cost, the load)
+                        the same records' seconds in the sample (the runner's per-record cost, the load)
                       + packing and writing: the timed pack's, per token
                     Without ``timed_run`` (the library call), the sample's seconds per record plus
                     fixed guesses (_UNTIMED_*), with no error bound.
@@ -63,7 +63,7 @@ TIME_ERROR = 0.25
 """The error bound shown with a run time calibrated by a timed pack: what ``bench/bench_estimate.py`` checks
 (predicted / real within 1 +- this on ../shared/data and 6x the shared mix, 2 cores shared with other work).
 Other load on the machine moves a real run by about as much."""
-# Without a timed pack (estimate() called without timed_run): fixed guesses for Beam's cost on top of the
+# Without a timed pack (estimate() called without timed_run): fixed guesses for the runner's cost on top of the
 # functions timed on the sample (start-up, moving record chunks between steps, packing and writing per token).
 _UNTIMED_STARTUP_S = 2.0
 _UNTIMED_PER_RECORD_S = 30e-6
@@ -335,12 +335,12 @@ class _Timing:
 
     @property
     def fixed_s(self) -> float:
-        """Start-up, Beam's stages, the commit: the part of the run that does not grow with the input."""
+        """Start-up, the stages' hand-overs, the commit: the part of the run that does not grow with the input."""
         return max(0.0, self.seconds - self.read_wall_s - self.pack_write_s)
 
     @property
     def calibration(self) -> float:
-        """A record's seconds in the job's read tasks / in the sample: Beam's per-record cost, the threads."""
+        """A record's seconds in the job's read tasks / in the sample: the runner's per-record cost, the threads."""
         return self.read_s / self.sampled_s if self.sampled_s > 0 else 1.0
 
     def report(self) -> dict[str, Any]:
