@@ -69,6 +69,12 @@ class RunContext:
     """A local run: its worker processes, tokenizer threads and why (:meth:`pipeline._workers.parallel.Parallelism.
     to_dict`), the manifest's ``run``; None on a cluster, whose runner owns the processes."""
 
+    def every_shard(self) -> list[tuple[str, int]]:
+        """(split, shard) of every shard the run writes, an empty one too: the validation split's only when the run
+        has one."""
+        splits = ("train", "validation") if self.options.validation_fraction > 0 else ("train",)
+        return [(split, s) for split in splits for s in range(self.layout.shards[split])]
+
     @property
     def output(self) -> str:
         return self.options.output

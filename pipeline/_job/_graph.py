@@ -51,7 +51,6 @@ class Finalize(beam.DoFn):
 
 def build(p, ctx: RunContext) -> None:
     """The job graph (see :mod:`pipeline._job`)."""
-    splits = [s for s in ("train", "validation") if s == "train" or ctx.options.validation_fraction > 0]
     tasks = (
         p
         | "Inputs" >> beam.Create(ctx.files)
@@ -70,7 +69,7 @@ def build(p, ctx: RunContext) -> None:
         | "ByGroup" >> beam.GroupByKey()
         | "PackGroups" >> beam.ParDo(Step(PackGroups(ctx)))
     )
-    every = [((sp, s), None) for sp in splits for s in range(ctx.layout.shards[sp])]
+    every = [(key, None) for key in ctx.every_shard()]
     written = (
         (packed | "Pieces" >> beam.FlatMap(only(Packed)), p | "EveryShard" >> beam.Create(every))
         | "AllPieces" >> beam.Flatten()

@@ -244,8 +244,7 @@ def run(ctx: RunContext, workers: "InProcess | Workers") -> dict:
             slices.setdefault((item.split, item.group), []).append(item.slice)
         else:
             reports.append(item)
-    pieces: dict[tuple[str, int], list] = {
-        (split, s): [] for split, n in ctx.layout.shards.items() if split in _splits(ctx) for s in range(n)}
+    pieces: dict[tuple[str, int], list] = {key: [] for key in ctx.every_shard()}
     for item in workers.map("pack", sorted(slices.items(), key=lambda kv: kv[0])):
         if isinstance(item, Packed):
             pieces.setdefault((item.split, item.shard), []).append(item.piece)
@@ -254,10 +253,6 @@ def run(ctx: RunContext, workers: "InProcess | Workers") -> dict:
     reports += workers.map("write", sorted(pieces.items(), key=lambda kv: kv[0]))
     with _trace.span("finalize"):
         return finalize(ctx, reports)
-
-
-def _splits(ctx: RunContext) -> tuple[str, ...]:
-    return ("train", "validation") if ctx.options.validation_fraction > 0 else ("train",)
 
 
 def _weight(task: Any) -> float:
