@@ -9,7 +9,9 @@ from packers.errors import ContractError, InternalError, PackstreamError
 from packers._options import Balance, Batching, BatchBy, CostModel, LossWeighting, Sampling, Sharding
 from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
 from packers._pairs import pack_pairs
-from packers.schema import CONTRACT_VERSION, SCHEMA, Side, read_metadata, schema_metadata, shard_schema, validate_row
+from packers.schema import (CONTRACT_VERSION, SCHEMA, VISION_CONTRACT_VERSION, VISION_SCHEMA, Side, read_metadata,
+                            schema_metadata, shard_schema, validate_row)
+from packers._vision import ImageSizeError, VisionFamily, VisionSpec
 from packers._stats import PackStats, pack_stats
 
 _TORCH_NAMES = {
@@ -32,6 +34,11 @@ _TORCH_NAMES = {
 __all__ = [
     "CONTRACT_VERSION",
     "SCHEMA",
+    "VISION_CONTRACT_VERSION",
+    "VISION_SCHEMA",
+    "ImageSizeError",
+    "VisionFamily",
+    "VisionSpec",
     "Balance",
     "BatchBy",
     "Batching",

@@ -41,7 +41,7 @@ from packers.manifest import (
     missing_manifest,
     require_complete,
 )
-from packers.schema import PLACE_KEYS, SCHEMA, read_metadata
+from packers.schema import PLACE_KEYS, read_metadata, row_schema
 
 # -- opening: the manifest decides what is read ---------------------------------------------------------
 
@@ -377,12 +377,13 @@ def _open_shard(at: str, local: str, m: Manifest, s: ShardEntry) -> tuple[Any, d
     import datasets
 
     schema = _read_schema(local, at)
-    if not schema.remove_metadata().equals(SCHEMA):
-        raise ContractError(f"{at}: schema {schema.remove_metadata()} differs from the packed-row contract {SCHEMA}")
     try:
         meta = read_metadata(schema)
     except ValueError as e:  # ContractError, or metadata that is not UTF-8 JSON
         raise ContractError(f"{at}: schema metadata unreadable: {e}") from None
+    expected = row_schema(meta["contract_version"])
+    if not schema.remove_metadata().equals(expected):
+        raise ContractError(f"{at}: schema {schema.remove_metadata()} differs from the packed-row contract {expected}")
     wrong = metadata_mismatch(meta, m, s)
     if wrong is not None:
         key, what = wrong

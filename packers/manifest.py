@@ -73,7 +73,7 @@ from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
 from packers.errors import ContractError, PackstreamError, is_int, is_weight, short
 from packers.files import MiB, load_json, read_checked, show_path
-from packers.schema import CONTRACT_VERSION
+from packers.schema import CONTRACT_VERSION, READABLE_VERSIONS
 
 MANIFEST = "manifest.json"
 LOCK = ".packstream.lock"
@@ -422,10 +422,10 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
 
 def _check_version_and_run_id(r: _Reader, raw: Mapping[str, Any]) -> None:
     version = raw.get("contract_version", _MISSING)
-    if not is_int(version) or version != CONTRACT_VERSION:
+    if not is_int(version) or version not in READABLE_VERSIONS:
         raise ContractError(
             f"{r.where}: {MANIFEST} contract_version is {'missing' if version is _MISSING else _short(version)}, "
-            f"expected {CONTRACT_VERSION}; repack the data or install a matching packstream"
+            f"expected one of {', '.join(map(str, READABLE_VERSIONS))}; repack the data or install a matching packstream"
         )
     run_id = raw.get("run_id", _MISSING)
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
@@ -673,9 +673,13 @@ def is_datasets_cache(name: str) -> bool:
 def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:
     """The schema metadata (:func:`packers.read_metadata`'s keys) the shard ``entry`` of the complete manifest
     ``m`` must carry: contract version, budget, tokenizer name and vocabulary hash, eos/pad ids (the same on
-    every shard of the run), and its place: the run id, its split, its index and the split's shard count."""
+    every shard of the run), and its place: the run id, its split, its index and the split's shard count; in a run
+    with images (contract version 4) also the vision spec the manifest records."""
+    version = m.raw.get("contract_version", CONTRACT_VERSION)
+    vision = {"vision": m.raw.get("vision")} if version != CONTRACT_VERSION else {}
     return {
-        "contract_version": CONTRACT_VERSION,
+        "contract_version": version,
+        **vision,
         "budget": m.row_checks.budget,
         "tokenizer": m.tokenizer.name,
         "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256,

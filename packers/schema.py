@@ -127,6 +127,43 @@ SCHEMA = pa.schema(
 )
 """The shard schema. Never inferred from data: every writer casts to it."""
 
+IMAGE_TYPE = pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.binary())])
+"""One image as a row carries it: a path or URI (resolved when packed), or the encoded bytes (Hugging Face datasets'
+``Image`` encoding)."""
+
+VISION_CONTRACT_VERSION = 4
+"""The contract version of a run with images: :data:`VISION_SCHEMA`. A reader that knows only version 3 refuses it,
+so no older packstream trains the image placeholders as text."""
+
+VISION_SCHEMA = pa.schema(
+    list(SCHEMA)
+    + [
+        pa.field("image_offsets", pa.list_(pa.int32()), nullable=False),
+        pa.field("image_grid_thw", pa.list_(pa.int32()), nullable=False),
+        pa.field("images", pa.list_(IMAGE_TYPE), nullable=False),
+    ]
+)
+"""The shard schema of a run with images (``packstream pack --processor``): :data:`SCHEMA` and, per row, in row order,
+each image's start ``image_offsets`` (the token offset of its first placeholder token), its patch grid
+``image_grid_thw`` (three per image: t, h, w, as the processor's ``image_grid_thw``) and the image itself ``images``.
+An image's placeholder run is :meth:`packers.VisionSpec.grid_tokens` tokens long, lies inside one example, and is
+never a target. Empty lists in a row without images."""
+
+VISION_COLUMNS = ("image_offsets", "image_grid_thw", "images")
+
+READABLE_VERSIONS = (CONTRACT_VERSION, VISION_CONTRACT_VERSION)
+
+
+def row_schema(contract_version: int) -> pa.Schema:
+    """The row schema of a contract version this packstream reads."""
+    if contract_version == VISION_CONTRACT_VERSION:
+        return VISION_SCHEMA
+    if contract_version == CONTRACT_VERSION:
+        return SCHEMA
+    raise ContractError(f"contract version {contract_version!r} is not one this packstream reads "
+                        f"({', '.join(map(str, READABLE_VERSIONS))}); repack the data or install a matching packstream")
+
+
 PAIR_COLUMNS = ("pair_ids", "sides", "completion_spans")
 """Empty in a row of plain examples; one entry per sequence (two for the spans) in a row of pairs."""
 
@@ -161,10 +198,12 @@ def schema_metadata(
     pad_token_id: int | None,
     eos_token_id: int | None,
     run_id: str,
+    vision: str | None = None,
 ) -> dict[bytes, bytes]:
-    """The metadata every shard of one run carries; :func:`place_metadata` adds the shard's own place."""
+    """The metadata every shard of one run carries; :func:`place_metadata` adds the shard's own place.
+    ``vision``: the run's :meth:`packers.VisionSpec.to_json` when it packs images (contract version 4)."""
     values = {
-        "contract_version": CONTRACT_VERSION,
+        "contract_version": CONTRACT_VERSION if vision is None else VISION_CONTRACT_VERSION,
         "budget": budget,
         "tokenizer": tokenizer,
         "tokenizer_vocab_sha256": vocab_sha256,
@@ -172,6 +211,8 @@ def schema_metadata(
         "eos_token_id": eos_token_id,
         "run_id": run_id,
     }
+    if vision is not None:
+        values["vision"] = vision
     return {(_META_PREFIX + k).encode(): json.dumps(v).encode() for k, v in values.items()}
 
 
@@ -200,17 +241,22 @@ def read_metadata(schema: pa.Schema) -> dict[str, Any]:
             raise ContractError(f"schema metadata {key} is not JSON ({str(e)[:80]})") from None
     if "contract_version" not in out:
         raise ContractError("not a packstream shard: schema metadata has no packstream.contract_version")
-    if out["contract_version"] != CONTRACT_VERSION:
+    if out["contract_version"] not in READABLE_VERSIONS:
         raise ContractError(
-            f"shard has contract version {out['contract_version']}, this packstream reads version "
-            f"{CONTRACT_VERSION}; repack the data or install a matching packstream"
+            f"shard has contract version {out['contract_version']}, this packstream reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; repack the data or install a matching packstream"
         )
+    if (out["contract_version"] == VISION_CONTRACT_VERSION) != ("vision" in out):
+        raise ContractError(f"shard has contract version {out['contract_version']} "
+                            f"{'without' if 'vision' not in out else 'with'} packstream.vision metadata; "
+                            "it was not written by packstream: repack the data")
     return out
 
 
 def shard_schema(**metadata: Any) -> pa.Schema:
-    """:data:`SCHEMA` with :func:`schema_metadata` attached."""
-    return SCHEMA.with_metadata(schema_metadata(**metadata))
+    """:data:`SCHEMA` (:data:`VISION_SCHEMA` with ``vision=``) with :func:`schema_metadata` attached."""
+    schema = VISION_SCHEMA if metadata.get("vision") is not None else SCHEMA
+    return schema.with_metadata(schema_metadata(**metadata))
 
 
 def count_targets(loss_mask: Any, seq_offsets: Any) -> int:
