@@ -189,7 +189,7 @@ class VisionSpec:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's resize rule: sides multiples of ``factor``, area in ``[min_pixels, max_pixels]``, aspect kept.
 
-    The same arithmetic as ``transformers.models.qwen2_vl.image_processing_qwen2_vl.smart_resize``
+    The same arithmetic as ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.smart_resize``
     (``tests/test_vision.py`` holds the two equal over generated sizes).
 
     >>> smart_resize(480, 640, 28, 56 * 56, 28 * 28 * 1280)
@@ -208,19 +208,29 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+_QWEN_PROCESSORS = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"}
+_CLIP_PROCESSORS = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "LlavaImageProcessor",
+                    "LlavaImageProcessorFast", "LlavaImageProcessorPil"}
+_QWEN_MODELS = {"": VisionFamily.QWEN2_VL, "Qwen2VLProcessor": VisionFamily.QWEN2_VL,
+                "Qwen2_5_VLProcessor": VisionFamily.QWEN2_5_VL}
+_LLAVA_MODELS = {"", "LlavaProcessor"}
+
+
 def _from_config(config: Mapping[str, Any], name: str) -> VisionSpec:
-    kind = str(config.get("image_processor_type") or config.get("processor_class") or "")
+    """A spec from a processor config; a processor whose token count or positions packstream has not verified
+    (Qwen3-VL, LLaVA-NeXT's any-resolution tiles, ...) is refused, never guessed."""
+    kind = str(config.get("image_processor_type") or "")
+    model = str(config.get("processor_class") or "")
     size = config.get("size") if isinstance(config.get("size"), dict) else {}
-    if "Qwen2" in kind or "min_pixels" in config or "merge_size" in config:
-        family = VisionFamily.QWEN2_5_VL if "2_5" in kind or "2.5" in kind else VisionFamily.QWEN2_VL
+    if kind in _QWEN_PROCESSORS and model in _QWEN_MODELS:
         return VisionSpec(
-            family=family, name=name,
+            family=_QWEN_MODELS[model], name=name,
             patch_size=int(config.get("patch_size", 14)), merge_size=int(config.get("merge_size", 2)),
             temporal_patch_size=int(config.get("temporal_patch_size", 2)),
             min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
             max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
         )
-    if "CLIP" in kind or "Llava" in kind or "crop_size" in config:
+    if kind in _CLIP_PROCESSORS and model in _LLAVA_MODELS:
         crop = config.get("crop_size", {})
         side = int(crop.get("height", 0) if isinstance(crop, dict) else crop or 0) or int(size.get("shortest_edge", 0))
         strategy = config.get("vision_feature_select_strategy", "default")
@@ -228,8 +238,10 @@ def _from_config(config: Mapping[str, Any], name: str) -> VisionSpec:
         return VisionSpec(family=VisionFamily.LLAVA, name=name, patch_size=int(config.get("patch_size", 14)),
                           merge_size=1, temporal_patch_size=1, image_size=side, extra_tokens=extra,
                           image_token=str(config.get("image_token", "<image>")), vision_start=None, vision_end=None)
-    raise PackstreamError(f"--processor {name}: image processor {kind or '(unnamed)'} is not one packstream can "
-                          f"count tokens for; supported: Qwen2-VL, Qwen2.5-VL, LLaVA (CLIP). Shipped: {sorted(_BUILTIN)}")
+    raise PackstreamError(
+        f"--processor {name}: image processor {kind or '(unnamed)'} of {model or '(no processor_class)'} is not one "
+        f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 (CLIP). Shipped: "
+        f"{sorted(_BUILTIN)}")
 
 
 _BUILTIN: dict[str, VisionSpec] = {
