@@ -41,8 +41,9 @@ from packers._options import Batching, BatchBy, LossWeighting, Sampling, Shardin
 from packers._schedule import Rows, Schedule, schedule_epoch, step_denominators
 from packers.errors import ContractError, PackstreamError, is_int, short
 from packers.manifest import MANIFEST, Manifest, escape_source
-from packers.rowcheck import Batch, Failure, check_batch, gather
+from packers.rowcheck import Batch, Failure, check_batch, check_images, gather
 from packers.schema import count_targets
+from packers._vision import VisionSpec
 
 
 def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Sequence[str]) -> str:
@@ -137,7 +138,19 @@ def _piece(row: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
             "num_targets": count_targets(mask, piece_offs),
             "pair_ids": list(row.get("pair_ids") or ())[lo:hi], "sides": np.asarray(row.get("sides", ()))[lo:hi],
             "completion_spans": (spans[2 * lo : 2 * hi] - a).astype(np.int32) if len(spans) else spans.astype(np.int32),
-            "desirable": _slice_desirable(row, lo, hi)}
+            "desirable": _slice_desirable(row, lo, hi), **_slice_images(row, a, z)}
+
+
+def _slice_images(row: dict[str, Any], a: int, z: int) -> dict[str, Any]:
+    """The images whose placeholder runs start in tokens ``[a, z)`` of a row (a run never leaves its example), their
+    offsets moved to the piece; nothing for a row without image columns."""
+    if "image_offsets" not in row:
+        return {}
+    offs = np.asarray(row["image_offsets"], dtype=np.int64)
+    keep = (offs >= a) & (offs < z)
+    grids = np.asarray(row["image_grid_thw"], dtype=np.int32).reshape(-1, 3)[keep].reshape(-1)
+    return {"image_offsets": (offs[keep] - a).astype(np.int32), "image_grid_thw": grids,
+            "images": [img for img, k in zip(row["images"], keep) if k]}
 
 
 def _slice_desirable(row: dict[str, Any], lo: int, hi: int) -> np.ndarray:
@@ -213,6 +226,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.shards: tuple[str, ...] = opened.names
         self._where, self._starts, self._checks = opened.where, opened.starts, opened.checks
         self.budget: int = opened.checks.budget
+        self.vision: VisionSpec | None = (VisionSpec.from_json(self.metadata["vision"]) if "vision" in self.metadata
+                                          else None)
+        """The run's vision processor spec when its rows carry images (``packstream pack --processor``): pass it
+        to ``packers.Collator(vision=...)``."""
         _note_budget(self.budget)
         if batching.batch_by is BatchBy.TOKENS and batching.batch_size < self.budget:
             raise PackstreamError(f"batch_size={batching.batch_size} tokens < row budget {self.budget}: a row would "
@@ -310,7 +327,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             raise self._broken(indices, b, failure)
         flat = {name: np.split(b.values[name], np.cumsum(b.lengths[name])[:-1]) for name in b.values}
         example_ids, pair_ids = b.example_ids.to_pylist(), b.pair_ids.to_pylist()
-        return [
+        rows = [
             {
                 "input_ids": flat["input_ids"][i],
                 "loss_mask": flat["loss_mask"][i],
@@ -325,6 +342,24 @@ class PackedDataset(torch.utils.data.IterableDataset):
             }
             for i in range(len(example_ids))
         ]
+        if self.vision is not None:
+            self._add_images(indices, table, rows, check=check)
+        return rows
+
+    def _add_images(self, indices: np.ndarray, table: pa.Table, rows: list[dict[str, Any]], *, check: bool) -> None:
+        """Each row's ``image_offsets``, ``image_grid_thw`` (numpy int32) and ``images`` (``{"path", "bytes"}``
+        dicts), checked against its tokens."""
+        offsets = table.column("image_offsets").to_pylist()
+        grids = table.column("image_grid_thw").to_pylist()
+        images = table.column("images").to_pylist()
+        for i, row in enumerate(rows):
+            row["image_offsets"] = np.asarray(offsets[i], dtype=np.int32)
+            row["image_grid_thw"] = np.asarray(grids[i], dtype=np.int32)
+            row["images"] = images[i]
+            if check and (f := check_images(i, row["input_ids"], row["loss_mask"], row["seq_offsets"],
+                                            row["image_offsets"], row["image_grid_thw"], len(images[i]),
+                                            self.vision)) is not None:
+                raise self._broken(indices, Failure(f.row, f.check, f.detail), f)
 
     def micro_batch(self, step: int, epoch: int | None = None) -> list[dict[str, Any]]:
         """This rank's micro-batch ``step`` of ``epoch`` (default: the current one): its rows (or row pieces),

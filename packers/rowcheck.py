@@ -329,3 +329,43 @@ def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | No
     return None
 
 
+
+
+# -- rows with images (contract version 4) ---------------------------------------------------------------------------
+
+
+def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray, seq_offsets: np.ndarray,
+                 image_offsets: np.ndarray, image_grid_thw: np.ndarray, n_images: int, spec: Any) -> Failure | None:
+    """Row ``row``'s image columns against its tokens (:data:`packers.schema.VISION_SCHEMA`): one grid of three
+    positive sides and one image per offset; each image's placeholder run (``spec.grid_tokens(grid)`` tokens from
+    its offset) inside one sequence, after the one before it, one token id throughout, and never a target."""
+    k = len(image_offsets)
+    if len(image_grid_thw) != 3 * k or n_images != k:
+        return Failure(row, "images", f"{k} image_offsets, {len(image_grid_thw)} image_grid_thw values "
+                                      f"(3 per image) and {n_images} images")
+    if not k:
+        return None
+    grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(k, 3)
+    if (grids < 1).any():
+        j = _first((grids < 1).any(axis=1))
+        return Failure(row, "images", f"image {j} has grid {grids[j].tolist()}; every side must be >= 1")
+    starts = np.asarray(image_offsets, dtype=np.int64)
+    runs = np.array([spec.grid_tokens(g) for g in grids], dtype=np.int64)
+    stops = starts + runs
+    seq = np.searchsorted(seq_offsets, starts, side="right") - 1
+    inside = (starts >= 0) & (seq < len(seq_offsets) - 1)
+    inside[inside] &= stops[inside] <= seq_offsets[seq[inside] + 1]
+    ordered = np.ones(k, dtype=bool)
+    ordered[1:] = starts[1:] >= stops[:-1]
+    if not (inside & ordered).all():
+        j = _first(~(inside & ordered))
+        return Failure(row, "images", f"image {j}'s {int(runs[j])} placeholder tokens from offset {int(starts[j])} "
+                                      f"{'overlap the image before it' if inside[j] else 'leave their sequence'}")
+    for j in range(k):
+        run = input_ids[starts[j]:stops[j]]
+        if (run != run[0]).any() or (j and run[0] != input_ids[starts[0]]):
+            return Failure(row, "images", f"image {j}'s placeholder run at {int(starts[j])} holds other tokens than "
+                                          "the image token")
+        if loss_mask[starts[j]:stops[j]].any():
+            return Failure(row, "images", f"image {j}'s placeholder tokens at {int(starts[j])} are marked as targets")
+    return None
