@@ -1,0 +1,222 @@
+"""Vision-language packing: fill and useful tokens per row, packed vs padded, and the cost of the media layout.
+
+    python bench/bench_vision.py                       # 400 records, budget 8192, Qwen2-VL's image rules
+    python bench/bench_vision.py --records 1000 --budget 4096 --max-pixels 1003520
+
+A seeded mixed set is generated: 30% text-only records, 55% with one image, 15% with two; images in three kinds
+(thumbnails 64-320 px, photos 480-1600 px, tall document scans), written as JPEG files with PIL; text lengths
+lognormal. It is packed by the real job (``packstream pack --processor qwen2-vl``, a tokenizer with Qwen's vision
+tokens), and the shards are read back:
+
+* **Packed vs padded.** Packed: the rows as written, each at most ``--budget`` tokens. Padded: one example per row,
+  batches of ``--batch`` examples in a seeded order, each padded to its longest (what a padding collator does). Both
+  count the same examples; "useful" is non-padding tokens over the tokens a forward pass runs.
+* **Media layout.** packstream stores each image by reference (its resolved path; or the bytes when the source held
+  bytes), and the loader decodes and preprocesses it (the processor's resize, normalize and patchify). Measured: shard
+  bytes per image for references, for the encoded file bytes embedded, and for ``pixel_values`` decoded at pack time
+  (float32, what the model reads); and the loader's CPU per image for decoding from a reference vs reading stored
+  pixels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+WORDS = ("the image shows a chart of quarterly revenue with labels along each axis and a legend in the corner "
+         "describe what you see then answer the question about colours shapes counts and text in the picture").split()
+
+
+def vision_tokenizer(folder: Path) -> Path:
+    """The project's default tokenizer with Qwen2-VL's vision tokens added, saved to ``folder``."""
+    from transformers import AutoTokenizer
+
+    from pipeline._tokenizer import default_tokenizer_path
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_path())
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _size(rng: np.random.Generator) -> tuple[int, int]:
+    kind = rng.choice(3, p=[0.3, 0.5, 0.2])
+    if kind == 0:
+        return int(rng.integers(64, 320)), int(rng.integers(64, 320))
+    if kind == 1:
+        w = int(rng.integers(480, 1600))
+        return w, int(w * rng.choice([0.5625, 0.75, 1.0, 1.333]))
+    return int(rng.integers(600, 1000)), int(rng.integers(1200, 2000))
+
+
+def _text(rng: np.random.Generator, median: float) -> str:
+    n = int(np.clip(rng.lognormal(np.log(median), 1.0), 3, 3000))
+    return " ".join(rng.choice(WORDS, n))
+
+
+def make_set(folder: Path, records: int, seed: int) -> Path:
+    """A JSONL of OpenAI-style image+text records and the JPEG files they name (relative paths)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for r in range(records):
+        n_images = int(rng.choice(3, p=[0.3, 0.55, 0.15]))
+        parts: list[dict] = []
+        for k in range(n_images):
+            w, h = _size(rng)
+            name = f"img/{r:05d}_{k}.jpg"
+            pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)  # a small noise tile, scaled: cheap to encode
+            Image.fromarray(pixels).resize((w, h)).save(folder / name, quality=85)
+            parts.append({"type": "image_url", "image_url": {"url": name}})
+        parts.append({"type": "text", "text": _text(rng, 40)})
+        lines.append({"id": f"r{r}", "messages": [{"role": "user", "content": parts},
+                                                   {"role": "assistant", "content": _text(rng, 80)}]})
+    path = folder / "mixed.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None) -> dict:
+    processor = "qwen2-vl"
+    if max_pixels is not None:
+        folder = out.parent / "processor"
+        folder.mkdir(exist_ok=True)
+        (folder / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+            "min_pixels": 3136, "max_pixels": max_pixels, "patch_size": 14, "merge_size": 2,
+            "temporal_patch_size": 2}))
+        processor = str(folder)
+    cmd = [sys.executable, "-m", "pipeline.cli", "pack", str(data), "--output", str(out), "--no-progress",
+           "--tokenizer", str(tokenizer), "--processor", processor, "--max-tokens", str(budget)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"pack failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["_seconds"] = time.perf_counter() - t0
+    return manifest
+
+
+def rows_of(out: Path) -> list[dict]:
+    import pyarrow as pa
+
+    rows = []
+    for f in sorted(out.rglob("*.arrow")):
+        with pa.memory_map(str(f)) as src:
+            rows.extend(pa.ipc.open_file(src).read_all().to_pylist())
+    return rows
+
+
+def packed_vs_padded(rows: list[dict], budget: int, batch: int, seed: int) -> dict:
+    lengths = np.array([b - a for r in rows for a, b in zip(r["seq_offsets"][:-1], r["seq_offsets"][1:])])
+    image_tokens = sum(int(np.prod(np.reshape(r["image_grid_thw"], (-1, 3)), axis=1).sum()) // 4 for r in rows)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    padded_slots = sum(int(lengths[order[i:i + batch]].max()) * len(order[i:i + batch])
+                       for i in range(0, len(order), batch))
+    useful = int(lengths.sum())
+    return {"examples": len(lengths), "useful_tokens": useful, "image_tokens": image_tokens,
+            "packed_rows": len(rows), "packed_slots": len(rows) * budget, "packed_fill": useful / (len(rows) * budget),
+            "padded_rows": len(lengths), "padded_slots": padded_slots, "padded_useful": useful / padded_slots,
+            "useful_per_row_packed": useful / len(rows), "useful_per_row_padded": useful / len(lengths)}
+
+
+def media_layout(out: Path, rows: list[dict], spec_json: str, sample: int) -> dict:
+    """Bytes per image of each layout, and the loader's CPU per image to get pixel_values from each."""
+    import pyarrow as pa
+
+    from packers import VisionSpec
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from PIL import Image
+
+    spec = VisionSpec.from_json(spec_json)
+    images = [(img, grid) for r in rows for img, grid in zip(r["images"], np.reshape(r["image_grid_thw"], (-1, 3)))]
+    shard_bytes = sum(f.stat().st_size for f in out.rglob("*.arrow"))
+    ref_bytes = sum(len((img["path"] or "").encode()) for img, _ in images)
+    file_bytes = sum(os.path.getsize(img["path"]) for img, _ in images)
+    patch_dim = 3 * spec.temporal_patch_size * spec.patch_size ** 2
+    pixel_bytes = sum(int(np.prod(grid)) * patch_dim * 4 for _, grid in images)
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+                                         patch_size=spec.patch_size, merge_size=spec.merge_size,
+                                         temporal_patch_size=spec.temporal_patch_size)
+    picked = images[:sample]
+    t0 = time.process_time()
+    stored = []
+    for img, grid in picked:
+        with Image.open(img["path"]) as im:
+            got = processor(images=[im.convert("RGB")], return_tensors="np")
+        assert tuple(got["image_grid_thw"][0]) == tuple(grid)
+        stored.append(got["pixel_values"].astype(np.float32))
+    decode_cpu = (time.process_time() - t0) / len(picked)
+    # Stored pixels: what reading them back from a memory-mapped Arrow column costs (a copy into a tensor).
+    table = pa.table({"pixels": [p.reshape(-1) for p in stored]})
+    sink = out.parent / "pixels.arrow"
+    with pa.OSFile(str(sink), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    t0 = time.process_time()
+    with pa.memory_map(str(sink)) as src:
+        col = pa.ipc.open_file(src).read_all().column("pixels")
+        for i in range(len(stored)):
+            np.array(col[i].values.to_numpy(zero_copy_only=True), copy=True)
+    read_cpu = (time.process_time() - t0) / len(picked)
+    n = len(images)
+    return {"images": n, "shard_bytes_with_refs": shard_bytes, "ref_bytes_per_image": ref_bytes / n,
+            "file_bytes_per_image": file_bytes / n, "pixel_bytes_per_image": pixel_bytes / n,
+            "decode_ms_per_image": 1000 * decode_cpu, "stored_pixels_ms_per_image": 1000 * read_cpu,
+            "sampled": len(picked)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=int, default=400)
+    p.add_argument("--budget", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8, help="examples per padded batch")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="the processor's max_pixels (default: Qwen2-VL's shipped 12845056)")
+    p.add_argument("--sample", type=int, default=60, help="images decoded to time the loader")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = make_set(tmp / "data", args.records, args.seed)
+        tok = vision_tokenizer(tmp / "tok")
+        manifest = pack(data, tmp / "out", tok, args.budget, args.max_pixels)
+        rows = rows_of(tmp / "out")
+        fill = packed_vs_padded(rows, args.budget, args.batch, args.seed)
+        layout = media_layout(tmp / "out", rows, manifest["vision"], args.sample)
+    figures = {"records": args.records, "budget": args.budget, "pack_seconds": manifest["_seconds"],
+               "dead_letters": manifest.get("counts", {}).get("rejected"), **fill, **layout}
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return
+    print(f"{args.records} records -> {fill['examples']} examples, {layout['images']} images "
+          f"({fill['image_tokens']:,} image tokens of {fill['useful_tokens']:,}); budget {args.budget}")
+    print(f"{'layout':<8} {'rows':>6} {'token slots':>12} {'useful':>8} {'useful/row':>11}")
+    print(f"{'packed':<8} {fill['packed_rows']:>6} {fill['packed_slots']:>12,} {fill['packed_fill']:>8.1%} "
+          f"{fill['useful_per_row_packed']:>11,.0f}")
+    print(f"{'padded':<8} {fill['padded_rows']:>6} {fill['padded_slots']:>12,} {fill['padded_useful']:>8.1%} "
+          f"{fill['useful_per_row_padded']:>11,.0f}")
+    print(f"token slots padded / packed: {fill['padded_slots'] / fill['packed_slots']:.2f}x")
+    print(f"media per image: reference {layout['ref_bytes_per_image']:,.0f} B, encoded file "
+          f"{layout['file_bytes_per_image']:,.0f} B, decoded pixel_values {layout['pixel_bytes_per_image']:,.0f} B "
+          f"({layout['pixel_bytes_per_image'] / layout['file_bytes_per_image']:.0f}x the file)")
+    print(f"loader CPU per image: decode + preprocess {layout['decode_ms_per_image']:.1f} ms, read stored pixels "
+          f"{layout['stored_pixels_ms_per_image']:.2f} ms ({layout['sampled']} images)")
+
+
+if __name__ == "__main__":
+    main()
