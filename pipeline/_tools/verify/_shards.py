@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import packers
 from packers import ContractError
@@ -155,6 +156,8 @@ def check_shard(report: Report, shard: OpenShard, checks: RowChecks, stored: Sto
     if cols is None:
         return None
     bad = _check_rows(report, name, cols, checks.budget)
+    if "images" in table.column_names:
+        bad |= _check_images(report, name, table, cols, shard.expect_meta.get("vision"))
     good = np.flatnonzero(~bad)
     _check_targets_and_pairs(report, name, table, good, cols.exs, cols.ex_off, checks)
     _check_sequences(report, shard, cols, good, checks, stored, keep_digests)
@@ -185,15 +188,18 @@ def _table(report: Report, shard: OpenShard) -> Optional[pa.Table]:
     except (pa.ArrowInvalid, OSError, ValueError) as e:
         report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
         return None
-    if not schema.remove_metadata().equals(packers.SCHEMA):
-        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers.SCHEMA "
-                         f"{packers.SCHEMA!r}")
-        return None
     try:
         meta = packers.read_metadata(schema)
     except ContractError as e:
         report.add(f"{name} schema metadata", str(e))
         meta = {}
+    version = meta.get("contract_version", shard.expect_meta.get("contract_version"))
+    expected = packers.VISION_SCHEMA if version == packers.VISION_CONTRACT_VERSION else packers.SCHEMA
+    if not schema.remove_metadata().equals(expected):
+        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers."
+                         f"{'VISION_SCHEMA' if expected is packers.VISION_SCHEMA else 'SCHEMA'} "
+                         f"{expected!r}")
+        return None
     for key, want in shard.expect_meta.items():
         got = meta.get(key, "missing")
         if meta and (got != want or type(got) is not type(want)):
@@ -215,6 +221,33 @@ def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
         return None
     num = table.column("num_tokens").to_numpy().astype(np.int64) if table.num_rows else np.zeros(0, np.int64)
     return _Columns(tok_off, tok, mask_off, mask, seq_off, seq, ex_off, exs, num)
+
+
+def _check_images(report: Report, name: str, table: pa.Table, c: _Columns, vision: Any) -> np.ndarray:
+    """Each row's images against its tokens (:func:`packers.rowcheck.check_images`): every placeholder run of the
+    length its grid gives, inside one example, one token id, never a target. Returns which rows are broken."""
+    from packers.rowcheck import check_images
+
+    bad = np.zeros(table.num_rows, dtype=bool)
+    try:
+        spec = packers.VisionSpec.from_json(vision)
+    except (TypeError, ValueError) as e:
+        report.add(name, f"check images failed: the manifest's vision spec is unreadable ({e})")
+        bad[:] = True
+        return bad
+    offsets = table.column("image_offsets").to_pylist()
+    grids = table.column("image_grid_thw").to_pylist()
+    counts = pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False)
+    for i in range(table.num_rows):
+        if not len(offsets[i]) and not len(grids[i]) and not counts[i]:
+            continue
+        a, z, m, n = c.tok_off[i], c.tok_off[i + 1], c.seq_off[i], c.seq_off[i + 1]
+        f = check_images(i, c.tok[a:z], c.mask[a:z], np.asarray(c.seq[m:n]), np.asarray(offsets[i]),
+                         np.asarray(grids[i]), int(counts[i]), spec)
+        if f is not None:
+            report.add(f"{name} row {i}", f"check {f.check} failed: {f.detail}")
+            bad[i] = True
+    return bad
 
 
 def _check_rows(report: Report, name: str, c: _Columns, budget: int) -> np.ndarray:
