@@ -43,7 +43,7 @@ from packers.manifest import (
 import pipeline._write as _write
 from pipeline._report import one_line
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 PLOTS = ("example_lengths", "row_fill", "examples_per_row")
 
@@ -85,6 +85,11 @@ REPORT_KEYS: dict[str, Any] = {
     # A run of preference pairs (--pairs); {} otherwise:
     "pairs": dict,  # {"pairs": int, "pairs_per_row": {"mean", "min", "max"}, "side_difference": {"mean", "p0", ...}
     #                  (|chosen - rejected| tokens per pair), "chosen_longer": float (fraction of pairs)}
+    # A run with images (--processor); {} otherwise:
+    "vision": dict,  # {"processor": str, "images": int, "image_tokens": int (placeholder tokens, in "tokens"),
+    #                   "image_token_share": float (of tokens), "rows_with_images": int,
+    #                   "images_per_row": {"mean", "min", "max"}, "tokens_per_image": {"mean", "p0", ..., "p100"},
+    #                   "embedded_images": int (carried as bytes; the rest by path)}
 }
 _SPLIT_KEYS = ("shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill")
 
@@ -105,7 +110,7 @@ def load_manifest(folder: str) -> tuple[Manifest, list[str]]:
 class _Shard:
     """What inspect reads of one shard: per-row tokens and sequences, sequence lengths, targets, examples."""
 
-    def __init__(self, folder: str, entry: ShardEntry):
+    def __init__(self, folder: str, entry: ShardEntry, vision: bool = False):
         name = entry.name
         path = _write.join(folder, name)
         if "://" not in path:
@@ -116,6 +121,8 @@ class _Shard:
                                      fix="larger than manifest.json says: run packstream verify on the folder")
             source, self.bytes = pa.BufferReader(data), len(data)
         columns = ["num_tokens", "seq_offsets", "loss_mask", "example_ids"]
+        if vision:  # the run wrote image columns (its manifest's contract version)
+            columns += ["image_grid_thw", "images"]
         try:
             if name.endswith(".parquet"):
                 import pyarrow.parquet as pq
@@ -125,9 +132,10 @@ class _Shard:
             else:
                 reader = pa.ipc.open_stream(source)
                 self.schema, table = reader.schema, reader.read_all().select(columns)
-            if not self.schema.remove_metadata().equals(packers.SCHEMA):
-                raise PackstreamError(f"{show_path(path)}: its schema is not packers.SCHEMA; run packstream verify on "
-                                      "the folder")
+            expected = packers.VISION_SCHEMA if "images" in self.schema.names else packers.SCHEMA
+            if not self.schema.remove_metadata().equals(expected):
+                raise PackstreamError(f"{show_path(path)}: its schema is not the packed-row contract's; run packstream "
+                                      "verify on the folder")
         except (pa.ArrowException, OSError, KeyError) as e:
             raise PackstreamError(f"{show_path(path)} cannot be read ({one_line(str(e), 200)}); run packstream verify on the "
                                   "folder") from None
@@ -149,6 +157,15 @@ class _Shard:
         self.whole = int(len(ids) - (pc.sum(piece).as_py() or 0))
         # A pair's sides (#chosen, #rejected) are its pieces: one example, the pair.
         self.piece_bases = pc.replace_substring_regex(ids.filter(piece), r"#(\d+|chosen|rejected)$", "")
+        self.grids = np.zeros((0, 3), np.int64)
+        self.images_per_row = np.zeros(len(self.num_tokens), np.int64)
+        self.embedded = 0
+        if "images" in table.column_names:
+            grids = table.column("image_grid_thw").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            self.grids = grids.astype(np.int64).reshape(-1, 3)
+            images = table.column("images").combine_chunks()
+            self.images_per_row = pc.list_value_length(images).to_numpy(zero_copy_only=False).astype(np.int64)
+            self.embedded = int(pc.sum(pc.is_valid(images.flatten().field("bytes"))).as_py() or 0)
 
 
 def _percentiles(x: np.ndarray) -> dict[str, Any]:
@@ -211,7 +228,8 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         entries = m.listed()
         if not entries:
             raise PackstreamError(f"{show_path(folder)}: manifest.json lists no shards; the run packed nothing")
-        shards = [_Shard(folder, e) for e in entries]
+        vision = m.raw.get("contract_version") == packers.VISION_CONTRACT_VERSION
+        shards = [_Shard(folder, e, vision) for e in entries]
         meta = packers.read_metadata(shards[0].schema)
     except ContractError as e:
         raise PackstreamError(str(e)) from None
@@ -263,6 +281,7 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         "warnings": warnings,
         "plots": {},
         "pairs": _pairs(lengths, per_row) if m.row_checks.pairs else {},
+        "vision": _vision(meta, shards, tokens),
     }
     if plots_dir is not None:
         report["plots"] = write_plots(plots_dir, lengths, num_tokens, per_row, budget)
@@ -280,6 +299,29 @@ def _pairs(lengths: np.ndarray, per_row: np.ndarray) -> dict[str, Any]:
                           "min": int(pairs_per_row.min()) if rows else 0, "max": int(pairs_per_row.max()) if rows else 0},
         "side_difference": _percentiles(np.abs(chosen - rejected)),
         "chosen_longer": float((chosen > rejected).mean()) if len(chosen) else 0.0,
+    }
+
+
+def _vision(meta: dict[str, Any], shards: list[_Shard], tokens: int) -> dict[str, Any]:
+    """What a run with images holds: images, their placeholder tokens, how they spread over rows."""
+    if "vision" not in meta:
+        return {}
+    spec = packers.VisionSpec.from_json(meta["vision"])
+    grids = np.concatenate([s.grids for s in shards])
+    per_image = np.array([spec.grid_tokens(g) for g in grids], dtype=np.int64)
+    per_row = np.concatenate([s.images_per_row for s in shards])
+    image_tokens = int(per_image.sum())
+    return {
+        "processor": spec.name or spec.family.value,
+        "images": int(len(grids)),
+        "image_tokens": image_tokens,
+        "image_token_share": image_tokens / tokens if tokens else 0.0,
+        "rows_with_images": int((per_row > 0).sum()),
+        "images_per_row": {"mean": float(per_row.mean()) if len(per_row) else 0.0,
+                           "min": int(per_row.min()) if len(per_row) else 0,
+                           "max": int(per_row.max()) if len(per_row) else 0},
+        "tokens_per_image": _percentiles(per_image),
+        "embedded_images": sum(s.embedded for s in shards),
     }
 
 
