@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from packers import Collator, VisionSpec, example_losses, mrope_positions
-from packers._vision import VisionFamily
+from tests._internals import VisionFamily
 
 TOL = 1e-5
 VOCAB, IMAGE, START, END = 128, 120, 121, 122
@@ -137,7 +137,7 @@ def images_dir(tmp_path_factory):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_packed_vision_batch_equals_each_example_alone(family, attn, mode, images_dir):
-    from packers._attention._model import dropout_settings
+    from tests._internals import dropout_settings
 
     spec = SPECS[family]
     model = getattr(tiny_vl(family, attn), mode)()
