@@ -108,6 +108,7 @@ import numpy as np
 import torch
 
 from packers._mrope import mrope_positions
+from packers._pixels import PixelLoader
 from packers._vision import VisionSpec
 from packers.errors import ContractError, PackstreamError
 
@@ -178,8 +179,9 @@ class Collator:
     ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
     holds rows of pairs or rows without, not both. Rows from ``PackedDataset`` also carry
     ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`), and
-    ``example_ids``, which become the batch's ``example_ids``. Other keys (``num_tokens``, ``num_targets``,
-    ``pair_ids``, ``loss_denominator``) are ignored.
+    ``example_ids``, which become the batch's ``example_ids``. Rows of a vision-language model carry
+    ``image_offsets``, ``image_grid_thw`` and ``images``, and need ``vision`` (see the module docstring).
+    Other keys (``num_tokens``, ``num_targets``, ``pair_ids``, ``loss_denominator``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -205,7 +207,7 @@ class Collator:
     vision-language model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL). With it every batch, text-only too,
     gets ``position_ids`` of ``[4, 1, T]`` (see "vision-language rows" above), and a batch holding images gets
     ``image_grid_thw`` and ``pixel_values``. Rows that hold images need it."""
-    pixels: Any = None
+    pixels: PixelLoader | None = None
     """The :class:`packers.PixelLoader` that decodes the rows' images; None: ``PixelLoader(vision=vision)``."""
     decode_images: bool = True
     """Decode the rows' images into ``pixel_values``; False leaves that to you (the batch then has
@@ -219,8 +221,6 @@ class Collator:
         if self.pixels is not None and self.vision is None:
             raise PackstreamError("Collator(pixels=...) needs vision=... too: the spec the rows were packed with")
         if self.vision is not None and self.pixels is None and self.decode_images:
-            from packers._pixels import PixelLoader
-
             object.__setattr__(self, "pixels", PixelLoader(vision=self.vision))
         if self.budget is not None and self.budget < 1:
             raise PackstreamError(f"budget={self.budget} must be >= 1")
@@ -283,7 +283,6 @@ class Collator:
                         ends: np.ndarray) -> dict[str, Any]:
         """``position_ids`` ``[4, 1, T]`` (the 1-D positions, then each example's mRoPE positions), and with images
         ``image_grid_thw`` and ``pixel_values``."""
-        assert self.vision is not None
         mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
         out: dict[str, Any] = {}
         if parts.image_offsets:
