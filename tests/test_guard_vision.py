@@ -87,3 +87,15 @@ def test_sequences_are_counted_from_the_text_row(images_dir):
     assert num_sequences({"position_ids": pos}) == 5
     assert num_sequences({"position_ids": pos[1:]}) == 5
     assert num_sequences({"position_ids": pos[0]}) == 5
+
+
+def test_a_varlen_vision_tower_with_the_texts_boundaries_is_refused(images_dir):
+    """transformers passes the batch's cu_seq_lens on to the vision tower: under a varlen backend there they are not
+    the images' boundaries. Refused from the config (no GPU needed); without them in the batch it passes the rule."""
+    model = tiny_vl("qwen2-vl", "sdpa").eval()
+    model.config.vision_config._attn_implementation = "flash_attention_2"
+    with pytest.raises(PackstreamError, match=r"vision tower runs under attn_implementation='flash_attention_2'.*"
+                                              r"return_flash_attn_kwargs=False"):
+        check_packing_safe(model, vision_batch("qwen2-vl", images_dir))
+    model.config.vision_config._attn_implementation = "sdpa"
+    check_packing_safe(model, vision_batch("qwen2-vl", images_dir, return_flash_attn_kwargs=False))

@@ -98,6 +98,18 @@ def check_mrope(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
     transformers' Qwen2-VL text model takes row 0 as the text positions it builds the packed mask from (its comment
     "we need to pass text position ids for packing"); from ``[B, T]`` or ``[3, B, T]`` it builds one causal mask
     over the batch, and without position_ids it numbers the whole batch as one sequence."""
+    vision = getattr(getattr(hf.config, "vision_config", None), "_attn_implementation", None)
+    if (batch.get("pixel_values") is not None and isinstance(vision, str) and vision not in MASK_BACKENDS
+            and any(batch.get(k) is not None for k in CU_KEYS)):
+        # transformers (5.x) hands the forward's keyword arguments on to the vision tower (get_image_features ->
+        # visual -> each block's attention): under a varlen backend its attention gets the text's cu_seq_lens
+        # beside (flash: instead of) the images' own. Not measured on a GPU yet: refused rather than trusted.
+        raise PackstreamError(
+            f"{type(hf).__name__}'s vision tower runs under attn_implementation={vision!r} and would receive this "
+            "batch's cu_seq_lens_q/k (transformers passes the forward's keyword arguments on to it), not its images' "
+            "boundaries. Give the vision tower sdpa (attn_implementation={'text_config': ..., 'vision_config': "
+            "'sdpa'}) or collate with Collator(vision=..., return_flash_attn_kwargs=False)"
+        )
     pos = batch.get("position_ids")
     if pos is not None and pos.dim() == 3 and pos.shape[0] == 4:
         return
