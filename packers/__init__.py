@@ -1,7 +1,8 @@
 """packstream's packing core, packed-row contract and training-time loader.
 
 Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``, ``example_losses``,
-``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ...) import torch on first use.
+``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ``PixelLoader``, ...) import torch on first
+use. ``VisionSpec`` and ``mrope_positions`` (vision-language rows: image tokens and 3-D positions) need no torch.
 The loader's options (``Sampling``, ``Sharding``, ``Batching`` and the enums and cost model they hold) need no torch.
 """
 
@@ -13,6 +14,8 @@ from packers.schema import (CONTRACT_VERSION, SCHEMA, VISION_CONTRACT_VERSION, V
                             schema_metadata, shard_schema, validate_row)
 from packers._vision import ImageSizeError, VisionFamily, VisionSpec
 from packers._stats import PackStats, pack_stats
+from packers._mrope import mrope_positions
+from packers._vision import VisionSpec
 
 _TORCH_NAMES = {
     "Collator": "packers._collate",
@@ -29,6 +32,7 @@ _TORCH_NAMES = {
     "sequence_logps": "packers._logps",
     "SequenceLogps": "packers._logps",
     "kto_loss": "packers._logps",
+    "PixelLoader": "packers._pixels",
 }
 
 __all__ = [
@@ -54,6 +58,8 @@ __all__ = [
     "Sharding",
     "Side",
     "Strategy",
+    "VisionSpec",
+    "mrope_positions",
     "pack",
     "pack_pairs",
     "pack_stats",

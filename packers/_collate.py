@@ -74,6 +74,29 @@ completion log-probability, as (chosen, rejected) pairs.
 >>> p = Collator()([pair_row])
 >>> p["pair_index"].tolist(), p["completion_mask"].int().tolist()
 ([[0, 1], [2, 3]], [[0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1]])
+
+Vision-language rows (Qwen2-VL, Qwen2.5-VL) also carry ``image_offsets`` (where each image's run of placeholder
+tokens starts in the row), ``image_grid_thw`` (3 per image: its patch grid) and ``images`` (``{"path",
+"bytes"}`` references). ``Collator(vision=spec)`` then gives ``position_ids`` of ``[4, 1, T]``: row 0 the
+positions above, which transformers' Qwen2-VL text model reads to find the packed sequences (without that
+row it builds one causal mask over the whole batch and the examples attend to each other), rows 1..3 each
+example's 3-D rotary positions (:func:`packers.mrope_positions`), as the model computes them for it alone.
+One row, two examples, the first with an image of grid (1, 4, 4) (4 tokens ``I`` after merging 2 x 2)::
+
+    input_ids      [ 5  I  I  I  I  6 | 5  7 ]     image_offsets [1]   image_grid_thw [1, 4, 4]
+    position_ids   [[0  1  2  3  4  5   0  1]      text positions: the packed sequences
+                    [0  1  1  1  1  3   0  1]      temporal  } each example's mRoPE positions:
+                    [0  1  1  2  2  3   0  1]      height    } after the image, 1 + max(4, 4) // 2 = 3
+                    [0  1  2  1  2  3   0  1]]     width     }
+
+>>> from packers._vision import VisionSpec
+>>> vl_row = {"input_ids": [5, 90, 90, 90, 90, 6, 5, 7], "loss_mask": [0, 0, 0, 0, 0, 1, 0, 1],
+...           "seq_offsets": [0, 6, 8], "image_offsets": [1], "image_grid_thw": [1, 4, 4], "images": [None]}
+>>> v = Collator(vision=VisionSpec.builtin("qwen2-vl"), decode_images=False)([vl_row])
+>>> v["position_ids"][:, 0].tolist()
+[[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 1, 1, 1, 3, 0, 1], [0, 1, 1, 2, 2, 3, 0, 1], [0, 1, 2, 1, 2, 3, 0, 1]]
+>>> v["image_grid_thw"].tolist()
+[[1, 4, 4]]
 """
 
 from __future__ import annotations
@@ -84,6 +107,9 @@ from typing import Any, Mapping, Sequence, TypedDict
 import numpy as np
 import torch
 
+from packers._mrope import mrope_positions
+from packers._pixels import PixelLoader
+from packers._vision import VisionSpec
 from packers.errors import ContractError, PackstreamError
 
 IGNORE_INDEX = -100
@@ -102,7 +128,9 @@ class PackedBatch(TypedDict, total=False):
     labels: torch.Tensor
     """``[1, T]`` int64: the token where ``loss_mask`` is 1, else -100; -100 on every example's first token."""
     position_ids: torch.Tensor
-    """``[1, T]`` int64: 0, 1, 2, ... restarting at every example (and at every row's padding)."""
+    """``[1, T]`` int64: 0, 1, 2, ... restarting at every example (and at every row's padding). With
+    ``Collator(vision=...)``: ``[4, 1, T]``, row 0 those positions, rows 1..3 each example's mRoPE positions
+    (temporal, height, width; :func:`packers.mrope_positions`)."""
     cu_seq_lens_q: torch.Tensor
     """``[N + 1]`` int32: sequence boundaries ``[0, end_1, ..., T]``. Only with ``return_flash_attn_kwargs``."""
     cu_seq_lens_k: torch.Tensor
@@ -130,6 +158,12 @@ class PackedBatch(TypedDict, total=False):
     pair_index: torch.Tensor
     """``[P, 2]`` int64: the sequence indices (as in ``cu_seq_lens``) of each pair's chosen and rejected
     sides (rows of preference pairs only)."""
+    image_grid_thw: torch.Tensor
+    """``[I, 3]`` int64: each image's patch grid (t, h, w), in the batch's token order. Only with
+    ``Collator(vision=...)`` and a batch holding images."""
+    pixel_values: torch.Tensor
+    """The images decoded by ``Collator.pixels`` (``[patches, C * temporal * patch * patch]`` for Qwen2-VL), in
+    the order of ``image_grid_thw``. Only with ``Collator(vision=...)``, ``decode_images`` and images."""
     loss_weights: torch.Tensor
     """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
     target and in padding). Only for rows from :class:`packers.PackedDataset`, which schedules it; read by
@@ -145,8 +179,9 @@ class Collator:
     ``completion_spans`` are not empty (pairs) add ``completion_mask`` and ``pair_index``; a batch
     holds rows of pairs or rows without, not both. Rows from ``PackedDataset`` also carry
     ``loss_weights``, which become the batch's ``loss_weights`` (for :func:`packers.loss`), and
-    ``example_ids``, which become the batch's ``example_ids``. Other keys (``num_tokens``, ``num_targets``,
-    ``pair_ids``, ``loss_denominator``) are ignored.
+    ``example_ids``, which become the batch's ``example_ids``. Rows of a vision-language model carry
+    ``image_offsets``, ``image_grid_thw`` and ``images``, and need ``vision`` (see the module docstring).
+    Other keys (``num_tokens``, ``num_targets``, ``pair_ids``, ``loss_denominator``) are ignored.
     """
 
     fixed_shape: bool = False
@@ -167,8 +202,26 @@ class Collator:
     """Put ``use_cache=False`` in the batch, so that sdpa/eager build the packed mask. Leave it on."""
     validate: bool = True
     """Check each row's offsets and lengths (vectorised, cheap) and raise ContractError if broken."""
+    vision: VisionSpec | None = None
+    """The vision processor the rows were packed with (e.g. ``VisionSpec.builtin("qwen2-vl")``), for a
+    vision-language model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL). With it every batch, text-only too,
+    gets ``position_ids`` of ``[4, 1, T]`` (see "vision-language rows" above), and a batch holding images gets
+    ``image_grid_thw`` and ``pixel_values``. Rows that hold images need it."""
+    pixels: PixelLoader | None = None
+    """The :class:`packers.PixelLoader` that decodes the rows' images; None: ``PixelLoader(vision=vision)``."""
+    decode_images: bool = True
+    """Decode the rows' images into ``pixel_values``; False leaves that to you (the batch then has
+    ``image_grid_thw`` but no pixels, and a model fed it would read the placeholder tokens as text)."""
 
     def __post_init__(self) -> None:
+        if self.vision is not None and not self.vision.family.mrope:
+            raise PackstreamError(
+                f"Collator(vision={self.vision.name or self.vision.family.value}): only Qwen2-VL-style processors "
+                "(3-D rotary positions) are supported by the loader; use a qwen2-vl or qwen2.5-vl spec")
+        if self.pixels is not None and self.vision is None:
+            raise PackstreamError("Collator(pixels=...) needs vision=... too: the spec the rows were packed with")
+        if self.vision is not None and self.pixels is None and self.decode_images:
+            object.__setattr__(self, "pixels", PixelLoader(vision=self.vision))
         if self.budget is not None and self.budget < 1:
             raise PackstreamError(f"budget={self.budget} must be >= 1")
         if self.fixed_shape and self.budget is None:
@@ -201,6 +254,8 @@ class Collator:
             "labels": torch.from_numpy(labels)[None],
             "position_ids": torch.from_numpy(position_ids)[None],
         }
+        if self.vision is not None:
+            batch.update(self._vision_tensors(parts, position_ids, starts, ends))
         if self.return_flash_attn_kwargs:
             cu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
             max_len = self.budget if self.fixed_shape else int(seq_lens.max())
@@ -223,6 +278,26 @@ class Collator:
             weights[labels == IGNORE_INDEX] = 0.0
             batch["loss_weights"] = torch.from_numpy(weights)[None]
         return batch  # type: ignore[return-value]
+
+    def _vision_tensors(self, parts: _Parts, position_ids: np.ndarray, starts: np.ndarray,
+                        ends: np.ndarray) -> dict[str, Any]:
+        """``position_ids`` ``[4, 1, T]`` (the 1-D positions, then each example's mRoPE positions), and with images
+        ``image_grid_thw`` and ``pixel_values``."""
+        mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
+        out: dict[str, Any] = {}
+        if parts.image_offsets:
+            offsets = np.concatenate(parts.image_offsets)
+            grids = np.concatenate(parts.image_grids)
+            seq = np.searchsorted(ends, offsets, side="right")  # the sequence holding each image (checked in _add)
+            for s in np.unique(seq).tolist():
+                here = seq == s
+                a, b = int(starts[s]), int(ends[s])
+                mrope[:, a:b] = mrope_positions(b - a, offsets[here] - a, grids[here], self.vision.merge_size)
+            out["image_grid_thw"] = torch.from_numpy(grids)
+            if self.decode_images:
+                out["pixel_values"], _ = self.pixels(parts.images, grids, parts.image_names)
+        out["position_ids"] = torch.from_numpy(np.concatenate([position_ids[None], mrope]))[:, None, :]
+        return out
 
     def _add(self, parts: _Parts, i: int, row: Mapping[str, Any]) -> None:
         """Row ``i``'s tokens, mask, sequence lengths (and pair columns, weights), checked, then its padding."""
@@ -250,6 +325,8 @@ class Collator:
         elif row.get("example_ids") is not None:
             raise PackstreamError(f"row 0 carries no example_ids, row {i} does; collate rows of one source "
                                   "(all with their example_ids, or all without)")
+        if _has_images(row):
+            self._add_images(parts, i, row, ids, offs)
         parts.examples.append(np.arange(parts.seqs, parts.seqs + nseq, dtype=np.int64))
         parts.desirable.append(_row_desirable(i, row, nseq))
         parts.labelled |= bool((parts.desirable[-1] != -1).any())
@@ -270,6 +347,56 @@ class Collator:
             parts.at += pad
             if parts.weighted:
                 parts.weights.append(np.zeros(pad, dtype=np.float32))
+
+    def _add_images(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
+        """Row ``i``'s images, checked: each one's placeholder run (``vision.grid_tokens`` of its grid) lies inside
+        one example, after the previous image's, and is one token id repeated (always checked: a wrong offset
+        would give every later image token another image's features and positions)."""
+        if self.vision is None:
+            raise PackstreamError(
+                f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
+                "Collator has no vision spec: pass Collator(vision=VisionSpec.builtin('qwen2-vl')) or the spec the "
+                "rows were packed with (VisionSpec.from_processor(model folder)), so that the batch gets the mRoPE "
+                "position_ids, image_grid_thw and pixel_values the model needs")
+        starts = np.asarray(row["image_offsets"], dtype=np.int64).reshape(-1)
+        grids = np.asarray(row.get("image_grid_thw", ()), dtype=np.int64).reshape(-1)
+        if grids.shape[0] != 3 * starts.shape[0]:
+            raise ContractError(f"row {i}: {starts.shape[0]} image_offsets and {grids.shape[0]} image_grid_thw values; "
+                                "3 (t, h, w) per image")
+        grids = grids.reshape(-1, 3)
+        n, last = ids.shape[0], 0
+        for k, (at, grid) in enumerate(zip(starts.tolist(), grids.tolist())):
+            count = self.vision.grid_tokens(grid)
+            seq = int(np.searchsorted(offs, at, side="right")) - 1
+            where = f"row {i}, image {k}: {count} placeholder tokens (grid {tuple(grid)}) at token {at}"
+            if at < last or min(grid) < 1:
+                raise ContractError(f"{where}: overlaps the previous image (it ends at token {last}) or has an "
+                                    "empty grid; image_offsets must increase with each image's tokens")
+            if not 0 <= seq < offs.shape[0] - 1 or at + count > offs[seq + 1]:
+                raise ContractError(f"{where} cross the end of their example (seq_offsets {offs.tolist()[:8]}) or of "
+                                    f"the row ({n} tokens); the row was packed with another vision spec?")
+            run = ids[at:at + count]
+            if (run != run[0]).any():
+                raise ContractError(f"{where}: the tokens there are not one placeholder id repeated "
+                                    f"({run[:8].tolist()}...); the row was packed with another vision spec?")
+            last = at + count
+        refs = row.get("images")
+        refs = list(refs) if refs is not None else []
+        if self.decode_images and len(refs) != starts.shape[0]:
+            raise ContractError(f"row {i}: {len(refs)} images for {starts.shape[0]} image_offsets; one per image")
+        ids_of = row.get("example_ids")
+        for k, at in enumerate(starts.tolist()):
+            seq = int(np.searchsorted(offs, at, side="right")) - 1
+            name = f"row {i} image {k}"
+            parts.image_names.append(name if ids_of is None else f"{name} (example {list(ids_of)[seq]!r})")
+        parts.image_offsets.append(starts + parts.at)
+        parts.image_grids.append(grids)
+        parts.images += refs
+
+
+def _has_images(row: Mapping[str, Any]) -> bool:
+    offsets = row.get("image_offsets")
+    return offsets is not None and len(offsets) > 0
 
 
 @dataclass
@@ -297,6 +424,14 @@ class _Parts:
     """The rows' example ids, flattened (when ``named``)."""
     desirable: list[np.ndarray] = field(default_factory=list)
     """Per row, each example's desirability label (-1 where the row carries none)."""
+    image_offsets: list[np.ndarray] = field(default_factory=list)
+    """Per row with images, each image's first placeholder token as a batch token offset."""
+    image_grids: list[np.ndarray] = field(default_factory=list)
+    """Per row with images, ``[images, 3]`` patch grids."""
+    images: list[Any] = field(default_factory=list)
+    """The rows' image references (``{"path", "bytes"}``), flattened."""
+    image_names: list[str] = field(default_factory=list)
+    """How messages name each image."""
     labelled: bool = False
     """Some row carries a desirability label."""
     seqs: int = 0

@@ -27,10 +27,17 @@ _NOT_COLLATED = ("collate the rows with packers.Collator() (return_example_index
                  "batch as it is")
 
 
+def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The batch's ``[1, T]`` 1-D positions: ``position_ids``, or its row 0 when it is ``[4, 1, T]`` (a vision batch:
+    row 0 the text positions, rows 1..3 the mRoPE positions; see :class:`packers.Collator`)."""
+    pos = batch["position_ids"]
+    return pos[0] if pos.dim() == 3 else pos
+
+
 def sequences(batch: Mapping[str, Any], device: torch.device) -> tuple[torch.Tensor, int]:
     """The sequence of each of the batch's ``T`` tokens (``[T]`` int64: they restart where ``position_ids`` is 0)
     and the number of sequences."""
-    pos = batch["position_ids"]
+    pos = text_positions(batch)
     starts = pos[0].to(device) == 0
     return torch.cumsum(starts.to(torch.int64), 0) - 1, int(starts.sum())
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from packers.errors import PackstreamError
 from packers.schema import Side
-from packers._examples import examples, sequences
+from packers._examples import examples, sequences, text_positions
 from packers._loss import _check_vocab
 
 
@@ -153,7 +153,7 @@ def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torc
     """Per sequence of the batch (padding included): its completion tokens' summed log-probability in float64
     (``[N]``, differentiable), its completion tokens (``[N]`` int64), and ``N``. :func:`sequence_logps` before
     it picks the examples and rounds to float32."""
-    ids, pos = batch["input_ids"], batch["position_ids"]
+    ids, pos = batch["input_ids"], text_positions(batch)
     if ids.dim() != 2 or ids.shape[0] != 1 or pos.shape != ids.shape:
         raise PackstreamError(f"sequence_logps needs a packed [1, T] batch from packers.Collator; got input_ids of shape "
                               f"{tuple(ids.shape)}")

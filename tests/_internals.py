@@ -61,6 +61,7 @@ from pipeline._workers import parallel, signals
 from packers._pack import _pack_per_item
 from packers._pairs import truncate_pairs
 from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denominators
+from packers._vision import VisionFamily
 
 # Loaded on first use: name -> (module, attribute; None for the module itself).
 _LAZY = {
@@ -82,6 +83,9 @@ _LAZY = {
     "GUARD": ("packers._attention._guard", "GUARD"),
     "VARLEN": ("packers._attention._varlen", "VARLEN"),
     "probe_layout": ("packers._attention._probe", "layout"),
+    "dropout_settings": ("packers._attention._model", "dropout_settings"),
+    "attention_probe": ("packers._attention._probe", None),
+    "num_sequences": ("packers._attention._rules", "num_sequences"),
     **{name: ("packers._attention._probe", name) for name in ("batch_rope", "run_probe", "special_lengths")},
     # The per-sequence float64 completion sums that packers.sequence_logps rounds to float32 (tests/test_dpo.py).
     "sequence_sums": ("packers._logps", "_sequence_sums"),

@@ -28,9 +28,10 @@ LAYERS = {
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
                "pipeline._exit", "pipeline._report", "pipeline._sink", "pipeline._fs", "pipeline._arrow"},
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
-             "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers"},
+             "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers",
+             "packers._vision", "packers._mrope"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
-               "packers._logps", "packers._loss", "packers._examples"},
+               "packers._logps", "packers._loss", "packers._examples", "packers._pixels"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "workers", "stages", "core", "loader"},

@@ -20,6 +20,7 @@ from packers._attention._fixes import MASK_FIX
 from packers._attention._model import configs, hf_model, input_device
 from packers._attention._probe import Verdict, agree_max, layout, probe, reach_for
 from packers._attention._rules import check_rope, check_static, num_sequences
+from packers._examples import text_positions
 from packers.errors import PackstreamError
 
 
@@ -225,7 +226,7 @@ def install_packing_guard(model: torch.nn.Module, *, max_length: int | None = No
         verdict = _check(hf, hf, batch, max_length)
         if verdict is not None and verdict.fix and num_sequences(batch) > 1:
             fix = contextlib.ExitStack()
-            fix.enter_context(MASK_FIX.packed_positions(hf, batch["position_ids"]))
+            fix.enter_context(MASK_FIX.packed_positions(hf, text_positions(batch)))
             stack[-1] = fix
 
     @torch.compiler.disable

@@ -36,6 +36,19 @@ def configs(config: Any) -> Iterator[Any]:
         todo.extend(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {})
 
 
+def uses_mrope(hf: torch.nn.Module) -> bool:
+    """Does the model rotate by 3-D positions (mRoPE: Qwen2-VL, Qwen2.5-VL, ...)? Read from its configs'
+    ``rope_parameters``/``rope_scaling`` (an ``mrope_section``), or a ``get_rope_index`` method on the model or its
+    base model (cheap: runs every step)."""
+    for c in configs(hf.config):
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = getattr(c, key, None)
+            if isinstance(rope, dict) and ("mrope_section" in rope or any(
+                    isinstance(v, dict) and "mrope_section" in v for v in rope.values())):
+                return True
+    return any(callable(getattr(m, "get_rope_index", None)) for m in (hf, getattr(hf, "model", None)))
+
+
 def input_device(hf: torch.nn.Module) -> torch.device:
     """Where the model takes its input ids (its input embeddings' device)."""
     try:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from packers._attention._fixes import MASK_FIX
-from packers._attention._model import dropout_settings, input_device, special_token_ids
+from packers._attention._model import dropout_settings, input_device, special_token_ids, uses_mrope
+from packers._examples import text_positions
 from packers._attention._varlen import CU_KEYS, VARLEN, VARLEN_NAME
 from packers.errors import PackstreamError
 
@@ -208,13 +209,17 @@ def _probe_ids(hf: torch.nn.Module, lengths: tuple[int, ...] = PROBE_LENGTHS) ->
     return [picks[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def _probe_batch(ids: list[list[int]], layout: tuple) -> dict[str, Any]:
-    """The probe's packed batch, built by packers.Collator and cut to the keys the real batch has."""
+def _probe_batch(ids: list[list[int]], layout: tuple, mrope: bool = False) -> dict[str, Any]:
+    """The probe's packed batch, built by packers.Collator and cut to the keys the real batch has. ``mrope``: for a
+    model with 3-D rotary positions, collated as its batches must be (``Collator(vision=...)``: ``[4, 1, T]``
+    position_ids; the probe's text-only rows make rows 1..3 equal to row 0)."""
     from packers._collate import Collator
+    from packers._vision import VisionSpec
 
     offsets = [0, *itertools.accumulate(len(x) for x in ids)]
     row = {"input_ids": [t for x in ids for t in x], "loss_mask": [1] * offsets[-1], "seq_offsets": offsets}
-    full = Collator()([row])
+    collator = Collator(vision=VisionSpec.builtin("qwen2-vl"), decode_images=False) if mrope else Collator()
+    full = collator([row])
     keys, use_cache = layout
     batch = {"input_ids": full["input_ids"], **{k: full[k] for k in keys}}
     if use_cache is not None:
@@ -310,7 +315,8 @@ def run_probe(
     model's faults."""
     device = input_device(hf)
     ids = _probe_ids(hf, lengths)
-    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in _probe_batch(ids, layout).items()}
+    batch = {k: (v.to(device) if torch.is_tensor(v) else v)
+             for k, v in _probe_batch(ids, layout, uses_mrope(hf)).items()}
     seen: list[torch.dtype] = []
     handle = None
     try:
@@ -320,7 +326,7 @@ def run_probe(
         pass
     impl = hf.config._attn_implementation
     calls = VARLEN.calls
-    fixed = MASK_FIX.packed_positions(hf, batch["position_ids"]) if fix else contextlib.nullcontext()
+    fixed = MASK_FIX.packed_positions(hf, text_positions(batch)) if fix else contextlib.nullcontext()
     try:
         with _quiet(hf, device):
             with fixed:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from packers._attention._model import input_device
+from packers._attention._model import input_device, uses_mrope
 from packers._attention._varlen import CU_KEYS, VARLEN
 from packers.errors import PackstreamError
 
@@ -38,6 +38,11 @@ def num_sequences(batch: Mapping[str, Any]) -> int:
     pos = batch.get("position_ids")
     if pos is None or pos.shape[-1] < 2:
         return 1
+    if pos.dim() == 3 and pos.shape[0] == 4:  # packers.Collator(vision=...): row 0 holds the text positions
+        pos = pos[0]
+    elif pos.dim() == 3:  # mRoPE positions alone (3 rows): a sequence starts where all three are 0
+        starts = (pos[:, :, 1:] == 0).all(dim=0)
+        return int(starts.sum().item()) + 1
     starts = torch.diff(pos, dim=-1) != 1
     mask = batch.get("attention_mask")
     if mask is not None and mask.shape == pos.shape:
@@ -64,6 +69,8 @@ def check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
         )
     if batch.get("past_key_values") is not None or batch.get("cache") is not None:
         raise PackstreamError("packed batch with a KV cache: packing is for training; pass no past_key_values/cache")
+    if uses_mrope(hf):
+        check_mrope(hf, batch)
     has_cu = all(batch.get(k) is not None for k in CU_KEYS)
     ids = batch.get("input_ids", batch.get("inputs_embeds"))
     if impl in VARLEN.names or "flash" in impl:
@@ -84,6 +91,36 @@ def check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
                 "use_cache=False in the batch (packers.Collator does by default) or set model.config.use_cache=False"
             )
     # Any other backend (a custom AttentionInterface function, a hub kernel) is judged by the probe alone.
+
+
+def check_mrope(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """A model with 3-D rotary positions (mRoPE) keeps packed examples apart only with ``[4, B, T]`` position_ids:
+    transformers' Qwen2-VL text model takes row 0 as the text positions it builds the packed mask from (its comment
+    "we need to pass text position ids for packing"); from ``[B, T]`` or ``[3, B, T]`` it builds one causal mask
+    over the batch, and without position_ids it numbers the whole batch as one sequence."""
+    vision = getattr(getattr(hf.config, "vision_config", None), "_attn_implementation", None)
+    if (batch.get("pixel_values") is not None and isinstance(vision, str) and vision not in MASK_BACKENDS
+            and any(batch.get(k) is not None for k in CU_KEYS)):
+        # transformers (5.x) hands the forward's keyword arguments on to the vision tower (get_image_features ->
+        # visual -> each block's attention): under a varlen backend its attention gets the text's cu_seq_lens
+        # beside (flash: instead of) the images' own. Not measured on a GPU yet: refused rather than trusted.
+        raise PackstreamError(
+            f"{type(hf).__name__}'s vision tower runs under attn_implementation={vision!r} and would receive this "
+            "batch's cu_seq_lens_q/k (transformers passes the forward's keyword arguments on to it), not its images' "
+            "boundaries. Give the vision tower sdpa (attn_implementation={'text_config': ..., 'vision_config': "
+            "'sdpa'}) or collate with Collator(vision=..., return_flash_attn_kwargs=False)"
+        )
+    pos = batch.get("position_ids")
+    if pos is not None and pos.dim() == 3 and pos.shape[0] == 4:
+        return
+    shape = "none" if pos is None else f"shape {list(pos.shape)}"
+    raise PackstreamError(
+        f"{type(hf).__name__} uses 3-D rotary positions (mRoPE) and builds the packed mask only from position_ids "
+        f"of shape [4, B, T] (row 0 the text positions, rows 1..3 each example's mRoPE positions); this packed batch "
+        f"has position_ids of {shape}, so its examples would attend to each other (and its images lose their "
+        "positions). Collate with packers.Collator(vision=VisionSpec.builtin('qwen2-vl')) or the spec the rows were "
+        "packed with (VisionSpec.from_processor(model folder)), even for text-only rows"
+    )
 
 
 def _uses_cache(hf: torch.nn.Module, batch: Mapping[str, Any]) -> bool:

@@ -1,0 +1,100 @@
+"""Decode a packed row's image references into the vision tower's input, at load time.
+
+Packed rows keep images as references (Hugging Face ``datasets``' Image encoding: ``{"path", "bytes"}``) and
+each image's patch grid, measured when the row was packed (:class:`packers._vision.VisionSpec`). A
+:class:`PixelLoader` opens them, runs the family's image processor (transformers' PIL
+``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes, or a processor of
+the caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced
+since packing would otherwise shift every placeholder token after it onto the wrong features.
+
+PIL and transformers are imported on first use (``import packers`` needs neither).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from packers._vision import VisionSpec
+from packers.errors import ContractError, PackstreamError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PixelLoader:
+    """Turn image references into ``pixel_values`` and ``image_grid_thw`` for a Qwen2-VL-style vision tower.
+
+    ``PixelLoader(vision=VisionSpec.builtin("qwen2-vl"))(images, grids)`` returns
+    ``(pixel_values [patches, C * temporal * patch * patch] float32, image_grid_thw [n, 3] int64)``,
+    as the model's processor would for the same images.
+    """
+
+    vision: VisionSpec
+    """The spec the rows were packed with: its pixel limits, patch, merge and temporal sizes drive the processor."""
+    processor: Any = None
+    """An image processor of your own (e.g. ``AutoImageProcessor.from_pretrained(model)``), called as
+    ``processor(images=[PIL images], return_tensors="pt")``; None: one built from ``vision``."""
+    root: str | Path | None = None
+    """Folder that relative image paths are resolved against (None: the working directory)."""
+
+    def __post_init__(self) -> None:
+        if not self.vision.family.mrope:
+            raise PackstreamError(f"PixelLoader(vision={self.vision.name or self.vision.family.value}): only Qwen2-VL "
+                                  "style (mRoPE) processors are supported; use a qwen2-vl or qwen2.5-vl spec")
+
+    @cached_property
+    def image_processor(self) -> Any:
+        """The processor in use: ``processor``, or transformers' PIL Qwen2-VL processor set from ``vision``."""
+        if self.processor is not None:
+            return self.processor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        v = self.vision
+        return Qwen2VLImageProcessorPil(size={"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
+                                        patch_size=v.patch_size, merge_size=v.merge_size,
+                                        temporal_patch_size=v.temporal_patch_size)
+
+    def open(self, image: Mapping[str, Any], where: str = "image") -> Any:
+        """One reference as an RGB PIL image; PackstreamError naming the path (or the bytes) when unreadable."""
+        from PIL import Image, UnidentifiedImageError
+
+        data, path = image.get("bytes"), image.get("path")
+        if data is None and not path:
+            raise PackstreamError(f"{where}: neither bytes nor a path; the row's images must carry one of them")
+        if data is not None:
+            source, name = io.BytesIO(data), f"{len(data)} bytes" + (f" (from {path})" if path else "")
+        else:
+            p = Path(path)
+            source = name = p if self.root is None or p.is_absolute() else Path(self.root) / p
+        try:
+            with Image.open(source) as im:
+                return im.convert("RGB")
+        except (OSError, UnidentifiedImageError, ValueError) as e:
+            hint = "" if data is not None else "; the folder's images must be readable where you train (see root=)"
+            raise PackstreamError(f"{where}: cannot read {name}: {e}{hint}") from None
+
+    def __call__(self, images: Sequence[Mapping[str, Any]], grids: Sequence[Sequence[int]] | np.ndarray | None = None,
+                 names: Sequence[str] | None = None) -> tuple[Any, Any]:
+        """``(pixel_values, image_grid_thw)`` of ``images``; with ``grids`` (one ``(t, h, w)`` per image, as packed),
+        ContractError if an image comes out at another grid. ``names``: how messages name each image."""
+        import torch
+
+        names = list(names) if names is not None else [f"image {i}" for i in range(len(images))]
+        pil = [self.open(im, names[i]) for i, im in enumerate(images)]
+        out = self.image_processor(images=pil, return_tensors="pt")
+        got = torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3)
+        if grids is not None:
+            want = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+            if want.shape[0] != got.shape[0]:
+                raise ContractError(f"{len(images)} images, {want.shape[0]} packed grids; one grid per image")
+            for i in np.flatnonzero((got.numpy() != want).any(axis=1)):
+                ref = images[i].get("path") or f"{len(images[i].get('bytes') or b'')} bytes"
+                raise ContractError(
+                    f"{names[i]} ({ref}): decodes to patch grid {tuple(got[i].tolist())}, the row was packed for "
+                    f"{tuple(want[i].tolist())}: the image changed since packing, or the processor settings differ "
+                    "from the spec the rows were packed with; repack, or load with that spec")
+        return torch.as_tensor(out["pixel_values"]), got

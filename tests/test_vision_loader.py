@@ -1,0 +1,119 @@
+"""Collating vision-language rows and decoding their images: worked examples and the one-line errors.
+
+Rows carry ``image_offsets``, ``image_grid_thw`` and ``images`` (see :class:`packers.Collator`); a row whose
+image runs do not match its tokens, or whose image file changed or vanished since packing, is refused naming
+the row, the image and the fix. Text-only rows under ``Collator(vision=...)`` keep every key of the text batch.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from packers import Collator, ContractError, PackstreamError, PixelLoader, VisionSpec
+from tests.test_vision_exact import IMAGE, SPECS, png
+
+SPEC = SPECS["qwen2-vl"]  # 28-pixel merged patches, 2 to 8 of them per image
+
+
+def image_row(ref: dict, width: int = 56, height: int = 56) -> dict:
+    """One row: an example with one image (grid from the spec: 56 x 56 -> (1, 4, 4), 4 tokens), then a text one."""
+    grid = SPEC.image_grid(width, height)
+    n = SPEC.grid_tokens(grid)
+    ids = [5, 121] + [IMAGE] * n + [122, 6, 7] + [8, 9, 10]
+    return {"input_ids": ids, "loss_mask": [0] * (len(ids) - 4) + [1, 0, 1, 1],
+            "seq_offsets": [0, len(ids) - 3, len(ids)], "example_ids": ["img", "txt"],
+            "image_offsets": [2], "image_grid_thw": list(grid), "images": [ref]}
+
+
+def test_text_rows_under_a_vision_collator_keep_the_text_batch():
+    rows = [{"input_ids": [5, 9, 41, 17, 5, 30], "loss_mask": [0, 0, 1, 1, 0, 1], "seq_offsets": [0, 4, 6]}]
+    text, vision = Collator()(rows), Collator(vision=SPEC)(rows)
+    assert set(vision) == set(text) and "pixel_values" not in vision and "image_grid_thw" not in vision
+    for k in set(text) - {"position_ids"}:
+        assert torch.equal(vision[k], text[k]) if torch.is_tensor(text[k]) else vision[k] == text[k], k
+    assert vision["position_ids"].shape == (4, 1, 6)
+    assert (vision["position_ids"] == text["position_ids"]).all()  # all four rows: the text positions
+
+
+def test_pixels_from_bytes_and_from_a_file_equal_the_processors(tmp_path):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from PIL import Image
+
+    data = png(90, 50, seed=1)
+    (tmp_path / "a.png").write_bytes(data)
+    rows = [image_row({"path": None, "bytes": data}, 90, 50), image_row({"path": "a.png", "bytes": None}, 90, 50)]
+    batch = Collator(vision=SPEC, pixels=PixelLoader(vision=SPEC, root=tmp_path))(rows)
+    want = Qwen2VLImageProcessorPil(size={"shortest_edge": SPEC.min_pixels, "longest_edge": SPEC.max_pixels})(
+        images=[Image.open(io.BytesIO(data)).convert("RGB")] * 2, return_tensors="pt")
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6]] == want["image_grid_thw"].tolist()
+    assert torch.equal(batch["pixel_values"], want["pixel_values"])
+
+
+def test_a_processor_of_ones_own_is_used():
+    calls = []
+
+    class Mine:
+        def __call__(self, images, return_tensors):
+            calls.append(len(images))
+            return {"pixel_values": torch.zeros(16, 1176), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+    batch = Collator(vision=SPEC, pixels=PixelLoader(vision=SPEC, processor=Mine()))(
+        [image_row({"path": None, "bytes": png(56, 56, 0)})])
+    assert calls == [1] and batch["pixel_values"].shape == (16, 1176)
+
+
+def test_rows_with_images_need_a_vision_spec():
+    with pytest.raises(PackstreamError, match=r"row 0 holds images .*Collator\(vision=VisionSpec"):
+        Collator()([image_row({"path": None, "bytes": b""})])
+
+
+def test_llava_specs_are_refused_by_the_collator():
+    with pytest.raises(PackstreamError, match="only Qwen2-VL"):
+        Collator(vision=VisionSpec.builtin("llava-1.5"))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda r: r.update(image_offsets=[r["seq_offsets"][1] - 3]), r"row 0, image 0: 4 placeholder .* cross the end"),
+    (lambda r: r.update(image_offsets=[1]), r"row 0, image 0: .* not one placeholder id"),
+    (lambda r: r.update(image_grid_thw=[1, 4, 8]), r"row 0, image 0: 8 placeholder tokens .*(cross|not one)"),
+    (lambda r: r.update(image_grid_thw=[1, 4]), r"row 0: 1 image_offsets and 2 image_grid_thw"),
+    (lambda r: r.update(images=[]), r"row 0: 0 images for 1 image_offsets"),
+])
+def test_broken_image_runs_are_one_line_contract_errors(break_it, message):
+    row = image_row({"path": None, "bytes": png(56, 56, 0)})
+    break_it(row)
+    with pytest.raises(ContractError, match=message) as e:
+        Collator(vision=SPEC)([row])
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_or_unreadable_image_names_its_path(tmp_path):
+    with pytest.raises(PackstreamError, match=r"row 0 image 0 \(example 'img'\): cannot read .*gone\.png"):
+        Collator(vision=SPEC)([image_row({"path": str(tmp_path / "gone.png"), "bytes": None})])
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    with pytest.raises(PackstreamError, match=r"cannot read .*junk\.png"):
+        Collator(vision=SPEC)([image_row({"path": str(tmp_path / "junk.png"), "bytes": None})])
+
+
+def test_an_image_changed_since_packing_is_refused(tmp_path):
+    """Packed for a 56 x 56 image (grid 1 x 4 x 4); the file now holds a 120 x 60 one (1 x 4 x 8)."""
+    (tmp_path / "a.png").write_bytes(png(120, 60, seed=2))
+    with pytest.raises(ContractError, match=r"row 0 image 0 \(example 'img'\) \(.*a\.png\): decodes to patch grid "
+                                            r"\(1, 4, 8\), the row was packed for \(1, 4, 4\)"):
+        Collator(vision=SPEC)([image_row({"path": str(tmp_path / "a.png"), "bytes": None})])
+
+
+def test_fixed_shape_padding_gets_text_positions_in_every_row():
+    row = image_row({"path": None, "bytes": png(56, 56, 0)})
+    n = len(row["input_ids"])
+    batch = Collator(vision=SPEC, fixed_shape=True, budget=n + 3)([row])
+    pos = batch["position_ids"][:, 0]
+    assert pos.shape == (4, n + 3)
+    assert pos[:, n:].tolist() == [[0, 1, 2]] * 4
+    # the image example: text 0 1, image at 2 (2x2 merged), after it 2 + 2 = 4
+    assert pos[1:, :9].tolist() == [[0, 1, 2, 2, 2, 2, 4, 5, 6], [0, 1, 2, 2, 3, 3, 4, 5, 6], [0, 1, 2, 3, 2, 3, 4, 5, 6]]
+    assert np.array_equal(pos[0].numpy()[:n], np.r_[np.arange(n - 3), np.arange(3)])
