@@ -15,7 +15,6 @@ from packers.schema import (CONTRACT_VERSION, SCHEMA, VISION_CONTRACT_VERSION, V
 from packers._vision import ImageSizeError, VisionFamily, VisionSpec
 from packers._stats import PackStats, pack_stats
 from packers._mrope import mrope_positions
-from packers._vision import VisionSpec
 
 _TORCH_NAMES = {
     "Collator": "packers._collate",
@@ -58,7 +57,6 @@ __all__ = [
     "Sharding",
     "Side",
     "Strategy",
-    "VisionSpec",
     "mrope_positions",
     "pack",
     "pack_pairs",

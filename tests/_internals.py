@@ -61,7 +61,7 @@ from pipeline._workers import parallel, signals
 from packers._pack import _pack_per_item
 from packers._pairs import truncate_pairs
 from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denominators
-from packers._vision import VisionFamily
+from packers._vision import VisionFamily, smart_resize
 
 # Loaded on first use: name -> (module, attribute; None for the module itself).
 _LAZY = {

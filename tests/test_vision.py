@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packers import ImageSizeError, PackstreamError, VisionFamily, VisionSpec
-from packers._vision import smart_resize
+from tests._internals import smart_resize
 
 PIL = pytest.importorskip("PIL.Image")
 qwen_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
