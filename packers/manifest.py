@@ -673,13 +673,12 @@ def is_datasets_cache(name: str) -> bool:
 def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:
     """The schema metadata (:func:`packers.read_metadata`'s keys) the shard ``entry`` of the complete manifest
     ``m`` must carry: contract version, budget, tokenizer name and vocabulary hash, eos/pad ids (the same on
-    every shard of the run), and its place: the run id, its split, its index and the split's shard count; in a run
-    with images (contract version 4) also the vision spec the manifest records."""
+    every shard of the run), and its place: the run id, its split, its index and the split's shard count; with
+    images (contract version 4) the vision spec too."""
     version = m.raw.get("contract_version", CONTRACT_VERSION)
-    vision = {"vision": m.raw.get("vision")} if version != CONTRACT_VERSION else {}
     return {
         "contract_version": version,
-        **vision,
+        **({"vision": m.raw.get("vision")} if version != CONTRACT_VERSION else {}),
         "budget": m.row_checks.budget,
         "tokenizer": m.tokenizer.name,
         "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256,
