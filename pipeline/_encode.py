@@ -94,6 +94,11 @@ class _Prepared:
         return ids, np.repeat(np.asarray(self.flags, dtype=np.uint8), seg_lens), seg_lens
 
 
+def input_folders(files: Sequence[Any]) -> dict[str, str]:
+    """Each input's folder by its source (``InputFile`` s): where its relative image paths resolve."""
+    return {f.source: os.path.dirname(f.path) for f in files}
+
+
 def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     for k, v in more.items():
         into[k] = into.get(k, 0) + v

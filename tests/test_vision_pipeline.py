@@ -171,6 +171,8 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
 
     ds = packers.PackedDataset(str(out))
     assert len(ds.rows) == len(rows)
+    checked = CliRunner().invoke(main, ["verify", str(out)])
+    assert checked.exit_code == 0 and checked.output.strip().endswith("OK"), checked.output
 
 
 def test_relative_paths_resolve_against_the_input_folder_by_default(tmp_path, tokenizer):
@@ -249,7 +251,7 @@ def test_long_split_never_cuts_an_image_example(tmp_path, tokenizer):
 # -- a property over generated records ------------------------------------------------------------
 
 _SIZES = st.tuples(st.integers(8, 400), st.integers(8, 400))
-_WORDS = st.text(st.sampled_from("abcdefgh ijk.,?"), min_size=1, max_size=40)
+_WORDS = st.text(st.sampled_from("abcdefgh ijk.,?"), max_size=40).map(lambda t: "w" + t)  # never blank
 
 
 @st.composite

@@ -125,9 +125,9 @@ class _Shard:
             else:
                 reader = pa.ipc.open_stream(source)
                 self.schema, table = reader.schema, reader.read_all().select(columns)
-            if not self.schema.remove_metadata().equals(packers.SCHEMA):
-                raise PackstreamError(f"{show_path(path)}: its schema is not packers.SCHEMA; run packstream verify on "
-                                      "the folder")
+            if not any(self.schema.remove_metadata().equals(s) for s in (packers.SCHEMA, packers.VISION_SCHEMA)):
+                raise PackstreamError(f"{show_path(path)}: its schema is not packers.SCHEMA (nor VISION_SCHEMA); run "
+                                      "packstream verify on the folder")
         except (pa.ArrowException, OSError, KeyError) as e:
             raise PackstreamError(f"{show_path(path)} cannot be read ({one_line(str(e), 200)}); run packstream verify on the "
                                   "folder") from None

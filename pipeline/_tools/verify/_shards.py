@@ -185,9 +185,11 @@ def _table(report: Report, shard: OpenShard) -> Optional[pa.Table]:
     except (pa.ArrowInvalid, OSError, ValueError) as e:
         report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
         return None
-    if not schema.remove_metadata().equals(packers.SCHEMA):
-        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers.SCHEMA "
-                         f"{packers.SCHEMA!r}")
+    version = shard.expect_meta.get("contract_version", packers.CONTRACT_VERSION)
+    want = packers.VISION_SCHEMA if version == packers.VISION_CONTRACT_VERSION else packers.SCHEMA
+    if not schema.remove_metadata().equals(want):
+        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected "
+                         f"{'packers.VISION_SCHEMA' if want is packers.VISION_SCHEMA else 'packers.SCHEMA'} {want!r}")
         return None
     try:
         meta = packers.read_metadata(schema)
