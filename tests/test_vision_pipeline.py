@@ -134,7 +134,9 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
         _user_image("file://" + str(tmp_path / "img" / "b.jpg")),                    # 13 file URI
         {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},  # 14 video
                       {"role": "assistant", "content": "x"}]},
+        _user_image("img/thin.png"),                                                  # 15 bad_image (aspect)
     ]
+    _image(tmp_path / "img" / "thin.png", (1, 300))  # aspect ratio 300, over Qwen2-VL's 200: ImageSizeError
     src = tmp_path / "data" / "mix.jsonl"
     src.parent.mkdir()
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -151,12 +153,13 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
     dead = {json.loads(line)["position"]: json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()}
     assert {p: d["reason"] for p, d in dead.items()} == {
         7: "bad_image", 8: "bad_image", 9: "placeholder_mismatch", 10: "too_long", 11: "remote_image",
-        12: "placeholder_mismatch", 14: "non_text_content"}
+        12: "placeholder_mismatch", 14: "non_text_content", 15: "bad_image"}
     assert "missing.png" in dead[7]["detail"] and "does not exist" in dead[7]["detail"]
     assert "corrupt.png" in dead[8]["detail"] and "cannot be read" in dead[8]["detail"]
     assert "1 image placeholders" in dead[9]["detail"] and "2 in 'images'" in dead[9]["detail"]
     assert "never cut" in dead[10]["detail"] and "budget 600" in dead[10]["detail"]
     assert "videos are not packed yet" in dead[14]["detail"]
+    assert "aspect ratio 300" in dead[15]["detail"] and "thin.png" in dead[15]["detail"]
     assert c["examples_packed"] == 7
 
     rows = _read_rows(out)
@@ -225,6 +228,20 @@ def test_option_errors_are_one_line(tmp_path, tokenizer):
         assert r.exit_code != 0, extra
         lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and words in lines[0], (extra, r.output)
+
+
+def test_a_processor_folder_whose_image_token_the_tokenizer_lacks_stops_the_run(tmp_path, tokenizer):
+    """A LLaVA processor folder: its placeholder <image> is no single token of a Qwen-vision tokenizer."""
+    proc = tmp_path / "llava"
+    proc.mkdir()
+    (proc / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "crop_size": {"height": 336, "width": 336}, "patch_size": 14}))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_user_image("a.png")) + "\n")
+    r = _pack(str(src), "-o", str(tmp_path / "out"), "--tokenizer", tokenizer, "--processor", str(proc))
+    assert r.exit_code != 0
+    assert "no single token for the processor's image_token '<image>'" in r.output and "--tokenizer" in r.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_text_only_options_record_nothing_new():
