@@ -8,6 +8,8 @@ Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam
        | render     per record (pipeline._render)    -> segments [(text, is_target), ...]
        | tokenize   ONE encode_batch_fast call over every segment of the chunk (Rust, threads)
        | masks      numpy: each segment's flag repeated over its token count; EOS appended
+       | images     --processor only: each image's one placeholder token repeated to the processor's count
+       |            for the image's size (pipeline._media), never a target; the images ride in batch.images
        v
     Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
 
