@@ -21,7 +21,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
 
     status           "complete" | "failed"
     error            why a failed run failed (failed only)
-    contract_version the packed-row contract version (packers.CONTRACT_VERSION)
+    contract_version the packed-row contract version: 3, or 4 with images (then also "vision", the spec)
     run_id           16 hex digits: a digest of what decides the run's bytes (options but the output
                      folder, inputs, tokenizer); every shard carries it in its schema metadata
     shards           [{"name", "split", "rows", "examples", "tokens", "target_tokens", "bytes", "sha256"}]
@@ -423,10 +423,8 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
 def _check_version_and_run_id(r: _Reader, raw: Mapping[str, Any]) -> None:
     version = raw.get("contract_version", _MISSING)
     if not is_int(version) or version not in READABLE_VERSIONS:
-        raise ContractError(
-            f"{r.where}: {MANIFEST} contract_version is {'missing' if version is _MISSING else _short(version)}, "
-            f"expected one of {', '.join(map(str, READABLE_VERSIONS))}; repack the data or install a matching packstream"
-        )
+        raise ContractError(f"{r.where}: {MANIFEST} contract_version is {'missing' if version is _MISSING else _short(version)}"
+                            f", expected one of {READABLE_VERSIONS}; repack the data or install a matching packstream")
     run_id = raw.get("run_id", _MISSING)
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
         raise ContractError(
@@ -673,8 +671,7 @@ def is_datasets_cache(name: str) -> bool:
 def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:
     """The schema metadata (:func:`packers.read_metadata`'s keys) the shard ``entry`` of the complete manifest
     ``m`` must carry: contract version, budget, tokenizer name and vocabulary hash, eos/pad ids (the same on
-    every shard of the run), and its place: the run id, its split, its index and the split's shard count; with
-    images (contract version 4) the vision spec too."""
+    every shard of the run), its place (run id, split, index, the split's shard count), and any vision spec."""
     version = m.raw.get("contract_version", CONTRACT_VERSION)
     return {
         "contract_version": version,

@@ -8,6 +8,8 @@ Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam
        | render     per record (pipeline._render)    -> segments [(text, is_target), ...]
        | tokenize   ONE encode_batch_fast call over every segment of the chunk (Rust, threads)
        | masks      numpy: each segment's flag repeated over its token count; EOS appended
+       | images     --processor only: each image's one placeholder token repeated to the processor's count
+       |            for the image's size (pipeline._media), never a target; the images ride in batch.images
        v
     Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
 
@@ -32,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Optional, Sequence
+import os
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from packers import InternalError
-from pipeline import _rows
+from pipeline import _media, _rows
 from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
 from pipeline._options import FormatOptions, Ids, PackOptions, TrainOn
 from pipeline._render import Renderer
@@ -74,6 +77,8 @@ class _Prepared:
     """Per kept record (as ``meta``), its desirability: 1, 0, or -1 without a label (pipeline._formats._labels)."""
     pairs: bool = False
     """``--pairs``: ``owner`` names a side, ``2 * k`` (chosen) or ``2 * k + 1`` (rejected) of ``meta[k]``."""
+    images: dict[int, list[_media.Image]] = dataclasses.field(default_factory=dict)
+    """``--processor`` runs: index in ``meta`` -> its example's images, measured, in order."""
     rejected: list[dict] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -91,6 +96,11 @@ class _Prepared:
         return ids, np.repeat(np.asarray(self.flags, dtype=np.uint8), seg_lens), seg_lens
 
 
+def input_folders(files: Sequence[Any]) -> dict[str, str]:
+    """Each input's folder by its source (``InputFile`` s): where its relative image paths resolve."""
+    return {f.source: os.path.dirname(f.path) for f in files}
+
+
 def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     for k, v in more.items():
         into[k] = into.get(k, 0) + v
@@ -100,7 +110,9 @@ def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
 class Encoder:
     """Normalize, render and tokenize chunks of records with one tokenizer (loaded once per process)."""
 
-    def __init__(self, options: PackOptions):
+    def __init__(self, options: PackOptions, folders: Optional[Mapping[str, str]] = None):
+        """``folders``: each input's folder by its source, where relative image paths resolve without
+        ``--media-root`` (absent: the working folder)."""
         self.options = options
         self.datasets = options.datasets()
         self.renderer = Renderer(options)
@@ -109,6 +121,19 @@ class Encoder:
         self.eos_id: Optional[int] = tok.eos_token_id
         self.vocab_size = len(tok)
         self._foreign_ends = _foreign_ends(self._backend, self.eos_id)
+        self.vision = options.vision()
+        self.image_text: Optional[str] = None
+        if self.vision is not None:
+            from pipeline._tokenizer import vision_token_ids
+
+            self.image_id = vision_token_ids(tok, self.vision, options.tokenizer)["image_token"]
+            v = self.vision
+            self.image_text = (v.vision_start or "") + v.image_token + (v.vision_end or "")
+        self._folders = dict(folders or {})
+
+    def _image_base(self, source: str) -> str:
+        """Where relative image paths of ``source`` resolve: --media-root, else the input's folder."""
+        return self.options.media_root or self._folders.get(source) or os.getcwd()
 
     # -- per record ---------------------------------------------------------------------------
     def _sampled(self, dataset: int, example_id: str) -> bool:
@@ -171,7 +196,7 @@ class Encoder:
                     add_counts(p.counts, notes)
                     p.meta.append((eid, source, position, dataset))
                     continue
-                convs = conversations(record, fmt)
+                convs = conversations(record, fmt, self.image_text)
             except Rejected as r:
                 p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
                 continue
@@ -180,6 +205,8 @@ class Encoder:
             for k, conv in enumerate(convs):
                 ceid = eid if k == 0 else f"{eid}~p{k + 1}"
                 try:
+                    if conv.images:
+                        p.images[len(p.meta)] = _media.measure(conv.images, self._image_base(source), self.vision)
                     if conv.tokens is not None:
                         p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                     else:
@@ -248,17 +275,20 @@ class Encoder:
         if direct:  # splice pre-tokenized examples in at their place
             ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
         ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, set(direct) | p.no_eos)
+        keep = np.ones(n, dtype=bool)
+        images = None
+        if self.vision is not None:
+            ids, mask, rec_lens, images = self._expand_images(ids, mask, rec_lens, p, keep)
 
         starts = np.concatenate([[0], np.cumsum(rec_lens)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
         targets = np.add.reduceat(mask.astype(np.int64), starts) if n and len(mask) else np.zeros(n, np.int64)
         targets = np.where(rec_lens > 0, targets, 0)
-        keep = np.ones(n, dtype=bool)
-        for i in np.flatnonzero(rec_lens == 0):
+        for i in np.flatnonzero((rec_lens == 0) & keep):
             eid, source, position, _ = kept_meta[i]
             rejected.append(_rows.reject_record(source, position, Reason.EMPTY_AFTER_RENDER,
                                                 "the record renders to no tokens", eid))
             keep[i] = False
-        for i in np.flatnonzero((rec_lens > 0) & (targets == 0)):
+        for i in np.flatnonzero((rec_lens > 0) & (targets == 0) & keep):
             eid, source, position, _ = kept_meta[i]
             rejected.append(_rows.reject_record(
                 source, position, Reason.NO_TARGET_TOKENS,
@@ -275,11 +305,50 @@ class Encoder:
         batch = _rows.ExampleBatch.from_arrays(
             [m[0] for m in kept_meta], [m[1] for m in kept_meta], [m[2] for m in kept_meta], rec_lens, ids, mask,
             desirable=labels if (labels != -1).any() else None,
+            images=None if images is None else images.take(np.flatnonzero(keep)),
         )
         batch, copies = self._repeat(batch, [m[3] for m in kept_meta])
         if copies:
             counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies
         return Encoded(batch, rejected, counts)
+
+    def _expand_images(self, ids, mask, rec_lens, p: "_Prepared", keep: np.ndarray):
+        """Each image's one placeholder token becomes its run of ``tokens`` placeholder tokens (never a target), so
+        an example's length is what the model sees. An example whose placeholder tokens and images differ in number
+        (text holding the placeholder's own text, a template that drops or repeats a turn) is ``placeholder_mismatch``
+        (``keep`` cleared). Returns the new ids, mask and lengths, and the examples' :class:`~pipeline._rows.Images`."""
+        n = len(rec_lens)
+        ends = np.cumsum(rec_lens)
+        pos = np.flatnonzero(ids == self.image_id)
+        owner = np.searchsorted(ends, pos, side="right")
+        found = np.bincount(owner, minlength=n)
+        want = np.array([len(p.images.get(i, ())) for i in range(n)], dtype=np.int64)
+        token = self.vision.image_token
+        for i in np.flatnonzero(found != want).tolist():
+            eid, source, position, _ = p.meta[i]
+            p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
+                f"the example holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} itself, "
+                "or the chat template drops or repeats a turn with an image; remove the placeholder text from the "
+                "text (images go in image parts or as <image>)"), eid))
+            keep[i] = False
+        ok = keep[owner]
+        rep = np.ones(len(ids), np.int64)
+        sizes = [img.tokens for i in range(n) if keep[i] for img in p.images.get(i, ())]
+        rep[pos[ok]] = np.asarray(sizes, np.int64)
+        new_at = np.cumsum(rep) - rep  # where each old token starts in the expanded arrays
+        ids, mask = np.repeat(ids, rep), np.repeat(mask, rep)
+        runs = _rows._ranges(new_at[pos[ok]], new_at[pos[ok]] + rep[pos[ok]])
+        mask[runs] = 0  # an image is never a target
+        rec_lens = rec_lens + np.bincount(owner[ok], weights=rep[pos[ok]] - 1, minlength=n).astype(np.int64)
+        starts = np.cumsum(rec_lens) - rec_lens
+        counts = np.where(keep, want, 0)
+        index = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=index[1:])
+        kept = [img for i in range(n) if keep[i] for img in p.images.get(i, ())]
+        images = _rows.Images(index, (new_at[pos[ok]] - starts[owner[ok]]).astype(np.int64),
+                              np.array([img.grid for img in kept], np.int32).reshape(-1, 3),
+                              [(img.path, img.data) for img in kept])
+        return ids, mask, rec_lens, images
 
     def _finish_pairs(self, p: "_Prepared", encs: list) -> Encoded:
         """:meth:`finish` for pairs: per side the EOS and the completion mask, then the prompt check, then one

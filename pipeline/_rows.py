@@ -103,6 +103,50 @@ def reject_sort_key(r: dict) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
+class Images:
+    """The images of an :class:`ExampleBatch`'s examples (``--processor`` runs): example ``i``'s are images
+    ``index[i]:index[i + 1]``, in the order they stand in its tokens::
+
+        input_ids  [ 5 | 151652 151655 151655 151655 151655 151653 | 9 2 ]    one image of grid (1, 4, 4): 4 tokens
+        offsets    [ 2 ]        the example-relative offset of its first placeholder token (151655, <|image_pad|>)
+        grids      [[1, 4, 4]]
+        refs       [("/data/cat.jpg", None)]     (path, bytes): one of the two
+    """
+
+    index: np.ndarray
+    """int64 (n + 1,)."""
+    offsets: np.ndarray
+    """int64 (images,)."""
+    grids: np.ndarray
+    """int32 (images, 3)."""
+    refs: list
+    """Per image ``(path, bytes)``, as the rows' ``images`` column stores it."""
+
+    @classmethod
+    def none(cls, n: int) -> "Images":
+        """``n`` examples without an image."""
+        return cls(np.zeros(n + 1, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.int32), [])
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.index)
+
+    def take(self, which: np.ndarray) -> "Images":
+        idx = _ranges(self.index[which], self.index[which + 1])
+        index = np.zeros(len(which) + 1, np.int64)
+        np.cumsum(self.counts[which], out=index[1:])
+        return Images(index, self.offsets[idx], self.grids[idx], [self.refs[i] for i in idx.tolist()])
+
+    @classmethod
+    def concat(cls, parts: Sequence["Images"]) -> "Images":
+        counts = np.concatenate([p.counts for p in parts])
+        index = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=index[1:])
+        return cls(index, np.concatenate([p.offsets for p in parts]), np.concatenate([p.grids for p in parts]),
+                   [r for p in parts for r in p.refs])
+
+
+@dataclasses.dataclass(frozen=True)
 class ExampleBatch:
     """Many examples in flat arrays, so steps move one object per batch instead of per example.
 
@@ -128,11 +172,13 @@ class ExampleBatch:
     """int64 (n,): where each pair's rejected side starts; None for plain examples."""
     desirable: np.ndarray | None = None
     """int8 (n,): each example's KTO label (1, 0, -1 for none); None when no example carries one."""
+    images: Images | None = None
+    """The examples' images (``--processor`` runs); None in a text-only run."""
 
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
                     input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None, *,
-                    desirable: np.ndarray | None = None) -> "ExampleBatch":
+                    desirable: np.ndarray | None = None, images: Images | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if cuts is not None:
@@ -143,8 +189,10 @@ class ExampleBatch:
             desirable = np.asarray(desirable, dtype=np.int8)
             if desirable.shape != (len(ids),):
                 raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
+        if images is not None and len(images.index) != len(ids) + 1:
+            raise packers.InternalError(f"images of {len(images.index) - 1} examples for {len(ids)} examples")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False), cuts, desirable)
+                   loss_mask.astype(np.uint8, copy=False), cuts, desirable, images)
 
     @classmethod
     def empty(cls) -> "ExampleBatch":
@@ -175,7 +223,8 @@ class ExampleBatch:
                                         [self.positions[i] for i in which], stops - starts,
                                         self.input_ids[idx], self.loss_mask[idx],
                                         None if self.cuts is None else self.cuts[which],
-                                        desirable=None if self.desirable is None else self.desirable[which])
+                                        desirable=None if self.desirable is None else self.desirable[which],
+                                        images=None if self.images is None else self.images.take(which))
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
@@ -190,7 +239,7 @@ class ExampleBatch:
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
                                np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
-                               desirable=_labels(batches))
+                               desirable=_labels(batches), images=_images(batches))
 
 
 def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
@@ -198,6 +247,13 @@ def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
     if all(b.desirable is None for b in batches):
         return None
     return np.concatenate([np.full(len(b), -1, np.int8) if b.desirable is None else b.desirable for b in batches])
+
+
+def _images(batches: Sequence[ExampleBatch]) -> Images | None:
+    """The batches' images concatenated (none for a batch without), or None when no batch carries any."""
+    if all(b.images is None for b in batches):
+        return None
+    return Images.concat([Images.none(len(b)) if b.images is None else b.images for b in batches])
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -245,7 +301,16 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
         o = int(batch.offsets[i])
         mask = batch.loss_mask[o:o + n]
         eid, source, position = batch.ids[i], batch.sources[i], batch.positions[i]
-        if options.long is LongPolicy.DROP:
+        k = int(batch.images.counts[i]) if batch.images is not None else 0
+        if k:  # an image is never cut, nor an example from its images: such an example goes whole or not at all
+            rejected.append(reject_record(source, position, Reason.TOO_LONG,
+                                          f"{n} tokens > budget {budget}, and the example holds {k} image(s), which "
+                                          "are never cut (whatever --long says); use a larger --max-tokens, or "
+                                          "smaller images (the processor's max_pixels)", eid))
+            stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
+            stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
+            keep[i] = False
+        elif options.long is LongPolicy.DROP:
             rejected.append(reject_record(source, position, Reason.TOO_LONG,
                                           f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, "
                                           "or a larger --max-tokens", eid))
@@ -497,7 +562,12 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         *pair_cols,
         desirable,
     ]
-    record_batch = pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA)
+    schema = packers.SCHEMA
+    if options.processor is not None:
+        schema = packers.VISION_SCHEMA
+        arrays += image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
+                                ends - piece_lens, row_pieces)
+    record_batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
     if eos_id is None or not len(piece_lens):
         eos_ok = eos_id is not None
@@ -505,3 +575,34 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         last_tok = input_ids[np.cumsum(piece_lens) - 1]
         eos_ok = bool(np.all((last_tok == eos_id) | (piece_lens == budget)))
     return Group(record_batch, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
+
+
+IMAGE_STRUCT = packers.VISION_SCHEMA.field("images").type.value_type
+"""``struct<path: string, bytes: binary>``: one image of a row."""
+
+
+def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
+    """``list<struct<path, bytes>>`` whose list ``i`` is ``refs[offsets[i]:offsets[i + 1]]`` (``(path, bytes)`` each)."""
+    struct = pa.StructArray.from_arrays([pa.array([r[0] for r in refs], pa.string()),
+                                         pa.array([r[1] for r in refs], pa.binary())],
+                                        fields=list(IMAGE_STRUCT))
+    return pa.ListArray.from_arrays(_arrow.array(offsets, pa.int32()), struct)
+
+
+def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, at: np.ndarray,
+                  row_pieces: np.ndarray) -> list[pa.Array]:
+    """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`): pieces in row
+    order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``, at row offset ``at[j]``)."""
+    imgs = batch.images if batch.images is not None else Images.none(len(batch))
+    counts = imgs.counts[ex]
+    idx = _ranges(imgs.index[ex], imgs.index[ex + 1])  # the pieces' images, in row order
+    piece = np.repeat(np.arange(len(ex)), counts)
+    inside = imgs.offsets[idx] - starts[piece]
+    if len(idx) and ((inside < 0).any() or (imgs.offsets[idx] >= stops[piece]).any()):
+        raise packers.InternalError("a piece of an example with images was cut; images are never cut")
+    rows = len(row_pieces)
+    per_row = np.bincount(np.repeat(np.arange(rows), row_pieces)[piece], minlength=rows) if rows else np.zeros(0, np.int64)
+    off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+    return [_list(off, (inside + at[piece]).astype(np.int32), pa.int32()),
+            _list(3 * off, imgs.grids[idx].reshape(-1).astype(np.int32), pa.int32()),
+            image_list(off, [imgs.refs[i] for i in idx.tolist()])]

@@ -41,8 +41,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from pipeline import _arrow, _sink
-from pipeline._rows import ExampleBatch
+from pipeline import _arrow, _rows, _sink
+from pipeline._rows import ExampleBatch, Images
 from pipeline._sink import Site
 
 SPILL_TOKENS = 2**20
@@ -57,6 +57,13 @@ SPILL_SCHEMA = pa.schema([
     pa.field("cut", pa.int64(), nullable=False),  # a pair's rejected side starts here (-1: not a pair)
     pa.field("desirable", pa.int8(), nullable=False),  # the KTO label: 1, 0, or -1 (none)
 ])
+
+VISION_SPILL_SCHEMA = pa.schema(list(SPILL_SCHEMA) + [
+    pa.field("image_offsets", pa.list_(pa.int32()), nullable=False),  # example-relative (pipeline._rows.Images)
+    pa.field("image_grid_thw", pa.list_(pa.int32()), nullable=False),
+    pa.field("images", pa.list_(_rows.IMAGE_STRUCT), nullable=False),
+])
+"""The spill schema of a ``--processor`` run's examples: each example's images beside its tokens."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -101,7 +108,7 @@ def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) 
     starts = np.concatenate([[0], bounds]).astype(np.int64)
     stops = np.concatenate([bounds, [len(order)]]).astype(np.int64)
     slices = []
-    with _ipc_file(path, SPILL_SCHEMA) as w:
+    with _ipc_file(path, SPILL_SCHEMA if batch.images is None else VISION_SPILL_SCHEMA) as w:
         for k, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
             w.write_batch(_record_batch(batch, a, b))
             slices.append(Slice(int(sorted_groups[a]), path, k, b - a))
@@ -142,7 +149,7 @@ def _ipc_file(path: str, schema: pa.Schema) -> Iterator[pa.ipc.RecordBatchFileWr
 def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
     o = batch.offsets[a:b + 1]
     off32 = (o - o[0]).astype(np.int32)
-    return pa.RecordBatch.from_arrays([
+    columns = [
         _arrow.array(batch.ids[a:b], pa.string()),
         _arrow.array(batch.sources[a:b], pa.string()),
         _arrow.array(batch.positions[a:b], pa.int64()),
@@ -150,14 +157,25 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
         _arrow.list_array(off32, batch.loss_mask[o[0]:o[-1]], pa.uint8()),
         _arrow.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
         _arrow.array(np.full(b - a, -1, np.int8) if batch.desirable is None else batch.desirable[a:b], pa.int8()),
-    ], schema=SPILL_SCHEMA)
+    ]
+    if batch.images is None:
+        return pa.RecordBatch.from_arrays(columns, schema=SPILL_SCHEMA)
+    imgs = batch.images
+    i = imgs.index[a:b + 1]
+    off = (i - i[0]).astype(np.int64)
+    columns += [_arrow.list_array(off, imgs.offsets[i[0]:i[-1]].astype(np.int32), pa.int32()),
+                _arrow.list_array(3 * off, imgs.grids[i[0]:i[-1]].reshape(-1), pa.int32()),
+                _rows.image_list(off, imgs.refs[i[0]:i[-1]])]
+    return pa.RecordBatch.from_arrays(columns, schema=VISION_SPILL_SCHEMA)
 
 
 def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     """The examples of ``slices``, concatenated in the given order."""
     ids, sources, positions, lengths, tok_ids, masks, cuts, labels = [], [], [], [], [], [], [], []
+    images: list[Images | None] = []
     for s in slices:
         rb = _read_batch(s.path, s.batch)
+        images.append(_read_images(rb) if rb.num_columns > len(SPILL_SCHEMA) else None)
         cuts.append(_arrow.to_numpy(rb.column(5)))
         labels.append(_arrow.to_numpy(rb.column(6)))
         ids += rb.column(0).to_pylist()
@@ -172,7 +190,20 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     cut, label = np.concatenate(cuts), np.concatenate(labels)
     return ExampleBatch.from_arrays(ids, sources, positions, np.concatenate(lengths), np.concatenate(tok_ids),
                                     np.concatenate(masks), None if (cut < 0).all() else cut,
-                                    desirable=None if (label < 0).all() else label)
+                                    desirable=None if (label < 0).all() else label,
+                                    images=None if all(i is None for i in images) else Images.concat(
+                                        [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)]))
+
+
+def _read_images(rb: pa.RecordBatch) -> Images:
+    """The images of a spill batch written with :data:`VISION_SPILL_SCHEMA`."""
+    offs, grids, refs = (rb.column(rb.schema.get_field_index(n)) for n in ("image_offsets", "image_grid_thw", "images"))
+    index = _arrow.to_numpy(offs.offsets).astype(np.int64)
+    index = index - index[0]
+    flat = refs.flatten()
+    return Images(index, _arrow.to_numpy(offs.flatten()).astype(np.int64),
+                  _arrow.to_numpy(grids.flatten()).astype(np.int32).reshape(-1, 3),
+                  list(zip(flat.field("path").to_pylist(), flat.field("bytes").to_pylist())))
 
 
 def _read_batch(path: str, index: int) -> pa.RecordBatch:

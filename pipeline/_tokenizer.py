@@ -410,3 +410,24 @@ def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, 
         "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         "chat_template": "tokenizer" if tok.chat_template else "builtin-chatml",
     }
+
+
+def vision_token_ids(tok, spec, name: str) -> dict[str, int]:
+    """The ids of ``spec``'s image placeholder and (when it has them) its vision start/end tokens: each must be ONE
+    token of the tokenizer that its text encodes to, or images could not be counted and found again. Anything else
+    is a PackstreamError naming the tokenizer and the fix."""
+    backend = tok.backend_tokenizer
+    out = {}
+    for what, text in (("image_token", spec.image_token), ("vision_start", spec.vision_start),
+                       ("vision_end", spec.vision_end)):
+        if text is None:
+            continue
+        vocab_id = backend.token_to_id(text)
+        ids = backend.encode(text, add_special_tokens=False).ids
+        if vocab_id is None or ids != [vocab_id]:
+            raise PackstreamError(
+                f"tokenizer {show_path(name)} has no single token for the processor's {what} {text!r} (it encodes to "
+                f"{len(ids)} tokens {ids[:6]}); pass the vision-language model's own tokenizer with --tokenizer "
+                f"(the one shipped beside --processor {spec.name or spec.family.value})")
+        out[what] = vocab_id
+    return out

@@ -105,9 +105,11 @@ def _recipe(config: dict) -> dict:
 def run_metadata(options, identity: dict, run_id: str) -> dict:
     """The schema metadata of every shard of a run (:func:`packers.schema_metadata`): its budget, its tokenizer's
     identity (:func:`pipeline._tokenizer.tokenizer_identity`) and ``run_id``; each shard adds its own place."""
+    vision = options.vision()
     return packers.schema_metadata(budget=options.max_tokens, tokenizer=identity["name"],
                                    vocab_sha256=identity["vocab_sha256"], pad_token_id=identity["pad_token_id"],
-                                   eos_token_id=identity["eos_token_id"], run_id=run_id)
+                                   eos_token_id=identity["eos_token_id"], run_id=run_id,
+                                   vision=None if vision is None else vision.to_json())
 
 
 def join(folder: str, name: str) -> str:
@@ -342,11 +344,23 @@ def _yaml_features(schema: pa.Schema) -> str:
     """The ``features:`` list of a datasets card for ``schema`` (what ``datasets.Features`` writes)."""
     lines = []
     for field in schema:
-        if pa.types.is_list(field.type):
+        if pa.types.is_list(field.type) and pa.types.is_struct(field.type.value_type):
+            lines += [f"  - name: {field.name}", "    list:"]
+            lines += [ln for sub in field.type.value_type for ln in (f"    - name: {sub.name}", f"      dtype: {sub.type}")]
+        elif pa.types.is_list(field.type):
             lines += [f"  - name: {field.name}", f"    list: {field.type.value_type}"]
         else:
             lines += [f"  - name: {field.name}", f"    dtype: {field.type}"]
     return "\n".join(lines)
+
+
+def _vision_columns(manifest: dict[str, Any]) -> str:
+    """The card's words on the image columns of a run with images (contract version 4); "" otherwise."""
+    if "vision" not in manifest:
+        return ""
+    return ("\nImages (packed for the processor in `manifest.json`'s `vision`): `image_offsets` (list<int32>, each "
+            "image's first placeholder token in the row), `image_grid_thw` (list<int32>, t, h, w per image) and "
+            "`images` (list<struct<path, bytes>>).")
 
 
 def _size_category(rows: int) -> str:
@@ -422,7 +436,7 @@ configs:
 {files}
 dataset_info:
   features:
-{_yaml_features(packers.SCHEMA)}
+{_yaml_features(packers.schema.row_schema(manifest["contract_version"]))}
   splits:
 {infos}
   download_size: {total_bytes}
@@ -461,7 +475,7 @@ Columns: `input_ids` (list<int32>), `loss_mask` (list<uint8>, 1 = training targe
 `seq_offsets` (list<int32>, `[0, end_1, ..., len]`), `example_ids` (list<string>), `num_tokens` (int32),
 `num_targets` (int32, the targets the loss sees), `pair_ids` (list<string>), `sides` (list<uint8>, 0 chosen,
 1 rejected) and `completion_spans` (list<int32>, `[start, stop)` per sequence), empty in rows without
-pairs; and `desirable` (list<int8>, KTO labels: 1, 0, -1 for none per sequence), empty in rows without labels.
+pairs; and `desirable` (list<int8>, KTO labels: 1, 0, -1 for none per sequence), empty in rows without labels.{_vision_columns(manifest)}
 
 Load it with `datasets.load_dataset("<this folder>")`, or zero-copy with
 `packers.PackedDataset("<this folder>")`, and collate with `packers.Collator()`.

@@ -47,7 +47,11 @@ path (``ignored_field:conversation.system``, ``ignored_field:choices[1:]``). Two
 different text for one slot (Alpaca ``input``/``context``, ``output``/``response``/``instances``;
 a turn's ``content``/``text``/``value``; two reasoning keys) refuse the record as ``ambiguous_field``.
 
-Layout: ``_base`` (types), ``_fix`` (a refusal's fix), ``_turns`` (turn objects, content, tool calls),
+With ``image_text`` (``packstream pack --processor``), images in content parts or beside the text
+(``images`` + ``<image>``) become that text in their turn and the conversation's ``images``
+(:mod:`pipeline._formats._images`); without it they refuse the record as ``non_text_content``.
+
+Layout: ``_base`` (types), ``_fix`` (a refusal's fix), ``_turns`` (turn objects, content, tool calls), ``_images``,
 ``_hygiene``, ``_paths``, ``detect`` (ORDER, detect), ``_suggest`` (suggest), ``_driver`` (normalize), and one module
 per shape.
 

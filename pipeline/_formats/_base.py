@@ -50,6 +50,9 @@ class Reason(str, enum.Enum):
     MAPPED_FIELD_CUT = "mapped_field_cut"
     MALFORMED_ROW = "malformed_row"  #: a CSV/TSV row of the wrong cell count, or an unterminated quote
     BLANK_TEXT = "blank_text"  #: a plain-text document (a line, or a whole file) that holds only whitespace
+    PLACEHOLDER_MISMATCH = "placeholder_mismatch"  #: --processor: image placeholders and images differ in number
+    BAD_IMAGE = "bad_image"  #: --processor: an image that is missing, unreadable, or of a size the processor refuses
+    REMOTE_IMAGE = "remote_image"  #: --processor: an http(s) image URL (packing is offline)
 
 
 class Rejected(Exception):
@@ -98,6 +101,9 @@ class Conversation:
     desirable: Optional[bool] = None
     """KTO data: whether the record's answer is desirable (its boolean ``label``/``kto_tag``, or ``--kto-label``);
     None when it carries no such label (pipeline._formats._labels)."""
+    images: list[Any] = dataclasses.field(default_factory=list)
+    """``--processor`` runs: the record's image references (a path or URI string, ``{"bytes", "path"}``, bytes), in the
+    order their placeholder text (``image_text``) stands in the messages or text (pipeline._formats._images)."""
 
 
 # The public classes are documented, pickled and printed under the package that exports them.
@@ -185,8 +191,11 @@ def _one_slot(m: dict, names: Sequence[str]) -> tuple[Optional[str], Optional[st
 
 
 class Ctx:
-    def __init__(self, options: FormatOptions):
+    def __init__(self, options: FormatOptions, image_text: Optional[str] = None):
         self.o = options
+        self.image_text = image_text
+        """``--processor`` runs: the text an image becomes in its turn; None: images are refused (text only)."""
+        self.images: list[Any] = []  # image references by marker number (pipeline._formats._images)
         self.notes: dict[str, int] = {}
         self.mapping: list[str] = []
         self.speakers: dict[str, str] = {}  # raw speaker name -> role, as seen
@@ -205,8 +214,8 @@ class Ctx:
     def fork(self) -> "Ctx":
         """A context for one more draft of the same record: the same options, speakers and words so far,
         its own notes (a record's own notes are counted once, on its first conversation)."""
-        child = Ctx(self.o)
-        child.speakers, child.mapping = self.speakers, list(self.mapping)
+        child = Ctx(self.o, self.image_text)
+        child.speakers, child.mapping, child.images = self.speakers, list(self.mapping), self.images
         return child
 
 

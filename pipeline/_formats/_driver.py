@@ -28,6 +28,7 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
+from pipeline._formats._images import IMAGE_COLUMNS, column_images, place_column, take_images
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -35,14 +36,16 @@ from pipeline._formats.detect import ORDER, REGISTRY, detect
 from pipeline._options import Format, FormatOptions
 
 
-def conversations(record: Any, options: FormatOptions) -> list[Conversation]:
-    """Every conversation one raw record holds (one, except message trees), or :class:`Rejected`."""
-    fast = _fast(record, options)
+def conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None) -> list[Conversation]:
+    """Every conversation one raw record holds (one, except message trees), or :class:`Rejected`. ``image_text``
+    (``--processor`` runs): the text each image becomes; its references are the conversation's ``images``
+    (:mod:`pipeline._formats._images`). Without it, records with images are refused."""
+    fast = _fast(record, options) if image_text is None else None
     if fast is not None:
         convs = [fast]
     else:
         try:
-            convs = _conversations(record, options)
+            convs = _conversations(record, options, image_text)
         except Rejected as r:
             raise _validated(r, record, options) from None
     labelled(record, options, convs)
@@ -128,24 +131,31 @@ def _plain(o: FormatOptions) -> bool:
             and o.role_key is None and o.content_key is None and o.system_prompt is None and o.tree is None)
 
 
-def _conversations(record: Any, options: FormatOptions) -> list[Conversation]:
-    return read_as(REGISTRY[detect(record, options)], record, options)
+def _conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None) -> list[Conversation]:
+    return read_as(REGISTRY[detect(record, options)], record, options, image_text=image_text)
 
 
 def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequence[str] = (),
-            mapping: Sequence[str] = ()) -> list[Conversation]:
+            mapping: Sequence[str] = (), image_text: Optional[str] = None) -> list[Conversation]:
     """``record`` read as ``shape`` (detection done), through the steps every shape shares. ``ignored``: fields
-    counted as not read beside the record's own (a record rewritten by options); ``mapping``: how it was."""
-    ctx = Ctx(options)
+    counted as not read beside the record's own (a record rewritten by options); ``mapping``: how it was;
+    ``image_text``: see :func:`conversations`."""
+    ctx = Ctx(options, image_text)
     ctx.mapping.extend(mapping)
     for key in ignored:
         ctx.ignore(key)
     used = shape.top_keys(record, options)
-    if not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
+    column: tuple[Optional[str], list] = (None, [])
+    if image_text is not None:
+        column = column_images(record, ctx)
+        used = used | set(IMAGE_COLUMNS)
+    elif not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
         _media_check(record, skip=tuple(used))
     drafts = shape.read(record, ctx)
     if not drafts:
         raise InternalError(f"shape {shape.name!r} read no draft and raised nothing")
+    if image_text is not None:
+        place_column(drafts, *column, ctx)
     convs = [_conversation(record, shape, d, ctx if len(drafts) == 1 else ctx.fork()) for d in drafts]
     for key in record:  # the record's own notes: once, on its first conversation
         if key not in used:
@@ -253,6 +263,7 @@ def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Convers
             conv.tools = _tools(draft.tools, ctx)
         else:
             conv.tools = _tools(record.get("tools"), ctx) if "tools" in shape.common else None
+    take_images(conv, ctx)
     conv.notes = ctx.notes
     conv.mapping = tuple(ctx.mapping)
     return conv
@@ -278,8 +289,8 @@ def _media_check(record: dict, skip: Sequence[str] = ()) -> None:
             refs = 0
         where = f", referred to by {refs} {tag} placeholders" if refs else ""
         raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {n} {key} in {key!r}{where}; packstream packs "
-                                                "text only: drop these records (or the media key, if the text does "
-                                                "not depend on it)")
+                                                "text only (images with --processor): drop these records (or the "
+                                                "media key, if the text does not depend on it)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline._formats._base import Ctx, Reason, Rejected, Turn, _blank, _keys, _kind, _one_slot, _same, _short
 from pipeline._formats._fix import KEY, ROLE, Fix
+from pipeline._formats._images import IMAGE_PARTS, VIDEO_AUDIO_PARTS, part_marker
 
 _CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
 
@@ -48,10 +49,10 @@ _CALL_KINDS = ("function", "tool_use", "tool_call", "function_call")
 """The ``type`` of a tool-call object (OpenAI's function, Anthropic's tool_use, ...): one list for every reader."""
 _CALL_PARTS = frozenset(_CALL_KINDS) - {"function"}
 """Content parts that are tool calls (a part typed ``function`` is not a call in any published format)."""
-_TEXT_ONLY = "packstream packs text only: drop records with media, or their media"
+_TEXT_ONLY = ("packstream packs text only (images with --processor): drop records with media, or their media")
 """How a refusal of media ends (``parts`` or ``keys`` follows)."""
 _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file",
-                "input_file", "document", "image_file"}
+                "input_file", "document", "image_file", "input_video", "audio_url"}
 
 
 
@@ -143,6 +144,10 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
         kind = part.get("type")
         if kind is None:
             media = [k for k in part if k in _MEDIA_PARTS]
+            if media and ctx.image_text is not None and media[0] in IMAGE_PARTS:
+                _count_unread(part, {media[0]}, where, ctx)
+                texts.append(part_marker({**part, "type": media[0]}, where, ctx))
+                continue
             if media:
                 raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is a {media[0]} part; {_TEXT_ONLY} parts")
             texts.append(_part_text(part, where, ("text", "value", ctx.o.content_key or "content"), ctx))
@@ -164,6 +169,9 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
                 calls.extend(_tool_calls(part["value"], f"{where}.value", ctx))
             else:  # Anthropic tool_use: the part is the call
                 calls.extend(_tool_calls(part, where, ctx))
+        elif kind in _MEDIA_PARTS and ctx.image_text is not None and kind in IMAGE_PARTS + VIDEO_AUDIO_PARTS:
+            _count_unread(part, {"type", "image_url", "image", "url", "path"}, where, ctx)
+            texts.append(part_marker(part, where, ctx))
         elif kind in _MEDIA_PARTS:
             raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; {_TEXT_ONLY} parts")
         else:

@@ -211,6 +211,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         },
         "rejected_file": "rejected.jsonl",
     }
+    if o.vision() is not None:  # a run with images: contract version 4 and the spec its shards carry
+        manifest.update(contract_version=packers.VISION_CONTRACT_VERSION, vision=o.vision().to_json())
     if ctx.skipped:  # files of a folder input not read, each with its reason; absent when none (byte-identical)
         manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]
     if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was

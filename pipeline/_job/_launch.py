@@ -286,10 +286,13 @@ def _check_launch(options: PackOptions, identity: dict, quiet: bool) -> None:
     (empty, not compiling, or never ending), an EOS token the vocabulary does not hold as one token.
     A tokenizer without an EOS gets a warning (unless ``quiet``): examples then end without one."""
     from pipeline._render import Renderer
-    from pipeline._tokenizer import check_eos, load_tokenizer
+    from pipeline._tokenizer import check_eos, load_tokenizer, vision_token_ids
 
     Renderer(options)  # raises PackstreamError; the tokenizer is already loaded (cached per process)
-    check_eos(load_tokenizer(options.tokenizer, options.trust_remote_code), identity["name"])
+    tok = load_tokenizer(options.tokenizer, options.trust_remote_code)
+    check_eos(tok, identity["name"])
+    if options.vision() is not None:
+        vision_token_ids(tok, options.vision(), identity["name"])
     if identity["eos_token"] is None and not quiet:
         print(f"warning: tokenizer {show_path(identity['name'])} has no EOS token, so examples are packed without one "
               "and a model trained on them does not learn where an answer ends; set \"eos_token\" in its "

@@ -20,7 +20,7 @@ import numpy as np
 import packers
 from packers import PackstreamError
 from pipeline import _arrow, _progress, _read, _rows, _spill, _trace, _write
-from pipeline._encode import Encoder, add_counts
+from pipeline._encode import Encoder, add_counts, input_folders
 from pipeline._formats import Reason
 from pipeline._job._context import RunContext
 from pipeline._job._outputs import Failure, Flags, Packed, Rejects, Spilled, Stats, Written
@@ -50,7 +50,7 @@ class EncodeTasks:
             os.environ.update(parallel.tokenizer_env(threads))
         try:
             with _trace.span("encode_setup") as info:
-                self.encoder = Encoder(self.ctx.options)
+                self.encoder = Encoder(self.ctx.options, folders=input_folders(self.ctx.files))
                 info["process_cpu"] = time.process_time()  # the process's start-up until its tokenizer is ready
         except PackstreamError as e:  # the launcher loaded the same tokenizer; a remote worker may not find it
             self.broken = Failure.of(e, self.ctx.output)
@@ -229,7 +229,7 @@ class WriteShards:
         (split, shard), values = keyed
         ctx = self.ctx
         pieces = sorted(v for v in values if v is not None)
-        schema = pa.schema(packers.SCHEMA, metadata=ctx.schema_metadata())
+        schema = pa.schema(ctx.row_schema, metadata=ctx.schema_metadata())
         name = _write.shard_name(split, shard, ctx.layout.shards[split], ctx.extension)
         writer = None
         try:

@@ -4,11 +4,12 @@ the :class:`DatasetSpec` s of a ``--config`` mix."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Optional
 
-from packers import LongPolicy, PackstreamError
+from packers import LongPolicy, PackstreamError, VisionSpec
 from packers.schema import MAX_TOKENS_LIMIT
 from pipeline._options._fields import cli, jsonable, option_enum
 from pipeline._options._format import FormatOptions
@@ -92,6 +93,14 @@ class PackOptions(FormatOptions):
         "each side with the chat template, train on each side's completion only; both sides share one prompt and "
         "sit next to each other in one row, chosen first. --long: drop a pair, or truncate both completions at "
         "one length.", kind="switch"))
+    processor: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--processor", "Pack image+text records for a vision-language model: a shipped processor (qwen2-vl, "
+        "qwen2.5-vl, llava-1.5) or the model's folder (its preprocessor_config.json). Each image counts the tokens "
+        "the processor expands it to, so rows stay within --max-tokens; pass the model's tokenizer with --tokenizer. "
+        "Without it, records with images are refused (non_text_content).", metavar="NAME|PATH"))
+    media_root: Optional[str] = dataclasses.field(default=None, metadata=cli(
+        "--media-root", "With --processor: the folder relative image paths resolve against [default: the folder of "
+        "the input file that names them].", metavar="DIR"))
     max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--max-per-row", "Cap on examples per row.", metavar="N"))
     refine: bool = dataclasses.field(default=True, metadata=cli(
@@ -138,6 +147,8 @@ class PackOptions(FormatOptions):
 
     _NOT_RECORDED = ("overwrite", "workers", "tokenizer_threads", "force_workers")
     """How this run treated the folder and the machine, not what it produced: reruns stay identical."""
+    _RECORDED_WHEN_SET = ("processor", "media_root")
+    """Options of image runs: recorded only when given, so a text-only run's manifest and id stay as they were."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -184,6 +195,8 @@ class PackOptions(FormatOptions):
             )
         if self.pairs:
             self._check_pairs()
+        if self.processor is not None or self.media_root is not None:
+            self._check_vision()
         for spec in self.config:
             if not isinstance(spec, DatasetSpec):
                 raise PackstreamError(f"--config entries must be DatasetSpec, got {type(spec).__name__}")
@@ -221,6 +234,26 @@ class PackOptions(FormatOptions):
                     "--train-on all and --mask-reasoning do not apply: drop them"
                 )
 
+    def _check_vision(self) -> None:
+        """--processor resolves to a :class:`packers.VisionSpec` now (one error line, before anything is read)."""
+        if self.processor is None:
+            raise PackstreamError(f"--media-root {self.media_root} says where images are, and only --processor packs "
+                                  "images; add --processor NAME|PATH (e.g. --processor qwen2-vl) or drop --media-root")
+        if not self.processor.strip():
+            raise PackstreamError("--processor '' is empty; give a shipped processor (qwen2-vl, qwen2.5-vl, llava-1.5) "
+                                  "or the model's folder, or omit --processor for text-only packing")
+        if self.pairs:
+            raise PackstreamError("--pairs packs text preference pairs; pairs with images are not packed yet: drop "
+                                  "--processor, or pack the records as SFT without --pairs")
+        if self.media_root is not None and not os.path.isdir(self.media_root):
+            raise PackstreamError(f"--media-root {self.media_root}: no such folder; give the folder that relative "
+                                  "image paths start from, or omit it to resolve them against each input's folder")
+        self.vision()
+
+    def vision(self) -> Optional[VisionSpec]:
+        """The image rules of ``--processor`` (None for a text-only run); resolved once per process."""
+        return None if self.processor is None else _vision_spec(self.processor)
+
     def datasets(self) -> tuple[DatasetSpec, ...]:
         """The data sets of this run: the config's, or one made of INPUT and the format flags."""
         if self.config:
@@ -235,8 +268,13 @@ class PackOptions(FormatOptions):
         """JSON-ready, for manifest.json."""
         out = {}
         for f in dataclasses.fields(self):
-            if f.name in self._NOT_RECORDED:
+            if f.name in self._NOT_RECORDED or (f.name in self._RECORDED_WHEN_SET and getattr(self, f.name) is None):
                 continue
             v = getattr(self, f.name)
             out[f.name] = [d.to_dict() for d in v] if f.name == "config" else jsonable(v)
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_spec(processor: str) -> VisionSpec:
+    return VisionSpec.from_processor(processor)

@@ -210,7 +210,7 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     packs ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to measure the run time's
     fixed and per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
     """
-    from pipeline._encode import Encoder
+    from pipeline._encode import Encoder, input_folders
     from pipeline._tokenizer import tokenizer_identity
 
     started = time.perf_counter()
@@ -220,7 +220,7 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes,
                            read_tasks=lambda n: _read.read_tasks(files, input_bytes, n))  # as pack chooses
     t = time.perf_counter()
-    encoder = Encoder(options)  # loads the tokenizer (once per process)
+    encoder = Encoder(options, input_folders(files))  # loads the tokenizer (once per process)
     tokenizer_s = time.perf_counter() - t
     identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
     rng = np.random.default_rng(options.seed)

@@ -50,13 +50,14 @@ def preview(options: PackOptions, n: int) -> list[dict]:
     the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
-    from pipeline._encode import Encoder
+    from pipeline._encode import Encoder, input_folders
 
-    encoder = Encoder(options)
+    files = inputs(options)
+    encoder = Encoder(options, input_folders(files))
     tok = encoder.renderer.tok
     specs = options.datasets()
     items: list[dict] = []
-    for f in inputs(options):
+    for f in files:
         fmt = specs[f.dataset].format
         for position, record in itertools.islice(records(f, options.max_record_bytes), n):
             item: dict[str, Any] = {"source": f.source, "position": position, "dataset": specs[f.dataset].name}

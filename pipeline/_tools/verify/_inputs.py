@@ -148,9 +148,9 @@ def check_inputs(folder: str, m: Manifest, check: InputCheck, stored: Stored, de
 
 def _reread(options: PackOptions, files: list, stored: Stored) -> _Reread:
     """Every record read, encoded and cut (or refused) as the job does, its pieces' digests taken."""
-    from pipeline._encode import Encoder, add_counts
+    from pipeline._encode import Encoder, add_counts, input_folders
 
-    encoder = Encoder(options)
+    encoder = Encoder(options, input_folders(files))
     again = _Reread()
     for chunk in _chunks(files, options, again.counts, again.dead):
         enc = encoder.encode(chunk)

@@ -188,18 +188,17 @@ def _table(report: Report, shard: OpenShard) -> Optional[pa.Table]:
     except (pa.ArrowInvalid, OSError, ValueError) as e:
         report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
         return None
+    version = shard.expect_meta.get("contract_version", packers.CONTRACT_VERSION)
+    want = packers.VISION_SCHEMA if version == packers.VISION_CONTRACT_VERSION else packers.SCHEMA
+    if not schema.remove_metadata().equals(want):
+        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected "
+                         f"{'packers.VISION_SCHEMA' if want is packers.VISION_SCHEMA else 'packers.SCHEMA'} {want!r}")
+        return None
     try:
         meta = packers.read_metadata(schema)
     except ContractError as e:
         report.add(f"{name} schema metadata", str(e))
         meta = {}
-    version = meta.get("contract_version", shard.expect_meta.get("contract_version"))
-    expected = packers.VISION_SCHEMA if version == packers.VISION_CONTRACT_VERSION else packers.SCHEMA
-    if not schema.remove_metadata().equals(expected):
-        report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected packers."
-                         f"{'VISION_SCHEMA' if expected is packers.VISION_SCHEMA else 'SCHEMA'} "
-                         f"{expected!r}")
-        return None
     for key, want in shard.expect_meta.items():
         got = meta.get(key, "missing")
         if meta and (got != want or type(got) is not type(want)):

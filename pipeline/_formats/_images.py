@@ -1,0 +1,135 @@
+"""Images in records (``packstream pack --processor``): where each one stands in the text, and which file it is.
+
+The common ways a record places images, each read into one form, a marker per image in the turn's text
+and the image's reference in :attr:`Ctx.images`::
+
+    OpenAI parts      {"type": "image_url", "image_url": {"url": "a.png"}}    inline reference
+                      {"type": "input_image", "image_url": "data:image/png;base64,..."}
+                      {"type": "image", "image": {"bytes": ..., "path": ...}}
+    separate column   {"type": "image"} parts, or "<image>" in the text        the record's images[k], in order
+                      (LLaMA-Factory: images + <image>; LLaVA: image + <image> in the first turn)
+
+After hygiene (which may merge or trim turns), :func:`take_images` reads the markers left in the
+conversation in order: each becomes the processor's placeholder text (``<|vision_start|><|image_pad|>
+<|vision_end|>`` for Qwen2-VL, ``<image>`` for LLaVA) and its reference joins ``Conversation.images``
+in that order. References stay as the record holds them; the encoder resolves and measures them
+(:mod:`pipeline._media`).
+
+>>> from pipeline._options import FormatOptions
+>>> ctx = Ctx(FormatOptions(), image_text="<IMG>")
+>>> text = "look: " + part_marker({"type": "image_url", "image_url": {"url": "a.png"}}, "m[0]", ctx)
+>>> conv = Conversation(messages=[{"role": "user", "content": text}])
+>>> take_images(conv, ctx); conv.messages[0]["content"], conv.images
+('look: <IMG>', ['a.png'])
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, _blank, _kind
+
+IMAGE_PARTS = ("image_url", "input_image", "image")
+"""Content part types that are images."""
+VIDEO_AUDIO_PARTS = ("video", "video_url", "input_video", "audio", "input_audio", "audio_url")
+IMAGE_COLUMNS = ("images", "image")
+"""Record columns that hold a record's images beside its text (LLaMA-Factory ``images``, LLaVA ``image``)."""
+PLACEHOLDER = "<image>"
+"""How LLaMA-Factory and LLaVA mark an image's place in the text."""
+
+_OPEN, _CLOSE, _SLOT = "\ue000", "\ue001", "\ue002"
+"""Private-use characters: a marker ``\\ue000<k>\\ue001`` for image ``k``; ``\\ue002`` for a part whose image is
+in the column."""
+_MARKER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+_SLOTS = re.compile(f"{re.escape(PLACEHOLDER)}|{_SLOT}")
+NOT_YET = "videos are not packed yet"
+
+
+def _marker(ctx: Ctx, ref: Any) -> str:
+    ctx.images.append(ref)
+    return f"{_OPEN}{len(ctx.images) - 1}{_CLOSE}"
+
+
+def part_marker(part: dict, at: str, ctx: Ctx) -> str:
+    """An image content part -> the text that holds its place: a marker for an inline image, a slot for one in
+    the record's image column. Video and audio parts are refused."""
+    kind = part.get("type")
+    if kind in VIDEO_AUDIO_PARTS:
+        raise Rejected(Reason.NON_TEXT_CONTENT, f"{at} is a {kind} part; {NOT_YET} (nor audio): drop these records "
+                                                "or their video and audio parts")
+    for key in ("image_url", "image", "url", "path"):
+        ref = part.get(key)
+        if key == "image_url" and isinstance(ref, dict):
+            ref = ref.get("url")
+        if not _blank(ref):
+            if not isinstance(ref, (str, bytes, dict)):
+                raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_kind(ref)}, expected an image path, URL or "
+                                                "{bytes, path} object")
+            return _marker(ctx, ref)
+    return _SLOT
+
+
+def column_images(record: dict, ctx: Ctx) -> tuple[Optional[str], list]:
+    """The record's image column (its key, its references; (None, []) when it has none). Video and audio columns
+    are refused."""
+    for key in ("videos", "video", "audios", "audio"):
+        if not _blank(record.get(key)):
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {key!r}; {NOT_YET} (nor audio): drop these "
+                                                    f"records or their {key!r}")
+    found = [k for k in IMAGE_COLUMNS if not _blank(record.get(k))]
+    if len(found) > 1:
+        raise Rejected(Reason.AMBIGUOUS_FIELD, "the record carries images under both 'images' and 'image'; keep one")
+    if not found:
+        return None, []
+    key = found[0]
+    value = record[key]
+    refs = value if isinstance(value, list) else [value]
+    for j, ref in enumerate(refs):
+        if not isinstance(ref, (str, bytes, dict)) or _blank(ref):
+            raise Rejected(Reason.BAD_TYPE, f"{key}[{j}] is {_kind(ref)}, expected an image path, URL or "
+                                            "{bytes, path} object")
+    return key, refs
+
+
+def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx) -> None:
+    """Each ``<image>`` placeholder and column slot of the drafts' text, in order, becomes the marker of the
+    column's next image; their numbers must agree. Without a column, ``<image>`` stays text."""
+    texts = [(t, "content") for d in drafts for t in (d.turns or ())] + [(d, "text") for d in drafts if d.text]
+    pattern = _SLOTS if key is not None else re.compile(_SLOT)
+    found = sum(len(pattern.findall(getattr(o, attr))) for o, attr in texts)
+    if not found and not refs:
+        return
+    if len(drafts) > 1:
+        raise Rejected(Reason.NON_TEXT_CONTENT, "the record holds several conversations (a message tree) and images "
+                                                "beside the text; such records are not packed with images yet")
+    if found != len(refs):
+        where = f"{len(refs)} in {key!r}" if key is not None else "none beside the text (no 'images' column)"
+        raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} image placeholders (<image>, or image "
+                                                    f"parts without an image of their own) and the record {where}; "
+                                                    "give one placeholder per image, in order")
+    order = iter(refs)
+    for o, attr in texts:
+        setattr(o, attr, pattern.sub(lambda _m: _marker(ctx, next(order)), getattr(o, attr)))
+
+
+def take_images(conv: Conversation, ctx: Ctx) -> None:
+    """The markers left in ``conv`` (after hygiene), in order: each becomes ``ctx.image_text`` and its reference joins
+    ``conv.images``. A marker outside the text the template renders as is (reasoning, a tool call) is refused."""
+    if ctx.image_text is None or not ctx.images:
+        return
+    images: list = []
+
+    def one(m: re.Match) -> str:
+        images.append(ctx.images[int(m.group(1))])
+        return ctx.image_text
+
+    if conv.text is not None:
+        conv.text = _MARKER.sub(one, conv.text)
+    for m in conv.messages:
+        if isinstance(m.get("content"), str):
+            m["content"] = _MARKER.sub(one, m["content"])
+        if any(_OPEN in str(v) for k, v in m.items() if k != "content"):
+            raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"a {m['role']} turn holds an image in its reasoning or tool "
+                                                        "calls; images are packed in a turn's text only")
+    conv.images = images

@@ -1,0 +1,354 @@
+"""``packstream pack --processor``: image+text records packed for a vision-language model (issue 27, pipeline side).
+
+The tokenizer is the default one with Qwen2-VL's three vision tokens added (no hub); images are made with PIL.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings, strategies as st
+from PIL import Image
+
+import packers
+from packers import LongPolicy, VisionSpec
+from pipeline import PackOptions
+from pipeline._encode import Encoder
+from pipeline._rows import pack_group
+from pipeline.cli import main
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+SPEC = VisionSpec.builtin("qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    """The default tokenizer with Qwen's vision tokens, saved to a folder (what --tokenizer gets)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline._tokenizer import default_tokenizer_path
+
+    tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    folder = tmp_path_factory.mktemp("vl-tokenizer")
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _image(path: Path, size: tuple[int, int], color: str = "red") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+def _png_bytes(size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, "green").save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _user_image(ref, text="what is it?") -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}},
+                                                      {"type": "text", "text": text}]},
+                         {"role": "assistant", "content": "a square"}]}
+
+
+def _pack(*args: str):
+    result = CliRunner().invoke(main, ["pack", *args, "-q"])
+    assert isinstance(result.exception, (SystemExit, type(None))), repr(result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def _read_rows(folder: Path) -> list[dict]:
+    rows = []
+    for path in sorted(folder.glob("train-*.arrow")):
+        with pa.memory_map(str(path)) as f:
+            rows += pa.ipc.open_stream(f).read_all().to_pylist()
+    return rows
+
+
+def _size_of(image: dict) -> tuple[int, int]:
+    with Image.open(io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]) as im:
+        return im.size
+
+
+def _check_images(rows: list[dict], image_id: int, budget: int) -> int:
+    """Every row within the budget; each image's run: its grid's token count of image tokens at its offset, inside
+    one sequence, never a target, its grid the processor's for the image's size. Returns the images seen."""
+    seen = 0
+    for row in rows:
+        ids, mask, offs = np.array(row["input_ids"]), np.array(row["loss_mask"]), row["image_offsets"]
+        assert row["num_tokens"] == len(ids) <= budget
+        assert len(row["image_grid_thw"]) == 3 * len(offs) == 3 * len(row["images"])
+        starts = np.flatnonzero(ids == image_id)
+        runs = [int(s) for s in starts if s == 0 or ids[s - 1] != image_id]
+        assert runs == offs  # every run of image tokens is one image, in row order
+        for k, at in enumerate(offs):
+            grid = tuple(row["image_grid_thw"][3 * k:3 * k + 3])
+            n = SPEC.grid_tokens(grid)
+            assert grid == SPEC.image_grid(*_size_of(row["images"][k]))
+            assert (ids[at:at + n] == image_id).all() and (at + n == len(ids) or ids[at + n] != image_id)
+            assert not mask[at:at + n].any()
+            seq = np.searchsorted(row["seq_offsets"], at, side="right")
+            assert at + n <= row["seq_offsets"][seq]  # inside one example
+            seen += 1
+    return seen
+
+
+def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokenizer):
+    _image(tmp_path / "img" / "a.png", (64, 48))
+    _image(tmp_path / "img" / "b.jpg", (200, 100), "blue")
+    _image(tmp_path / "img" / "big.png", (2000, 2000))  # 5,000+ tokens: over the budget
+    (tmp_path / "img" / "corrupt.png").write_bytes(b"not an image at all")
+    data_url = "data:image/png;base64," + base64.b64encode(_png_bytes((30, 90))).decode()
+    records = [
+        _user_image("img/a.png"),                                                    # 1 OpenAI part
+        {"messages": [{"role": "user", "content": "<image>compare<image>"},           # 2 LLaMA-Factory
+                      {"role": "assistant", "content": "red, then blue"}], "images": ["img/a.png", "img/b.jpg"]},
+        {"id": "llava-1", "image": "img/b.jpg",                                        # 3 LLaVA (sharegpt)
+         "conversations": [{"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "Blue."}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url}]},  # 4 data URL
+                      {"role": "assistant", "content": "green"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and this?"}]},
+                      {"role": "assistant", "content": "red"}], "images": [str(tmp_path / "img" / "a.png")]},  # 5
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},  # 6 text
+        _user_image("img/missing.png"),                                               # 7 bad_image
+        _user_image("img/corrupt.png"),                                               # 8 bad_image
+        {"messages": [{"role": "user", "content": "<image>one"}, {"role": "assistant", "content": "x"}],
+         "images": ["img/a.png", "img/b.jpg"]},                                       # 9 placeholder_mismatch
+        _user_image("img/big.png"),                                                   # 10 too_long
+        _user_image("https://example.com/cat.png"),                                   # 11 remote_image
+        {"messages": [{"role": "user", "content": "the token <|image_pad|> as text"},  # 12 placeholder_mismatch
+                      {"role": "assistant", "content": "x"}]},
+        _user_image("file://" + str(tmp_path / "img" / "b.jpg")),                    # 13 file URI
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},  # 14 video
+                      {"role": "assistant", "content": "x"}]},
+        _user_image("img/thin.png"),                                                  # 15 bad_image (aspect)
+    ]
+    _image(tmp_path / "img" / "thin.png", (1, 300))  # aspect ratio 300, over Qwen2-VL's 200: ImageSizeError
+    src = tmp_path / "data" / "mix.jsonl"
+    src.parent.mkdir()
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # Relative paths resolve against the input's folder unless --media-root says otherwise: here, tmp_path.
+    out = tmp_path / "out"
+    r = _pack(str(src), "-o", str(out), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "--max-tokens", "600",
+              "--media-root", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["contract_version"] == packers.VISION_CONTRACT_VERSION and m["vision"] == SPEC.to_json()
+    c = m["counts"]
+    assert c["records_read"] == len(records)
+    assert c["records_read"] == c["examples_packed"] + c["rejected"] + c["dropped_too_long"] + c["not_sampled"]
+    dead = {json.loads(line)["position"]: json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()}
+    assert {p: d["reason"] for p, d in dead.items()} == {
+        7: "bad_image", 8: "bad_image", 9: "placeholder_mismatch", 10: "too_long", 11: "remote_image",
+        12: "placeholder_mismatch", 14: "non_text_content", 15: "bad_image"}
+    assert "missing.png" in dead[7]["detail"] and "does not exist" in dead[7]["detail"]
+    assert "corrupt.png" in dead[8]["detail"] and "cannot be read" in dead[8]["detail"]
+    assert "1 image placeholders" in dead[9]["detail"] and "2 in 'images'" in dead[9]["detail"]
+    assert "never cut" in dead[10]["detail"] and "budget 600" in dead[10]["detail"]
+    assert "videos are not packed yet" in dead[14]["detail"]
+    assert "aspect ratio 300" in dead[15]["detail"] and "thin.png" in dead[15]["detail"]
+    assert c["examples_packed"] == 7
+
+    rows = _read_rows(out)
+    from pipeline._tokenizer import load_tokenizer
+
+    pad = load_tokenizer(tokenizer).backend_tokenizer.token_to_id("<|image_pad|>")
+    assert _check_images(rows, pad, 600) == 7  # records 1, 2 (two), 3, 4 (bytes), 5, 13 (file:// URI)
+    images = [i for row in rows for i in row["images"]]
+    assert sum(i["bytes"] is not None and i["path"] is None for i in images) == 1  # the data URL's bytes
+    assert {i["path"] for i in images if i["path"]} == {str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "b.jpg")}
+    assert sum(len(row["example_ids"]) for row in rows) == c["examples_packed"]
+
+    ds = packers.PackedDataset(str(out))
+    assert len(ds.rows) == len(rows)
+    checked = CliRunner().invoke(main, ["verify", str(out)])
+    assert checked.exit_code == 0 and checked.output.strip().endswith("OK"), checked.output
+
+
+def test_relative_paths_resolve_against_the_input_folder_by_default(tmp_path, tokenizer):
+    _image(tmp_path / "data" / "pics" / "a.png", (120, 80))
+    src = tmp_path / "data" / "in.jsonl"
+    src.write_text(json.dumps(_user_image("pics/a.png")) + "\n")
+    out = tmp_path / "out"
+    assert _pack(str(src), "-o", str(out), "--tokenizer", tokenizer, "--processor", "qwen2-vl").exit_code == 0
+    (row,) = _read_rows(out)
+    assert row["images"] == [{"path": str(tmp_path / "data" / "pics" / "a.png"), "bytes": None}]
+    assert row["image_grid_thw"] == list(SPEC.image_grid(120, 80))
+
+
+def test_parquet_image_column_of_bytes_and_path_structs(tmp_path, tokenizer):
+    sizes = [(64, 64), (300, 120), (90, 400)]
+    table = pa.table({
+        "messages": [[{"role": "user", "content": "<image>Describe."}, {"role": "assistant", "content": f"image {k}"}]
+                     for k in range(len(sizes))],
+        "images": [[{"bytes": _png_bytes(s), "path": f"img{k}.png"}] for k, s in enumerate(sizes)],
+    })
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    out = tmp_path / "out"
+    r = _pack(str(src), "-o", str(out), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "--max-tokens", "1024")
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["counts"]["examples_packed"] == 3 and m["counts"]["rejected"] == 0
+    rows = _read_rows(out)
+    images = sorted((i["path"], _size_of(i)) for row in rows for i in row["images"])
+    assert images == [(f"img{k}.png", s) for k, s in enumerate(sizes)]
+    from pipeline._tokenizer import load_tokenizer
+
+    assert _check_images(rows, load_tokenizer(tokenizer).backend_tokenizer.token_to_id("<|image_pad|>"), 1024) == 3
+
+
+def test_option_errors_are_one_line(tmp_path, tokenizer):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_user_image("a.png")) + "\n")
+    out = str(tmp_path / "out")
+    cases = [
+        (["--processor", "no-such-model"], "no such file or folder"),
+        (["--processor", "qwen2-vl", "--pairs"], "--pairs"),
+        (["--media-root", str(tmp_path)], "add --processor"),
+        (["--processor", "qwen2-vl", "--media-root", str(tmp_path / "nope")], "no such folder"),
+        (["--processor", "qwen2-vl"], "pass the vision-language model's own tokenizer with --tokenizer"),  # default tok
+    ]
+    for extra, words in cases:
+        args = [str(src), "-o", out, *extra] + ([] if extra[-1] == "qwen2-vl" else ["--tokenizer", tokenizer])
+        r = _pack(*args)
+        assert r.exit_code != 0, extra
+        lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and words in lines[0], (extra, r.output)
+
+
+def test_a_processor_folder_whose_image_token_the_tokenizer_lacks_stops_the_run(tmp_path, tokenizer):
+    """A LLaVA processor folder: its placeholder <image> is no single token of a Qwen-vision tokenizer."""
+    proc = tmp_path / "llava"
+    proc.mkdir()
+    (proc / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "crop_size": {"height": 336, "width": 336}, "patch_size": 14}))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_user_image("a.png")) + "\n")
+    r = _pack(str(src), "-o", str(tmp_path / "out"), "--tokenizer", tokenizer, "--processor", str(proc))
+    assert r.exit_code != 0
+    assert "no single token for the processor's image_token '<image>'" in r.output and "--tokenizer" in r.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_text_only_options_record_nothing_new():
+    """A run without --processor records no image option: its manifest and run id (so its bytes) stay as before."""
+    d = PackOptions(inputs=("x.jsonl",), output="o").to_dict()
+    assert "processor" not in d and "media_root" not in d
+    assert PackOptions(inputs=("x.jsonl",), output="o", processor="qwen2-vl").to_dict()["processor"] == "qwen2-vl"
+
+
+def test_long_split_never_cuts_an_image_example(tmp_path, tokenizer):
+    _image(tmp_path / "a.png", (640, 480))  # 391 tokens
+    enc = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", max_tokens=256,
+                              long=LongPolicy.SPLIT, media_root=str(tmp_path)))
+    long_text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 400}]}
+    out = enc.encode([(0, "in.jsonl", 1, _user_image("a.png")), (0, "in.jsonl", 2, long_text)])
+    assert not out.rejected and len(out.batch) == 2
+    group = pack_group(out.batch, enc.options, enc.eos_id)
+    assert [r["reason"] for r in group.rejected] == ["too_long"] and group.rejected[0]["position"] == 1
+    assert group.stats["split_examples"] == 1  # the text example is split as --long split says
+    rows = group.batch.to_pylist()
+    assert all(r["num_tokens"] <= 256 and r["images"] == [] and r["image_offsets"] == [] for r in rows)
+
+
+# -- a property over generated records ------------------------------------------------------------
+
+_SIZES = st.tuples(st.integers(8, 400), st.integers(8, 400))
+_WORDS = st.text(st.sampled_from("abcdefgh ijk.,?"), max_size=40).map(lambda t: "w" + t)  # never blank
+
+
+@st.composite
+def _records(draw):
+    """A record of 0-3 images of random sizes in random places of its user turn, as OpenAI parts or LLaMA-Factory
+    <image> placeholders; with it, the same record's text with every image replaced by <|vision_start|><|vision_end|>
+    (its text tokens), and the images' sizes."""
+    sizes = draw(st.lists(_SIZES, max_size=3))
+    words = draw(st.lists(_WORDS, min_size=len(sizes) + 1, max_size=len(sizes) + 1))
+    answer = draw(_WORDS)
+    as_parts = draw(st.booleans())
+    text_only = "".join(w + "<|vision_start|><|vision_end|>" for w in words[:-1]) + words[-1]
+    plain = {"messages": [{"role": "user", "content": text_only}, {"role": "assistant", "content": answer}]}
+    names = [f"{w}x{h}.png" for w, h in sizes]
+    if as_parts:
+        parts = []
+        for w, name in zip(words, names):
+            parts += [{"type": "text", "text": w}, {"type": "image_url", "image_url": {"url": name}}]
+        parts.append({"type": "text", "text": words[-1]})
+        record = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]}
+    else:
+        content = "".join(w + "<image>" for w in words[:-1]) + words[-1]
+        record = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
+                  "images": names}
+    return record, plain, sizes
+
+
+@pytest.fixture(scope="module")
+def encoders(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sizes")
+    vision = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", max_tokens=2048,
+                                 media_root=str(folder)))
+    text = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, max_tokens=2048))
+    return vision, text, folder
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(_records(), min_size=1, max_size=8))
+def test_image_tokens_are_the_text_tokens_plus_each_images_count_and_nothing_is_lost(encoders, batch):
+    vision, text, folder = encoders
+    for _, _, sizes in batch:
+        for w, h in sizes:
+            if not (folder / f"{w}x{h}.png").exists():
+                _image(folder / f"{w}x{h}.png", (w, h))
+    enc = vision.encode([(0, "g.jsonl", i + 1, rec) for i, (rec, _, _) in enumerate(batch)])
+    plain = text.encode([(0, "g.jsonl", i + 1, p) for i, (_, p, _) in enumerate(batch)])
+    assert not enc.rejected and not plain.rejected
+    assert len(enc.batch) == len(plain.batch) == len(batch)
+    imgs = enc.batch.images
+    for i, (_, _, sizes) in enumerate(batch):
+        want = [SPEC.image_tokens(w, h) for w, h in sizes]
+        assert int(enc.batch.lengths[i]) == int(plain.batch.lengths[i]) + sum(want)
+        a, b = imgs.index[i], imgs.index[i + 1]
+        assert [SPEC.grid_tokens(g) for g in imgs.grids[a:b]] == want
+        ids, mask = enc.batch.tokens(i)
+        for at, n in zip(imgs.offsets[a:b], want):
+            assert (ids[at:at + n] == vision.image_id).all() and not mask[at:at + n].any()
+    # Packed into rows of a small budget: every example is packed whole or dead-lettered, none lost.
+    budget = 700
+    group = pack_group(enc.batch, dataclasses.replace(vision.options, max_tokens=budget), vision.eos_id)
+    reasons = Counter(r["reason"] for r in group.rejected)
+    assert set(reasons) <= {"too_long"}
+    assert group.stats["examples_packed"] + reasons["too_long"] == len(batch)
+    assert reasons["too_long"] == int((enc.batch.lengths > budget).sum())
+    rows = group.batch.to_pylist()
+    assert all(r["num_tokens"] <= budget for r in rows)
+    packed_images = sum(len(r["images"]) for r in rows)
+    kept = enc.batch.lengths <= budget
+    assert packed_images == int(imgs.counts[kept].sum())
+
+
+def test_an_image_is_never_a_target_even_when_every_token_is(tmp_path, tokenizer):
+    """--train-on all makes every token a target, the image's placeholder run excepted (and only it)."""
+    from pipeline._options import TrainOn
+
+    _image(tmp_path / "a.png", (100, 100))
+    enc = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", train_on=TrainOn.ALL,
+                              media_root=str(tmp_path)))
+    out = enc.encode([(0, "in.jsonl", 1, _user_image("a.png"))])
+    ids, mask = out.batch.tokens(0)
+    at, n = int(out.batch.images.offsets[0]), SPEC.image_tokens(100, 100)
+    assert n > 1 and (ids[at:at + n] == enc.image_id).all()
+    assert not mask[at:at + n].any() and mask[:at].all() and mask[at + n:].all()
