@@ -30,6 +30,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from packers.errors import PackstreamError
+from packers.files import load_json, read_checked
+
+_MAX_CONFIG_BYTES = 1 << 20
+"""A processor config is a few hundred bytes; a file over 1 MiB is not one."""
 
 _MAX_RATIO = 200
 """Qwen2-VL's processor refuses an image whose long side is over 200 times its short side."""
@@ -171,10 +175,8 @@ class VisionSpec:
         files = [p] if p.is_file() else [p / "preprocessor_config.json", p / "processor_config.json"]
         for f in files:
             if f.is_file():
-                try:
-                    loaded = json.loads(f.read_text(encoding="utf-8"))
-                except (OSError, ValueError) as e:
-                    raise PackstreamError(f"--processor {f}: not readable JSON ({e})") from None
+                loaded = load_json(read_checked(str(f), what=f"--processor {f}", limit=_MAX_CONFIG_BYTES),
+                                   what=f"--processor {f}", fix="pass the model's processor folder")
                 if not isinstance(loaded, dict):
                     raise PackstreamError(f"--processor {f}: a JSON object was expected")
                 # processor_config.json may nest the image processor's settings.

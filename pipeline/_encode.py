@@ -305,8 +305,7 @@ class Encoder:
         batch = _rows.ExampleBatch.from_arrays(
             [m[0] for m in kept_meta], [m[1] for m in kept_meta], [m[2] for m in kept_meta], rec_lens, ids, mask,
             desirable=labels if (labels != -1).any() else None,
-            images=None if images is None else images.take(np.flatnonzero(keep)),
-        )
+        ).with_images(None if images is None else images.take(np.flatnonzero(keep)))
         batch, copies = self._repeat(batch, [m[3] for m in kept_meta])
         if copies:
             counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies

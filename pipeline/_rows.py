@@ -178,7 +178,7 @@ class ExampleBatch:
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
                     input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None, *,
-                    desirable: np.ndarray | None = None, images: Images | None = None) -> "ExampleBatch":
+                    desirable: np.ndarray | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if cuts is not None:
@@ -189,10 +189,16 @@ class ExampleBatch:
             desirable = np.asarray(desirable, dtype=np.int8)
             if desirable.shape != (len(ids),):
                 raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
-        if images is not None and len(images.index) != len(ids) + 1:
-            raise packers.InternalError(f"images of {len(images.index) - 1} examples for {len(ids)} examples")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False), cuts, desirable, images)
+                   loss_mask.astype(np.uint8, copy=False), cuts, desirable)
+
+    def with_images(self, images: Images | None) -> "ExampleBatch":
+        """These examples carrying ``images`` (one entry per example; None: a text-only run)."""
+        if images is None:
+            return self
+        if len(images.index) != len(self.ids) + 1:
+            raise packers.InternalError(f"images of {len(images.index) - 1} examples for {len(self.ids)} examples")
+        return dataclasses.replace(self, images=images)
 
     @classmethod
     def empty(cls) -> "ExampleBatch":
@@ -224,7 +230,7 @@ class ExampleBatch:
                                         self.input_ids[idx], self.loss_mask[idx],
                                         None if self.cuts is None else self.cuts[which],
                                         desirable=None if self.desirable is None else self.desirable[which],
-                                        images=None if self.images is None else self.images.take(which))
+                                        ).with_images(None if self.images is None else self.images.take(which))
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
@@ -239,7 +245,7 @@ class ExampleBatch:
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
                                np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
-                               desirable=_labels(batches), images=_images(batches))
+                               desirable=_labels(batches)).with_images(_images(batches))
 
 
 def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:

@@ -191,7 +191,7 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     return ExampleBatch.from_arrays(ids, sources, positions, np.concatenate(lengths), np.concatenate(tok_ids),
                                     np.concatenate(masks), None if (cut < 0).all() else cut,
                                     desirable=None if (label < 0).all() else label,
-                                    images=None if all(i is None for i in images) else Images.concat(
+                                    ).with_images(None if all(i is None for i in images) else Images.concat(
                                         [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)]))
 
 

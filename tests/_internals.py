@@ -41,7 +41,7 @@ from pipeline._report import split_remedy, with_whole_remedy
 # Encoding and rows: records -> encoded examples -> packed rows.
 from pipeline import _rows
 from pipeline._encode import Encoder
-from pipeline._rows import ExampleBatch, dedupe, example_id
+from pipeline._rows import ExampleBatch, dedupe, example_id, pack_group
 
 # Writing, spilling, the output folder, tracing and progress; Arrow arrays without pa.array (pipeline._arrow).
 from pipeline import _arrow, _fs, _output, _progress, _sink, _spill, _trace, _write

@@ -23,8 +23,7 @@ from PIL import Image
 import packers
 from packers import LongPolicy, VisionSpec
 from pipeline import PackOptions
-from pipeline._encode import Encoder
-from pipeline._rows import pack_group
+from tests._internals import Encoder, pack_group
 from pipeline.cli import main
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -36,7 +35,7 @@ def tokenizer(tmp_path_factory) -> str:
     """The default tokenizer with Qwen's vision tokens, saved to a folder (what --tokenizer gets)."""
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline._tokenizer import default_tokenizer_path
+    from tests._internals import default_tokenizer_path
 
     tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -163,7 +162,7 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
     assert c["examples_packed"] == 7
 
     rows = _read_rows(out)
-    from pipeline._tokenizer import load_tokenizer
+    from tests._internals import load_tokenizer
 
     pad = load_tokenizer(tokenizer).backend_tokenizer.token_to_id("<|image_pad|>")
     assert _check_images(rows, pad, 600) == 7  # records 1, 2 (two), 3, 4 (bytes), 5, 13 (file:// URI)
@@ -206,7 +205,7 @@ def test_parquet_image_column_of_bytes_and_path_structs(tmp_path, tokenizer):
     rows = _read_rows(out)
     images = sorted((i["path"], _size_of(i)) for row in rows for i in row["images"])
     assert images == [(f"img{k}.png", s) for k, s in enumerate(sizes)]
-    from pipeline._tokenizer import load_tokenizer
+    from tests._internals import load_tokenizer
 
     assert _check_images(rows, load_tokenizer(tokenizer).backend_tokenizer.token_to_id("<|image_pad|>"), 1024) == 3
 
@@ -342,7 +341,7 @@ def test_image_tokens_are_the_text_tokens_plus_each_images_count_and_nothing_is_
 
 def test_an_image_is_never_a_target_even_when_every_token_is(tmp_path, tokenizer):
     """--train-on all makes every token a target, the image's placeholder run excepted (and only it)."""
-    from pipeline._options import TrainOn
+    from pipeline import TrainOn
 
     _image(tmp_path / "a.png", (100, 100))
     enc = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", train_on=TrainOn.ALL,
