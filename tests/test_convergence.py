@@ -154,6 +154,14 @@ def test_train_tiny_example_packs_loads_trains_and_the_loss_falls(tmp_path):
     assert (state["epoch"], state["position"], state["batch_by"]) == (0, 20, "examples")
 
 
+def test_train_vlm_example_packs_images_loads_trains_and_the_loss_falls():
+    """examples/train_vlm.py: generated image+text records, packstream pack --processor, PackedDataset with its
+    images, Collator(vision=...), a tiny Qwen2-VL under the packing guard; the loss falls."""
+    pytest.importorskip("PIL")
+    fell_by = load_example("train_vlm").main(["--records", "120", "--steps", "20"])
+    assert fell_by < -1.0
+
+
 @pytest.fixture(scope="module")
 def random_shards(tmp_path_factory):
     folder = tmp_path_factory.mktemp("random-packed")
