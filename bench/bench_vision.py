@@ -117,7 +117,7 @@ def rows_of(out: Path) -> list[dict]:
     rows = []
     for f in sorted(out.rglob("*.arrow")):
         with pa.memory_map(str(f)) as src:
-            rows.extend(pa.ipc.open_file(src).read_all().to_pylist())
+            rows.extend(pa.ipc.open_stream(src).read_all().to_pylist())
     return rows
 
 
