@@ -112,6 +112,13 @@ def run_metadata(options, identity: dict, run_id: str) -> dict:
                                    vision=None if vision is None else vision.to_json())
 
 
+def run_schema(options, identity: dict, run_id: str) -> pa.Schema:
+    """The schema of every shard of a run, its :func:`run_metadata` attached: :data:`packers.SCHEMA`, or
+    :data:`packers.VISION_SCHEMA` for a run with images (``--processor``)."""
+    rows = packers.SCHEMA if options.processor is None else packers.VISION_SCHEMA
+    return pa.schema(rows, metadata=run_metadata(options, identity, run_id))
+
+
 def join(folder: str, name: str) -> str:
     """``name`` inside the local or remote ``folder`` (:func:`pipeline._fs.join`)."""
     return _fs.join(folder, name)

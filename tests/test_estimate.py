@@ -28,6 +28,7 @@ ESTIMATE_KEYS = {
     "no_target_pieces", "pieces", "tokens", "target_tokens", "rows", "lower_bound", "fill", "examples_per_row",
     "splits", "output_bytes", "shards", "workers", "tokenizer_threads", "workers_why", "local_seconds",
     "local_seconds_error", "timed_sample", "sample_tokens_per_s", "estimate_seconds", "max_tokens", "pairs",
+    "vision",
 }
 TIMED_KEYS = {"records", "seconds", "fixed_s", "read_s", "pack_write_s", "calibration"}
 INPUT_KEYS = {"source", "dataset", "records", "records_exact", "sampled", "mean_tokens"}
@@ -152,7 +153,7 @@ def test_cli_estimate_json_and_table(tmp_path):
     r = runner.invoke(main, ["pack", "--estimate", "--log-format", "json", "--max-tokens", "512", "--sample", "5"])
     assert r.exit_code == 0, r.output
     e = json.loads(r.stdout)
-    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 4
+    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 5
     # The run time is calibrated by a timed pack of the sample (issue 28): its parts and the error bound are shown.
     assert set(e["timed_sample"]) == TIMED_KEYS and 0 < e["timed_sample"]["records"] <= sum(
         i["sampled"] for i in e["inputs"])

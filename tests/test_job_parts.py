@@ -39,7 +39,7 @@ def test_the_run_context_is_what_every_step_gets(ctx):
                                    "rejected.jsonl", "README.md"]
     assert ctx.spill.startswith(ctx.output) and ctx.run_id in ctx.spill
     assert ctx.progress is None and ctx.outcome is None  # set by the launcher for a local run only
-    meta = {k.decode().rsplit(".", 1)[-1]: json.loads(v) for k, v in ctx.schema_metadata().items()}
+    meta = {k.decode().rsplit(".", 1)[-1]: json.loads(v) for k, v in ctx.schema().metadata.items()}
     assert ctx.eos_id == meta["eos_token_id"] == 2 and meta["run_id"] == ctx.digest != ctx.run_id
     split, group, shard = ctx.layout.key("in.jsonl@1", 0.5)
     assert split in ("train", "validation") and shard == group % ctx.layout.shards[split]

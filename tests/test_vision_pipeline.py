@@ -351,3 +351,51 @@ def test_an_image_is_never_a_target_even_when_every_token_is(tmp_path, tokenizer
     at, n = int(out.batch.images.offsets[0]), SPEC.image_tokens(100, 100)
     assert n > 1 and (ids[at:at + n] == enc.image_id).all()
     assert not mask[at:at + n].any() and mask[:at].all() and mask[at + n:].all()
+
+
+def test_preview_estimate_inspect_and_verify_understand_image_tokens(tmp_path, tokenizer):
+    """The tools count image tokens: preview shows each image as one mark with its grid and token count (not a
+    thousand placeholder tokens), estimate projects the images and their tokens, inspect reports them from the
+    shards, and verify checks every image run against its grid (and finds a run edited after packing)."""
+    sizes = [(64, 48), (300, 120), (90, 90)]
+    records = [_user_image(str(_image(tmp_path / f"i{k}.png", s))) for k, s in enumerate(sizes)]
+    records.append({"messages": [{"role": "user", "content": "no image"}, {"role": "assistant", "content": "ok"}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    want = [SPEC.image_tokens(*s) for s in sizes]
+    common = [str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl"]
+
+    shown = CliRunner().invoke(main, ["preview", *common, "-n", "4"])
+    assert shown.exit_code == 0, shown.output
+    for k, (s, n) in enumerate(zip(sizes, want)):
+        grid = "x".join(map(str, SPEC.image_grid(*s)))
+        assert f"<image {tmp_path / f'i{k}.png'}: {n} tokens, grid {grid}>" in shown.output
+        assert f"({n} in 1 images)" in shown.output
+    assert "<|image_pad|><|image_pad|>" not in shown.output
+
+    est = CliRunner().invoke(main, ["estimate", *common, "--json"])
+    assert est.exit_code == 0, est.output
+    vision = json.loads(est.output.strip().splitlines()[-1])["vision"]
+    assert (vision["images"], vision["image_tokens"], vision["processor"]) == (3, sum(want), "qwen2-vl")
+
+    out = tmp_path / "out"
+    _pack(*common, "-o", str(out))
+    report = CliRunner().invoke(main, ["inspect", str(out), "--json", "--no-plots"])
+    v = json.loads(report.output)["vision"]
+    assert (v["images"], v["image_tokens"], v["rows_with_images"], v["embedded_images"]) == (3, sum(want), 1, 0)
+    assert v["tokens_per_image"]["p100"] == max(want)
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+
+    # One image token turned into text: verify names the row and the image (and so does the loader).
+    path = next(out.glob("train-*.arrow"))
+    table = pa.ipc.open_stream(path.read_bytes()).read_all()
+    rows = table.to_pylist()
+    at = rows[0]["image_offsets"][-1] + 1
+    rows[0]["input_ids"][at] = 5
+    broken = pa.Table.from_pylist(rows, schema=table.schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(broken)
+    path.write_bytes(sink.getvalue().to_pybytes())
+    checked = CliRunner().invoke(main, ["verify", str(out)])
+    assert checked.exit_code == 1 and "check images failed" in checked.output and "row 0" in checked.output

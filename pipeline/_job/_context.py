@@ -88,16 +88,9 @@ class RunContext:
         """The shards' file extension."""
         return "parquet" if self.options.output_format.value == "parquet" else "arrow"
 
-    @property
-    def row_schema(self):
-        """The shards' row schema: :data:`packers.VISION_SCHEMA` for a run with images (``--processor``)."""
-        import packers
-
-        return packers.SCHEMA if self.options.processor is None else packers.VISION_SCHEMA
-
-    def schema_metadata(self) -> dict:
-        """The metadata every shard's schema carries."""
-        return _write.run_metadata(self.options, self.tokenizer, self.digest)
+    def schema(self):
+        """Every shard's schema (:func:`pipeline._write.run_schema`): its rows' and the run's metadata."""
+        return _write.run_schema(self.options, self.tokenizer, self.digest)
 
     def planned_files(self) -> list[str]:
         """The run's journal: every name it may create in the output folder (besides packstream's ``.tmp-*``

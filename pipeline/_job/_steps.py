@@ -224,12 +224,10 @@ class WriteShards:
         self.ctx = ctx
 
     def process(self, keyed):
-        import pyarrow as pa
-
         (split, shard), values = keyed
         ctx = self.ctx
         pieces = sorted(v for v in values if v is not None)
-        schema = pa.schema(ctx.row_schema, metadata=ctx.schema_metadata())
+        schema = ctx.schema()
         name = _write.shard_name(split, shard, ctx.layout.shards[split], ctx.extension)
         writer = None
         try:

@@ -68,7 +68,7 @@ Other load on the machine moves a real run by about as much."""
 _UNTIMED_STARTUP_S = 2.0
 _UNTIMED_PER_RECORD_S = 30e-6
 _UNTIMED_PER_TOKEN_S = 0.2e-6
-ESTIMATE_SCHEMA_VERSION = 4
+ESTIMATE_SCHEMA_VERSION = 5
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,9 +180,7 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
     with the job's own writer (this --output-format) into a temporary folder."""
     import tempfile
 
-    import pyarrow as pa
-
-    schema = pa.schema(packers.SCHEMA, metadata=_write.run_metadata(options, identity, "0" * 16))
+    schema = _write.run_schema(options, identity, "0" * 16)
     fmt = options.output_format.value
     ext = "parquet" if fmt == "parquet" else "arrow"
     with tempfile.TemporaryDirectory(prefix="packstream-estimate-") as tmp:
@@ -276,7 +274,24 @@ def estimate(options: PackOptions, *, sample: int = 1000,
         "estimate_seconds": round(time.perf_counter() - started, 2),
         "max_tokens": budget,
         "pairs": _pairs_estimate(encoded, counts["examples_packed"], rows) if options.pairs else {},
+        "vision": _vision_estimate(encoded, encoder.vision, tokens, rows),
     }
+
+
+def _vision_estimate(encoded: list[_Encoded], vision: Any, tokens: int, rows: int) -> dict[str, Any]:
+    """With ``--processor``: the images packed and their placeholder tokens, projected from the samples; {} else."""
+    if vision is None:
+        return {}
+
+    def image_tokens(e: _Encoded) -> float:
+        grids = e.batch.images.grids if e.batch.images is not None else ()
+        return float(sum(vision.grid_tokens(g) for g in grids))
+
+    images = int(round(_scaled(encoded, lambda e: len(e.batch.images.refs) if e.batch.images is not None else 0)))
+    image_tok = int(round(_scaled(encoded, image_tokens)))
+    return {"processor": vision.name or vision.family.value, "images": images, "image_tokens": image_tok,
+            "image_token_share": image_tok / tokens if tokens else 0.0,
+            "images_per_row": images / rows if rows else 0.0}
 
 
 def _scaled(encoded: list[_Encoded], get) -> float:
@@ -507,6 +522,9 @@ def format_estimate(e: dict[str, Any]) -> str:
         ("examples per row", f"~{e['examples_per_row']:.2f}"),
         *([("pairs", f"~{e['pairs']['pairs']:,}  (~{e['pairs']['pairs_per_row']:.2f} per row, sides differ by "
                      f"~{e['pairs']['side_difference_mean']:,.0f} tokens on average)")] if e["pairs"] else []),
+        *([("images", f"~{e['vision']['images']:,}  (~{e['vision']['image_tokens']:,} placeholder tokens, "
+                      f"{e['vision']['image_token_share']:.0%} of the tokens; ~{e['vision']['images_per_row']:.2f} "
+                      f"per row; {e['vision']['processor']})")] if e.get("vision") else []),
     ]
     if len(e["splits"]) > 1:
         lines += [(f"  {name}", f"~{s['rows']:,} rows, ~{s['tokens']:,} tokens, {s['shards']} shard(s)")

@@ -501,6 +501,15 @@ def format_report(r: dict[str, Any]) -> str:
             ("pairs per row", f"mean {ppr['mean']:.2f}  min {ppr['min']}  max {ppr['max']}"),
             ("side difference", f"mean {sd['mean']:,.0f}  " + pct(sd) + "  (|chosen - rejected| tokens)"),
         ]
+    if r["vision"]:
+        v, ipr, tpi = r["vision"], r["vision"]["images_per_row"], r["vision"]["tokens_per_image"]
+        lines += [
+            ("images", f"{v['images']:,} in {v['rows_with_images']:,} rows  ({v['image_tokens']:,} placeholder tokens, "
+                       f"{v['image_token_share']:.1%} of the tokens; {v['embedded_images']:,} embedded; "
+                       f"{v['processor']})"),
+            ("images per row", f"mean {ipr['mean']:.2f}  min {ipr['min']}  max {ipr['max']}"),
+            ("tokens per image", f"mean {tpi['mean']:,.0f}  " + pct(tpi)),
+        ]
     lines += [("WARNING", w) for w in r["warnings"]]
     lines += [(f"plot {k}", v) for k, v in r["plots"].items()]
     return table(lines)

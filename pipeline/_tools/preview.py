@@ -46,7 +46,9 @@ def preview(options: PackOptions, n: int) -> list[dict]:
 
     Each item: ``source``, ``position``, ``dataset``; then either ``reason`` and ``detail``, or
     ``format``, ``mapping`` (words), ``notes``, ``spans`` (``[(text, is_target), ...]`` decoded
-    from the tokens), ``tokens`` and ``targets`` (counts); with ``--pairs``, ``sides``: the spans of
+    from the tokens; each image's placeholder run as one ``<image NAME: N tokens, grid TxHxW>``), ``tokens`` and
+    ``targets`` (counts); with ``--processor``, ``images`` (each image's name, ``grid_thw`` and ``tokens``) and
+    ``image_tokens`` for an example that holds some; with ``--pairs``, ``sides``: the spans of
     the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
@@ -95,12 +97,58 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                 batch, i = encoded.batch, packed[eid]
                 ids, mask = _example(batch, int(batch.offsets[i]), int(batch.offsets[i + 1]))
                 it["tokens"], it["targets"] = len(ids), int(sum(mask))
-                it["spans"] = [(tok.decode(run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
+                shown = _image_marks(batch, i, ids, mask, encoder.vision)
+                if shown is not None:
+                    ids, mask, it["images"] = shown
+                    it["image_tokens"] = sum(im["tokens"] for im in it["images"])
+                it["spans"] = [(_decode(tok, run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
                 if batch.cuts is not None:  # a pair: its chosen and rejected sides, each on its own
                     cut = int(batch.cuts[i])
                     it["sides"] = [[(tok.decode(r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
                                    for x, y in ((0, cut), (cut, len(ids)))]
     return items
+
+
+_IMAGE_MARK = -1
+"""Stands, in a previewed example's ids, for the whole placeholder run of one image (see :func:`_image_marks`)."""
+
+
+def _image_marks(batch, i: int, ids: list[int], mask: list[int], vision
+                 ) -> tuple[list[Any], list[int], list[dict]] | None:
+    """Example ``i``'s ids and mask with each image's placeholder run cut to one mark that names the image, its grid
+    and its token count (a 1,000-token run of ``<|image_pad|>`` says nothing), and the images as data; None without
+    images."""
+    images = getattr(batch, "images", None)
+    if images is None or vision is None or images.index[i] == images.index[i + 1]:
+        return None
+    out: list[Any] = []
+    out_mask: list[int] = []
+    shown: list[dict] = []
+    at = 0
+    for k in range(int(images.index[i]), int(images.index[i + 1])):
+        start, grid = int(images.offsets[k]), [int(v) for v in images.grids[k]]
+        count = vision.grid_tokens(grid)
+        path, data = images.refs[k]
+        item = {"image": path if path else f"<{len(data or b'')} bytes>", "grid_thw": grid, "tokens": count}
+        out += ids[at:start] + [(_IMAGE_MARK, item)]
+        out_mask += mask[at:start] + [mask[start]]  # a placeholder run is never a target: one 0 stands for it
+        shown.append(item)
+        at = start + count
+    return out + ids[at:], out_mask + mask[at:], shown
+
+
+def _decode(tok, run: list[Any]) -> str:
+    """A run of ids as text, each image mark as ``<image NAME: N tokens, grid T x H x W>``."""
+    text, plain = [], []
+    for t in run:
+        if isinstance(t, tuple):
+            text.append(tok.decode(plain) if plain else "")
+            plain = []
+            im = t[1]
+            text.append(f"<image {im['image']}: {im['tokens']} tokens, grid {'x'.join(map(str, im['grid_thw']))}>")
+        else:
+            plain.append(t)
+    return "".join(text) + (tok.decode(plain) if plain else "")
 
 
 def _example_ids(encoded, n: int) -> list:
@@ -152,7 +200,8 @@ def format_preview(items: list[dict], color: bool) -> str:
             out.append(f"   {it['detail']}")
             out.append("")
             continue
-        out.append(f"-- {where}: {shape}  {it['tokens']} tokens, {it['targets']} trained")
+        images = f" ({it['image_tokens']} in {len(it['images'])} images)" if it.get("images") else ""
+        out.append(f"-- {where}: {shape}  {it['tokens']} tokens{images}, {it['targets']} trained")
         for line in it.get("mapping", []):
             out.append(f"   {line}")
         notes = it.get("notes") or {}
