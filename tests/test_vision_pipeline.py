@@ -399,3 +399,44 @@ def test_preview_estimate_inspect_and_verify_understand_image_tokens(tmp_path, t
     path.write_bytes(sink.getvalue().to_pybytes())
     checked = CliRunner().invoke(main, ["verify", str(out)])
     assert checked.exit_code == 1 and "check images failed" in checked.output and "row 0" in checked.output
+
+
+def _truncated_jpeg(path: Path) -> Path:
+    """A JPEG cut in half: its header (and so its size) reads, its pixels do not."""
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)).save(buf, "JPEG")
+    path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    return path
+
+
+def _bomb_png(path: Path) -> Path:
+    """A PNG whose header claims 30,000 x 30,000 pixels: PIL refuses it as a decompression bomb."""
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.new("L", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    chunk = b"IHDR" + struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
+    data[8:33] = struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_images_that_do_not_decode_are_dead_letters_not_loader_crashes(tmp_path, tokenizer):
+    """A file whose header reads but whose pixels do not (a JPEG cut short) and a decompression bomb are both
+    bad_image dead letters at pack time: nothing the loader would later fail to decode is packed."""
+    good = _image(tmp_path / "ok.png", (64, 64))
+    cut, bomb = _truncated_jpeg(tmp_path / "cut.jpg"), _bomb_png(tmp_path / "bomb.png")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(_user_image(str(p))) + "\n" for p in (good, cut, bomb)))
+    out = tmp_path / "out"
+    _pack(str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out))
+    dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["bad_image", "bad_image"]
+    assert "cut.jpg" in dead[0]["detail"] and "truncated" in dead[0]["detail"]
+    assert "DecompressionBombError" in dead[1]["detail"]
+    ds = packers.PackedDataset(out)
+    batch = packers.Collator(vision=ds.vision)(ds.fetch(range(len(ds.rows))))
+    assert batch["image_grid_thw"].tolist() == [list(SPEC.image_grid(64, 64))]
