@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{fill['useful_per_row_packed']:>11,.0f}")
     print(f"{'padded':<8} {fill['padded_rows']:>6} {fill['padded_slots']:>12,} {fill['padded_useful']:>8.1%} "
           f"{fill['useful_per_row_padded']:>11,.0f}")
-    print(f"token slots padded / packed: {fill['padded_slots'] / fill['packed_slots']:.2f}x")
+    print(f"token slots padded / packed: {fill['padded_slots'] / fill['packed_slots']:.2f}x; packstream pack took "
+          f"{manifest['_seconds']:.1f} s (every image sized and decoded once)")
     print(f"media per image: reference {layout['ref_bytes_per_image']:,.0f} B, encoded file "
           f"{layout['file_bytes_per_image']:,.0f} B, decoded pixel_values {layout['pixel_bytes_per_image']:,.0f} B "
           f"({layout['pixel_bytes_per_image'] / layout['file_bytes_per_image']:.0f}x the file)")
