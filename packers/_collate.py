@@ -372,8 +372,8 @@ class Collator:
 
     def _add_images(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
         """Row ``i``'s images, checked: each one's placeholder run (``vision.grid_tokens`` of its grid) lies inside
-        one example, after the previous image's, and is one token id repeated; a LLaVA image's grid is the spec's
-        one square grid (always checked: a wrong offset would give every later image token another image's
+        one example, after the previous image's (for Qwen2-VL with a token between them), and is one token id
+        repeated; a LLaVA image's grid is the spec's one square grid (always checked: a wrong offset would give every later image token another image's
         features and positions)."""
         if self.vision is None:
             raise PackstreamError(
@@ -398,6 +398,14 @@ class Collator:
             if at < last or min(grid) < 1:
                 raise ContractError(f"{where}: overlaps the previous image (it ends at token {last}) or has an "
                                     "empty grid; image_offsets must increase with each image's tokens")
+            if k and at == last and v.family.mrope:
+                # transformers' get_rope_index groups consecutive image tokens (itertools.groupby over token types):
+                # two touching runs are one group given only the first image's grid, and the example alone raises
+                # (5.25: "The expanded size of the tensor ... must match"). No positions to match: refused.
+                raise ContractError(f"{where} start right where image {k - 1} ends, with no text token between; "
+                                    f"{v.family.value}'s model takes touching image runs for one image and cannot run "
+                                    "the example even alone: put a token between images (the chat template's "
+                                    f"{v.vision_end or ''}{v.vision_start or ''} does)")
             if square is not None and tuple(grid) != square:
                 raise ContractError(f"{where}: every image of the vision spec {v.name or v.family.value} (image_size "
                                     f"{v.image_size}, patch {v.patch_size}) has grid {square}, "

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from packers import Collator, VisionSpec, example_losses, mrope_positions
+from packers import Collator, ContractError, VisionSpec, example_losses, mrope_positions
 from tests._internals import VisionFamily
 
 TOL = 1e-5
@@ -239,6 +239,34 @@ def test_mrope_positions_equal_get_rope_index(family):
         theirs, _ = model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(),
                                                image_grid_thw=torch.tensor(grids))
         assert ours.tolist() == theirs[:, 0].tolist(), (offsets, grids)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_touching_image_runs_are_refused(family):
+    """Two images with no text token between: transformers' get_rope_index groups consecutive image tokens into one
+    run (itertools.groupby over the token types) and gives it the first image's grid alone, so the example cannot
+    run even by itself (it raises). The Collator refuses such a row, naming the image; with one token between the
+    images it takes the row, and its positions are the model's."""
+    model = tiny_vl(family, "sdpa")
+    grids = [(1, 4, 4), (1, 4, 2)]  # 4 and 2 merged tokens
+    touching = [5] + [IMAGE] * 4 + [IMAGE] * 2 + [6]
+    t = torch.tensor([touching])
+    with pytest.raises(RuntimeError, match="must match"):
+        model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
+
+    def row(ids: list[int], offsets: list[int]) -> dict:
+        return {"input_ids": ids, "loss_mask": [0] * (len(ids) - 1) + [1], "seq_offsets": [0, len(ids)],
+                "image_offsets": offsets, "image_grid_thw": [v for g in grids for v in g], "images": [None, None]}
+
+    with pytest.raises(ContractError, match=r"row 0, image 1: 2 placeholder tokens \(grid \(1, 4, 2\)\) at token 5 "
+                                            r"start right where image 0 ends, with no text token between") as e:
+        Collator(vision=SPECS[family], decode_images=False)([row(touching, [1, 5])])
+    assert "\n" not in str(e.value)
+    apart = [5] + [IMAGE] * 4 + [END] + [IMAGE] * 2 + [6]
+    batch = Collator(vision=SPECS[family], decode_images=False)([row(apart, [1, 6])])
+    t = torch.tensor([apart])
+    theirs, _ = model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
+    assert batch["position_ids"][1:].tolist() == theirs.tolist()
 
 
 def test_collated_mrope_rows_are_each_examples_own(images_dir):
