@@ -373,8 +373,8 @@ class Collator:
     def _add_images(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
         """Row ``i``'s images, checked: each one's placeholder run (``vision.grid_tokens`` of its grid) lies inside
         one example, after the previous image's (for Qwen2-VL with a token between them), and is one token id
-        repeated; a LLaVA image's grid is the spec's one square grid (always checked: a wrong offset would give every later image token another image's
-        features and positions)."""
+        repeated; a LLaVA image's grid is the spec's one square grid (always checked: a wrong offset would give
+        every later image token another image's features and positions)."""
         if self.vision is None:
             raise PackstreamError(
                 f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
@@ -403,8 +403,8 @@ class Collator:
                 # two touching runs are one group given only the first image's grid, and the example alone raises
                 # (5.25: "The expanded size of the tensor ... must match"). No positions to match: refused.
                 raise ContractError(f"{where} start right where image {k - 1} ends, with no text token between; "
-                                    f"{v.family.value}'s model takes touching image runs for one image and cannot run "
-                                    "the example even alone: put a token between images (the chat template's "
+                                    f"{v.family.value}'s model takes touching image runs for one image and cannot "
+                                    "run the example even alone: put a token between images (the chat template's "
                                     f"{v.vision_end or ''}{v.vision_start or ''} does)")
             if square is not None and tuple(grid) != square:
                 raise ContractError(f"{where}: every image of the vision spec {v.name or v.family.value} (image_size "

@@ -115,12 +115,13 @@ class PixelLoader:
 
         side, patch = self.vision.image_size, self.vision.patch_size
         if pixels.dim() != 4 or pixels.shape[0] != len(images):
-            raise ContractError(f"the image processor gave pixel_values of shape {list(pixels.shape)} for {len(images)} "
-                                f"images; a LLaVA processor gives [images, channels, {side}, {side}]")
+            raise ContractError(f"the image processor gave pixel_values of shape {list(pixels.shape)} for "
+                                f"{len(images)} images; a LLaVA processor gives [images, channels, {side}, {side}]")
         h, w = int(pixels.shape[2]), int(pixels.shape[3])
         if (h, w) != (side, side):
-            raise ContractError(f"{names[0]} (and every image beside it) decodes to {w}x{h} pixels, the spec "
-                                f"{self.vision.name or self.vision.family.value} has image_size {side} (a {side}x{side} "
-                                "square): the processor's size/crop_size differ from the spec the rows were packed with; "
-                                "load with that spec, or a processor set to it")
+            spec = self.vision.name or self.vision.family.value
+            raise ContractError(f"{names[0]} (and every image beside it) decodes to {w}x{h} pixels, the spec {spec} "
+                                f"has image_size {side} (a {side}x{side} square): the processor's size/crop_size "
+                                "differ from the spec the rows were packed with; load with that spec, or a processor "
+                                "set to it")
         return torch.tensor([[1, h // patch, w // patch]] * len(images), dtype=torch.int64).reshape(-1, 3)

@@ -18,7 +18,8 @@ import io
 import pytest
 import torch
 
-from packers import Collator, ContractError, PackstreamError, PixelLoader, VisionSpec, check_packing_safe, example_losses
+from packers import (Collator, ContractError, PackstreamError, PixelLoader, VisionSpec, check_packing_safe,
+                     example_losses)
 from tests._internals import VisionFamily, cached_verdict, dropout_settings
 from tests.test_vision_exact import TOL, assert_same_gradients, gradients, mean_target_loss, pack_row, png
 
