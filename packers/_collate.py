@@ -97,6 +97,23 @@ One row, two examples, the first with an image of grid (1, 4, 4) (4 tokens ``I``
 [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 1, 1, 1, 3, 0, 1], [0, 1, 1, 2, 2, 3, 0, 1], [0, 1, 2, 1, 2, 3, 0, 1]]
 >>> v["image_grid_thw"].tolist()
 [[1, 4, 4]]
+
+LLaVA-1.5 rows (``Collator(vision=VisionSpec.builtin("llava-1.5"))``, or any spec of the LLaVA family) keep the
+text batch's ``[1, T]`` position_ids: LLaVA's language model rotates by 1-D positions and builds the packed mask
+from them like any text model. Every image is one fixed run of ``spec.grid_tokens(grid)`` ``<image>`` tokens (576
+for 336-pixel images in 14-pixel patches, the CLS feature dropped), its grid always ``(1, 24, 24)``. The batch
+adds ``pixel_values`` ``[images, 3, 336, 336]`` in the rows' order, which the model scatters over the ``<image>``
+tokens in the same order, and no ``image_grid_thw`` (``LlavaForConditionalGeneration`` takes none). A tiny spec:
+28-pixel images in 14-pixel patches, 4 tokens each::
+
+    input_ids      [ 5  I  I  I  I  6 | 5  7 ]     image_offsets [1]   image_grid_thw [1, 2, 2]
+    position_ids   [[0  1  2  3  4  5   0  1]]     as for text: reset at each example
+
+>>> from packers._vision import VisionFamily
+>>> llava = VisionSpec(family=VisionFamily.LLAVA, image_size=28, patch_size=14, merge_size=1, temporal_patch_size=1)
+>>> l = Collator(vision=llava, decode_images=False)([{**vl_row, "image_grid_thw": [1, 2, 2]}])
+>>> l["position_ids"].tolist(), "image_grid_thw" in l
+([[0, 1, 2, 3, 4, 5, 0, 1]], False)
 """
 
 from __future__ import annotations
@@ -129,8 +146,9 @@ class PackedBatch(TypedDict, total=False):
     """``[1, T]`` int64: the token where ``loss_mask`` is 1, else -100; -100 on every example's first token."""
     position_ids: torch.Tensor
     """``[1, T]`` int64: 0, 1, 2, ... restarting at every example (and at every row's padding). With
-    ``Collator(vision=...)``: ``[4, 1, T]``, row 0 those positions, rows 1..3 each example's mRoPE positions
-    (temporal, height, width; :func:`packers.mrope_positions`)."""
+    ``Collator(vision=...)`` of a Qwen2-VL-style spec: ``[4, 1, T]``, row 0 those positions, rows 1..3 each
+    example's mRoPE positions (temporal, height, width; :func:`packers.mrope_positions`); of a LLaVA spec:
+    ``[1, T]``, as for text."""
     cu_seq_lens_q: torch.Tensor
     """``[N + 1]`` int32: sequence boundaries ``[0, end_1, ..., T]``. Only with ``return_flash_attn_kwargs``."""
     cu_seq_lens_k: torch.Tensor
@@ -160,10 +178,11 @@ class PackedBatch(TypedDict, total=False):
     sides (rows of preference pairs only)."""
     image_grid_thw: torch.Tensor
     """``[I, 3]`` int64: each image's patch grid (t, h, w), in the batch's token order. Only with
-    ``Collator(vision=...)`` and a batch holding images."""
+    ``Collator(vision=...)`` of a Qwen2-VL-style spec and a batch holding images (LLaVA's model takes none)."""
     pixel_values: torch.Tensor
-    """The images decoded by ``Collator.pixels`` (``[patches, C * temporal * patch * patch]`` for Qwen2-VL), in
-    the order of ``image_grid_thw``. Only with ``Collator(vision=...)``, ``decode_images`` and images."""
+    """The images decoded by ``Collator.pixels`` (``[patches, C * temporal * patch * patch]`` for Qwen2-VL, in
+    the order of ``image_grid_thw``; ``[I, C, image_size, image_size]`` for LLaVA), in the batch's token order.
+    Only with ``Collator(vision=...)``, ``decode_images`` and images."""
     loss_weights: torch.Tensor
     """``[1, T]`` float32, aligned with ``labels``: what each target counts in its optimizer step's loss (0 off
     target and in padding). Only for rows from :class:`packers.PackedDataset`, which schedules it; read by
@@ -203,21 +222,18 @@ class Collator:
     validate: bool = True
     """Check each row's offsets and lengths (vectorised, cheap) and raise ContractError if broken."""
     vision: VisionSpec | None = None
-    """The vision processor the rows were packed with (e.g. ``VisionSpec.builtin("qwen2-vl")``), for a
-    vision-language model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL). With it every batch, text-only too,
-    gets ``position_ids`` of ``[4, 1, T]`` (see "vision-language rows" above), and a batch holding images gets
-    ``image_grid_thw`` and ``pixel_values``. Rows that hold images need it."""
+    """The vision processor the rows were packed with (e.g. ``VisionSpec.builtin("qwen2-vl")`` or
+    ``VisionSpec.builtin("llava-1.5")``). For a model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL) every
+    batch, text-only too, gets ``position_ids`` of ``[4, 1, T]`` (see "vision-language rows" above), and a batch
+    holding images gets ``image_grid_thw`` and ``pixel_values``; for LLaVA the positions stay ``[1, T]`` and a
+    batch holding images gets ``pixel_values``. Rows that hold images need it."""
     pixels: PixelLoader | None = None
     """The :class:`packers.PixelLoader` that decodes the rows' images; None: ``PixelLoader(vision=vision)``."""
     decode_images: bool = True
-    """Decode the rows' images into ``pixel_values``; False leaves that to you (the batch then has
-    ``image_grid_thw`` but no pixels, and a model fed it would read the placeholder tokens as text)."""
+    """Decode the rows' images into ``pixel_values``; False leaves that to you (the batch then has no pixels, only
+    ``image_grid_thw`` for Qwen2-VL, and a model fed it would read the placeholder tokens as text)."""
 
     def __post_init__(self) -> None:
-        if self.vision is not None and not self.vision.family.mrope:
-            raise PackstreamError(
-                f"Collator(vision={self.vision.name or self.vision.family.value}): only Qwen2-VL-style processors "
-                "(3-D rotary positions) are supported by the loader; use a qwen2-vl or qwen2.5-vl spec")
         if self.pixels is not None and self.vision is None:
             raise PackstreamError("Collator(pixels=...) needs vision=... too: the spec the rows were packed with")
         if self.vision is not None and self.pixels is None and self.decode_images:
@@ -281,8 +297,14 @@ class Collator:
 
     def _vision_tensors(self, parts: _Parts, position_ids: np.ndarray, starts: np.ndarray,
                         ends: np.ndarray) -> dict[str, Any]:
-        """``position_ids`` ``[4, 1, T]`` (the 1-D positions, then each example's mRoPE positions), and with images
-        ``image_grid_thw`` and ``pixel_values``."""
+        """Qwen2-VL: ``position_ids`` ``[4, 1, T]`` (the 1-D positions, then each example's mRoPE positions), and
+        with images ``image_grid_thw`` and ``pixel_values``. LLaVA: with images ``pixel_values`` alone (the 1-D
+        positions are the model's own)."""
+        if not self.vision.family.mrope:
+            if not parts.image_offsets or not self.decode_images:
+                return {}
+            pixels, _ = self.pixels(parts.images, np.concatenate(parts.image_grids), parts.image_names)
+            return {"pixel_values": pixels}
         mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
         out: dict[str, Any] = {}
         if parts.image_offsets:
@@ -350,20 +372,24 @@ class Collator:
 
     def _add_images(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
         """Row ``i``'s images, checked: each one's placeholder run (``vision.grid_tokens`` of its grid) lies inside
-        one example, after the previous image's, and is one token id repeated (always checked: a wrong offset
-        would give every later image token another image's features and positions)."""
+        one example, after the previous image's (for Qwen2-VL with a token between them), and is one token id
+        repeated; a LLaVA image's grid is the spec's one square grid (always checked: a wrong offset would give
+        every later image token another image's features and positions)."""
         if self.vision is None:
             raise PackstreamError(
                 f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
-                "Collator has no vision spec: pass Collator(vision=VisionSpec.builtin('qwen2-vl')) or the spec the "
-                "rows were packed with (VisionSpec.from_processor(model folder)), so that the batch gets the mRoPE "
-                "position_ids, image_grid_thw and pixel_values the model needs")
+                "Collator has no vision spec: pass the spec the rows were packed with, Collator(vision="
+                "VisionSpec.builtin('qwen2-vl')) (or 'qwen2.5-vl', 'llava-1.5') or VisionSpec.from_processor(model "
+                "folder), so that the batch gets the pixel_values (and for Qwen2-VL the mRoPE position_ids and "
+                "image_grid_thw) the model needs")
         starts = np.asarray(row["image_offsets"], dtype=np.int64).reshape(-1)
         grids = np.asarray(row.get("image_grid_thw", ()), dtype=np.int64).reshape(-1)
         if grids.shape[0] != 3 * starts.shape[0]:
             raise ContractError(f"row {i}: {starts.shape[0]} image_offsets and {grids.shape[0]} image_grid_thw values; "
                                 "3 (t, h, w) per image")
         grids = grids.reshape(-1, 3)
+        v = self.vision
+        square = None if v.family.mrope else v.image_grid(v.image_size, v.image_size)  # LLaVA: every image's grid
         n, last = ids.shape[0], 0
         for k, (at, grid) in enumerate(zip(starts.tolist(), grids.tolist())):
             count = self.vision.grid_tokens(grid)
@@ -372,6 +398,18 @@ class Collator:
             if at < last or min(grid) < 1:
                 raise ContractError(f"{where}: overlaps the previous image (it ends at token {last}) or has an "
                                     "empty grid; image_offsets must increase with each image's tokens")
+            if k and at == last and v.family.mrope:
+                # transformers' get_rope_index groups consecutive image tokens (itertools.groupby over token types):
+                # two touching runs are one group given only the first image's grid, and the example alone raises
+                # (5.25: "The expanded size of the tensor ... must match"). No positions to match: refused.
+                raise ContractError(f"{where} start right where image {k - 1} ends, with no text token between; "
+                                    f"{v.family.value}'s model takes touching image runs for one image and cannot "
+                                    "run the example even alone: put a token between images (the chat template's "
+                                    f"{v.vision_end or ''}{v.vision_start or ''} does)")
+            if square is not None and tuple(grid) != square:
+                raise ContractError(f"{where}: every image of the vision spec {v.name or v.family.value} (image_size "
+                                    f"{v.image_size}, patch {v.patch_size}) has grid {square}, "
+                                    f"{v.grid_tokens(square)} tokens; the row was packed with another vision spec?")
             if not 0 <= seq < offs.shape[0] - 1 or at + count > offs[seq + 1]:
                 raise ContractError(f"{where} cross the end of their example (seq_offsets {offs.tolist()[:8]}) or of "
                                     f"the row ({n} tokens); the row was packed with another vision spec?")

@@ -19,6 +19,10 @@ token 2 (merge 2: a 2 x 2 grid of merged patches, 4 tokens)::
 >>> mrope_positions(7, [2], [(1, 4, 4)], merge_size=2).tolist()
 [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]]
 
+Two images with no text token between them have no such positions: ``get_rope_index`` takes touching image runs
+for one image (and raises), so :class:`packers.Collator` refuses those rows; this function numbers each image on
+its own.
+
 A text-only example's positions are 0, 1, 2, ... in all three rows:
 
 >>> mrope_positions(3, [], [], merge_size=2).tolist()

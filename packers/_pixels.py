@@ -3,9 +3,11 @@
 Packed rows keep images as references (Hugging Face ``datasets``' Image encoding: ``{"path", "bytes"}``) and
 each image's patch grid, measured when the row was packed (:class:`packers._vision.VisionSpec`). A
 :class:`PixelLoader` opens them, runs the family's image processor (transformers' PIL
-``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes, or a processor of
-the caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced
-since packing would otherwise shift every placeholder token after it onto the wrong features.
+``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes; for LLaVA its PIL
+``LlavaImageProcessorPil``, CLIP's resize and centre crop to the spec's ``image_size``; or a processor of the
+caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced since
+packing, or a processor set differently from the spec, would otherwise shift every placeholder token after it
+onto the wrong features.
 
 PIL and transformers are imported on first use (``import packers`` needs neither).
 """
@@ -26,34 +28,39 @@ from packers.errors import ContractError, PackstreamError
 
 @dataclass(frozen=True, kw_only=True)
 class PixelLoader:
-    """Turn image references into ``pixel_values`` and ``image_grid_thw`` for a Qwen2-VL-style vision tower.
+    """Turn image references into ``pixel_values`` (and each image's patch grid) for a vision tower.
 
     ``PixelLoader(vision=VisionSpec.builtin("qwen2-vl"))(images, grids)`` returns
     ``(pixel_values [patches, C * temporal * patch * patch] float32, image_grid_thw [n, 3] int64)``,
-    as the model's processor would for the same images.
+    as the model's processor would for the same images. With a LLaVA spec
+    (``VisionSpec.builtin("llava-1.5")``) ``pixel_values`` is ``[n, C, image_size, image_size]`` (what
+    ``LlavaForConditionalGeneration`` takes) and the grids are read from its shape: ``(1, image_size / patch,
+    image_size / patch)`` each, as :meth:`VisionSpec.image_grid` gives them.
     """
 
     vision: VisionSpec
-    """The spec the rows were packed with: its pixel limits, patch, merge and temporal sizes drive the processor."""
+    """The spec the rows were packed with: its pixel limits, patch, merge and temporal sizes (LLaVA: its
+    ``image_size``) drive the processor."""
     processor: Any = None
     """An image processor of your own (e.g. ``AutoImageProcessor.from_pretrained(model)``), called as
     ``processor(images=[PIL images], return_tensors="pt")``; None: one built from ``vision``."""
     root: str | Path | None = None
     """Folder that relative image paths are resolved against (None: the working directory)."""
 
-    def __post_init__(self) -> None:
-        if not self.vision.family.mrope:
-            raise PackstreamError(f"PixelLoader(vision={self.vision.name or self.vision.family.value}): only Qwen2-VL "
-                                  "style (mRoPE) processors are supported; use a qwen2-vl or qwen2.5-vl spec")
-
     @cached_property
     def image_processor(self) -> Any:
-        """The processor in use: ``processor``, or transformers' PIL Qwen2-VL processor set from ``vision``."""
+        """The processor in use: ``processor``, or transformers' PIL Qwen2-VL (LLaVA) processor set from ``vision``."""
         if self.processor is not None:
             return self.processor
+        v = self.vision
+        if not v.family.mrope:
+            from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+            # llava-hf/llava-1.5-*-hf: CLIP's resize of the shortest edge, then a centre crop, to one square.
+            return LlavaImageProcessorPil(size={"shortest_edge": v.image_size},
+                                          crop_size={"height": v.image_size, "width": v.image_size})
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        v = self.vision
         return Qwen2VLImageProcessorPil(size={"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
                                         patch_size=v.patch_size, merge_size=v.merge_size,
                                         temporal_patch_size=v.temporal_patch_size)
@@ -86,7 +93,9 @@ class PixelLoader:
         names = list(names) if names is not None else [f"image {i}" for i in range(len(images))]
         pil = [self.open(im, names[i]) for i, im in enumerate(images)]
         out = self.image_processor(images=pil, return_tensors="pt")
-        got = torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3)
+        pixels = torch.as_tensor(out["pixel_values"])
+        got = (torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3) if self.vision.family.mrope
+               else self._square_grids(pixels, images, names))
         if grids is not None:
             want = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
             if want.shape[0] != got.shape[0]:
@@ -97,4 +106,22 @@ class PixelLoader:
                     f"{names[i]} ({ref}): decodes to patch grid {tuple(got[i].tolist())}, the row was packed for "
                     f"{tuple(want[i].tolist())}: the image changed since packing, or the processor settings differ "
                     "from the spec the rows were packed with; repack, or load with that spec")
-        return torch.as_tensor(out["pixel_values"]), got
+        return pixels, got
+
+    def _square_grids(self, pixels: Any, images: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Any:
+        """LLaVA: each image's grid ``(1, H / patch, W / patch)`` from ``pixels`` (``[n, C, H, W]``), checked to be
+        the spec's ``image_size`` square (a processor set to another size would give other token counts)."""
+        import torch
+
+        side, patch = self.vision.image_size, self.vision.patch_size
+        if pixels.dim() != 4 or pixels.shape[0] != len(images):
+            raise ContractError(f"the image processor gave pixel_values of shape {list(pixels.shape)} for "
+                                f"{len(images)} images; a LLaVA processor gives [images, channels, {side}, {side}]")
+        h, w = int(pixels.shape[2]), int(pixels.shape[3])
+        if (h, w) != (side, side):
+            spec = self.vision.name or self.vision.family.value
+            raise ContractError(f"{names[0]} (and every image beside it) decodes to {w}x{h} pixels, the spec {spec} "
+                                f"has image_size {side} (a {side}x{side} square): the processor's size/crop_size "
+                                "differ from the spec the rows were packed with; load with that spec, or a processor "
+                                "set to it")
+        return torch.tensor([[1, h // patch, w // patch]] * len(images), dtype=torch.int64).reshape(-1, 3)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from packers import Collator, VisionSpec, example_losses, mrope_positions
+from packers import Collator, ContractError, VisionSpec, example_losses, mrope_positions
 from tests._internals import VisionFamily
 
 TOL = 1e-5
@@ -107,8 +107,9 @@ def pack_row(examples: list[dict]) -> dict:
     return row
 
 
-def alone(model: torch.nn.Module, spec: VisionSpec, ex: dict) -> tuple[torch.Tensor, float]:
-    """One example's logits and mean loss over its targets, run as transformers runs it (positions from the model)."""
+def alone(model: torch.nn.Module, spec: VisionSpec, ex: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example's logits and mean loss over its targets (a 0-d tensor), run as transformers runs it (positions
+    from the model)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from PIL import Image
 
@@ -122,10 +123,32 @@ def alone(model: torch.nn.Module, spec: VisionSpec, ex: dict) -> tuple[torch.Ten
         kwargs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
                       mm_token_type_ids=(ids == IMAGE).int())
     logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+    return logits, mean_target_loss(logits, ex)
+
+
+def mean_target_loss(logits: torch.Tensor, ex: dict) -> torch.Tensor:
+    """An example's mean cross-entropy over its targets, from its ``[n, vocab]`` logits alone."""
     labels = torch.tensor(ex["ids"])
     target = torch.tensor(ex["mask"], dtype=torch.bool)
     losses = torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="none")
-    return logits, losses[target[1:]].mean().item()
+    return losses[target[1:]].mean()
+
+
+def gradients(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """d loss / d every parameter, by name (a parameter the loss does not reach: zeros)."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+def assert_same_gradients(packed: dict[str, torch.Tensor], alone: dict[str, torch.Tensor], tower: str) -> None:
+    """Every parameter's gradient from the packed batch equals the sum over the examples alone (fp32 rounding:
+    1e-5 relative, 1e-6 absolute), and the vision tower's (parameters named ``tower``...) is not all zero: the
+    images reached the loss."""
+    assert packed.keys() == alone.keys()
+    for name in packed:
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert any(packed[n].abs().max() > 0 for n in packed if n.startswith(tower)), f"no gradient reached {tower}"
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +178,22 @@ def test_packed_vision_batch_equals_each_example_alone(family, attn, mode, image
             logits, loss = alone(model, spec, ex)
             n = len(ex["ids"])
             assert (packed[at:at + n] - logits).abs().max().item() <= TOL, ex["id"]
-            assert losses.loss[i].item() == pytest.approx(loss, abs=TOL), ex["id"]
+            assert losses.loss[i].item() == pytest.approx(loss.item(), abs=TOL), ex["id"]
             at += n
     assert losses.ids == tuple(e["id"] for e in examples)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_packed_gradients_equal_the_sum_of_each_examples_alone(family, images_dir):
+    """Training on the packed batch is training on each example alone: the gradient of the summed per-example losses
+    w.r.t. every parameter (vision tower, merger, language model) equals the sum of each example's own gradient."""
+    spec = SPECS[family]
+    model = tiny_vl(family, "sdpa").train()
+    examples = make_examples(spec, images_dir)
+    batch = Collator(vision=spec)([pack_row(examples[:3]), pack_row(examples[3:])])
+    packed = gradients(model, example_losses(model(**batch).logits, batch).loss.sum())
+    summed = gradients(model, sum(alone(model, spec, ex)[1] for ex in examples))
+    assert_same_gradients(packed, summed, tower="model.visual.")
 
 
 @pytest.mark.parametrize("rows", ["text [1, T]", "mrope [3, 1, T]"])
@@ -203,6 +239,34 @@ def test_mrope_positions_equal_get_rope_index(family):
         theirs, _ = model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(),
                                                image_grid_thw=torch.tensor(grids))
         assert ours.tolist() == theirs[:, 0].tolist(), (offsets, grids)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_touching_image_runs_are_refused(family):
+    """Two images with no text token between: transformers' get_rope_index groups consecutive image tokens into one
+    run (itertools.groupby over the token types) and gives it the first image's grid alone, so the example cannot
+    run even by itself (it raises). The Collator refuses such a row, naming the image; with one token between the
+    images it takes the row, and its positions are the model's."""
+    model = tiny_vl(family, "sdpa")
+    grids = [(1, 4, 4), (1, 4, 2)]  # 4 and 2 merged tokens
+    touching = [5] + [IMAGE] * 4 + [IMAGE] * 2 + [6]
+    t = torch.tensor([touching])
+    with pytest.raises(RuntimeError, match="must match"):
+        model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
+
+    def row(ids: list[int], offsets: list[int]) -> dict:
+        return {"input_ids": ids, "loss_mask": [0] * (len(ids) - 1) + [1], "seq_offsets": [0, len(ids)],
+                "image_offsets": offsets, "image_grid_thw": [v for g in grids for v in g], "images": [None, None]}
+
+    with pytest.raises(ContractError, match=r"row 0, image 1: 2 placeholder tokens \(grid \(1, 4, 2\)\) at token 5 "
+                                            r"start right where image 0 ends, with no text token between") as e:
+        Collator(vision=SPECS[family], decode_images=False)([row(touching, [1, 5])])
+    assert "\n" not in str(e.value)
+    apart = [5] + [IMAGE] * 4 + [END] + [IMAGE] * 2 + [6]
+    batch = Collator(vision=SPECS[family], decode_images=False)([row(apart, [1, 6])])
+    t = torch.tensor([apart])
+    theirs, _ = model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
+    assert batch["position_ids"][1:].tolist() == theirs.tolist()
 
 
 def test_collated_mrope_rows_are_each_examples_own(images_dir):

@@ -71,9 +71,13 @@ def test_rows_with_images_need_a_vision_spec():
         Collator()([image_row({"path": None, "bytes": b""})])
 
 
-def test_llava_specs_are_refused_by_the_collator():
-    with pytest.raises(PackstreamError, match="only Qwen2-VL"):
-        Collator(vision=VisionSpec.builtin("llava-1.5"))
+def test_text_rows_under_a_llava_collator_are_the_text_batch():
+    """LLaVA rotates by 1-D positions: without images its batch is the text Collator's, key for key."""
+    rows = [{"input_ids": [5, 9, 41, 17, 5, 30], "loss_mask": [0, 0, 1, 1, 0, 1], "seq_offsets": [0, 4, 6]}]
+    text, llava = Collator()(rows), Collator(vision=VisionSpec.builtin("llava-1.5"))(rows)
+    assert set(llava) == set(text)
+    for k in text:
+        assert torch.equal(llava[k], text[k]) if torch.is_tensor(text[k]) else llava[k] == text[k], k
 
 
 @pytest.mark.parametrize("break_it, message", [

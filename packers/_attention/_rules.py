@@ -69,6 +69,8 @@ def check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
         )
     if batch.get("past_key_values") is not None or batch.get("cache") is not None:
         raise PackstreamError("packed batch with a KV cache: packing is for training; pass no past_key_values/cache")
+    if batch.get("pixel_values") is not None:
+        check_vision_tower(hf, batch)
     if uses_mrope(hf):
         check_mrope(hf, batch)
     has_cu = all(batch.get(k) is not None for k in CU_KEYS)
@@ -93,23 +95,29 @@ def check_static(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
     # Any other backend (a custom AttentionInterface function, a hub kernel) is judged by the probe alone.
 
 
-def check_mrope(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
-    """A model with 3-D rotary positions (mRoPE) keeps packed examples apart only with ``[4, B, T]`` position_ids:
-    transformers' Qwen2-VL text model takes row 0 as the text positions it builds the packed mask from (its comment
-    "we need to pass text position ids for packing"); from ``[B, T]`` or ``[3, B, T]`` it builds one causal mask
-    over the batch, and without position_ids it numbers the whole batch as one sequence."""
+def check_vision_tower(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """A batch with images whose vision tower runs under a varlen backend must not carry the text's boundaries.
+
+    transformers (5.x) hands the forward's keyword arguments on to the vision tower (Qwen2-VL: get_image_features
+    -> visual -> each block's attention; LLaVA: get_image_features -> vision_tower -> each CLIPAttention, which
+    receives ``cu_seq_lens_q`` and ``max_length_q``: tests/test_vision_exact_llava.py checks it). Under a varlen
+    backend its attention gets the text's cu_seq_lens beside (flash: instead of) the images' own, or none of the
+    images at all. Not measured on a GPU yet: refused rather than trusted."""
     vision = getattr(getattr(hf.config, "vision_config", None), "_attn_implementation", None)
-    if (batch.get("pixel_values") is not None and isinstance(vision, str) and vision not in MASK_BACKENDS
-            and any(batch.get(k) is not None for k in CU_KEYS)):
-        # transformers (5.x) hands the forward's keyword arguments on to the vision tower (get_image_features ->
-        # visual -> each block's attention): under a varlen backend its attention gets the text's cu_seq_lens
-        # beside (flash: instead of) the images' own. Not measured on a GPU yet: refused rather than trusted.
+    if isinstance(vision, str) and vision not in MASK_BACKENDS and any(batch.get(k) is not None for k in CU_KEYS):
         raise PackstreamError(
             f"{type(hf).__name__}'s vision tower runs under attn_implementation={vision!r} and would receive this "
             "batch's cu_seq_lens_q/k (transformers passes the forward's keyword arguments on to it), not its images' "
             "boundaries. Give the vision tower sdpa (attn_implementation={'text_config': ..., 'vision_config': "
             "'sdpa'}) or collate with Collator(vision=..., return_flash_attn_kwargs=False)"
         )
+
+
+def check_mrope(hf: torch.nn.Module, batch: Mapping[str, Any]) -> None:
+    """A model with 3-D rotary positions (mRoPE) keeps packed examples apart only with ``[4, B, T]`` position_ids:
+    transformers' Qwen2-VL text model takes row 0 as the text positions it builds the packed mask from (its comment
+    "we need to pass text position ids for packing"); from ``[B, T]`` or ``[3, B, T]`` it builds one causal mask
+    over the batch, and without position_ids it numbers the whole batch as one sequence."""
     pos = batch.get("position_ids")
     if pos is not None and pos.dim() == 3 and pos.shape[0] == 4:
         return
