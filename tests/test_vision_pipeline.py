@@ -462,3 +462,17 @@ def test_a_vision_run_writes_the_same_bytes_on_every_runner(tmp_path, tokenizer)
               "--group-size", "7", "-o", str(out), *extra)
         digests.append([p.read_bytes() for p in sorted(out.glob("*.arrow"))])
     assert digests[0] and digests[0] == digests[1] == digests[2]
+
+
+def test_text_holding_the_image_marker_characters_cannot_move_an_image(tmp_path, tokenizer):
+    """packstream marks an image's place with private-use characters until the template renders; a record whose own
+    text holds a marker is refused, so no image is counted twice or put where the record did not put it."""
+    img = str(_image(tmp_path / "a.png", (60, 60)))
+    forged = _user_image(img, text="see \ue0000\ue001 here")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(forged) + "\n" + json.dumps(_user_image(img)) + "\n")
+    out = tmp_path / "out"
+    _pack(str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out))
+    dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["placeholder_mismatch"] and "U+E000" in dead[0]["detail"]
+    assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1

@@ -119,9 +119,15 @@ def take_images(conv: Conversation, ctx: Ctx) -> None:
     if ctx.image_text is None or not ctx.images:
         return
     images: list = []
+    seen: set[int] = set()
 
     def one(m: re.Match) -> str:
-        images.append(ctx.images[int(m.group(1))])
+        k = int(m.group(1))
+        if k in seen or k >= len(ctx.images):  # the record's own text held a marker's private-use characters
+            raise Rejected(Reason.PLACEHOLDER_MISMATCH, "the text holds the private-use characters U+E000..U+E002 "
+                                                        "packstream marks image places with; remove them")
+        seen.add(k)
+        images.append(ctx.images[k])
         return ctx.image_text
 
     if conv.text is not None:
