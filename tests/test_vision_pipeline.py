@@ -539,6 +539,8 @@ def test_an_image_over_the_embed_limit_is_a_dead_letter_naming_its_size_and_the_
                                                                                      monkeypatch):
     """The limit is MAX_EMBED_BYTES (64 MiB); here made a little smaller than one of two files, so that one is
     refused as bad_image with its size, the limit and the fix, and the other is embedded."""
+    help_text = {f.name: f.metadata for f in dataclasses.fields(PackOptions)}["images"]["cli"]["help"]
+    assert f"at most {_media.MAX_EMBED_BYTES // 2**20} MiB per file" in help_text  # --help says the real limit
     small, big = _image(tmp_path / "small.png", (20, 20)), _image(tmp_path / "big.png", (300, 200))
     big.write_bytes(big.read_bytes() + b"\0" * 4096)  # trailing bytes PIL ignores: a valid, larger file
     monkeypatch.setattr(_media, "MAX_EMBED_BYTES", small.stat().st_size + 100)
