@@ -11,11 +11,12 @@ tokens), and the shards are read back:
 * **Packed vs padded.** Packed: the rows as written, each at most ``--budget`` tokens. Padded: one example per row,
   batches of ``--batch`` examples in a seeded order, each padded to its longest (what a padding collator does). Both
   count the same examples; "useful" is non-padding tokens over the tokens a forward pass runs.
-* **Media layout.** packstream stores each image by reference (its resolved path; or the bytes when the source held
-  bytes), and the loader decodes and preprocesses it (the processor's resize, normalize and patchify). Measured: shard
-  bytes per image for references, for the encoded file bytes embedded, and for ``pixel_values`` decoded at pack time
-  (float32, what the model reads); and the loader's CPU per image for decoding from a reference vs reading stored
-  pixels.
+* **Media layout.** packstream stores each image by reference (``--images reference``, the default: its resolved
+  path; or the bytes when the source held bytes) or embeds the encoded file (``--images embed``), and the loader
+  decodes and preprocesses it (the processor's resize, normalize and patchify). The same set is packed both ways.
+  Measured: shard bytes per image for references, for the embedded files (from the two runs' shard sizes), and for
+  ``pixel_values`` decoded at pack time (float32, what the model reads); and the loader's CPU per image for decoding
+  from a reference (the file), from the embedded bytes, and for reading stored pixels.
 """
 
 from __future__ import annotations
@@ -90,18 +91,18 @@ def make_set(folder: Path, records: int, seed: int) -> Path:
     return path
 
 
-def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None) -> dict:
+def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None, images: str = "reference") -> dict:
     processor = "qwen2-vl"
     if max_pixels is not None:
         folder = out.parent / "processor"
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(exist_ok=True)  # both runs write the same file
         (folder / "preprocessor_config.json").write_text(json.dumps({
             "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
             "min_pixels": 3136, "max_pixels": max_pixels, "patch_size": 14, "merge_size": 2,
             "temporal_patch_size": 2}))
         processor = str(folder)
     cmd = [sys.executable, "-m", "pipeline.cli", "pack", str(data), "--output", str(out), "--no-progress",
-           "--tokenizer", str(tokenizer), "--processor", processor, "--max-tokens", str(budget)]
+           "--tokenizer", str(tokenizer), "--processor", processor, "--max-tokens", str(budget), "--images", images]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
@@ -179,6 +180,42 @@ def media_layout(out: Path, rows: list[dict], spec_json: str, sample: int) -> di
             "sampled": len(picked)}
 
 
+def embedded_layout(out: Path, embedded: Path, rows: list[dict], sample: int) -> dict:
+    """The ``--images embed`` run beside the reference run ``out``: its shard bytes (per image: what embedding adds
+    over a reference, measured from the two runs' shards), and the loader's CPU per image to decode from the
+    embedded bytes (the same images, and the same processor, as the reference run's timing; pixels checked equal)."""
+    from packers import VisionSpec
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from PIL import Image
+    import io
+
+    spec = VisionSpec.from_json(json.loads((embedded / "manifest.json").read_text())["vision"])
+    by_name = {img["path"]: img["bytes"] for r in rows_of(embedded) for img in r["images"]}  # file name -> bytes
+    refs = [img for r in rows for img in r["images"]]
+    if len(by_name) != len(refs) or any(b is None for b in by_name.values()):
+        raise SystemExit(f"the embedded run holds {len(by_name)} named images for {len(refs)} references")
+    ref_shards = sum(f.stat().st_size for f in out.rglob("*.arrow"))
+    shards = sum(f.stat().st_size for f in embedded.rglob("*.arrow"))
+    ref_bytes = sum(len(img["path"].encode()) for img in refs)
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+                                         patch_size=spec.patch_size, merge_size=spec.merge_size,
+                                         temporal_patch_size=spec.temporal_patch_size)
+    picked = [by_name[os.path.basename(img["path"])] for img in refs[:sample]]
+    t0 = time.process_time()
+    pixels = []
+    for data in picked:
+        with Image.open(io.BytesIO(data)) as im:
+            pixels.append(processor(images=[im.convert("RGB")], return_tensors="np")["pixel_values"])
+    decode_cpu = (time.process_time() - t0) / len(picked)
+    for img, got in zip(refs[:sample], pixels):  # outside the timing: the same pixels as from the file
+        with Image.open(img["path"]) as im:
+            assert np.array_equal(got, processor(images=[im.convert("RGB")], return_tensors="np")["pixel_values"])
+    n = len(refs)
+    return {"shard_bytes_embedded": shards, "shard_bytes_refs": ref_shards,
+            "embedded_bytes_per_image": (shards - ref_shards + ref_bytes) / n,
+            "decode_embedded_ms_per_image": 1000 * decode_cpu}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=400)
@@ -198,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = rows_of(tmp / "out")
         fill = packed_vs_padded(rows, args.budget, args.batch, args.seed)
         layout = media_layout(tmp / "out", rows, manifest["vision"], args.sample)
+        embedded = pack(data, tmp / "embedded", tok, args.budget, args.max_pixels, images="embed")
+        layout.update(embedded_layout(tmp / "out", tmp / "embedded", rows, args.sample),
+                      pack_seconds_embedded=embedded["_seconds"])
     figures = {"records": args.records, "budget": args.budget, "pack_seconds": manifest["_seconds"],
                "dead_letters": manifest.get("counts", {}).get("rejected"), **fill, **layout}
     if args.json:
@@ -215,7 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"media per image: reference {layout['ref_bytes_per_image']:,.0f} B, encoded file "
           f"{layout['file_bytes_per_image']:,.0f} B, decoded pixel_values {layout['pixel_bytes_per_image']:,.0f} B "
           f"({layout['pixel_bytes_per_image'] / layout['file_bytes_per_image']:.0f}x the file)")
-    print(f"loader CPU per image: decode + preprocess {layout['decode_ms_per_image']:.1f} ms, read stored pixels "
+    mib = 2**20
+    print(f"shards: reference {layout['shard_bytes_refs'] / mib:,.1f} MiB, embedded (--images embed) "
+          f"{layout['shard_bytes_embedded'] / mib:,.1f} MiB: {layout['embedded_bytes_per_image']:,.0f} B per image "
+          f"in the shard; pack took {layout['pack_seconds_embedded']:.1f} s embedded")
+    print(f"loader CPU per image: decode + preprocess from the file {layout['decode_ms_per_image']:.1f} ms, from "
+          f"embedded bytes {layout['decode_embedded_ms_per_image']:.1f} ms, read stored pixels "
           f"{layout['stored_pixels_ms_per_image']:.2f} ms ({layout['sampled']} images)")
 
 

@@ -36,6 +36,11 @@ class PixelLoader:
     (``VisionSpec.builtin("llava-1.5")``) ``pixel_values`` is ``[n, C, image_size, image_size]`` (what
     ``LlavaForConditionalGeneration`` takes) and the grids are read from its shape: ``(1, image_size / patch,
     image_size / patch)`` each, as :meth:`VisionSpec.image_grid` gives them.
+
+    An image is read from its ``bytes`` when the row holds them (``--images embed``, or a source that held
+    bytes), else from its ``path``: an absolute one (``--images reference``) through ``remap`` when the images
+    moved since packing (``remap={"/data/imgs": "/mnt/imgs"}``: prefix -> new prefix, longest prefix wins), a
+    relative one against ``root``.
     """
 
     vision: VisionSpec
@@ -46,6 +51,31 @@ class PixelLoader:
     ``processor(images=[PIL images], return_tensors="pt")``; None: one built from ``vision``."""
     root: str | Path | None = None
     """Folder that relative image paths are resolved against (None: the working directory)."""
+    remap: Mapping[str, str] | None = None
+    """Prefix -> new prefix, applied to absolute paths (the rows of ``--images reference`` hold absolute paths):
+    ``remap={"/data/imgs": "/mnt/imgs"}`` reads ``/data/imgs/a/cat.jpg`` as ``/mnt/imgs/a/cat.jpg``, so a folder
+    packed where the images sat under ``/data/imgs`` trains where they are mounted at ``/mnt/imgs``. Prefixes match
+    whole path components (``/data/imgs`` does not match ``/data/imgs2``); the longest matching prefix wins; a
+    path that none matches is read as stored."""
+
+    def __post_init__(self) -> None:
+        for old, new in (self.remap or {}).items():
+            if not (isinstance(old, str) and isinstance(new, str) and old.startswith("/") and new):
+                raise PackstreamError(f"PixelLoader(remap=...): {old!r} -> {new!r}; each entry maps an absolute path "
+                                      "prefix to a new prefix, e.g. remap={'/data/imgs': '/mnt/imgs'}")
+
+    def resolve(self, path: str) -> Path:
+        """Where ``path`` (a row's image path) is read: ``remap`` applied to an absolute path, ``root`` joined to a
+        relative one."""
+        p = Path(path)
+        if not p.is_absolute():
+            return p if self.root is None else Path(self.root) / p
+        text = p.as_posix()
+        for old in sorted(self.remap or {}, key=lambda o: len(o.rstrip("/")), reverse=True):  # longest prefix wins
+            stem = old.rstrip("/") or "/"
+            if text == stem or text.startswith(stem.rstrip("/") + "/"):
+                return Path(self.remap[old]) / text[len(stem):].lstrip("/")
+        return p
 
     @cached_property
     def image_processor(self) -> Any:
@@ -75,13 +105,16 @@ class PixelLoader:
         if data is not None:
             source, name = io.BytesIO(data), f"{len(data)} bytes" + (f" (from {path})" if path else "")
         else:
-            p = Path(path)
-            source = name = p if self.root is None or p.is_absolute() else Path(self.root) / p
+            source = self.resolve(path)
+            name = str(source) if str(source) == path else f"{source} (stored as {path})"
         try:
             with Image.open(source) as im:
                 return im.convert("RGB")
         except Exception as e:  # noqa: BLE001 - PIL raises many types on a bad file; each is one line naming it
-            hint = "" if data is not None else "; the folder's images must be readable where you train (see root=)"
+            hint = ("" if data is not None else
+                    "; the folder's images must be readable where you train: map a moved folder with "
+                    "PixelLoader(remap={old_prefix: new_prefix}) (absolute paths) or root= (relative ones), or "
+                    "pack with --images embed")
             raise PackstreamError(f"{where}: cannot read {name}: {e}{hint}") from None
 
     def __call__(self, images: Sequence[Mapping[str, Any]], grids: Sequence[Sequence[int]] | np.ndarray | None = None,

@@ -10,6 +10,7 @@ Every path that turns records into tokens calls :meth:`Encoder.encode`: the Beam
        | masks      numpy: each segment's flag repeated over its token count; EOS appended
        | images     --processor only: each image's one placeholder token repeated to the processor's count
        |            for the image's size (pipeline._media), never a target; the images ride in batch.images
+       |            (--images embed: each local file read once, its bytes sized and carried)
        v
     Encoded(batch: ExampleBatch, rejected: [dead letters], counts: {counter: n})
 
@@ -206,7 +207,8 @@ class Encoder:
                 ceid = eid if k == 0 else f"{eid}~p{k + 1}"
                 try:
                     if conv.images:
-                        p.images[len(p.meta)] = _media.measure(conv.images, self._image_base(source), self.vision)
+                        p.images[len(p.meta)] = _media.measure(conv.images, self._image_base(source), self.vision,
+                                                               self.options.images)
                     if conv.tokens is not None:
                         p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                     else:

@@ -9,11 +9,18 @@ A reference is what the record holds (:attr:`pipeline._formats.Conversation.imag
     b"\\x89PNG..."                        encoded bytes
     "https://..."                        refused (remote_image): packing is offline
 
-and becomes an :class:`Image`: ``{path, bytes}`` as the row's ``images`` column stores it (an absolute
-path or URI with no bytes, or the bytes with the name the record gave), its size read from the file's
-header with PIL (no pixel is decoded), its patch grid and its token count from the run's
-:class:`packers.VisionSpec`. Anything that cannot be read or sized is a :class:`Rejected`
-(``bad_image``) naming the image and the error.
+and becomes an :class:`Image`: ``{path, bytes}`` as the row's ``images`` column stores it, its size read
+from the file's header with PIL (and the image decoded once, cheaply, to catch a file cut short), its patch
+grid and its token count from the run's :class:`packers.VisionSpec`. ``--images`` decides what a local path
+becomes (bytes the record holds are stored as bytes either way, with the name the record gave)::
+
+    --images reference  {"path": "/data/photos/cat.jpg", "bytes": None}       the absolute path; the loader reads it
+    --images embed      {"path": "cat.jpg", "bytes": b"\\xff\\xd8\\xff..."}   the file's encoded bytes, read once
+                                                                            (sized and checked from those bytes);
+                                                                            its file name, as datasets' embed_storage
+
+Anything that cannot be read or sized, or a file over :data:`MAX_EMBED_BYTES` to embed, is a
+:class:`Rejected` (``bad_image``) naming the image and the error.
 """
 
 from __future__ import annotations
@@ -27,10 +34,19 @@ import urllib.parse
 import urllib.request
 from typing import Any, Optional, Sequence
 
-from packers import ImageSizeError, VisionSpec
+from packers import ImageSizeError, PackstreamError, VisionSpec
+from packers.files import open_checked
 from pipeline._formats import Reason, Rejected
+from pipeline._options import ImageStorage
 
 _SHOWN = 80
+
+MAX_EMBED_BYTES = 64 * 2**20
+"""The largest image file ``--images embed`` stores in a row (64 MiB). Encoded training images are rarely over a
+few MiB (a 12-megapixel JPEG is ~4 MiB, and Qwen2-VL's max_pixels downscales anything bigger); a larger file is
+most often a raw scan or the wrong file, and rows and spill batches hold their images in one Arrow binary
+column (at most 2 GiB per batch), so each image is bounded. A larger file is a ``bad_image`` dead letter naming
+its size and this limit: re-encode it, or pack with ``--images reference``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +123,51 @@ def image_size(path: Optional[str], data: Optional[bytes], at: str) -> tuple[int
                                          "replace the file or drop the record") from None
 
 
-def measure(refs: Sequence[Any], base: str, spec: VisionSpec) -> list[Image]:
-    """The images of one example, resolved against ``base`` and sized under ``spec``; or :class:`Rejected`."""
+def _amount(n: int) -> str:
+    return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:.4g} MiB"
+
+
+def read_image(path: str, at: str) -> bytes:
+    """The encoded bytes of the local image file ``path`` (``--images embed``), at most :data:`MAX_EMBED_BYTES`;
+    a missing, unreadable or larger file (or a FIFO, a device, a folder) is :class:`Rejected` (``bad_image``).
+    A file over the limit is refused by its size, before it is read."""
+    limit = MAX_EMBED_BYTES
+    if not os.path.lexists(path):
+        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {_short(path)!r} does not exist; give paths relative to the "
+                                         "input file's folder, or set --media-root")
+    try:
+        with open_checked(path, what=f"{at}: image") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(limit + 1) if size <= limit else b""
+    except PackstreamError as e:  # not a regular file, or no permission: its one line says which
+        raise Rejected(Reason.BAD_IMAGE, str(e)) from None
+    except OSError as e:
+        raise Rejected(Reason.BAD_IMAGE, f"{at}: cannot read image {_short(path)!r} ({e.strerror or e}); replace "
+                                         "the file or drop the record") from None
+    size = max(size, len(data))
+    if size > limit:
+        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {_short(path)!r} is {_amount(size)}, over the "
+                                         f"{_amount(limit)} limit of an image embedded in a row (--images embed); "
+                                         "re-encode or downscale it, or pack with --images reference")
+    return data
+
+
+def measure(refs: Sequence[Any], base: str, spec: VisionSpec,
+            storage: ImageStorage = ImageStorage.REFERENCE) -> list[Image]:
+    """The images of one example, resolved against ``base``, stored as ``storage`` says and sized under ``spec``;
+    or :class:`Rejected`. With :attr:`ImageStorage.EMBED` a local file is read once: the row stores those bytes
+    and they are what is sized and checked."""
     out = []
     for k, ref in enumerate(refs):
         at = f"image {k + 1} of {len(refs)}"
         path, data = resolve(ref, base, at)
+        stored = path
+        if storage is ImageStorage.EMBED and data is None:
+            data, stored = read_image(path, at), os.path.basename(path)
         width, height = image_size(path, data, at)
         try:
             grid = spec.image_grid(width, height)
         except ImageSizeError as e:
             raise Rejected(Reason.BAD_IMAGE, f"{at} ({_short(path) if path else 'bytes'}): {e}") from None
-        out.append(Image(path, data, grid, spec.grid_tokens(grid)))
+        out.append(Image(stored, data, grid, spec.grid_tokens(grid)))
     return out

@@ -583,12 +583,23 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
     return Group(record_batch, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
 
 
+_MAX_BINARY = 2**31 - 1
+"""The bytes one ``pa.binary()`` array holds (32-bit offsets)."""
+
 IMAGE_STRUCT = packers.VISION_SCHEMA.field("images").type.value_type
 """``struct<path: string, bytes: binary>``: one image of a row."""
 
 
 def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
-    """``list<struct<path, bytes>>`` whose list ``i`` is ``refs[offsets[i]:offsets[i + 1]]`` (``(path, bytes)`` each)."""
+    """``list<struct<path, bytes>>`` whose list ``i`` is ``refs[offsets[i]:offsets[i + 1]]`` (``(path, bytes)`` each).
+
+    The ``bytes`` child is one Arrow ``binary`` array (32-bit offsets): a batch whose images hold more than 2 GiB
+    (``--images embed`` with large files and large groups) is refused with the fix, never cut or overflowed."""
+    held = sum(len(r[1]) for r in refs if r[1] is not None)
+    if held > _MAX_BINARY:
+        raise packers.PackstreamError(
+            f"{len(refs):,} images of one batch hold {held:,} bytes, over the {_MAX_BINARY:,} one Arrow binary column "
+            "of a batch can hold; use a smaller --group-size (and --batch-size), or --images reference")
     struct = pa.StructArray.from_arrays([pa.array([r[0] for r in refs], pa.string()),
                                          pa.array([r[1] for r in refs], pa.binary())],
                                         fields=list(IMAGE_STRUCT))

@@ -38,8 +38,8 @@ from pipeline._render import BUILTIN_CHATML, Renderer, merge_runs
 from pipeline._tokenizer import PlainTokenizer, default_tokenizer_path, load_tokenizer, tokenizer_identity
 from pipeline._report import split_remedy, with_whole_remedy
 
-# Encoding and rows: records -> encoded examples -> packed rows.
-from pipeline import _rows
+# Encoding and rows: records -> encoded examples -> packed rows; images (--processor) resolved and embedded.
+from pipeline import _media, _rows
 from pipeline._encode import Encoder
 from pipeline._rows import ExampleBatch, dedupe, example_id, pack_group
 

@@ -121,3 +121,30 @@ def test_fixed_shape_padding_gets_text_positions_in_every_row():
     # the image example: text 0 1, image at 2 (2x2 merged), after it 2 + 2 = 4
     assert pos[1:, :9].tolist() == [[0, 1, 2, 2, 2, 2, 4, 5, 6], [0, 1, 2, 2, 3, 3, 4, 5, 6], [0, 1, 2, 3, 2, 3, 4, 5, 6]]
     assert np.array_equal(pos[0].numpy()[:n], np.r_[np.arange(n - 3), np.arange(3)])
+
+
+def test_remap_reads_a_moved_folder_longest_prefix_first(tmp_path):
+    """Packed under /data/imgs (and /data/imgs/scans, mounted elsewhere): remap maps each absolute path by its
+    longest matching prefix, whole path components only; relative paths still go to root, others stay as stored."""
+    pixels = PixelLoader(vision=SPEC, root="/work", remap={"/data/imgs": "/mnt/imgs", "/data/imgs/scans/": "/scans"})
+    assert pixels.resolve("/data/imgs/a/cat.jpg").as_posix() == "/mnt/imgs/a/cat.jpg"
+    assert pixels.resolve("/data/imgs/scans/p1.png").as_posix() == "/scans/p1.png"  # the longer prefix wins
+    assert pixels.resolve("/data/imgs2/cat.jpg").as_posix() == "/data/imgs2/cat.jpg"  # not a component of /data/imgs
+    assert pixels.resolve("rel/cat.jpg").as_posix() == "/work/rel/cat.jpg"
+
+    data = png(56, 56, seed=3)
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "a.png").write_bytes(data)
+    row = image_row({"path": "/data/imgs/a.png", "bytes": None})
+    batch = Collator(vision=SPEC, pixels=PixelLoader(vision=SPEC, remap={"/data/imgs": str(tmp_path / "mnt")}))([row])
+    same = Collator(vision=SPEC)([image_row({"path": None, "bytes": data})])
+    assert torch.equal(batch["pixel_values"], same["pixel_values"])
+
+
+def test_a_missing_remapped_path_names_both_paths_and_remap():
+    pixels = PixelLoader(vision=SPEC, remap={"/data/imgs": "/nowhere/imgs"})
+    with pytest.raises(PackstreamError, match=r"row 0 image 0 .*cannot read /nowhere/imgs/a\.png \(stored as "
+                                              r"/data/imgs/a\.png\).*PixelLoader\(remap="):
+        Collator(vision=SPEC, pixels=pixels)([image_row({"path": "/data/imgs/a.png", "bytes": None})])
+    with pytest.raises(PackstreamError, match=r"remap=.*'imgs' -> '/mnt'; each entry maps an absolute path prefix"):
+        PixelLoader(vision=SPEC, remap={"imgs": "/mnt"})

@@ -23,7 +23,7 @@ from PIL import Image
 import packers
 from packers import LongPolicy, VisionSpec
 from pipeline import PackOptions
-from tests._internals import Encoder, pack_group
+from tests._internals import Encoder, _media, pack_group
 from pipeline.cli import main
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -219,6 +219,7 @@ def test_option_errors_are_one_line(tmp_path, tokenizer):
         (["--processor", "qwen2-vl", "--pairs"], "--pairs"),
         (["--media-root", str(tmp_path)], "add --processor"),
         (["--processor", "qwen2-vl", "--media-root", str(tmp_path / "nope")], "no such folder"),
+        (["--images", "embed"], "only --processor packs images; add --processor"),
         (["--processor", "qwen2-vl"], "pass the vision-language model's own tokenizer with --tokenizer"),  # default tok
     ]
     for extra, words in cases:
@@ -246,8 +247,14 @@ def test_a_processor_folder_whose_image_token_the_tokenizer_lacks_stops_the_run(
 def test_text_only_options_record_nothing_new():
     """A run without --processor records no image option: its manifest and run id (so its bytes) stay as before."""
     d = PackOptions(inputs=("x.jsonl",), output="o").to_dict()
-    assert "processor" not in d and "media_root" not in d
+    assert "processor" not in d and "media_root" not in d and "images" not in d
     assert PackOptions(inputs=("x.jsonl",), output="o", processor="qwen2-vl").to_dict()["processor"] == "qwen2-vl"
+    # --images: the default (reference) is recorded by no one, so image runs packed before it keep their id too.
+    image_run = PackOptions(inputs=("x.jsonl",), output="o", processor="qwen2-vl")
+    assert image_run.to_dict() == PackOptions(inputs=("x.jsonl",), output="o", processor="qwen2-vl",
+                                              images="reference").to_dict()
+    assert "images" not in image_run.to_dict()
+    assert PackOptions(inputs=("x.jsonl",), output="o", processor="qwen2-vl", images="embed").to_dict()["images"] == "embed"
 
 
 def test_long_split_never_cuts_an_image_example(tmp_path, tokenizer):
@@ -476,3 +483,116 @@ def test_text_holding_the_image_marker_characters_cannot_move_an_image(tmp_path,
     dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert [d["reason"] for d in dead] == ["placeholder_mismatch"] and "U+E000" in dead[0]["detail"]
     assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1
+
+
+# -- --images embed: self-contained shards --------------------------------------------------------
+
+
+def _collated(out: Path) -> dict:
+    """Every row of the folder ``out``, collated as training reads it (pixels decoded by the default PixelLoader)."""
+    ds = packers.PackedDataset(out)
+    return packers.Collator(vision=ds.vision)(ds.fetch(range(len(ds.rows))))
+
+
+def test_embedded_images_are_the_files_bytes_and_train_after_the_files_are_gone(tmp_path, tokenizer):
+    """Three images named by path, one data URL, one text-only record: packed twice, by reference (the default)
+    and with --images embed. The embedded rows hold each file's bytes under its file name (the data URL's bytes as
+    in both runs), inspect counts all four as embedded, and once the image folder is moved away the embedded run
+    still collates to the reference run's pixel_values; the reference run needs remap= to find the moved files."""
+    img = tmp_path / "img"
+    files = {"a.png": _image(img / "a.png", (64, 48)), "b.jpg": _image(img / "b.jpg", (200, 100), "blue"),
+             "c.png": _image(img / "sub" / "c.png", (90, 90), "green")}
+    data_url = "data:image/png;base64," + base64.b64encode(_png_bytes((30, 90))).decode()
+    records = [_user_image("img/a.png"),
+               {"messages": [{"role": "user", "content": "<image>compare<image>"},
+                             {"role": "assistant", "content": "blue, then green"}], "images": ["img/b.jpg", "img/sub/c.png"]},
+               _user_image(data_url),
+               {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = [str(src), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "--max-tokens", "2048"]
+    ref, emb = tmp_path / "ref", tmp_path / "emb"
+    assert _pack(*common, "-o", str(ref)).exit_code == 0
+    r = _pack(*common, "-o", str(emb), "--images", "embed")
+    assert r.exit_code == 0, r.output
+
+    config = json.loads((emb / "manifest.json").read_text())["config"]
+    assert config["images"] == "embed" and "images" not in json.loads((ref / "manifest.json").read_text())["config"]
+    stored = [i for row in _read_rows(emb) for i in row["images"]]
+    by_name = {i["path"]: i["bytes"] for i in stored if i["path"]}
+    assert by_name == {name: path.read_bytes() for name, path in files.items()}  # the files' bytes, as they were
+    assert [i for i in stored if not i["path"]] == [{"path": None, "bytes": _png_bytes((30, 90))}]
+    assert CliRunner().invoke(main, ["verify", str(emb)]).output.strip().endswith("OK")
+    for out, embedded in ((ref, 1), (emb, 4)):
+        report = CliRunner().invoke(main, ["inspect", str(out), "--json", "--no-plots"])
+        v = json.loads(report.output)["vision"]
+        assert (v["images"], v["embedded_images"]) == (4, embedded)
+
+    want = _collated(ref)
+    moved = tmp_path / "moved"
+    img.rename(moved)  # the images are no longer where the rows of the reference run say
+    got = _collated(emb)
+    assert got["example_ids"] == want["example_ids"]
+    assert torch_equal(got["image_grid_thw"], want["image_grid_thw"])
+    assert torch_equal(got["pixel_values"], want["pixel_values"])
+    ds = packers.PackedDataset(ref)
+    with pytest.raises(packers.PackstreamError, match=r"cannot read .*/img/.*PixelLoader\(remap="):
+        packers.Collator(vision=ds.vision)(ds.fetch(range(len(ds.rows))))
+    pixels = packers.PixelLoader(vision=ds.vision, remap={str(img): str(moved)})
+    remapped = packers.Collator(vision=ds.vision, pixels=pixels)(ds.fetch(range(len(ds.rows))))
+    assert torch_equal(remapped["pixel_values"], want["pixel_values"])
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def test_an_image_over_the_embed_limit_is_a_dead_letter_naming_its_size_and_the_limit(tmp_path, tokenizer,
+                                                                                     monkeypatch):
+    """The limit is MAX_EMBED_BYTES (64 MiB); here made a little smaller than one of two files, so that one is
+    refused as bad_image with its size, the limit and the fix, and the other is embedded."""
+    help_text = {f.name: f.metadata for f in dataclasses.fields(PackOptions)}["images"]["cli"]["help"]
+    assert f"at most {_media.MAX_EMBED_BYTES // 2**20} MiB per file" in help_text  # --help says the real limit
+    small, big = _image(tmp_path / "small.png", (20, 20)), _image(tmp_path / "big.png", (300, 200))
+    big.write_bytes(big.read_bytes() + b"\0" * 4096)  # trailing bytes PIL ignores: a valid, larger file
+    monkeypatch.setattr(_media, "MAX_EMBED_BYTES", small.stat().st_size + 100)
+    enc = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", images="embed",
+                              media_root=str(tmp_path)))
+    out = enc.encode([(0, "in.jsonl", 1, _user_image("small.png")), (0, "in.jsonl", 2, _user_image("big.png"))])
+    assert out.batch.images.refs == [("small.png", small.read_bytes())]
+    (dead,) = out.rejected
+    size, limit = big.stat().st_size, small.stat().st_size + 100
+    assert dead["reason"] == "bad_image" and dead["position"] == 2
+    assert f"big.png' is {size:,} bytes, over the {limit:,} bytes limit" in dead["detail"]
+    assert "--images reference" in dead["detail"]
+    # By reference the same file is packed: the limit is on what a row stores.
+    assert not Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", media_root=str(tmp_path))
+                       ).encode([(0, "in.jsonl", 2, _user_image("big.png"))]).rejected
+
+
+def test_embed_refuses_what_it_cannot_read_as_dead_letters(tmp_path, tokenizer):
+    """A missing file, a folder and a file that does not decode are bad_image under --images embed as by reference."""
+    (tmp_path / "dir.png").mkdir()
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    enc = Encoder(PackOptions(inputs=("-",), tokenizer=tokenizer, processor="qwen2-vl", images="embed",
+                              media_root=str(tmp_path)))
+    out = enc.encode([(0, "in.jsonl", k + 1, _user_image(name)) for k, name in
+                      enumerate(["gone.png", "dir.png", "junk.png"])])
+    assert len(out.batch) == 0 and [d["reason"] for d in out.rejected] == ["bad_image"] * 3
+    gone, folder, junk = (d["detail"] for d in out.rejected)
+    assert "gone.png' does not exist" in gone and "--media-root" in gone
+    assert "dir.png is a folder" in folder
+    assert "junk.png" in junk and "cannot be read" in junk
+
+
+def test_a_text_only_run_is_unchanged_by_the_images_option(tmp_path):
+    """--images is an image option: a text-only run has the same manifest config (so run id and bytes) as before."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello!"}]}) + "\n")
+    out = tmp_path / "out"
+    assert _pack(str(src), "-o", str(out)).exit_code == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert "images" not in m["config"] and m["contract_version"] != packers.VISION_CONTRACT_VERSION

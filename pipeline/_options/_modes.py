@@ -97,6 +97,13 @@ class OutputFormat(str, enum.Enum):
     PARQUET = "parquet"  #: smaller on disk and on the Hub; decoded into a cache when loaded
 
 
+class ImageStorage(str, enum.Enum):
+    """How a ``--processor`` run's rows carry an image that the record names by a local path."""
+
+    REFERENCE = "reference"  #: its absolute path (the loader reads the file where it trains; PixelLoader remap=)
+    EMBED = "embed"  #: the file's encoded bytes (self-contained shards; see pipeline._media.MAX_EMBED_BYTES)
+
+
 class PackMode(str, enum.Enum):
     GROUPED = "grouped"  #: bin-pack bounded groups keyed by a stable hash of the example id
     GLOBAL = "global"  #: every example of a split in one group (memory grows with the data)

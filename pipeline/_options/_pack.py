@@ -13,7 +13,7 @@ from packers import LongPolicy, PackstreamError, VisionSpec
 from packers.schema import MAX_TOKENS_LIMIT
 from pipeline._options._fields import cli, jsonable, option_enum
 from pipeline._options._format import FormatOptions
-from pipeline._options._modes import DEFAULT_TOKENIZER, OutputFormat, PackMode, TrainOn, TruncateSide
+from pipeline._options._modes import DEFAULT_TOKENIZER, ImageStorage, OutputFormat, PackMode, TrainOn, TruncateSide
 
 
 MAX_SEED = 2**63 - 1
@@ -101,6 +101,12 @@ class PackOptions(FormatOptions):
     media_root: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--media-root", "With --processor: the folder relative image paths resolve against [default: the folder of "
         "the input file that names them].", metavar="DIR"))
+    images: ImageStorage = dataclasses.field(default=ImageStorage.REFERENCE, metadata=cli(
+        "--images", "With --processor: how rows carry an image the record names by a local path. reference: its "
+        "absolute path (train where the files are, or map moved folders with PixelLoader(remap=...)); embed: the "
+        "file's encoded bytes, so the shards train anywhere (at most 64 MiB per file; larger ones are bad_image). "
+        "Images the record holds as bytes or data URLs are stored as bytes either way.",
+        commands=("pack", "estimate")))
     max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--max-per-row", "Cap on examples per row.", metavar="N"))
     refine: bool = dataclasses.field(default=True, metadata=cli(
@@ -147,13 +153,14 @@ class PackOptions(FormatOptions):
 
     _NOT_RECORDED = ("overwrite", "workers", "tokenizer_threads", "force_workers")
     """How this run treated the folder and the machine, not what it produced: reruns stay identical."""
-    _RECORDED_WHEN_SET = ("processor", "media_root")
-    """Options of image runs: recorded only when given, so a text-only run's manifest and id stay as they were."""
+    _RECORDED_WHEN_SET = ("processor", "media_root", "images")
+    """Options of image runs: recorded only when not at their default, so a text-only run's (and a default image
+    run's) manifest and id stay as they were."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, cls in (("long", LongPolicy), ("truncate_side", TruncateSide), ("mode", PackMode),
-                          ("output_format", OutputFormat)):
+                          ("output_format", OutputFormat), ("images", ImageStorage)):
             object.__setattr__(self, name, option_enum(cls, getattr(self, name), name))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "config", tuple(self.config))
@@ -195,7 +202,7 @@ class PackOptions(FormatOptions):
             )
         if self.pairs:
             self._check_pairs()
-        if self.processor is not None or self.media_root is not None:
+        if self.processor is not None or self.media_root is not None or self.images is not ImageStorage.REFERENCE:
             self._check_vision()
         for spec in self.config:
             if not isinstance(spec, DatasetSpec):
@@ -236,9 +243,13 @@ class PackOptions(FormatOptions):
 
     def _check_vision(self) -> None:
         """--processor resolves to a :class:`packers.VisionSpec` now (one error line, before anything is read)."""
-        if self.processor is None:
+        if self.processor is None and self.media_root is not None:
             raise PackstreamError(f"--media-root {self.media_root} says where images are, and only --processor packs "
                                   "images; add --processor NAME|PATH (e.g. --processor qwen2-vl) or drop --media-root")
+        if self.processor is None:
+            raise PackstreamError(f"--images {self.images.value} says how rows carry images, and only --processor "
+                                  "packs images; add --processor NAME|PATH (e.g. --processor qwen2-vl) or drop "
+                                  f"--images {self.images.value}")
         if not self.processor.strip():
             raise PackstreamError("--processor '' is empty; give a shipped processor (qwen2-vl, qwen2.5-vl, llava-1.5) "
                                   "or the model's folder, or omit --processor for text-only packing")
@@ -268,7 +279,7 @@ class PackOptions(FormatOptions):
         """JSON-ready, for manifest.json."""
         out = {}
         for f in dataclasses.fields(self):
-            if f.name in self._NOT_RECORDED or (f.name in self._RECORDED_WHEN_SET and getattr(self, f.name) is None):
+            if f.name in self._NOT_RECORDED or (f.name in self._RECORDED_WHEN_SET and getattr(self, f.name) == f.default):
                 continue
             v = getattr(self, f.name)
             out[f.name] = [d.to_dict() for d in v] if f.name == "config" else jsonable(v)
