@@ -276,13 +276,26 @@ def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
 class Group:
     """What :func:`pack_group` made of one group."""
 
-    batch: pa.RecordBatch
-    """The rows, in their seeded shuffle order, following :data:`packers.SCHEMA`."""
+    chunks: tuple[pa.RecordBatch, ...]
+    """The rows, in their seeded shuffle order, following :data:`packers.SCHEMA` (or ``VISION_SCHEMA``): one record
+    batch, or several when the rows' embedded images hold more than :data:`CHUNK_IMAGE_BYTES` (one Arrow ``binary``
+    array holds at most 2 GiB)."""
     rejected: list[dict]
     stats: dict[str, int]
     eos_at_boundaries: bool
     """Every sequence shorter than the budget ends with the EOS (for the manifest's row_checks)."""
     all_targets: bool
+
+    @property
+    def batch(self) -> pa.RecordBatch:
+        """The rows as one record batch (a group of several chunks has none: read :attr:`chunks`)."""
+        if len(self.chunks) != 1:
+            raise packers.InternalError(f"a group of {len(self.chunks)} record batches: read Group.chunks")
+        return self.chunks[0]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.num_rows for c in self.chunks)
 
 
 def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
@@ -419,7 +432,7 @@ def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_
     stats["examples_packed"] = len(np.unique(placed.ex))
     stats["pieces"] = int(len(placed.ex))
     group = assemble(batch, placed, options, eos_id)
-    stats["rows"] = group.batch.num_rows
+    stats["rows"] = group.num_rows
     group.rejected = rejected
     group.stats = stats
     return group
@@ -568,19 +581,19 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         *pair_cols,
         desirable,
     ]
-    schema = packers.SCHEMA
-    if options.processor is not None:
-        schema = packers.VISION_SCHEMA
-        arrays += image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
-                                ends - piece_lens, row_pieces)
-    record_batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    if options.processor is None:
+        chunks: tuple[pa.RecordBatch, ...] = (pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA),)
+    else:
+        image_cols, row_bytes = image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
+                                              ends - piece_lens, row_pieces)
+        chunks = _chunked(arrays + image_cols, row_bytes)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
     if eos_id is None or not len(piece_lens):
         eos_ok = eos_id is not None
     else:
         last_tok = input_ids[np.cumsum(piece_lens) - 1]
         eos_ok = bool(np.all((last_tok == eos_id) | (piece_lens == budget)))
-    return Group(record_batch, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
+    return Group(chunks, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
 
 
 _MAX_BINARY = 2**31 - 1
@@ -590,26 +603,53 @@ IMAGE_STRUCT = packers.VISION_SCHEMA.field("images").type.value_type
 """``struct<path: string, bytes: binary>``: one image of a row."""
 
 
-def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
-    """``list<struct<path, bytes>>`` whose list ``i`` is ``refs[offsets[i]:offsets[i + 1]]`` (``(path, bytes)`` each).
+CHUNK_IMAGE_BYTES = 256 * 2**20
+"""Embedded image bytes per record batch of packed rows: a group whose rows hold more is written as several batches
+(never cut inside a row), so no ``binary`` column nears its 2 GiB limit and no batch is huge in memory."""
 
-    The ``bytes`` child is one Arrow ``binary`` array (32-bit offsets): a batch whose images hold more than 2 GiB
-    (``--images embed`` with large files and large groups) is refused with the fix, never cut or overflowed."""
-    held = sum(len(r[1]) for r in refs if r[1] is not None)
-    if held > _MAX_BINARY:
-        raise packers.PackstreamError(
-            f"{len(refs):,} images of one batch hold {held:,} bytes, over the {_MAX_BINARY:,} one Arrow binary column "
-            "of a batch can hold; use a smaller --group-size (and --batch-size), or --images reference")
+_WIDE_SCHEMA = pa.schema([f if f.name != "images" else pa.field(
+    "images", pa.list_(pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.large_binary())])),
+    nullable=False) for f in packers.VISION_SCHEMA])
+"""VISION_SCHEMA with 64-bit offsets for the image bytes: a group's rows before they are cut into chunks."""
+
+
+def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
+    """``list<struct<path, large_binary bytes>>`` whose list ``i`` is ``refs[offsets[i]:offsets[i + 1]]`` (``(path,
+    bytes)`` each); :func:`_chunked` casts each chunk of rows to the contract's ``binary``."""
     struct = pa.StructArray.from_arrays([pa.array([r[0] for r in refs], pa.string()),
-                                         pa.array([r[1] for r in refs], pa.binary())],
-                                        fields=list(IMAGE_STRUCT))
+                                         pa.array([r[1] for r in refs], pa.large_binary())],
+                                        fields=list(_WIDE_SCHEMA.field("images").type.value_type))
     return pa.ListArray.from_arrays(_arrow.array(offsets, pa.int32()), struct)
 
 
+def _chunked(arrays: list, row_bytes: np.ndarray) -> tuple[pa.RecordBatch, ...]:
+    """The rows as record batches of :data:`packers.VISION_SCHEMA`, each holding at most :data:`CHUNK_IMAGE_BYTES`
+    of embedded images (or one row); a single row over the 2 GiB a ``binary`` column holds is refused."""
+    wide = pa.RecordBatch.from_arrays(arrays, schema=_WIDE_SCHEMA)
+    if len(row_bytes) and row_bytes.max() > _MAX_BINARY:
+        raise packers.PackstreamError(
+            f"one packed row holds {int(row_bytes.max()):,} bytes of embedded images, over the {_MAX_BINARY:,} an "
+            "Arrow binary column holds; use --images reference, or a smaller --max-tokens")
+    cuts = [0]
+    held = 0
+    for i, b in enumerate(row_bytes.tolist()):
+        if held + b > CHUNK_IMAGE_BYTES and i > cuts[-1]:
+            cuts.append(i)
+            held = 0
+        held += b
+    cuts.append(wide.num_rows)
+    chunks = []
+    for a, z in zip(cuts[:-1], cuts[1:]):
+        narrow = pa.Table.from_batches([wide.slice(a, z - a)]).cast(packers.VISION_SCHEMA).combine_chunks()
+        chunks.append(narrow.to_batches()[0] if narrow.num_rows else _arrow.empty_batch(packers.VISION_SCHEMA))
+    return tuple(chunks)
+
+
 def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, at: np.ndarray,
-                  row_pieces: np.ndarray) -> list[pa.Array]:
-    """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`): pieces in row
-    order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``, at row offset ``at[j]``)."""
+                  row_pieces: np.ndarray) -> tuple[list[pa.Array], np.ndarray]:
+    """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`, the bytes wide
+    until :func:`_chunked`): pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
+    at row offset ``at[j]``); and the embedded image bytes of each row."""
     imgs = batch.images if batch.images is not None else Images.none(len(batch))
     counts = imgs.counts[ex]
     idx = _ranges(imgs.index[ex], imgs.index[ex + 1])  # the pieces' images, in row order
@@ -620,6 +660,10 @@ def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops
     rows = len(row_pieces)
     per_row = np.bincount(np.repeat(np.arange(rows), row_pieces)[piece], minlength=rows) if rows else np.zeros(0, np.int64)
     off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+    refs = [imgs.refs[i] for i in idx.tolist()]
+    sizes = np.array([len(r[1]) if r[1] is not None else 0 for r in refs], dtype=np.int64)
+    row_bytes = np.bincount(np.repeat(np.arange(rows), per_row), weights=sizes, minlength=rows).astype(np.int64) \
+        if rows else np.zeros(0, np.int64)
     return [_list(off, (inside + at[piece]).astype(np.int32), pa.int32()),
             _list(3 * off, imgs.grids[idx].reshape(-1).astype(np.int32), pa.int32()),
-            image_list(off, [imgs.refs[i] for i in idx.tolist()])]
+            image_list(off, refs)], row_bytes

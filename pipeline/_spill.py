@@ -115,14 +115,17 @@ def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) 
     return slices
 
 
-def write_packed(folder: str, name: str, group: int, by_shard: dict[int, pa.RecordBatch]) -> list[tuple[int, Piece]]:
-    """Park group ``group``'s packed rows, ``by_shard[s]`` for shard ``s``, as one file: ``(shard, Piece)`` each."""
+def write_packed(folder: str, name: str, group: int,
+                 by_shard: dict[int, list[pa.RecordBatch]]) -> list[tuple[int, Piece]]:
+    """Park group ``group``'s packed rows, ``by_shard[s]`` (record batches, in row order) for shard ``s``, as one
+    file: ``(shard, Piece)`` for each batch (a shard's pieces sort in row order: same group and file, rising index)."""
     from pipeline._write import join
 
     path = join(folder, f"packed-{name}-{uuid.uuid4().hex[:12]}.arrow")
     out = []
-    with _ipc_file(path, next(iter(by_shard.values())).schema) as w:
-        for k, (shard, rows) in enumerate(sorted(by_shard.items())):
+    batches = [(shard, rows) for shard, chunks in sorted(by_shard.items()) for rows in chunks]
+    with _ipc_file(path, batches[0][1].schema) as w:
+        for k, (shard, rows) in enumerate(batches):
             w.write_batch(rows)
             out.append((shard, Piece(group, path, k, rows.num_rows)))
     return out

@@ -88,7 +88,7 @@ _NO_BEAM = textwrap.dedent(r"""
     _write.discard([_write.ShardWriter(out, shard_name("validation", 0, 1, "arrow"), SCHEMA, "arrow").close("x")])
     spill = _spill.spill_folder(out, "run-1")
     rows = pa.RecordBatch.from_pylist([{"n": 1}])
-    [(_, piece)] = _spill.write_packed(spill, "g0", 0, {0: rows})
+    [(_, piece)] = _spill.write_packed(spill, "g0", 0, {0: [rows]})
     assert _spill.read_piece(piece).to_pylist() == [{"n": 1}]
     __import__("shutil").rmtree(spill)
     names = _write.list_folder(out)

@@ -23,7 +23,7 @@ from PIL import Image
 import packers
 from packers import LongPolicy, VisionSpec
 from pipeline import PackOptions
-from tests._internals import Encoder, _media, pack_group
+from tests._internals import Encoder, _media, _rows, pack_group
 from pipeline.cli import main
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -596,3 +596,32 @@ def test_a_text_only_run_is_unchanged_by_the_images_option(tmp_path):
     assert _pack(str(src), "-o", str(out)).exit_code == 0
     m = json.loads((out / "manifest.json").read_text())
     assert "images" not in m["config"] and m["contract_version"] != packers.VISION_CONTRACT_VERSION
+
+
+@pytest.mark.parametrize("mode", ["grouped", "global"])
+def test_embedded_images_over_a_chunk_are_written_in_several_batches_with_the_same_rows(tmp_path, tokenizer,
+                                                                                       monkeypatch, mode):
+    """A group whose rows embed more image bytes than CHUNK_IMAGE_BYTES is written as several record batches (one
+    Arrow binary column holds 2 GiB at most): the same rows, in the same order, as one batch gives; the folder
+    loads and verifies."""
+    rng = np.random.default_rng(7)
+    records = [_user_image(str(_image(tmp_path / f"i{k}.png", (int(rng.integers(30, 200)), int(rng.integers(30, 200))))),
+                           text=f"q{k}") for k in range(12)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = [str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "--images", "embed", "--max-tokens",
+            "512", "--mode", mode, "--num-shards", "2"]
+    _pack(*args, "-o", str(tmp_path / "whole"))
+    monkeypatch.setattr(_rows, "CHUNK_IMAGE_BYTES", 1)  # every row a batch of its own
+    _pack(*args, "-o", str(tmp_path / "chunked"))
+    for whole, chunked in zip(sorted((tmp_path / "whole").glob("train-*.arrow")),
+                              sorted((tmp_path / "chunked").glob("train-*.arrow"))):
+        with pa.memory_map(str(chunked)) as f:
+            reader = pa.ipc.open_stream(f)
+            table = reader.read_all()
+        assert table.num_rows == 0 or len(table.to_batches()) == table.num_rows  # one batch a row
+        with pa.memory_map(str(whole)) as f:
+            assert pa.ipc.open_stream(f).read_all().to_pylist() == table.to_pylist()
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "chunked")]).exit_code == 0
+    ds = packers.PackedDataset(tmp_path / "chunked")
+    assert sum(len(r["images"]) for r in ds.fetch(range(len(ds.rows)))) == 12

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from pipeline._job._context import RunContext
 from pipeline._job._outputs import Failure, Flags, Packed, Rejects, Spilled, Stats, Written
 from pipeline._options import PackMode
 from pipeline._workers import parallel, signals
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 NS = "packstream"
 """The namespace of the job's counters (Beam metrics where the job runs on Beam)."""
@@ -196,18 +199,16 @@ class PackGroups:
             signals.at("pack")
             with _trace.span("pack_group", group=g):
                 group = _rows.pack_group(_spill.read_slices(sorted(slices)), o, ctx.eos_id)
-                batch = group.batch
                 if o.mode is PackMode.GROUPED or count == 1:
-                    by_shard = {g % count: batch}
+                    by_shard = {g % count: list(group.chunks)}
                 else:  # global mode: one group per split, its rows dealt out round-robin over the split's shards
-                    rows = np.arange(batch.num_rows)
-                    by_shard = {s: batch.take(_arrow.array(rows[rows % count == s])) for s in range(count)}
+                    by_shard = _deal(group.chunks, count)
                 pieces = _spill.write_packed(ctx.spill, f"{split}-{g}", g, by_shard)
                 path = _write.write_reject_part(ctx.spill, f"group-{split}-{g}", group.rejected)
         except (OSError, PackstreamError) as e:
             yield Failure.of(e, ctx.output)
             return
-        self.rows.inc(batch.num_rows)
+        self.rows.inc(group.num_rows)
         _progress.flush(ctx.progress)
         for shard, piece in pieces:
             yield Packed(split, shard, piece)
@@ -255,3 +256,16 @@ def cut_tasks(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
         tasks = _read.cut_tasks(f, task_bytes)
         info["tasks"] = len(tasks)
     return tasks
+
+
+def _deal(chunks: Sequence[pa.RecordBatch], count: int) -> dict[int, list[pa.RecordBatch]]:
+    """Global mode: a group's rows (in chunks) dealt round-robin over ``count`` shards, row ``i`` to shard
+    ``i % count``, each chunk taken apart on its own (no column of several chunks is ever concatenated)."""
+    by_shard: dict[int, list[pa.RecordBatch]] = {s: [] for s in range(count)}
+    start = 0
+    for chunk in chunks:
+        rows = np.arange(start, start + chunk.num_rows)
+        for s in range(count):
+            by_shard[s].append(chunk.take(_arrow.array(np.flatnonzero(rows % count == s))))
+        start += chunk.num_rows
+    return by_shard

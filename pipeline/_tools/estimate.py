@@ -187,9 +187,9 @@ def _shard_bytes(batch: _rows.ExampleBatch, options: PackOptions, identity: dict
         empty = _write.ShardWriter(tmp, _write.shard_name("train", 0, 2, ext), schema, fmt).close("train")["bytes"]
         if not len(batch):
             return float(empty), 5.0
-        rows = _rows.pack_group(batch, options, eos_id).batch
         writer = _write.ShardWriter(tmp, _write.shard_name("train", 1, 2, ext), schema, fmt)
-        writer.write(rows)
+        for rows in _rows.pack_group(batch, options, eos_id).chunks:
+            writer.write(rows)
         desc = writer.close("train")
     if not desc["tokens"]:
         return float(empty), 5.0
