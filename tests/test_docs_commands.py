@@ -38,6 +38,8 @@ NOT_RUN = (  # (document, text that only this block of it holds, why the block i
     ("README.md", '.venv/bin/pip install -e ".[test]"', "installs from an index, then runs the whole suite, this "
                                                         "test included"),
     ("README.md", '-m "not slow"', "runs the fast tier of this suite, in the virtual environment the install makes"),
+    ("README.md", "path/to/Qwen2-VL-7B-Instruct", "needs a Qwen2-VL model's tokenizer, from the Hub (offline here); "
+                                                  "the next block runs the same pack on a tokenizer it makes"),
     ("docs/operations.md", 'pip install -e ".[dask]"', "installs from an index (network); the test environment "
                                                       "has every extra"),
     ("docs/operations.md", "gcloud services enable", "needs a Google Cloud project and the gcloud CLI"),

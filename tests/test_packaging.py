@@ -35,6 +35,7 @@ NOT_TEMPLATE_PARAMETERS = {
     "--workers", "--force-workers",  # local worker processes; Dataflow sizes workers with --max_num_workers
     "--quiet", "--progress", "--no-progress", "--log-format", "--log-interval",  # output of local runs
     "--estimate", "--sample",  # a local dry run
+    "--media-root",  # a local image folder; Dataflow workers have none (images reach them as bytes)
 }
 
 
