@@ -91,3 +91,34 @@ def test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_igno
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "signals: SIGINT, SIGHUP ignored by whoever started the suite" in proc.stdout
     assert "6 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_worker_whose_launcher_died_before_it_started_ends(tmp_path):
+    """The race behind a hang seen under load: the launcher exits (a zombie its parent has not reaped yet, since the
+    parent still reads the launcher's stdout) before a forked worker reaches ``worker_setup``. Its death signal was
+    never armed and its pid still answers ``kill(pid, 0)``; the worker must see it was handed to init and end, not
+    wait for work forever holding the stdout the parent reads."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent("""
+        import os, sys, time
+        from tests._internals import signals
+        launcher = os.getpid()
+        if os.fork() == 0:  # the worker
+            time.sleep(0.5)  # the launcher is gone (a zombie) by now
+            signals.worker_setup(launcher)
+            print("worker still running", flush=True)
+            time.sleep(60)  # what waiting for work looks like
+            os._exit(0)
+        os._exit(0)  # the launcher dies at once, unreaped: its parent is still reading the pipe
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    t0 = time.monotonic()
+    out = proc.stdout.read()  # EOF once every holder of the pipe (the launcher, the worker) has ended
+    waited = time.monotonic() - t0
+    proc.wait(timeout=10)
+    assert "worker still running" not in out and waited < 30, (out, waited)

@@ -310,13 +310,12 @@ def worker_setup(launcher: Optional[int]) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    if launcher is not None:
-        try:
-            os.kill(launcher, 0)
-        except ProcessLookupError:
-            os._exit(0)  # the launcher is already gone: nothing of this run may be written any more
-        except OSError:
-            pass
+    if launcher is not None and os.getppid() != launcher:
+        # The launcher died before PR_SET_PDEATHSIG was set (so no signal will come): this process was handed to
+        # init already. Its pid alone cannot tell (a dead launcher its own parent has not reaped yet is a zombie that
+        # os.kill(pid, 0) still finds), and a fork keeps a copy of the launcher's end of the pipe, so no EOF would
+        # come either: the worker would wait for work forever, holding the launcher's stdout open.
+        os._exit(0)  # nothing of this run may be written any more
 
 
 # ---------------------------------------------------------------------------------------------------
