@@ -15,6 +15,7 @@ PIL and transformers are imported on first use (``import packers`` needs neither
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from packers._vision import VisionSpec
+from packers.files import open_checked
 from packers.errors import ContractError, PackstreamError
 
 
@@ -105,8 +107,12 @@ class PixelLoader:
         if data is not None:
             source, name = io.BytesIO(data), f"{len(data)} bytes" + (f" (from {path})" if path else "")
         else:
-            source = self.resolve(path)
-            name = str(source) if str(source) == path else f"{source} (stored as {path})"
+            resolved = self.resolve(path)
+            name = str(resolved) if str(resolved) == path else f"{resolved} (stored as {path})"
+            try:  # the one checked open: a FIFO or a device where an image was is refused, never waited on
+                source = open_checked(str(resolved), what=f"{where}: image") if os.path.lexists(resolved) else resolved
+            except PackstreamError as e:
+                raise PackstreamError(f"{e} (stored as {path})") from None
         try:
             with Image.open(source) as im:
                 return im.convert("RGB")
@@ -116,6 +122,9 @@ class PixelLoader:
                     "PixelLoader(remap={old_prefix: new_prefix}) (absolute paths) or root= (relative ones), or "
                     "pack with --images embed")
             raise PackstreamError(f"{where}: cannot read {name}: {e}{hint}") from None
+        finally:
+            if hasattr(source, "read"):
+                source.close()
 
     def __call__(self, images: Sequence[Mapping[str, Any]], grids: Sequence[Sequence[int]] | np.ndarray | None = None,
                  names: Sequence[str] | None = None) -> tuple[Any, Any]:

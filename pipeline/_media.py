@@ -108,15 +108,21 @@ def image_size(path: Optional[str], data: Optional[bytes], at: str) -> tuple[int
     from PIL import Image as PILImage
 
     what = repr(_short(path)) if path else f"{len(data or b'')} bytes"
+    if data is None and not os.path.lexists(path):
+        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {what} does not exist; give paths relative to the input "
+                                         "file's folder, or set --media-root")
     try:
-        with PILImage.open(io.BytesIO(data) if data is not None else path) as im:
+        # A path is opened through the one checked open (packers.files): a FIFO, a device or a folder named as an
+        # image is refused by its kind, never opened (a FIFO would block the worker for good).
+        source = io.BytesIO(data) if data is not None else open_checked(path, what=f"{at}: image")
+    except PackstreamError as e:
+        raise Rejected(Reason.BAD_IMAGE, str(e)) from None
+    try:
+        with source, PILImage.open(source) as im:
             size = im.size
             im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
             im.load()
             return size
-    except FileNotFoundError:
-        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {what} does not exist; give paths relative to the input "
-                                         "file's folder, or set --media-root") from None
     except Exception as e:  # noqa: BLE001 - every way a file fails to decode is a dead letter with its reason
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise Rejected(Reason.BAD_IMAGE, f"{at}: image {what} cannot be read ({type(e).__name__}: {_short(first)}); "

@@ -148,3 +148,17 @@ def test_a_missing_remapped_path_names_both_paths_and_remap():
         Collator(vision=SPEC, pixels=pixels)([image_row({"path": "/data/imgs/a.png", "bytes": None})])
     with pytest.raises(PackstreamError, match=r"remap=.*'imgs' -> '/mnt'; each entry maps an absolute path prefix"):
         PixelLoader(vision=SPEC, remap={"imgs": "/mnt"})
+
+
+def test_a_fifo_where_an_image_was_is_refused_at_load_not_waited_on(tmp_path):
+    """At training time too an image path goes through the one checked open: a FIFO (or device) where the packed
+    image was is one error line, never a DataLoader worker blocked for good."""
+    import os
+
+    fifo = tmp_path / "img.png"
+    os.mkfifo(fifo)
+    loader = PixelLoader(vision=VisionSpec.builtin("qwen2-vl"))
+    with pytest.raises(PackstreamError, match="is a FIFO"):
+        loader.open({"path": str(fifo), "bytes": None})
+    with pytest.raises(PackstreamError, match="is a device"):
+        loader.open({"path": "/dev/zero", "bytes": None})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import os
 import json
 from collections import Counter
 from pathlib import Path
@@ -625,3 +626,19 @@ def test_embedded_images_over_a_chunk_are_written_in_several_batches_with_the_sa
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "chunked")]).exit_code == 0
     ds = packers.PackedDataset(tmp_path / "chunked")
     assert sum(len(r["images"]) for r in ds.fetch(range(len(ds.rows)))) == 12
+
+
+def test_a_fifo_a_device_or_a_folder_named_as_an_image_is_a_dead_letter_not_a_hang(tmp_path, tokenizer):
+    """Image paths go through the one checked open (packers.files): opening a FIFO would block the worker for good;
+    it, a device and a folder are bad_image dead letters naming what they are."""
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(_user_image(p)) + "\n" for p in (str(fifo), "/dev/zero", str(tmp_path))))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl",
+                                       "-o", str(out), "-q"])
+    assert result.exit_code == 3 and "Traceback" not in result.output  # nothing packed: exit 3, one line
+    dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["bad_image"] * 3
+    assert ["FIFO" in dead[0]["detail"], "device" in dead[1]["detail"], "folder" in dead[2]["detail"]] == [True] * 3
