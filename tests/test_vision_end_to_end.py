@@ -166,3 +166,91 @@ def test_packed_records_equal_each_record_prepared_by_transformers(tmp_path, tok
         want = torch.nn.functional.cross_entropy(alone[:-1], labels[1:], reduction="none")[target[1:]].mean()
         got = per_example.loss[s]
         assert abs(float(got) - float(want)) <= TOL, f"example {row['example_ids'][j]}: loss {got} vs {want}"
+
+
+def test_llava_records_packed_by_the_job_equal_each_record_alone(tmp_path):
+    """LLaVA-format records (``image`` beside ``conversations`` with ``<image>`` in the first turn, and LLaMA-Factory
+    ``images`` + ``<image>``) packed by ``packstream pack --processor <a LLaVA processor folder>``, loaded and
+    collated with ``Collator(vision=ds.vision)``: each image is the processor's fixed run of ``<image>`` tokens, and
+    a tiny LLaVA's logits on the packed batch equal each record's alone (pixels from transformers' LLaVA processor)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from tests._internals import default_tokenizer_path
+
+    tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.save_pretrained(tmp_path / "tok")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+        "crop_size": {"height": 42, "width": 42}, "size": {"shortest_edge": 42}}))
+    (proc / "processor_config.json").write_text(json.dumps({
+        "image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": 14,
+        "processor_class": "LlavaProcessor", "vision_feature_select_strategy": "default"}))
+    rng = np.random.default_rng(5)
+    lines = []
+    for r in range(8):
+        n = int(rng.integers(0, 3))
+        names = []
+        for k in range(n):
+            names.append(f"l{r}_{k}.png")
+            PIL.fromarray(rng.integers(0, 256, (int(rng.integers(20, 120)), int(rng.integers(20, 120)), 3),
+                                       dtype=np.uint8)).save(tmp_path / names[-1])
+        question = "<image>\n" * n + " ".join(rng.choice(WORDS, int(rng.integers(1, 8))))
+        answer = " ".join(rng.choice(WORDS, int(rng.integers(1, 6))))
+        if r % 2:
+            lines.append({"images": names, "messages": [{"role": "user", "content": question},
+                                                        {"role": "assistant", "content": answer}]})
+        else:
+            lines.append({**({"image": names if n != 1 else names[0]} if n else {}), "conversations": [
+                {"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+    data = tmp_path / "llava.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", str(tmp_path / "tok"), "--processor",
+                                       str(proc), "--max-tokens", "400", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 8
+
+    image = tok.convert_tokens_to_ids("<image>")
+    ds = packers.PackedDataset(out)
+    assert ds.vision.image_tokens(640, 480) == 9
+    rows = ds.fetch(range(len(ds.rows)))
+    used = sorted({int(t) for r in rows for t in r["input_ids"]} | {image})
+    fold = np.zeros(max(used) + 1, np.int64)
+    fold[used] = np.arange(len(used))
+    text = dict(model_type="llama", vocab_size=len(used) + 1, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=42, patch_size=14, projection_dim=32)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=int(fold[image]),
+                                   image_seq_length=9, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").eval()
+    batch = packers.Collator(vision=ds.vision)([{**r, "input_ids": fold[r["input_ids"]]} for r in rows])
+    packers.check_packing_safe(model, batch)
+    with torch.no_grad():
+        logits = model(**batch).logits[0]
+    processor = LlavaImageProcessorPil(size={"shortest_edge": 42}, crop_size={"height": 42, "width": 42})
+    cu = batch["cu_seq_lens_q"].tolist()
+    s = 0
+    for row in rows:
+        for j in range(len(row["example_ids"])):
+            a, z = int(row["seq_offsets"][j]), int(row["seq_offsets"][j + 1])
+            mine = [im for im, o in zip(row["images"], row["image_offsets"]) if a <= o < z]
+            ids = row["input_ids"][a:z]
+            assert int((ids == image).sum()) == 9 * len(mine)  # each image the processor's 9 tokens
+            kwargs = {}
+            if mine:
+                kwargs["pixel_values"] = processor(images=[PIL.open(im["path"]).convert("RGB") for im in mine],
+                                                   return_tensors="pt")["pixel_values"]
+            with torch.no_grad():
+                alone = model(input_ids=torch.from_numpy(fold[ids])[None], use_cache=False, **kwargs).logits[0]
+            diff = (logits[cu[s]:cu[s + 1]] - alone).abs().max().item()
+            assert diff <= TOL, f"{row['example_ids'][j]}: logits differ by {diff:.2e}"
+            s += 1
+    assert s == 8
