@@ -16,6 +16,12 @@ least 2e-2 on logits/loss and 5e-2 on gradients. A cross-example leak is ~0.2-0.
 and the script shows it catches one (sdpa with use_cache on in the batch), and that the packing guard's
 probe refuses, at bf16 on this device, a model made to leak where the batch does not show it.
 
+Vision-language rows (``check_vision``): a tiny random Qwen2-VL (bf16) on each backend, five examples (two with
+images, one with two) packed into two rows by ``Collator(vision=...)`` ([4, 1, T] positions, pixel_values), against
+each example run alone as transformers runs it. Two layouts: with ``cu_seq_lens`` (which transformers also hands
+to the vision tower: the packing guard refuses that layout on a flash/varlen tower, and this check measures whether
+the refusal is needed) and ``return_flash_attn_kwargs=False`` (the text boundaries from position_ids row 0 only).
+
 A backend that cannot run here is reported as not checked, with why ("not checked: flash-attn not
 installed", "not checked: torch 2.9 has no torch.nn.attention.varlen"), and is not a pass. Exit
 status: 0 when every backend was checked and passed, 1 when a check failed, 2 when nothing failed
@@ -180,6 +186,130 @@ def check_model(kind: str, backends: dict[str, str | None]) -> list[dict]:
     return results
 
 
+VISION_IDS = {"image_token_id": 120, "vision_start_token_id": 121, "vision_end_token_id": 122, "video_token_id": 123}
+
+
+def make_vision_model(attn: str, dtype: torch.dtype):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]})
+    vision = dict(depth=2, embed_dim=128, hidden_size=256, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, mlp_ratio=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, **VISION_IDS)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration._from_config(cfg, attn_implementation=attn)
+    return model.to(device=DEVICE, dtype=dtype).train()
+
+
+def vision_data():
+    """Five examples (token ids, loss mask, image offsets, grids, PNG bytes) in two rows, and the spec."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from packers import VisionFamily, VisionSpec
+
+    spec = VisionSpec(family=VisionFamily.QWEN2_VL, name="gpu-check", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    rng = np.random.default_rng(2)
+    g = torch.Generator().manual_seed(3)
+    layouts = [[60, (140, 90), 30], [80], [20, (60, 200), 10, (300, 120), 40], [150], [10, (90, 90), 70]]
+    examples = []
+    for parts in layouts:
+        ids, offsets, grids, images = [], [], [], []
+        for part in parts:
+            if isinstance(part, int):
+                ids += torch.randint(2, 120, (part,), generator=g).tolist()
+                continue
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (part[1], part[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+            grid = spec.image_grid(*part)
+            ids.append(VISION_IDS["vision_start_token_id"])
+            offsets.append(len(ids))
+            ids += [VISION_IDS["image_token_id"]] * spec.grid_tokens(grid)
+            ids.append(VISION_IDS["vision_end_token_id"])
+            grids.append(grid)
+            images.append({"path": None, "bytes": buf.getvalue()})
+        mask = [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)
+        examples.append({"ids": ids, "mask": mask, "offsets": offsets, "grids": grids, "images": images})
+    rows = []
+    for chunk in (examples[:3], examples[3:]):
+        row = {"input_ids": [], "loss_mask": [], "seq_offsets": [0], "image_offsets": [], "image_grid_thw": [],
+               "images": []}
+        for ex in chunk:
+            at = len(row["input_ids"])
+            row["input_ids"] += ex["ids"]
+            row["loss_mask"] += ex["mask"]
+            row["seq_offsets"].append(len(row["input_ids"]))
+            row["image_offsets"] += [at + o for o in ex["offsets"]]
+            row["image_grid_thw"] += [v for grid in ex["grids"] for v in grid]
+            row["images"] += ex["images"]
+        rows.append(row)
+    return spec, rows, examples
+
+
+def run_vision_alone(model, spec, examples):
+    from packers import PixelLoader
+
+    pixels = PixelLoader(vision=spec)
+    model.zero_grad()
+    outs = []
+    for ex in examples:
+        ids = torch.tensor([ex["ids"]], device=DEVICE)
+        kwargs = {}
+        if ex["images"]:
+            pv, grid = pixels(ex["images"], ex["grids"])
+            kwargs = dict(pixel_values=pv.to(DEVICE, model.dtype), image_grid_thw=grid.to(DEVICE),
+                          mm_token_type_ids=(ids == VISION_IDS["image_token_id"]).int())
+        logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+        tok = per_token(logits, alone_labels(ex["ids"], ex["mask"]))
+        tok.sum().backward()
+        outs.append((logits.detach().float(), tok.detach()))
+    return outs, [p.grad.detach().float().clone() for p in model.parameters()]
+
+
+def check_vision(backends: dict[str, str | None]) -> list[dict]:
+    """Packed Qwen2-VL rows vs each example alone, per backend and layout (see the module docstring)."""
+    spec, rows, examples = vision_data()
+    ref, _ = run_vision_alone(make_vision_model("eager", torch.float32), spec, examples)
+    base, _ = run_vision_alone(make_vision_model("sdpa", torch.bfloat16), spec, examples)
+    tol_logits = max(4 * max((a[0] - b[0]).abs().max().item() for a, b in zip(ref, base)), 2e-2)
+    layouts = {"packed": Collator(vision=spec),
+               "packed, position_ids only": Collator(vision=spec, return_flash_attn_kwargs=False)}
+    results = []
+    for backend, why_not in backends.items():
+        if why_not:
+            results.append({"model": "qwen2-vl", "backend": backend, "status": why_not})
+            continue
+        model = make_vision_model(backend, torch.bfloat16)
+        alone, alone_grads = run_vision_alone(model, spec, examples)
+        for layout, collate in layouts.items():
+            row = {"model": "qwen2-vl", "backend": backend, "layout": layout}
+            try:
+                batch = to_device(collate(rows))
+                batch["pixel_values"] = batch["pixel_values"].to(model.dtype)
+                try:
+                    check_packing_safe(model, batch)
+                    guard = None
+                except PackstreamError as e:
+                    guard = str(e)
+                d = compare(alone, alone_grads, run_packed(model, batch), starts_of(batch) if "cu_seq_lens_q" in batch
+                            else (batch["position_ids"][0, 0] == 0).nonzero().flatten().tolist())
+                exact = d[0] <= tol_logits and d[1] <= tol_logits and d[2] <= 5e-2
+                if guard is None:
+                    status = "ok" if exact else "FAIL: the guard passed a batch that leaks"
+                else:  # measured anyway: is the refusal needed?
+                    status = f"ok (refused by the guard; measured {'exact' if exact else 'a leak'})"
+                row.update(logits=d[0], loss=d[1], grad_rel=d[2], tol_logits=tol_logits, status=status)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                traceback.print_exc()
+                row["status"] = f"FAIL: {type(e).__name__}: {e}"[:200]
+            results.append(row)
+    return results
+
+
 def _real_starts(batch, layout: str) -> list[int]:
     """Start of each real example in the flattened batch (fixed_shape adds one padding sequence per row)."""
     if layout == "packed, position_ids only":
@@ -217,7 +347,7 @@ def main(argv=None) -> int:
         return 2
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE} | torch {torch.__version__}")
     torch.backends.cuda.matmul.allow_tf32 = False
-    results = [r for kind in MODELS for r in check_model(kind, backends())]
+    results = [r for kind in MODELS for r in check_model(kind, backends())] + check_vision(backends())
     print("| model | backend | layout | logits | loss | grad (rel) | tol | status |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -288,4 +288,9 @@ def test_gpu_check_logic_on_cpu(cpu_varlen, monkeypatch, capsys):
     assert "ok (leak seen)" in out and "ok (refused)" in out and "FAIL" not in out
     monkeypatch.setattr(gpu_check, "backends", lambda: {cpu_varlen: None, "sdpa": None})  # every backend runs
     assert gpu_check.main([]) == 0
-    assert "0 failed, 0 not checked" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "0 failed, 0 not checked" in out
+    # Vision rows: the layout with cu_seq_lens on a varlen tower is refused by the guard (and measured anyway); the
+    # position_ids-only layout and sdpa run packed.
+    assert f"| qwen2-vl | {cpu_varlen} | packed | " in out and "ok (refused by the guard; measured" in out
+    assert "| qwen2-vl | sdpa | packed, position_ids only |" in out
