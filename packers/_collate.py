@@ -128,6 +128,7 @@ from packers._mrope import mrope_positions
 from packers._pixels import PixelLoader
 from packers._vision import VisionSpec
 from packers.errors import ContractError, PackstreamError
+from packers.rowcheck import check_images
 
 IGNORE_INDEX = -100
 """The label of a token that is not a training target (the ``ignore_index`` of the HF losses)."""
@@ -371,10 +372,8 @@ class Collator:
                 parts.weights.append(np.zeros(pad, dtype=np.float32))
 
     def _add_images(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
-        """Row ``i``'s images, checked: each one's placeholder run (``vision.grid_tokens`` of its grid) lies inside
-        one example, after the previous image's (for Qwen2-VL with a token between them), and is one token id
-        repeated; a LLaVA image's grid is the spec's one square grid (always checked: a wrong offset would give
-        every later image token another image's features and positions)."""
+        """Row ``i``'s images, checked by :func:`packers.rowcheck.check_images` (always: a wrong offset would give every
+        later image token another image's features and positions)."""
         if self.vision is None:
             raise PackstreamError(
                 f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
@@ -384,44 +383,14 @@ class Collator:
                 "image_grid_thw) the model needs")
         starts = np.asarray(row["image_offsets"], dtype=np.int64).reshape(-1)
         grids = np.asarray(row.get("image_grid_thw", ()), dtype=np.int64).reshape(-1)
-        if grids.shape[0] != 3 * starts.shape[0]:
-            raise ContractError(f"row {i}: {starts.shape[0]} image_offsets and {grids.shape[0]} image_grid_thw values; "
-                                "3 (t, h, w) per image")
-        grids = grids.reshape(-1, 3)
-        v = self.vision
-        square = None if v.family.mrope else v.image_grid(v.image_size, v.image_size)  # LLaVA: every image's grid
-        n, last = ids.shape[0], 0
-        for k, (at, grid) in enumerate(zip(starts.tolist(), grids.tolist())):
-            count = self.vision.grid_tokens(grid)
-            seq = int(np.searchsorted(offs, at, side="right")) - 1
-            where = f"row {i}, image {k}: {count} placeholder tokens (grid {tuple(grid)}) at token {at}"
-            if at < last or min(grid) < 1:
-                raise ContractError(f"{where}: overlaps the previous image (it ends at token {last}) or has an "
-                                    "empty grid; image_offsets must increase with each image's tokens")
-            if k and at == last and v.family.mrope:
-                # transformers' get_rope_index groups consecutive image tokens (itertools.groupby over token types):
-                # two touching runs are one group given only the first image's grid, and the example alone raises
-                # (5.25: "The expanded size of the tensor ... must match"). No positions to match: refused.
-                raise ContractError(f"{where} start right where image {k - 1} ends, with no text token between; "
-                                    f"{v.family.value}'s model takes touching image runs for one image and cannot "
-                                    "run the example even alone: put a token between images (the chat template's "
-                                    f"{v.vision_end or ''}{v.vision_start or ''} does)")
-            if square is not None and tuple(grid) != square:
-                raise ContractError(f"{where}: every image of the vision spec {v.name or v.family.value} (image_size "
-                                    f"{v.image_size}, patch {v.patch_size}) has grid {square}, "
-                                    f"{v.grid_tokens(square)} tokens; the row was packed with another vision spec?")
-            if not 0 <= seq < offs.shape[0] - 1 or at + count > offs[seq + 1]:
-                raise ContractError(f"{where} cross the end of their example (seq_offsets {offs.tolist()[:8]}) or of "
-                                    f"the row ({n} tokens); the row was packed with another vision spec?")
-            run = ids[at:at + count]
-            if (run != run[0]).any():
-                raise ContractError(f"{where}: the tokens there are not one placeholder id repeated "
-                                    f"({run[:8].tolist()}...); the row was packed with another vision spec?")
-            last = at + count
         refs = row.get("images")
         refs = list(refs) if refs is not None else []
-        if self.decode_images and len(refs) != starts.shape[0]:
-            raise ContractError(f"row {i}: {len(refs)} images for {starts.shape[0]} image_offsets; one per image")
+        # Without decoding, the image references are not needed: their count is not checked.
+        f = check_images(i, ids, None, offs, starts, grids, len(refs) if self.decode_images else len(starts),
+                         self.vision)
+        if f is not None:
+            raise ContractError(f"row {i}{', ' if f.detail.startswith('image ') else ': '}{f.detail}")
+        grids = grids.reshape(-1, 3)
         ids_of = row.get("example_ids")
         for k, at in enumerate(starts.tolist()):
             seq = int(np.searchsorted(offs, at, side="right")) - 1

@@ -334,38 +334,53 @@ def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | No
 # -- rows with images (contract version 4) ---------------------------------------------------------------------------
 
 
-def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray, seq_offsets: np.ndarray,
-                 image_offsets: np.ndarray, image_grid_thw: np.ndarray, n_images: int, spec: Any) -> Failure | None:
-    """Row ``row``'s image columns against its tokens (:data:`packers.schema.VISION_SCHEMA`): one grid of three
-    positive sides and one image per offset; each image's placeholder run (``spec.grid_tokens(grid)`` tokens from
-    its offset) inside one sequence, after the one before it, one token id throughout, and never a target."""
-    k = len(image_offsets)
-    if len(image_grid_thw) != 3 * k or n_images != k:
-        return Failure(row, "images", f"{k} image_offsets, {len(image_grid_thw)} image_grid_thw values "
-                                      f"(3 per image) and {n_images} images")
-    if not k:
-        return None
-    grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(k, 3)
-    if (grids < 1).any():
-        j = _first((grids < 1).any(axis=1))
-        return Failure(row, "images", f"image {j} has grid {grids[j].tolist()}; every side must be >= 1")
-    starts = np.asarray(image_offsets, dtype=np.int64)
-    runs = np.array([spec.grid_tokens(g) for g in grids], dtype=np.int64)
-    stops = starts + runs
-    seq = np.searchsorted(seq_offsets, starts, side="right") - 1
-    inside = (starts >= 0) & (seq < len(seq_offsets) - 1)
-    inside[inside] &= stops[inside] <= seq_offsets[seq[inside] + 1]
-    ordered = np.ones(k, dtype=bool)
-    ordered[1:] = starts[1:] >= stops[:-1]
-    if not (inside & ordered).all():
-        j = _first(~(inside & ordered))
-        return Failure(row, "images", f"image {j}'s {int(runs[j])} placeholder tokens from offset {int(starts[j])} "
-                                      f"{'overlap the image before it' if inside[j] else 'leave their sequence'}")
-    for j in range(k):
-        run = input_ids[starts[j]:stops[j]]
-        if (run != run[0]).any() or (j and run[0] != input_ids[starts[0]]):
-            return Failure(row, "images", f"image {j}'s placeholder run at {int(starts[j])} holds other tokens than "
-                                          "the image token")
-        if loss_mask[starts[j]:stops[j]].any():
-            return Failure(row, "images", f"image {j}'s placeholder tokens at {int(starts[j])} are marked as targets")
+def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
+                 image_offsets: Any, image_grid_thw: Any, n_images: int, spec: Any) -> Failure | None:
+    """Row ``row``'s image columns against its tokens (:data:`packers.schema.VISION_SCHEMA`), under the vision spec
+    ``spec``: three grid values and one image (``n_images``) per offset; each image's placeholder run
+    (``spec.grid_tokens(grid)`` tokens from its offset) after the previous one, inside one sequence, one token id
+    throughout (the same for every image), never a target; for an mRoPE spec (Qwen2-VL) never touching the
+    previous run (transformers' ``get_rope_index`` groups consecutive image tokens into one image, and raises even
+    on the example alone); for LLaVA the spec's one square grid. The one definition: the loader, the Collator and
+    ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
+    rows). A failure's detail starts with ``image K:`` when one image breaks a rule."""
+    starts = np.asarray(image_offsets, dtype=np.int64).reshape(-1)
+    flat = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1)
+    k = starts.shape[0]
+    if flat.shape[0] != 3 * k:
+        return Failure(row, "images", f"{k} image_offsets and {flat.shape[0]} image_grid_thw values; 3 (t, h, w) per "
+                                      "image")
+    if n_images != k:
+        return Failure(row, "images", f"{n_images} images for {k} image_offsets; one per image")
+    square = None if spec.family.mrope else spec.image_grid(spec.image_size, spec.image_size)  # LLaVA: every image's
+    n, last, image_id = len(input_ids), 0, None
+    for j, (at, grid) in enumerate(zip(starts.tolist(), flat.reshape(-1, 3).tolist())):
+        count = spec.grid_tokens(grid)
+        seq = int(np.searchsorted(seq_offsets, at, side="right")) - 1
+        where = f"image {j}: {count} placeholder tokens (grid {tuple(grid)}) at token {at}"
+        if at < last or min(grid) < 1:
+            return Failure(row, "images", f"{where}: overlaps the previous image (it ends at token {last}) or has an "
+                                          "empty grid; image_offsets must increase with each image's tokens")
+        if j and at == last and spec.family.mrope:
+            return Failure(row, "images", f"{where} start right where image {j - 1} ends, with no text token between; "
+                                          f"{spec.family.value}'s model takes touching image runs for one image and "
+                                          "cannot run the example even alone: put a token between images (the chat "
+                                          f"template's {spec.vision_end or ''}{spec.vision_start or ''} does)")
+        if square is not None and tuple(grid) != square:
+            return Failure(row, "images", f"{where}: every image of the vision spec {spec.name or spec.family.value} "
+                                          f"(image_size {spec.image_size}, patch {spec.patch_size}) has grid {square}, "
+                                          f"{spec.grid_tokens(square)} tokens; the row was packed with another vision "
+                                          "spec?")
+        if not 0 <= seq < len(seq_offsets) - 1 or at + count > seq_offsets[seq + 1]:
+            return Failure(row, "images", f"{where} cross the end of their example (seq_offsets "
+                                          f"{np.asarray(seq_offsets).tolist()[:8]}) or of the row ({n} tokens); the row "
+                                          "was packed with another vision spec?")
+        run = np.asarray(input_ids[at:at + count])
+        if (run != run[0]).any() or (image_id is not None and run[0] != image_id):
+            return Failure(row, "images", f"{where}: the tokens there are not one placeholder id repeated, the same as "
+                                          f"the first image's ({run[:8].tolist()}...); the row was packed with another "
+                                          "vision spec?")
+        if loss_mask is not None and np.asarray(loss_mask[at:at + count]).any():
+            return Failure(row, "images", f"{where} are marked as training targets; a placeholder never is one")
+        image_id, last = run[0], at + count
     return None
