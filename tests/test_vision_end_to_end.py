@@ -23,25 +23,12 @@ from click.testing import CliRunner
 
 import packers
 from pipeline.cli import main
+from tests.test_vision_pipeline import VISION_TOKENS, save_tokenizer, tokenizer  # noqa: F401 - tokenizer: a fixture
 
 PIL = pytest.importorskip("PIL.Image")
 TOL = 1e-5
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 MAX_PIXELS = 28 * 28 * 12  # a few dozen tokens per image keep the model's sequences short on CPU
 WORDS = "red square blue circle what colour shape is this describe the picture please answer".split()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    from tests._internals import default_tokenizer_path
-
-    tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    folder = tmp_path_factory.mktemp("vl-tokenizer")
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 def _processor_folder(root: Path) -> Path:
@@ -174,14 +161,10 @@ def test_llava_records_packed_by_the_job_equal_each_record_alone(tmp_path):
     collated with ``Collator(vision=ds.vision)``: each image is the processor's fixed run of ``<image>`` tokens, and
     a tiny LLaVA's logits on the packed batch equal each record's alone (pixels from transformers' LLaVA processor)."""
     import transformers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-    from tests._internals import default_tokenizer_path
-
-    tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tok.save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(save_tokenizer(tmp_path / "tok", ["<image>"]))
     proc = tmp_path / "proc"
     proc.mkdir()
     (proc / "preprocessor_config.json").write_text(json.dumps({

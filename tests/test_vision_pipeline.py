@@ -31,18 +31,22 @@ VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 SPEC = VisionSpec.builtin("qwen2-vl")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> str:
-    """The default tokenizer with Qwen's vision tokens, saved to a folder (what --tokenizer gets)."""
+def save_tokenizer(folder: Path, tokens: list[str]) -> str:
+    """The default tokenizer with ``tokens`` added as special tokens, saved to ``folder`` (what --tokenizer gets)."""
     from transformers import PreTrainedTokenizerFast
 
     from tests._internals import default_tokenizer_path
 
     tok = PreTrainedTokenizerFast.from_pretrained(default_tokenizer_path())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    folder = tmp_path_factory.mktemp("vl-tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": tokens})
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    """The default tokenizer with Qwen's vision tokens."""
+    return save_tokenizer(tmp_path_factory.mktemp("vl-tokenizer"), VISION_TOKENS)
 
 
 def _image(path: Path, size: tuple[int, int], color: str = "red") -> Path:
