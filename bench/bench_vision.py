@@ -151,8 +151,7 @@ def media_layout(out: Path, rows: list[dict], spec_json: str, sample: int) -> di
     """Bytes per image of each layout, and the loader's CPU per image to get pixel_values from each."""
     import pyarrow as pa
 
-    from packers import VisionSpec
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from packers import PixelLoader, VisionSpec
     from PIL import Image
 
     spec = VisionSpec.from_json(spec_json)
@@ -162,9 +161,7 @@ def media_layout(out: Path, rows: list[dict], spec_json: str, sample: int) -> di
     file_bytes = sum(os.path.getsize(img["path"]) for img, _ in images)
     patch_dim = 3 * spec.temporal_patch_size * spec.patch_size ** 2
     pixel_bytes = sum(int(np.prod(grid)) * patch_dim * 4 for _, grid in images)
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
-                                         patch_size=spec.patch_size, merge_size=spec.merge_size,
-                                         temporal_patch_size=spec.temporal_patch_size)
+    processor = PixelLoader(vision=spec).image_processor  # the loader's own processor
     picked = images[:sample]
 
     def decode(img: dict) -> dict:
@@ -197,8 +194,7 @@ def embedded_layout(out: Path, embedded: Path, rows: list[dict], sample: int) ->
     """The ``--images embed`` run beside the reference run ``out``: its shard bytes (per image: what embedding adds
     over a reference, measured from the two runs' shards), and the loader's CPU per image to decode from the
     embedded bytes (the same images, and the same processor, as the reference run's timing; pixels checked equal)."""
-    from packers import VisionSpec
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from packers import PixelLoader, VisionSpec
     from PIL import Image
     import io
 
@@ -210,9 +206,7 @@ def embedded_layout(out: Path, embedded: Path, rows: list[dict], sample: int) ->
     ref_shards = sum(f.stat().st_size for f in out.rglob("*.arrow"))
     shards = sum(f.stat().st_size for f in embedded.rglob("*.arrow"))
     ref_bytes = sum(len(img["path"].encode()) for img in refs)
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
-                                         patch_size=spec.patch_size, merge_size=spec.merge_size,
-                                         temporal_patch_size=spec.temporal_patch_size)
+    processor = PixelLoader(vision=spec).image_processor  # the loader's own processor
     picked = [by_name[os.path.basename(img["path"])] for img in refs[:sample]]
 
     def decode(data: bytes) -> np.ndarray:
