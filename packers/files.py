@@ -35,6 +35,7 @@ has no leading underscore; users reach the same names through :mod:`packers`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -130,6 +131,101 @@ def open_checked(path: str, *, what: str, opener: Optional[Callable[[str], IO[by
             )
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class OutsideRoot(PackstreamError):
+    """A path that leads outside the folder it must stay in (:func:`within` and :func:`open_beneath`); the
+    path, its real target and the root are carried as data."""
+
+    def __init__(self, path: str, target: str, root: str, what: str, moved: bool = False) -> None:
+        self.path, self.target, self.root = path, target, root
+        how = ("changed while it was opened (a link appeared in it)" if moved else
+               f"leads to {show_path(target)}" + (" through a link" if target != os.path.abspath(path) else ""))
+        super().__init__(f"{what} {show_path(path)} {how}, outside {show_path(root)}; only files under that folder "
+                         "are read")
+
+
+def real_folder(path: str) -> str:
+    """The absolute, real (links resolved) path of the folder ``path``: the root :func:`within` and
+    :func:`open_beneath` hold paths under."""
+    return os.path.realpath(os.path.abspath(path))
+
+
+def within(root: str, path: str, *, what: str) -> str:
+    """The real path of ``path`` (absolute, every link resolved, ``..`` applied), which must lie under the real
+    folder ``root`` (:func:`real_folder`), else :class:`OutsideRoot`. A look-up, not a read:
+    :func:`open_beneath` opens the result so that the check also holds at open time.
+
+    >>> within("/data", "/data/a/../b.png", what="image")
+    '/data/b.png'
+    >>> within("/data", "/data/../etc/x.png", what="image")
+    Traceback (most recent call last):
+    ...
+    packers.files.OutsideRoot: image /data/../etc/x.png leads to /etc/x.png, outside /data; only files under that folder are read
+    """
+    real = os.path.realpath(path)
+    if not _under(root, real):
+        raise OutsideRoot(path, real, root, what)
+    return real
+
+
+def _under(root: str, real: str) -> bool:
+    return real == root or real.startswith(root if root.endswith(os.sep) else root + os.sep)
+
+
+def open_beneath(root: str, real: str, *, what: str) -> IO[bytes]:
+    """:func:`open_checked` of ``real`` (a real path under the real folder ``root``, as :func:`within` gives it),
+    opened so that it is still under ``root`` when it is opened: each component is opened from its parent's
+    descriptor, starting at ``root``'s, with ``O_NOFOLLOW``. ``real`` holds no links, so a link met on the way
+    means a component was swapped for one after the look-up (it could lead out): :class:`OutsideRoot`, never
+    followed. A missing file, a FIFO, a device or a folder fail as in :func:`open_checked`."""
+    if not _under(root, real):
+        raise OutsideRoot(real, real, root, what)
+    if os.open not in os.supports_dir_fd or not hasattr(os, "O_NOFOLLOW"):  # no descriptor-relative opens here
+        f = open_checked(real, what=what)
+        if not _under(root, os.path.realpath(real)):
+            f.close()
+            raise OutsideRoot(real, os.path.realpath(real), root, what, moved=True)
+        return f
+    rel = os.path.relpath(real, root)
+    parts = [] if rel == os.curdir else rel.split(os.sep)  # the root itself: a folder, refused below as one
+    nofollow = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        parent = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise PackstreamError(f"cannot read {what} {show_path(real)}: the folder {show_path(root)}: "
+                              f"{e.strerror or e}; check the path and its permissions") from None
+    try:
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            flags = (os.O_RDONLY | nofollow | (getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) if last
+                                               else getattr(os, "O_DIRECTORY", 0)))
+            try:
+                fd = os.open(part, flags, dir_fd=parent)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR, getattr(errno, "EMLINK", errno.ELOOP)):
+                    if os.path.islink(os.path.join(root, *parts[:k + 1])) or e.errno == errno.ELOOP:
+                        raise OutsideRoot(real, real, root, what, moved=True) from None
+                raise PackstreamError(f"cannot read {what} {show_path(real)}: {e.strerror or e}; check the path and "
+                                      "its permissions") from None
+            os.close(parent)
+            parent = fd
+        fd, parent = parent, -1
+    finally:
+        if parent >= 0:
+            os.close(parent)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PackstreamError(
+                f"{what} {show_path(real)} is {_what(st.st_mode)}; packstream reads regular files only: copy the data "
+                "to a file"
+            )
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -131,10 +131,15 @@ class Encoder:
             v = self.vision
             self.image_text = (v.vision_start or "") + v.image_token + (v.vision_end or "")
         self._folders = dict(folders or {})
+        self._roots: dict[str, _media.MediaRoot] = {}
 
-    def _image_base(self, source: str) -> str:
-        """Where relative image paths of ``source`` resolve: --media-root, else the input's folder."""
-        return self.options.media_root or self._folders.get(source) or os.getcwd()
+    def _media_root(self, source: str) -> _media.MediaRoot:
+        """The folder the images of ``source`` resolve against and must lie under: --media-root, else the input's
+        folder (:func:`pipeline._media.media_root`)."""
+        root = self._roots.get(source)
+        if root is None:
+            root = self._roots[source] = _media.media_root(self.options.media_root, self._folders.get(source))
+        return root
 
     # -- per record ---------------------------------------------------------------------------
     def _sampled(self, dataset: int, example_id: str) -> bool:
@@ -207,8 +212,8 @@ class Encoder:
                 ceid = eid if k == 0 else f"{eid}~p{k + 1}"
                 try:
                     if conv.images:
-                        p.images[len(p.meta)] = _media.measure(conv.images, self._image_base(source), self.vision,
-                                                               self.options.images)
+                        p.images[len(p.meta)] = _media.measure(conv.images, self._media_root(source), self.vision,
+                                                               self.options.images, conv.notes)
                     if conv.tokens is not None:
                         p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
                     else:

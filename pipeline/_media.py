@@ -9,6 +9,14 @@ A reference is what the record holds (:attr:`pipeline._formats.Conversation.imag
     b"\\x89PNG..."                        encoded bytes
     "https://..."                        refused (remote_image): packing is offline
 
+**Every file read lies under the media root** (:class:`MediaRoot`: ``--media-root``, else the input file's
+folder). :func:`resolve` is the one resolver of every spelling (a relative or absolute path, ``file:`` URLs
+with or without a host, a struct without bytes): it takes the path's real target (links resolved, ``..``
+applied) and refuses one outside the root as ``outside_media_root``, naming the reference and the root; the
+file is then opened component by component from the root without following links
+(:func:`packers.files.open_beneath`), so a path swapped for a link between the look-up and the read is not
+followed out either. ``--media-root /`` is how a user says images may lie anywhere.
+
 and becomes an :class:`Image`: ``{path, bytes}`` as the row's ``images`` column stores it, its size read
 from the file's header with PIL (and the image decoded once, cheaply, to catch a file cut short), its patch
 grid and its token count from the run's :class:`packers.VisionSpec`. ``--images`` decides what a local path
@@ -32,10 +40,11 @@ import io
 import os
 import urllib.parse
 import urllib.request
-from typing import Any, Optional, Sequence
+import warnings
+from typing import IO, Any, Optional, Sequence
 
 from packers import ImageSizeError, PackstreamError, VisionSpec
-from packers.files import open_checked
+from packers.files import OutsideRoot, open_beneath, real_folder, within
 from pipeline._formats import Reason, Rejected
 from pipeline._options import ImageStorage
 
@@ -63,66 +72,147 @@ def _short(text: str) -> str:
     return text if len(text) <= _SHOWN else text[:_SHOWN - 3] + "..."
 
 
-def resolve(ref: Any, base: str, at: str) -> tuple[Optional[str], Optional[bytes]]:
-    """A reference -> ``(path, bytes)`` as a row stores it: one of the two set (bytes keep the record's name)."""
-    if isinstance(ref, dict):
-        data, path = ref.get("bytes"), ref.get("path")
-        if isinstance(data, (bytes, bytearray)) and data:
-            return (path if isinstance(path, str) and path else None), bytes(data)
-        if isinstance(path, str) and path:
-            return resolve(path, base, at)
-        raise Rejected(Reason.BAD_IMAGE, f"{at} is an image object with neither bytes nor a path (keys "
-                                         f"{sorted(map(str, ref))}); give {{bytes, path}} as Hugging Face datasets do")
-    if isinstance(ref, (bytes, bytearray)):
-        return None, bytes(ref)
-    if not isinstance(ref, str):
-        raise Rejected(Reason.BAD_TYPE, f"{at} is {type(ref).__name__}, expected an image path, URL or bytes")
+@dataclasses.dataclass(frozen=True)
+class MediaRoot:
+    """The folder a record's image files must lie under: ``--media-root``, else the folder of the input file
+    that names them. ``path`` is absolute (how summaries, the manifest and messages name it), ``real`` the same
+    with links resolved (what reads are held under), None for a remote folder (``gs://``: images are read from
+    local files only). ``--media-root /`` lets records name any file on the machine: said, never assumed."""
+
+    path: str
+    real: Optional[str]
+
+    @classmethod
+    def of(cls, folder: str) -> "MediaRoot":
+        if "://" in folder and not folder.startswith("file://"):
+            return cls(folder, None)
+        folder = folder[len("file://"):] if folder.startswith("file://") else folder
+        return cls(os.path.abspath(folder), real_folder(folder))
+
+
+def media_root(option: Optional[str], folder: Optional[str]) -> MediaRoot:
+    """The media root of an input in ``folder`` (its file's folder; None or "": read from standard input, the
+    working folder) under ``--media-root option`` (None: not given)."""
+    return MediaRoot.of(option or folder or os.getcwd())
+
+
+def media_roots(option: Optional[str], folders: Sequence[Optional[str]]) -> list[str]:
+    """The run's media roots, absolute, once each, sorted: what its summary and manifest name."""
+    return sorted({media_root(option, f).path for f in folders} if folders else {media_root(option, None).path})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one image's bytes come from: ``data`` the record holds, or the local file ``real`` (a real path under
+    the media root) which a row names as ``path``."""
+
+    path: Optional[str]
+    data: Optional[bytes]
+    real: Optional[str] = None
+
+
+def _outside(at: str, ref: str, root: MediaRoot, how: str) -> Rejected:
+    return Rejected(Reason.OUTSIDE_MEDIA_ROOT, f"{at} {_short(ref)!r} {how}, outside the media root {root.path}; only "
+                                               "images under it are read: move the image under it, or pass the folder "
+                                               "that holds every image as --media-root")
+
+
+def _local_path(ref: str, root: MediaRoot, at: str) -> str:
+    """A string reference that names a local file -> that path as written (relative or absolute), from every
+    spelling of a ``file:`` URL (``file:///a``, ``file:/a``, ``file://localhost/a``, percent-escapes decoded);
+    a URL of any other scheme, or a ``file:`` URL naming another host, is refused."""
     low = ref[:16].lower()
     if low.startswith(("http://", "https://")):
         raise Rejected(Reason.REMOTE_IMAGE, f"{at} is the URL {_short(ref)!r}; packstream packs offline: download the "
                                             "images and give their local paths (relative ones resolve against "
                                             "--media-root)")
-    if low.startswith("data:"):
+    if low.startswith("file:"):
+        url = urllib.parse.urlsplit(ref)
+        if url.netloc not in ("", "localhost"):
+            raise _outside(at, ref, root, f"names a file on the host {_short(url.netloc)!r}")
+        return urllib.request.url2pathname(url.path)
+    if "://" in ref[:32]:
+        raise Rejected(Reason.REMOTE_IMAGE, f"{at} is the URI {_short(ref)!r}; packstream reads images from local "
+                                            "paths only: copy them here and give their paths")
+    return ref
+
+
+def resolve(ref: Any, root: MediaRoot, at: str) -> Source:
+    """A reference -> its :class:`Source`: the bytes a record holds (keeping the record's name), or a local file
+    checked to lie under ``root`` (every link resolved, ``..`` applied; else ``outside_media_root``). The one
+    resolver: paths, ``file:`` URLs, data URLs, ``{bytes, path}`` structs (a struct without bytes is its path)."""
+    if isinstance(ref, dict):
+        data, path = ref.get("bytes"), ref.get("path")
+        if isinstance(data, (bytes, bytearray)) and data:
+            return Source((path if isinstance(path, str) and path else None), bytes(data))
+        if isinstance(path, str) and path:
+            return resolve(path, root, at)
+        raise Rejected(Reason.BAD_IMAGE, f"{at} is an image object with neither bytes nor a path (keys "
+                                         f"{sorted(map(str, ref))}); give {{bytes, path}} as Hugging Face datasets do")
+    if isinstance(ref, (bytes, bytearray)):
+        return Source(None, bytes(ref))
+    if not isinstance(ref, str):
+        raise Rejected(Reason.BAD_TYPE, f"{at} is {type(ref).__name__}, expected an image path, URL or bytes")
+    if ref[:5].lower() == "data:":
         head, _, payload = ref.partition(",")
         if not head.lower().startswith("data:image/") or not head.lower().endswith(";base64"):
             raise Rejected(Reason.BAD_IMAGE, f"{at} is a data URL of {_short(head)!r}; an image data URL is "
                                              "data:image/<type>;base64,<data>")
         try:
-            return None, base64.b64decode(payload, validate=True)
+            return Source(None, base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
             raise Rejected(Reason.BAD_IMAGE, f"{at}: the data URL's base64 does not decode ({e})") from None
-    if low.startswith("file:"):
-        ref = urllib.request.url2pathname(urllib.parse.urlparse(ref).path)
-    elif "://" in ref[:32]:
-        raise Rejected(Reason.REMOTE_IMAGE, f"{at} is the URI {_short(ref)!r}; packstream reads images from local "
-                                            "paths only: copy them here and give their paths")
-    path = os.path.abspath(os.path.join(base, os.path.expanduser(ref)))
-    return path, None
+    local = _local_path(ref, root, at)
+    if "\0" in local:
+        raise Rejected(Reason.BAD_IMAGE, f"{at} {_short(ref)!r} holds a NUL character, which no file name does")
+    if root.real is None:
+        raise Rejected(Reason.REMOTE_IMAGE, f"{at} {_short(ref)!r} names a file beside the remote input "
+                                            f"{_short(root.path)}; images are read from local files only: copy them "
+                                            "here and pass their folder as --media-root")
+    # Never ~-expanded: a record's text does not get to name the packing user's home. Normalized as written
+    # (x/../ removed), then its links resolved: the path a row stores names the file that was read.
+    path = os.path.abspath(os.path.join(root.path, local))
+    try:
+        real = within(root.real, path, what=at)
+    except OutsideRoot as e:
+        how = "leads there through a link" if e.target != os.path.normpath(path) else "is"
+        raise _outside(at, ref, root, f"{how} {_short(e.target)}" if how == "is" else how) from None
+    return Source(path, None, real)
 
 
-def image_size(path: Optional[str], data: Optional[bytes], at: str) -> tuple[int, int]:
+def _open(src: Source, root: MediaRoot, at: str):
+    """The local file of ``src`` opened under ``root`` (:func:`packers.files.open_beneath`: the check holds at open
+    time too); a missing file, a FIFO, a device, a folder or a file moved out since the look-up: Rejected."""
+    if not os.path.lexists(src.real):
+        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {_short(src.path)!r} does not exist; give paths relative to the "
+                                         "input file's folder, or set --media-root")
+    try:
+        return open_beneath(root.real, src.real, what=f"{at}: image")
+    except OutsideRoot:
+        raise _outside(at, src.path, root, "was swapped for a link while it was opened") from None
+    except PackstreamError as e:  # not a regular file, or no permission: its one line says which
+        raise Rejected(Reason.BAD_IMAGE, str(e)) from None
+
+
+def image_size(source: IO[bytes], what: str, at: str, notes: Optional[dict] = None) -> tuple[int, int]:
     """``(width, height)`` of an image that decodes: the size from its header, then the whole image read once (a
     JPEG at 1/8 scale, PIL's draft mode, so the check costs little), so that a file cut short or corrupt past its
     header is a dead letter here, not a crash in the training loader. Any failure of PIL's (it raises OSError,
-    ValueError, SyntaxError, struct.error, DecompressionBombError, ... on bad files) is one."""
+    ValueError, SyntaxError, struct.error, DecompressionBombError, ... on bad files) is one. PIL's
+    DecompressionBombWarning (an image over ``Image.MAX_IMAGE_PIXELS``) is counted in ``notes`` as
+    ``large_image``, shown in the run's summary, never printed."""
     from PIL import Image as PILImage
 
-    what = repr(_short(path)) if path else f"{len(data or b'')} bytes"
-    if data is None and not os.path.lexists(path):
-        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {what} does not exist; give paths relative to the input "
-                                         "file's folder, or set --media-root")
     try:
-        # A path is opened through the one checked open (packers.files): a FIFO, a device or a folder named as an
-        # image is refused by its kind, never opened (a FIFO would block the worker for good).
-        source = io.BytesIO(data) if data is not None else open_checked(path, what=f"{at}: image")
-    except PackstreamError as e:
-        raise Rejected(Reason.BAD_IMAGE, str(e)) from None
-    try:
-        with source, PILImage.open(source) as im:
-            size = im.size
-            im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
-            im.load()
-            return size
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PILImage.DecompressionBombWarning)
+            with source, PILImage.open(source) as im:
+                size = im.size
+                im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
+                im.load()
+        if notes is not None and any(issubclass(w.category, PILImage.DecompressionBombWarning) for w in caught):
+            notes["large_image"] = notes.get("large_image", 0) + 1
+        return size
     except Exception as e:  # noqa: BLE001 - every way a file fails to decode is a dead letter with its reason
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise Rejected(Reason.BAD_IMAGE, f"{at}: image {what} cannot be read ({type(e).__name__}: {_short(first)}); "
@@ -133,23 +223,18 @@ def _amount(n: int) -> str:
     return f"{n:,} bytes" if n < 2**20 else f"{n / 2**20:.4g} MiB"
 
 
-def read_image(path: str, at: str) -> bytes:
-    """The encoded bytes of the local image file ``path`` (``--images embed``), at most :data:`MAX_EMBED_BYTES`;
-    a missing, unreadable or larger file (or a FIFO, a device, a folder) is :class:`Rejected` (``bad_image``).
-    A file over the limit is refused by its size, before it is read."""
+def read_image(f: IO[bytes], path: str, at: str) -> bytes:
+    """The encoded bytes of the opened local image file ``f`` (``--images embed``), at most
+    :data:`MAX_EMBED_BYTES`; a larger or unreadable one is :class:`Rejected` (``bad_image``). A file over the
+    limit is refused by its size, before it is read."""
     limit = MAX_EMBED_BYTES
-    if not os.path.lexists(path):
-        raise Rejected(Reason.BAD_IMAGE, f"{at}: image {_short(path)!r} does not exist; give paths relative to the "
-                                         "input file's folder, or set --media-root")
-    try:
-        with open_checked(path, what=f"{at}: image") as f:
+    with f:
+        try:
             size = os.fstat(f.fileno()).st_size
             data = f.read(limit + 1) if size <= limit else b""
-    except PackstreamError as e:  # not a regular file, or no permission: its one line says which
-        raise Rejected(Reason.BAD_IMAGE, str(e)) from None
-    except OSError as e:
-        raise Rejected(Reason.BAD_IMAGE, f"{at}: cannot read image {_short(path)!r} ({e.strerror or e}); replace "
-                                         "the file or drop the record") from None
+        except OSError as e:
+            raise Rejected(Reason.BAD_IMAGE, f"{at}: cannot read image {_short(path)!r} ({e.strerror or e}); replace "
+                                             "the file or drop the record") from None
     size = max(size, len(data))
     if size > limit:
         raise Rejected(Reason.BAD_IMAGE, f"{at}: image {_short(path)!r} is {_amount(size)}, over the "
@@ -158,22 +243,28 @@ def read_image(path: str, at: str) -> bytes:
     return data
 
 
-def measure(refs: Sequence[Any], base: str, spec: VisionSpec,
-            storage: ImageStorage = ImageStorage.REFERENCE) -> list[Image]:
-    """The images of one example, resolved against ``base``, stored as ``storage`` says and sized under ``spec``;
-    or :class:`Rejected`. With :attr:`ImageStorage.EMBED` a local file is read once: the row stores those bytes
-    and they are what is sized and checked."""
+def measure(refs: Sequence[Any], root: MediaRoot, spec: VisionSpec,
+            storage: ImageStorage = ImageStorage.REFERENCE, notes: Optional[dict] = None) -> list[Image]:
+    """The images of one example, resolved under ``root`` (:func:`resolve`), stored as ``storage`` says and sized
+    under ``spec``; or :class:`Rejected`. A local file is opened once, under the root: with
+    :attr:`ImageStorage.EMBED` the row stores the bytes read then, and they are what is sized and checked."""
     out = []
     for k, ref in enumerate(refs):
         at = f"image {k + 1} of {len(refs)}"
-        path, data = resolve(ref, base, at)
-        stored = path
-        if storage is ImageStorage.EMBED and data is None:
-            data, stored = read_image(path, at), os.path.basename(path)
-        width, height = image_size(path, data, at)
+        src = resolve(ref, root, at)
+        stored, data = src.path, src.data
+        if data is not None:
+            source: IO[bytes] = io.BytesIO(data)
+        else:
+            source = _open(src, root, at)
+            if storage is ImageStorage.EMBED:
+                data, stored = read_image(source, src.path, at), os.path.basename(src.path)
+                source = io.BytesIO(data)
+        what = repr(_short(src.path)) if src.path else f"{len(data or b'')} bytes"
+        width, height = image_size(source, what, at, notes)
         try:
             grid = spec.image_grid(width, height)
         except ImageSizeError as e:
-            raise Rejected(Reason.BAD_IMAGE, f"{at} ({_short(path) if path else 'bytes'}): {e}") from None
+            raise Rejected(Reason.BAD_IMAGE, f"{at} ({_short(src.path) if src.path else 'bytes'}): {e}") from None
         out.append(Image(stored, data, grid, spec.grid_tokens(grid)))
     return out

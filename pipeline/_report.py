@@ -131,6 +131,15 @@ def _text_split_lines(manifest: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _media_roots(manifest: dict) -> list[tuple[str, str]]:
+    """A run with images: the folders (absolute) its image files were read under."""
+    roots = manifest.get("media_roots") or []
+    if not roots:
+        return []
+    more = f", and {len(roots) - 3} more" if len(roots) > 3 else ""
+    return [("images read under", printable(", ".join(roots[:3]) + more))]
+
+
 def summary_table(manifest: dict) -> str:
     """The run's counts for people: which tokenizer packed it, every reason a record left the main path, with its
     first case."""
@@ -154,6 +163,7 @@ def summary_table(manifest: dict) -> str:
                 for k, v in sorted(c["rejected_by_reason"].items(), key=lambda kv: -kv[1])]]
     if c["rejected_by_reason"].get("duplicate_id"):
         lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
+    lines += _media_roots(manifest)
     lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
     if c["dropped_too_long"] and case("too_long"):
         lines.append(("  too_long", case("too_long").lstrip()))

@@ -280,6 +280,7 @@ def test_corpus_is_big_and_covers_every_reason():
         "mapped_field_cut",  # only under --field: tests/test_formats.py
         "blank_text",  # plain text only, which a folder of other data does not read: tests/test_tabular_text.py
         "placeholder_mismatch", "bad_image", "remote_image",  # only under --processor: tests/test_vision_pipeline.py
+        "outside_media_root",  # only under --processor: tests/test_media_root.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
 

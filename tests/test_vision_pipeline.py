@@ -641,7 +641,7 @@ def test_a_fifo_a_device_or_a_folder_named_as_an_image_is_a_dead_letter_not_a_ha
     data.write_text("".join(json.dumps(_user_image(p)) + "\n" for p in (str(fifo), "/dev/zero", str(tmp_path))))
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl",
-                                       "-o", str(out), "-q"])
+                                       "--media-root", "/", "-o", str(out), "-q"])  # / : /dev/zero may be read
     assert result.exit_code == 3 and "Traceback" not in result.output  # nothing packed: exit 3, one line
     dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert [d["reason"] for d in dead] == ["bad_image"] * 3

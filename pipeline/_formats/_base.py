@@ -53,6 +53,7 @@ class Reason(str, enum.Enum):
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"  #: --processor: image placeholders and images differ in number
     BAD_IMAGE = "bad_image"  #: --processor: an image that is missing, unreadable, or of a size the processor refuses
     REMOTE_IMAGE = "remote_image"  #: --processor: an http(s) image URL (packing is offline)
+    OUTSIDE_MEDIA_ROOT = "outside_media_root"  #: --processor: an image file that is not under the media root
 
 
 class Rejected(Exception):
@@ -114,7 +115,8 @@ NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns
 """Notes that count turns a record held but its conversation does not (besides ``ignored_field:*``)."""
 
 NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
-              "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages"}
+              "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages",
+              "large_image": "images"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape

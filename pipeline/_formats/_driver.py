@@ -28,7 +28,7 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
-from pipeline._formats._images import IMAGE_COLUMNS, column_images, place_column, take_images
+from pipeline._formats._images import IMAGE_COLUMNS, column_images, place_column, refuse_private_use, take_images
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -147,6 +147,7 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
     used = shape.top_keys(record, options)
     column: tuple[Optional[str], list] = (None, [])
     if image_text is not None:
+        refuse_private_use(record)
         column = column_images(record, ctx)
         used = used | set(IMAGE_COLUMNS)
     elif not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+from packers import InternalError
 from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, _blank, _kind
 
 IMAGE_PARTS = ("image_url", "input_image", "image")
@@ -42,7 +43,7 @@ _OPEN, _CLOSE, _SLOT = "\ue000", "\ue001", "\ue002"
 """Private-use characters: a marker ``\\ue000<k>\\ue001`` for image ``k``; ``\\ue002`` for a part whose image is
 in the column."""
 _MARKER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
-_SLOTS = re.compile(f"{re.escape(PLACEHOLDER)}|{_SLOT}")
+_PRIVATE = re.compile(f"[{_OPEN}{_CLOSE}{_SLOT}]")
 NOT_YET = "videos are not packed yet"
 
 
@@ -92,22 +93,51 @@ def column_images(record: dict, ctx: Ctx) -> tuple[Optional[str], list]:
     return key, refs
 
 
+def refuse_private_use(record: Any) -> None:
+    """A record whose own text (any string in it, keys included) holds U+E000, U+E001 or U+E002, the characters
+    image places are marked with while a record is read, is ``placeholder_mismatch``: checked on the raw record,
+    before any mark is made, so no text of the record's can pass for one."""
+    stack = [record]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _PRIVATE.search(v):
+                raise Rejected(Reason.PLACEHOLDER_MISMATCH, "the record's text holds one of the private-use characters "
+                                                            "U+E000, U+E001, U+E002, which packstream marks image "
+                                                            "places with under --processor; remove them")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+def _placeholders(ctx: Ctx) -> "re.Pattern[str]":
+    """What stands for one image of the record's image column, for every processor alike: ``<image>``, the
+    processor's own placeholder text (``<|vision_start|><|image_pad|><|vision_end|>`` for Qwen2-VL), and an
+    image part without an image of its own."""
+    spelled = sorted({PLACEHOLDER, ctx.image_text or PLACEHOLDER}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, spelled)) + f"|{_SLOT}")
+
+
 def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx) -> None:
-    """Each ``<image>`` placeholder and column slot of the drafts' text, in order, becomes the marker of the
-    column's next image; their numbers must agree. Without a column, ``<image>`` stays text."""
+    """Each placeholder (:func:`_placeholders`) in the drafts' text, in order, becomes the marker of the column's
+    next image; their numbers must agree, with or without a column (an ``<image>`` with no image beside it, an
+    empty ``images`` list or CSV cell, is ``placeholder_mismatch`` under every processor)."""
     texts = [(t, "content") for d in drafts for t in (d.turns or ())] + [(d, "text") for d in drafts if d.text]
-    pattern = _SLOTS if key is not None else re.compile(_SLOT)
+    pattern = _placeholders(ctx)
     found = sum(len(pattern.findall(getattr(o, attr))) for o, attr in texts)
     if not found and not refs:
         return
+    if found != len(refs):
+        where = f"{len(refs)} in {key!r}" if key is not None else "no image beside the text (no 'images' column)"
+        raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} image placeholders (<image>, the "
+                                                    "processor's own image text, or image parts without an image of "
+                                                    f"their own) and the record {where}; give one placeholder per "
+                                                    "image, in order")
     if len(drafts) > 1:
         raise Rejected(Reason.NON_TEXT_CONTENT, "the record holds several conversations (a message tree) and images "
                                                 "beside the text; such records are not packed with images yet")
-    if found != len(refs):
-        where = f"{len(refs)} in {key!r}" if key is not None else "none beside the text (no 'images' column)"
-        raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} image placeholders (<image>, or image "
-                                                    f"parts without an image of their own) and the record {where}; "
-                                                    "give one placeholder per image, in order")
     order = iter(refs)
     for o, attr in texts:
         setattr(o, attr, pattern.sub(lambda _m: _marker(ctx, next(order)), getattr(o, attr)))
@@ -123,9 +153,8 @@ def take_images(conv: Conversation, ctx: Ctx) -> None:
 
     def one(m: re.Match) -> str:
         k = int(m.group(1))
-        if k in seen or k >= len(ctx.images):  # the record's own text held a marker's private-use characters
-            raise Rejected(Reason.PLACEHOLDER_MISMATCH, "the text holds the private-use characters U+E000..U+E002 "
-                                                        "packstream marks image places with; remove them")
+        if k in seen or k >= len(ctx.images):  # refuse_private_use keeps the record's own text from this
+            raise InternalError(f"image mark {k} met twice or beyond the record's {len(ctx.images)} images")
         seen.add(k)
         images.append(ctx.images[k])
         return ctx.image_text

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from typing import Any, Optional
 
 import packers
 from packers import InternalError, PackstreamError
 from packers.manifest import MANIFEST, Status
-from pipeline import _output, _trace, _write
+from pipeline import _media, _output, _trace, _write
 from pipeline._exit import ExitCode
 from pipeline._job._context import RunContext
 from pipeline._job._counts import by_count, count, reconcile, top_reasons
@@ -212,7 +213,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         "rejected_file": "rejected.jsonl",
     }
     if o.vision() is not None:  # a run with images: contract version 4 and the spec its shards carry
-        manifest.update(contract_version=packers.VISION_CONTRACT_VERSION, vision=o.vision().to_json())
+        manifest.update(contract_version=packers.VISION_CONTRACT_VERSION, vision=o.vision().to_json(),
+                        media_roots=_media.media_roots(o.media_root, [os.path.dirname(f.path) for f in ctx.files]))
     if ctx.skipped:  # files of a folder input not read, each with its reason; absent when none (byte-identical)
         manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]
     if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was

@@ -202,6 +202,11 @@ class PackOptions(FormatOptions):
             )
         if self.pairs:
             self._check_pairs()
+        if self.media_root is not None and "://" not in self.media_root:  # stored absolute: verify from anywhere
+            if not self.media_root.strip():
+                raise PackstreamError("--media-root '' is empty; give the folder that holds the images (--media-root / "
+                                      "lets records name any file on this machine), or omit it")
+            object.__setattr__(self, "media_root", os.path.abspath(self.media_root))
         if self.processor is not None or self.media_root is not None or self.images is not ImageStorage.REFERENCE:
             self._check_vision()
         for spec in self.config:
