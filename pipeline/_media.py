@@ -165,6 +165,11 @@ def resolve(ref: Any, root: MediaRoot, at: str) -> Source:
     local = _local_path(ref, root, at)
     if "\0" in local:
         raise Rejected(Reason.BAD_IMAGE, f"{at} {_short(ref)!r} holds a NUL character, which no file name does")
+    try:
+        local.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise Rejected(Reason.BAD_IMAGE, f"{at} {_short(ref)!r} holds a lone surrogate character, which no file name "
+                                         "does") from None
     if root.real is None:
         raise Rejected(Reason.REMOTE_IMAGE, f"{at} {_short(ref)!r} names a file beside the remote input "
                                             f"{_short(root.path)}; images are read from local files only: copy them "

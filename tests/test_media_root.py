@@ -414,3 +414,12 @@ def test_qwen_placeholder_text_in_a_record_is_counted_as_one_image(tmp_path, tok
     r = _pack(str(path), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out))
     assert r.exit_code == 0, r.output
     assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1
+
+
+@pytest.mark.parametrize("ref", ["\ud800.png", "x\x00y.png", "file:///%00", "", ".", "..", "/", "file:///",
+                                 "file://[::1]/a.png", "a" * 5000, {"path": 5}, 7])
+def test_odd_references_are_dead_letters_with_a_reason(tmp_path, ref):
+    root = _media.media_root(None, str(tmp_path))
+    with pytest.raises(_media.Rejected) as e:
+        _media.measure([ref], root, SPEC)
+    assert e.value.reason.value in ("bad_image", "bad_type", "outside_media_root") and "\n" not in e.value.detail
