@@ -96,8 +96,9 @@ still reads its size from the PNG's header and checks the row's grid against it.
 >>> from PIL import Image
 >>> from packers._vision import VisionSpec
 >>> png = io.BytesIO(); Image.new("RGB", (56, 56)).save(png, "PNG")
->>> vl_row = {"input_ids": [5, 90, 90, 90, 90, 6, 5, 7], "loss_mask": [0, 0, 0, 0, 0, 1, 0, 1], "seq_offsets": [0, 6, 8],
-...           "image_offsets": [1], "image_grid_thw": [1, 4, 4], "images": [{"path": None, "bytes": png.getvalue()}]}
+>>> vl_row = {"input_ids": [5, 90, 90, 90, 90, 6, 5, 7], "loss_mask": [0, 0, 0, 0, 0, 1, 0, 1],
+...           "seq_offsets": [0, 6, 8], "image_offsets": [1], "image_grid_thw": [1, 4, 4],
+...           "images": [{"path": None, "bytes": png.getvalue()}]}
 >>> v = Collator(vision=VisionSpec.builtin("qwen2-vl"), decode_images=False)([vl_row])
 >>> v["position_ids"][:, 0].tolist()
 [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 1, 1, 1, 3, 0, 1], [0, 1, 1, 2, 2, 3, 0, 1], [0, 1, 2, 1, 2, 3, 0, 1]]

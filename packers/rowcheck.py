@@ -395,8 +395,8 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
                        weights=[spec.grid_tokens(g) for g in flat.reshape(-1, 3).tolist()])[:nseq].astype(np.int64)
     if (bad := have != want).any():
         s = int(np.flatnonzero(bad)[0])
-        return Failure(row, "images", f"sequence {s} holds {int(have[s])} tokens of the placeholder id {int(image_id)}, "
-                                      f"its images' grids give {int(want[s])}: a placeholder token outside every image's "
-                                      "run (or a run longer than its grid); the row was packed with another vision "
-                                      "spec, or changed since packing?", sequence=s)
+        return Failure(row, "images", f"sequence {s} holds {int(have[s])} tokens of the placeholder id "
+                                      f"{int(image_id)}, its images' grids give {int(want[s])}: a placeholder token "
+                                      "outside every image's run (or a run longer than its grid); the row was packed "
+                                      "with another vision spec, or changed since packing?", sequence=s)
     return None
