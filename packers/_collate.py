@@ -89,9 +89,16 @@ One row, two examples, the first with an image of grid (1, 4, 4) (4 tokens ``I``
                     [0  1  1  2  2  3   0  1]      height    } after the image, 1 + max(4, 4) // 2 = 3
                     [0  1  2  1  2  3   0  1]]     width     }
 
+The image here is a 56 x 56 PNG embedded in the row (Qwen2-VL: grid (1, 4, 4)); without ``decode_images`` the Collator
+still reads its size from the PNG's header and checks the row's grid against it.
+
+>>> import io
+>>> from PIL import Image
 >>> from packers._vision import VisionSpec
+>>> png = io.BytesIO(); Image.new("RGB", (56, 56)).save(png, "PNG")
 >>> vl_row = {"input_ids": [5, 90, 90, 90, 90, 6, 5, 7], "loss_mask": [0, 0, 0, 0, 0, 1, 0, 1],
-...           "seq_offsets": [0, 6, 8], "image_offsets": [1], "image_grid_thw": [1, 4, 4], "images": [None]}
+...           "seq_offsets": [0, 6, 8], "image_offsets": [1], "image_grid_thw": [1, 4, 4],
+...           "images": [{"path": None, "bytes": png.getvalue()}]}
 >>> v = Collator(vision=VisionSpec.builtin("qwen2-vl"), decode_images=False)([vl_row])
 >>> v["position_ids"][:, 0].tolist()
 [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 1, 1, 1, 3, 0, 1], [0, 1, 1, 2, 2, 3, 0, 1], [0, 1, 2, 1, 2, 3, 0, 1]]
@@ -232,12 +239,14 @@ class Collator:
     """The :class:`packers.PixelLoader` that decodes the rows' images; None: ``PixelLoader(vision=vision)``."""
     decode_images: bool = True
     """Decode the rows' images into ``pixel_values``; False leaves that to you (the batch then has no pixels, only
-    ``image_grid_thw`` for Qwen2-VL, and a model fed it would read the placeholder tokens as text)."""
+    ``image_grid_thw`` for Qwen2-VL, and a model fed it would read the placeholder tokens as text). Either way each
+    image is opened and its grid checked against the packed one (without decoding, from its size in the file's
+    header: :meth:`PixelLoader.check_grids`), so a grid edited since packing never gives wrong positions."""
 
     def __post_init__(self) -> None:
         if self.pixels is not None and self.vision is None:
             raise PackstreamError("Collator(pixels=...) needs vision=... too: the spec the rows were packed with")
-        if self.vision is not None and self.pixels is None and self.decode_images:
+        if self.vision is not None and self.pixels is None:  # decoding or not, it reads each image's grid
             object.__setattr__(self, "pixels", PixelLoader(vision=self.vision))
         if self.budget is not None and self.budget < 1:
             raise PackstreamError(f"budget={self.budget} must be >= 1")
@@ -302,10 +311,9 @@ class Collator:
         with images ``image_grid_thw`` and ``pixel_values``. LLaVA: with images ``pixel_values`` alone (the 1-D
         positions are the model's own)."""
         if not self.vision.family.mrope:
-            if not parts.image_offsets or not self.decode_images:
+            if not parts.image_offsets:
                 return {}
-            pixels, _ = self.pixels(parts.images, np.concatenate(parts.image_grids), parts.image_names)
-            return {"pixel_values": pixels}
+            return self._pixels(parts, np.concatenate(parts.image_grids))
         mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
         out: dict[str, Any] = {}
         if parts.image_offsets:
@@ -317,10 +325,18 @@ class Collator:
                 a, b = int(starts[s]), int(ends[s])
                 mrope[:, a:b] = mrope_positions(b - a, offsets[here] - a, grids[here], self.vision.merge_size)
             out["image_grid_thw"] = torch.from_numpy(grids)
-            if self.decode_images:
-                out["pixel_values"], _ = self.pixels(parts.images, grids, parts.image_names)
+            out.update(self._pixels(parts, grids))
         out["position_ids"] = torch.from_numpy(np.concatenate([position_ids[None], mrope]))[:, None, :]
         return out
+
+    def _pixels(self, parts: _Parts, grids: np.ndarray) -> dict[str, Any]:
+        """``pixel_values`` of the batch's images, each checked to come out at its packed grid; without
+        ``decode_images`` only that check, from each image's header."""
+        if not self.decode_images:
+            self.pixels.check_grids(parts.images, grids, parts.image_names)
+            return {}
+        pixels, _ = self.pixels(parts.images, grids, parts.image_names)
+        return {"pixel_values": pixels}
 
     def _add(self, parts: _Parts, i: int, row: Mapping[str, Any]) -> None:
         """Row ``i``'s tokens, mask, sequence lengths (and pair columns, weights), checked, then its padding."""
@@ -385,9 +401,7 @@ class Collator:
         grids = np.asarray(row.get("image_grid_thw", ()), dtype=np.int64).reshape(-1)
         refs = row.get("images")
         refs = list(refs) if refs is not None else []
-        # Without decoding, the image references are not needed: their count is not checked.
-        f = check_images(i, ids, None, offs, starts, grids, len(refs) if self.decode_images else len(starts),
-                         self.vision)
+        f = check_images(i, ids, None, offs, starts, grids, len(refs), self.vision)
         if f is not None:
             raise ContractError(f"row {i}{', ' if f.detail.startswith('image ') else ': '}{f.detail}")
         grids = grids.reshape(-1, 3)

@@ -14,12 +14,13 @@ PIL and transformers are imported on first use (``import packers`` needs neither
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -97,11 +98,13 @@ class PixelLoader:
                                         patch_size=v.patch_size, merge_size=v.merge_size,
                                         temporal_patch_size=v.temporal_patch_size)
 
-    def open(self, image: Mapping[str, Any], where: str = "image") -> Any:
-        """One reference as an RGB PIL image; PackstreamError naming the path (or the bytes) when unreadable."""
+    @contextlib.contextmanager
+    def _pil(self, image: Mapping[str, Any] | None, where: str) -> Iterator[Any]:
+        """One reference opened by PIL (its header read, no pixel decoded yet); PackstreamError naming the path (or
+        the bytes) when it cannot be read, by PIL here or by what the caller does with it."""
         from PIL import Image
 
-        data, path = image.get("bytes"), image.get("path")
+        data, path = (image.get("bytes"), image.get("path")) if isinstance(image, Mapping) else (None, None)
         if data is None and not path:
             raise PackstreamError(f"{where}: neither bytes nor a path; the row's images must carry one of them")
         if data is not None:
@@ -115,7 +118,7 @@ class PixelLoader:
                 raise PackstreamError(f"{e} (stored as {path})") from None
         try:
             with Image.open(source) as im:
-                return im.convert("RGB")
+                yield im
         except Exception as e:  # noqa: BLE001 - PIL raises many types on a bad file; each is one line naming it
             hint = ("" if data is not None else
                     "; the folder's images must be readable where you train: map a moved folder with "
@@ -125,6 +128,31 @@ class PixelLoader:
         finally:
             if hasattr(source, "read"):
                 source.close()
+
+    def open(self, image: Mapping[str, Any], where: str = "image") -> Any:
+        """One reference as an RGB PIL image; PackstreamError naming the path (or the bytes) when unreadable."""
+        with self._pil(image, where) as im:
+            return im.convert("RGB")
+
+    def grid_of(self, image: Mapping[str, Any], where: str = "image") -> tuple[int, int, int]:
+        """The patch grid ``vision`` gives one reference, from its size in the file's header alone (no pixel decoded:
+        as the packer measured it). PackstreamError when unreadable, or of a size the processor refuses."""
+        with self._pil(image, where) as im:
+            width, height = im.size
+        try:
+            return self.vision.image_grid(width, height)
+        except PackstreamError as e:  # ImageSizeError: no area, or too thin
+            raise PackstreamError(f"{where}: {e}") from None
+
+    def check_grids(self, images: Sequence[Mapping[str, Any]], grids: Sequence[Sequence[int]] | np.ndarray,
+                    names: Sequence[str] | None = None) -> None:
+        """ContractError naming the first image whose size (read from its header, no pixel decoded) gives another
+        grid than the one it was packed for (``grids``, one ``(t, h, w)`` per image): what a Collator that does not
+        decode checks, so that a grid edited since packing (its height and width swapped: the same token count)
+        never gives the image's tokens wrong mRoPE positions."""
+        names = list(names) if names is not None else [f"image {i}" for i in range(len(images))]
+        got = np.array([self.grid_of(im, names[i]) for i, im in enumerate(images)], dtype=np.int64).reshape(-1, 3)
+        _compare_grids(images, got, grids, names, "its size gives patch grid")
 
     def __call__(self, images: Sequence[Mapping[str, Any]], grids: Sequence[Sequence[int]] | np.ndarray | None = None,
                  names: Sequence[str] | None = None) -> tuple[Any, Any]:
@@ -139,15 +167,7 @@ class PixelLoader:
         got = (torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3) if self.vision.family.mrope
                else self._square_grids(pixels, images, names))
         if grids is not None:
-            want = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
-            if want.shape[0] != got.shape[0]:
-                raise ContractError(f"{len(images)} images, {want.shape[0]} packed grids; one grid per image")
-            for i in np.flatnonzero((got.numpy() != want).any(axis=1)):
-                ref = images[i].get("path") or f"{len(images[i].get('bytes') or b'')} bytes"
-                raise ContractError(
-                    f"{names[i]} ({ref}): decodes to patch grid {tuple(got[i].tolist())}, the row was packed for "
-                    f"{tuple(want[i].tolist())}: the image changed since packing, or the processor settings differ "
-                    "from the spec the rows were packed with; repack, or load with that spec")
+            _compare_grids(images, got.numpy(), grids, names, "decodes to patch grid")
         return pixels, got
 
     def _square_grids(self, pixels: Any, images: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Any:
@@ -167,3 +187,18 @@ class PixelLoader:
                                 "differ from the spec the rows were packed with; load with that spec, or a processor "
                                 "set to it")
         return torch.tensor([[1, h // patch, w // patch]] * len(images), dtype=torch.int64).reshape(-1, 3)
+
+
+def _compare_grids(images: Sequence[Mapping[str, Any]], got: np.ndarray, grids: Any, names: Sequence[str],
+                   how: str) -> None:
+    """ContractError naming the first image whose grid ``got`` (as ``how`` says it was found) is not the packed one."""
+    want = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    if want.shape[0] != got.shape[0]:
+        raise ContractError(f"{len(images)} images, {want.shape[0]} packed grids; one grid per image")
+    for i in np.flatnonzero((got != want).any(axis=1)):
+        im = images[i] if isinstance(images[i], Mapping) else {}
+        ref = im.get("path") or f"{len(im.get('bytes') or b'')} bytes"
+        raise ContractError(
+            f"{names[i]} ({ref}): {how} {tuple(got[i].tolist())}, the row was packed for {tuple(want[i].tolist())}: "
+            "the image or the row's image_grid_thw changed since packing, or the processor settings differ from the "
+            "spec the rows were packed with; repack, or load with that spec")

@@ -341,7 +341,8 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     (``spec.grid_tokens(grid)`` tokens from its offset) after the previous one, inside one sequence, one token id
     throughout (the same for every image), never a target; for an mRoPE spec (Qwen2-VL) never touching the
     previous run (transformers' ``get_rope_index`` groups consecutive image tokens into one image, and raises even
-    on the example alone); for LLaVA the spec's one square grid. The one definition: the loader, the Collator and
+    on the example alone); for LLaVA the spec's one square grid; and in each sequence no placeholder token outside
+    its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
     rows). A failure's detail starts with ``image K:`` when one image breaks a rule."""
     starts = np.asarray(image_offsets, dtype=np.int64).reshape(-1)
@@ -383,4 +384,19 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
         if loss_mask is not None and np.asarray(loss_mask[at:at + count]).any():
             return Failure(row, "images", f"{where} are marked as training targets; a placeholder never is one")
         image_id, last = run[0], at + count
+    if image_id is None:
+        return None
+    # Every placeholder token is in an image's run: a stray one (or a run longer than its grid says) would be read
+    # as one more image feature, and the model's count of image tokens would not match its features.
+    nseq = len(seq_offsets) - 1
+    at_seq = np.searchsorted(seq_offsets, np.flatnonzero(np.asarray(input_ids) == image_id), side="right") - 1
+    have = np.bincount(at_seq, minlength=nseq)[:nseq]
+    want = np.bincount(np.searchsorted(seq_offsets, starts, side="right") - 1, minlength=nseq,
+                       weights=[spec.grid_tokens(g) for g in flat.reshape(-1, 3).tolist()])[:nseq].astype(np.int64)
+    if (bad := have != want).any():
+        s = int(np.flatnonzero(bad)[0])
+        return Failure(row, "images", f"sequence {s} holds {int(have[s])} tokens of the placeholder id "
+                                      f"{int(image_id)}, its images' grids give {int(want[s])}: a placeholder token "
+                                      "outside every image's run (or a run longer than its grid); the row was packed "
+                                      "with another vision spec, or changed since packing?", sequence=s)
     return None

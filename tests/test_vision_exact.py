@@ -254,9 +254,11 @@ def test_touching_image_runs_are_refused(family):
     with pytest.raises(RuntimeError, match="must match"):
         model.model.get_rope_index(t, mm_token_type_ids=(t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
 
+    images = [{"path": None, "bytes": png(56, 56, 0)}, {"path": None, "bytes": png(28, 56, 1)}]  # those grids
+
     def row(ids: list[int], offsets: list[int]) -> dict:
         return {"input_ids": ids, "loss_mask": [0] * (len(ids) - 1) + [1], "seq_offsets": [0, len(ids)],
-                "image_offsets": offsets, "image_grid_thw": [v for g in grids for v in g], "images": [None, None]}
+                "image_offsets": offsets, "image_grid_thw": [v for g in grids for v in g], "images": images}
 
     with pytest.raises(ContractError, match=r"row 0, image 1: 2 placeholder tokens \(grid \(1, 4, 2\)\) at token 5 "
                                             r"start right where image 0 ends, with no text token between") as e:

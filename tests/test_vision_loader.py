@@ -12,8 +12,11 @@ import io
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from packers import Collator, ContractError, PackstreamError, PixelLoader, VisionSpec
+from packers.rowcheck import check_images
+from tests._internals import VisionFamily
 from tests.test_vision_exact import IMAGE, SPECS, png
 
 SPEC = SPECS["qwen2-vl"]  # 28-pixel merged patches, 2 to 8 of them per image
@@ -162,3 +165,111 @@ def test_a_fifo_where_an_image_was_is_refused_at_load_not_waited_on(tmp_path):
         loader.open({"path": str(fifo), "bytes": None})
     with pytest.raises(PackstreamError, match="is a device"):
         loader.open({"path": "/dev/zero", "bytes": None})
+
+
+# -- a grid edited since packing, caught whether or not the Collator decodes pixels -------------------------------
+
+
+WIDE = (112, 56)
+"""4 x 2 merged 28-pixel patches: grid (1, 4, 8), 8 tokens; its swap (1, 8, 4) is as many tokens, so only the
+image's size tells them apart (the mRoPE positions of its tokens differ)."""
+
+
+def _swapped(row: dict) -> dict:
+    t, h, w = row["image_grid_thw"]
+    return {**row, "image_grid_thw": [t, w, h]}
+
+
+@pytest.mark.parametrize("decode, found", [(True, "decodes to patch grid"), (False, "its size gives patch grid")])
+def test_a_grid_with_height_and_width_swapped_is_refused_decoding_or_not(tmp_path, decode, found):
+    """The row packed for the 112 x 56 image says (1, 4, 8); rewritten to (1, 8, 4) its tokens and every run check
+    still pass. Decoding, the processor's grid differs; without decoding, the grid of the size in the image's header
+    differs: the same one-line ContractError, naming the row, the image and both grids. A file is resolved as for
+    decoding (here against root=)."""
+    data = png(*WIDE, seed=4)
+    (tmp_path / "wide.png").write_bytes(data)
+    pixels = PixelLoader(vision=SPEC, root=tmp_path)
+    collate = Collator(vision=SPEC, pixels=pixels, decode_images=decode)
+    for ref in ({"path": None, "bytes": data}, {"path": "wide.png", "bytes": None}):
+        row = image_row(ref, *WIDE)
+        assert row["image_grid_thw"] == [1, 4, 8]
+        batch = collate([row])
+        assert batch["image_grid_thw"].tolist() == [[1, 4, 8]] and ("pixel_values" in batch) == decode
+        with pytest.raises(ContractError, match=rf"row 0 image 0 \(example 'img'\) \(.*\): {found} \(1, 4, 8\), the "
+                                                r"row was packed for \(1, 8, 4\)") as e:
+            collate([_swapped(row)])
+        assert "\n" not in str(e.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(width=st.integers(28, 300), height=st.integers(28, 300))
+def test_without_decoding_a_row_passes_exactly_when_its_grids_are_its_images(width, height):
+    """Any image the spec takes: the row packed for it collates; its grid with height and width swapped is refused
+    unless the swap is the same grid."""
+    if max(width, height) / min(width, height) > 150:
+        return
+    row = image_row({"path": None, "bytes": png(width, height, seed=0)}, width, height)
+    collate = Collator(vision=SPEC, decode_images=False)
+    assert collate([row])["image_grid_thw"].tolist() == [row["image_grid_thw"]]
+    swapped = _swapped(row)
+    if swapped["image_grid_thw"] == row["image_grid_thw"]:
+        collate([swapped])
+    else:
+        with pytest.raises(ContractError, match="its size gives patch grid"):
+            collate([swapped])
+
+
+def test_without_decoding_only_the_header_is_read(tmp_path):
+    """A JPEG cut in half: its header (so its size, so its grid) reads, its pixels do not. The Collator that does not
+    decode takes it (and never reads pixels); the one that decodes names the file."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 112, 3), dtype=np.uint8)).save(buf, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    row = image_row({"path": str(tmp_path / "cut.jpg"), "bytes": None}, *WIDE)
+    assert Collator(vision=SPEC, decode_images=False)([row])["image_grid_thw"].tolist() == [[1, 4, 8]]
+    with pytest.raises(PackstreamError, match=r"row 0 image 0 \(example 'img'\): cannot read .*cut\.jpg"):
+        Collator(vision=SPEC)([row])
+
+
+@pytest.mark.parametrize("ref", [None, {"path": None, "bytes": None}])
+def test_an_image_with_neither_path_nor_bytes_is_refused_even_without_decoding(ref):
+    with pytest.raises(PackstreamError, match=r"row 0 image 0 \(example 'img'\): neither bytes nor a path"):
+        Collator(vision=SPEC, decode_images=False)([image_row(ref)])
+
+
+# -- every placeholder token is in an image's run (packers.rowcheck.check_images) -----------------------------------
+
+
+@pytest.mark.parametrize("edit, sequence, have, want", [
+    (lambda ids: ids.__setitem__(-2, IMAGE), 1, 1, 0),   # a stray placeholder in the text example after
+    (lambda ids: ids.__setitem__(6, IMAGE), 0, 5, 4),    # the run one longer than its grid (1, 4, 4) says
+    (lambda ids: ids.__setitem__(0, IMAGE), 0, 5, 4),    # a stray placeholder before the image's run
+])
+def test_a_placeholder_token_outside_every_image_run_is_refused(edit, sequence, have, want):
+    """``image_row``: ``[5 121 I I I I 122 6 7 | 8 9 10]``, one image of grid (1, 4, 4) = 4 tokens at offset 2, then a
+    text example. Each edit adds one placeholder token where no image's run is: the model would count one image
+    token more than the images' features. The loader, verify and the Collator run this one check."""
+    row = image_row({"path": None, "bytes": png(56, 56, 0)})
+    assert check_images(0, row["input_ids"], row["loss_mask"], row["seq_offsets"], row["image_offsets"],
+                        row["image_grid_thw"], 1, SPEC) is None
+    edit(row["input_ids"])
+    f = check_images(0, row["input_ids"], None, row["seq_offsets"], row["image_offsets"], row["image_grid_thw"], 1,
+                     SPEC)
+    assert (f.check, f.sequence) == ("images", sequence)
+    assert f.detail.startswith(f"sequence {sequence} holds {have} tokens of the placeholder id {IMAGE}, its images' "
+                               f"grids give {want}")
+    with pytest.raises(ContractError, match=rf"row 0: sequence {sequence} holds {have} tokens"):
+        Collator(vision=SPEC)([row])
+
+
+def test_touching_llava_images_are_counted_together():
+    """LLaVA's images may touch (its 1-D positions do not group runs): two runs of 4 back to back are 8 placeholder
+    tokens for two grids of 4, which passes; a ninth does not."""
+    llava = VisionSpec(family=VisionFamily.LLAVA, image_size=28, patch_size=14, merge_size=1, temporal_patch_size=1)
+    ids = [5] + [IMAGE] * 8 + [6, 7]
+    args = ([0, 11], [1, 5], [1, 2, 2, 1, 2, 2], 2, llava)
+    assert check_images(0, ids, None, *args) is None
+    f = check_images(0, ids[:-1] + [IMAGE], None, *args)
+    assert f is not None and f.detail.startswith("sequence 0 holds 9 tokens of the placeholder id")

@@ -35,7 +35,10 @@ got). Nothing in the folder is trusted:
   and format options from ``config``), then the job's packing rules are applied
   (:func:`pipeline._rows.dedupe`, :func:`pipeline._rows.pieces`): each record is then packed with
   the stored tokens and mask (``~k`` copies, ``#k`` pieces, the kept window of a truncated
-  example), or in ``rejected.jsonl`` under the same reason, or not sampled; never two of these.
+  example) and the same images (each one's offset in the example, grid, path and the sha256 of its
+  embedded bytes: a grid with height and width swapped, another path or other bytes is named by
+  row, example and image), or in ``rejected.jsonl`` under the same reason, or not sampled; never
+  two of these.
 
 **Trust.** The tokenizer named in the manifest is loaded only with ``--trust-remote-code`` from the
 command line allowing its code; the manifest's own ``trust_remote_code`` is ignored. verify says

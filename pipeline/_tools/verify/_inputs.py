@@ -18,7 +18,7 @@ from pipeline._formats import Reason
 from pipeline._options import DatasetSpec, FormatOptions, PackOptions
 from pipeline._tools.verify._base import Report, record_place
 from pipeline._tools.verify._folder import Dead
-from pipeline._tools.verify._shards import Stored, open_shard, piece_digest
+from pipeline._tools.verify._shards import PieceImage, Stored, images_in, open_shard, piece_digest, row_images
 
 _MISMATCH_DETAILS = 1_000
 """Pieces whose re-encoded tokens are kept to explain a mismatch position by position."""
@@ -121,8 +121,8 @@ class _Reread:
     candidates: dict[str, list[tuple[str, int, Any, dict]]] = dataclasses.field(default_factory=dict)
     """Example id -> (source, position, [(piece id, digest)] or a dead-letter reason, its --long stats), per record
     that gave it (more than one: a duplicate id)."""
-    details: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    """Piece id -> re-encoded (2, n) tokens, for a mismatch's message."""
+    details: dict[str, tuple[np.ndarray, list[PieceImage]]] = dataclasses.field(default_factory=dict)
+    """Piece id -> re-encoded (2, n) tokens and images (no bytes), for a mismatch's message."""
 
 
 def check_inputs(folder: str, m: Manifest, check: InputCheck, stored: Stored, dead: Dead, report: Report) -> None:
@@ -141,9 +141,18 @@ def check_inputs(folder: str, m: Manifest, check: InputCheck, stored: Stored, de
         totals["examples_packed"] = totals.get("examples_packed", 0) + bool(outcome)  # as len(np.unique(ex))
         for pid, d in outcome:
             expected[pid] = (source, position, d)
-    _compare_pieces(folder, stored, dead, expected, again.details, report)
+    _compare_pieces(folder, stored, dead, expected, again.details, _spec(m), report)
     _compare_dead_letters(dead, again.dead, report)
     _compare_counts(m, again.counts, totals, report)
+
+
+def _spec(m: Manifest) -> Optional[packers.VisionSpec]:
+    """The run's vision spec, to count an image's tokens in a message; None for a text run (or one the shard
+    checks already report unreadable)."""
+    try:
+        return packers.VisionSpec.from_json(m.raw["vision"]) if m.raw.get("vision") else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _reread(options: PackOptions, files: list, stored: Stored) -> _Reread:
@@ -164,15 +173,30 @@ def _reread(options: PackOptions, files: list, stored: Stored) -> _Reread:
             outcome: Any = spans
             if not isinstance(spans, str):
                 o, outcome = int(batch.offsets[i]), []
+                images = _example_images(batch, i)
                 for part, a, b in spans:
                     pid = eid + part if isinstance(part, str) else eid if part < 0 else f"{eid}#{part}"
                     ids, mask = batch.input_ids[o + a:o + b], batch.loss_mask[o + a:o + b]
-                    d = piece_digest(ids, mask)
+                    here = [im for _, im in images_in(images, a, b)] if images else []
+                    d = piece_digest(ids, mask, here)
                     if pid in stored.digest and stored.digest[pid] != d and len(again.details) < _MISMATCH_DETAILS:
-                        again.details[pid] = np.stack([ids.astype(np.int64), mask.astype(np.int64)])
+                        again.details[pid] = (np.stack([ids.astype(np.int64), mask.astype(np.int64)]), here)
                     outcome.append((pid, d))
             again.candidates.setdefault(eid, []).append((batch.sources[i], batch.positions[i], outcome, stats))
     return again
+
+
+def _example_images(batch: _rows.ExampleBatch, i: int) -> list[tuple[int, PieceImage]]:
+    """Example ``i``'s images as the Encoder gives them (``batch.images``), each ``(offset in the example,
+    PieceImage)`` as :func:`~pipeline._tools.verify._shards.row_images` reads a row's; [] without images."""
+    imgs = batch.images
+    if imgs is None or imgs.index[i] == imgs.index[i + 1]:
+        return []
+    out = []
+    for j in range(int(imgs.index[i]), int(imgs.index[i + 1])):
+        path, data = imgs.refs[j]
+        out.append((int(imgs.offsets[j]), PieceImage.of(0, imgs.grids[j], path, data)))
+    return out
 
 
 def _spans(batch: _rows.ExampleBatch, i: int, options: PackOptions, stats: dict[str, int]) -> "list[tuple] | str":
@@ -217,8 +241,9 @@ def _winners(again: _Reread) -> dict[str, tuple[str, int, Any, dict]]:
 
 
 def _compare_pieces(folder: str, stored: Stored, dead: Dead, expected: dict[str, tuple[str, int, bytes]],
-                    details: dict[str, np.ndarray], report: Report) -> None:
-    """Packed pieces against the stored ones."""
+                    details: dict[str, tuple[np.ndarray, list[PieceImage]]], spec: Optional[packers.VisionSpec],
+                    report: Report) -> None:
+    """Packed pieces (tokens, mask, images) against the stored ones."""
     dead_at = {k[:2]: r["reason"] for k, r in dead.by_key.items()}
     tables: dict[int, pa.Table] = {}  # shards parsed again to explain mismatches, once each
     for pid, (source, position, d) in expected.items():
@@ -227,7 +252,7 @@ def _compare_pieces(folder: str, stored: Stored, dead: Dead, expected: dict[str,
             report.add(f"input {source}:{position}", f"should be packed as {pid!r} but is not in any shard"
                                                      + (f" (rejected.jsonl says {why})" if why else ""))
         elif pid in stored.digest and stored.digest[pid] != d:
-            _explain(folder, stored, pid, details.get(pid), tables, report)
+            _explain(folder, stored, pid, details.get(pid), tables, spec, report)
     for pid in sorted(set(stored.loc) - set(expected)):
         report.add(stored.first(pid), "packed example matches no input record (not in the inputs, not sampled, or "
                                       "another run's)")
@@ -262,29 +287,71 @@ def _compare_counts(m: Manifest, counts: dict[str, int], totals: dict[str, int],
                                                        f"{counts.get('extra_paths', 0)}")
 
 
-def _explain(folder: str, stored: Stored, pid: str, want: Optional[np.ndarray], tables: dict[int, pa.Table],
-             report: Report) -> None:
-    """A stored piece differs from the re-encoded one: say where and at which position."""
+def _explain(folder: str, stored: Stored, pid: str, want: Optional[tuple[np.ndarray, list[PieceImage]]],
+             tables: dict[int, pa.Table], spec: Optional[packers.VisionSpec], report: Report) -> None:
+    """A stored piece differs from the re-encoded one: say where and at which position, or which image differs."""
     loc = stored.loc[pid]
     loc = loc[0] if isinstance(loc, list) else loc
     where = stored.where(loc, pid)
     if want is None:
-        report.add(where, "check input_ids/loss_mask failed: the stored tokens differ from re-encoding the input")
+        report.add(where, "check input_ids/loss_mask/images failed: the stored piece differs from re-encoding the "
+                          "input")
         return
     shard, row, k = stored.place(loc)
     if shard not in tables:
         tables[shard] = open_shard(folder, stored.names[shard], 1 << 62)[2]()[1]  # read once already
-    r = tables[shard].slice(row, 1).to_pylist()[0]
+    table = tables[shard].slice(row, 1)
+    r = table.select(["input_ids", "loss_mask", "seq_offsets"]).to_pylist()[0]
     a, b = r["seq_offsets"][k], r["seq_offsets"][k + 1]
     got = np.array([r["input_ids"][a:b], r["loss_mask"][a:b]], dtype=np.int64)
-    if got.shape[1] != want.shape[1]:
+    tokens, images = want
+    if got.shape[1] != tokens.shape[1]:
         report.add(where, f"check input_ids failed: {got.shape[1]} tokens stored, re-tokenizing the input gives "
-                          f"{want.shape[1]}")
+                          f"{tokens.shape[1]}")
         return
+    found = False
     for i, column in enumerate(("input_ids", "loss_mask")):
-        diff = np.flatnonzero(got[i] != want[i])
+        diff = np.flatnonzero(got[i] != tokens[i])
         if diff.size:
             j = int(diff[0])
             more = f" ({diff.size} positions differ)" if diff.size > 1 else ""
             report.add(where, f"check {column} failed: {column}[{j}] is {int(got[i][j])}, re-tokenizing the input "
-                              f"gives {int(want[i][j])}{more}")
+                              f"gives {int(tokens[i][j])}{more}")
+            found = True
+    kept = images_in(row_images(table)[0], a, b)
+    found |= _explain_images(f"{stored.names[shard]} row {row} example {pid!r}", kept, images, spec, report)
+    if not found:  # the digests differ, yet nothing above does: say so rather than pass it
+        report.add(where, "check inputs failed: the stored piece's digest differs from re-encoding the input")
+
+
+def _explain_images(where: str, kept: list[tuple[int, PieceImage]], images: list[PieceImage],
+                    spec: Optional[packers.VisionSpec], report: Report) -> bool:
+    """The piece's stored images (``(index in the row, image)``) against re-reading its input's: one line per image
+    that differs (its offset, grid and token count, path, embedded bytes' sha256). Whether any did."""
+    fix = " (the shard was changed after packing: repack, or restore the shard)"
+    if len(kept) != len(images):
+        rows = [k for k, _ in kept]
+        report.add(where, f"check images failed: {len(kept)} images stored (row images {rows[:8]}), re-reading the "
+                          f"input gives {len(images)}{fix}")
+        return True
+    found = False
+    for (k, s), w in zip(kept, images):
+        diffs = []
+        if s.offset != w.offset:
+            diffs.append(f"at token {s.offset} of the example stored, re-reading the input gives token {w.offset}")
+        if s.grid != w.grid:
+            n, m = (spec.grid_tokens(s.grid), spec.grid_tokens(w.grid)) if spec else (None, None)
+            count = "" if n is None else f" ({n} tokens either way)" if n == m else f" ({n} tokens stored, {m} re-read)"
+            diffs.append(f"grid {s.grid} stored, re-reading the input gives {w.grid}{count}")
+        if s.path != w.path:
+            diffs.append(f"path {s.path!r} stored, re-reading the input gives {w.path!r}")
+        if s.sha256 != w.sha256:
+            diffs.append(f"embedded bytes {_sha(s.sha256)} stored, re-reading the input gives {_sha(w.sha256)}")
+        if diffs:
+            report.add(f"{where} image {k}", "; ".join(diffs) + fix)
+            found = True
+    return found
+
+
+def _sha(sha: Optional[str]) -> str:
+    return "sha256 " + sha[:16] + "…" if sha else "none"

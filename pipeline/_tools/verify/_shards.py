@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +34,7 @@ class Stored:
     splits: list[str] = dataclasses.field(default_factory=list)
     loc: dict[str, Any] = dataclasses.field(default_factory=dict)
     digest: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    """Piece id -> blake2b of its tokens and mask (only with --inputs)."""
+    """Piece id -> blake2b of its tokens, mask and images (:func:`piece_digest`; only with --inputs)."""
     bases: dict[str, str] = dataclasses.field(default_factory=dict)
     """A record's id (no ``~k``, no ``#k``) -> the split its sequences are in (only with a validation split)."""
 
@@ -61,11 +62,67 @@ class Stored:
         return self.where(had[0] if isinstance(had, list) else had, eid)
 
 
-def piece_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:
-    """A 16-byte digest of one sequence's tokens and mask: what ``--inputs`` compares."""
+@dataclasses.dataclass(frozen=True)
+class PieceImage:
+    """One image of a packed piece as ``--inputs`` compares it with re-reading its input: where its placeholder run
+    starts in the piece, its patch grid, its path and the sha256 of its embedded bytes (the bytes themselves are
+    never kept)."""
+
+    offset: int
+    """Its first placeholder token, counted from the piece's first token."""
+    grid: tuple[int, int, int]
+    path: Optional[str]
+    sha256: Optional[str]
+    """Of the embedded bytes; None when the row holds none (``--images reference``)."""
+
+    @classmethod
+    def of(cls, offset: int, grid: Any, path: Optional[str], data: Any) -> "PieceImage":
+        """``data``: the embedded bytes (any buffer), or None."""
+        return cls(int(offset), tuple(int(g) for g in grid), path,
+                   None if data is None else hashlib.sha256(data).hexdigest())
+
+
+def piece_digest(input_ids: np.ndarray, loss_mask: np.ndarray, images: Sequence[PieceImage] = ()) -> bytes:
+    """A 16-byte digest of one sequence's tokens and mask, and of its images (offset, grid, path, bytes' sha256):
+    what ``--inputs`` compares. A piece without images digests its tokens and mask alone."""
     h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes(), digest_size=16)
     h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    for im in images:
+        h.update(json.dumps([im.offset, list(im.grid), im.path, im.sha256]).encode())
     return h.digest()
+
+
+def row_images(table: pa.Table) -> list[list[tuple[int, PieceImage]]]:
+    """Each row's images as ``(row offset, PieceImage with that row offset)``, from its ``image_offsets``,
+    ``image_grid_thw`` and ``images`` columns (embedded bytes hashed chunk by chunk, never copied); [] per row of
+    a table without images. Rows whose image columns disagree in length are :func:`_check_images`' to report."""
+    if "images" not in table.column_names:
+        return [[] for _ in range(table.num_rows)]
+    offsets = table.column("image_offsets").to_pylist()
+    grids = table.column("image_grid_thw").to_pylist()
+    out: list[list[tuple[int, PieceImage]]] = []
+    for chunk in table.column("images").chunks:
+        starts = chunk.offsets.to_numpy()
+        starts = starts - starts[0]
+        paths, data = chunk.flatten().flatten()  # the struct's fields, slices respected
+        paths = paths.to_pylist()
+        for r in range(len(chunk)):
+            i = len(out)
+            row: list[tuple[int, PieceImage]] = []
+            for k, j in enumerate(range(int(starts[r]), int(starts[r + 1]))):
+                if k >= len(offsets[i]) or 3 * k + 3 > len(grids[i]):
+                    break
+                b = data[j]
+                row.append((int(offsets[i][k]), PieceImage.of(0, grids[i][3 * k:3 * k + 3], paths[j],
+                                                              b.as_buffer() if b.is_valid else None)))
+            out.append(row)
+    return out
+
+
+def images_in(images: Sequence[tuple[int, PieceImage]], start: int, stop: int) -> list[tuple[int, PieceImage]]:
+    """The images of ``images`` (a row's, from :func:`row_images`) that start in tokens ``[start, stop)``, as
+    ``(index in the row, PieceImage with its offset from start)``."""
+    return [(k, dataclasses.replace(im, offset=at - start)) for k, (at, im) in enumerate(images) if start <= at < stop]
 
 
 def piece_base(eid: str) -> str:
@@ -160,7 +217,8 @@ def check_shard(report: Report, shard: OpenShard, checks: RowChecks, stored: Sto
         bad |= _check_images(report, name, table, cols, shard.expect_meta.get("vision"))
     good = np.flatnonzero(~bad)
     _check_targets_and_pairs(report, name, table, good, cols.exs, cols.ex_off, checks)
-    _check_sequences(report, shard, cols, good, checks, stored, keep_digests)
+    _check_sequences(report, shard, cols, good, checks, stored,
+                     row_images(table) if keep_digests else None)
     for i in np.flatnonzero(bad).tolist():  # ids of broken rows still count (and collide), without tokens
         for k, eid in enumerate(cols.exs[cols.ex_off[i]:cols.ex_off[i + 1]]):
             stored.add(eid, shard.index, i, k)
@@ -288,8 +346,9 @@ def _check_rows(report: Report, name: str, c: _Columns, budget: int) -> np.ndarr
 
 
 def _check_sequences(report: Report, shard: OpenShard, c: _Columns, good: np.ndarray, checks: RowChecks,
-                     stored: Stored, keep_digests: bool) -> None:
-    """The manifest's row checks on every sequence of the good rows; each sequence recorded in ``stored``."""
+                     stored: Stored, images: Optional[list]) -> None:
+    """The manifest's row checks on every sequence of the good rows; each sequence recorded in ``stored``, with
+    its digest when ``images`` (each row's, :func:`row_images`) is given (``--inputs``)."""
     name, budget = shard.entry.name, checks.budget
     counts = (np.diff(c.seq_off) - 1)[good]
     rows_of = np.repeat(good, counts)
@@ -323,9 +382,10 @@ def _check_sequences(report: Report, shard: OpenShard, c: _Columns, good: np.nda
         if not eid:
             report.add(at(s), "check example_ids failed: the example id is empty")
         stored.add(eid, shard.index, int(rows_of[s]), int(k_of[s]))
-        if keep_digests:
-            a, b = int(starts[s]), int(stops[s])
-            stored.digest[eid] = piece_digest(c.tok[a:b], c.mask[a:b])
+        if images is not None:
+            a, b, r = int(starts[s]), int(stops[s]), int(rows_of[s])
+            here = images[r] and images_in(images[r], a - int(c.tok_off[r]), b - int(c.tok_off[r]))
+            stored.digest[eid] = piece_digest(c.tok[a:b], c.mask[a:b], [im for _, im in here or ()])
 
 
 _CHECK_CHUNK = 1024
