@@ -423,3 +423,27 @@ def test_odd_references_are_dead_letters_with_a_reason(tmp_path, ref):
     with pytest.raises(_media.Rejected) as e:
         _media.measure([ref], root, SPEC)
     assert e.value.reason.value in ("bad_image", "bad_type", "outside_media_root") and "\n" not in e.value.detail
+
+
+def test_pils_decompression_bomb_warning_is_counted_not_printed(tmp_path, tokenizer, monkeypatch, capfd):
+    """An image over PIL's warning size (Image.MAX_IMAGE_PIXELS; here lowered so a small file crosses it) is packed,
+    counted as large_image in the summary, and nothing is printed under -q."""
+    import warnings
+
+    from PIL import Image as PILImage
+
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)  # 40 x 30 = 1200 pixels: over it, under twice it
+    path = _noise(tmp_path / "big.png")
+    notes: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (image,) = _media.measure([str(path)], _media.media_root(None, str(tmp_path)), SPEC, notes=notes)
+    assert notes == {"large_image": 1} and not caught
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(_user("big.png")) + "\n")
+    r = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl",
+                                  "--workers", "1", "-o", str(tmp_path / "out"), "-q"])
+    assert r.exit_code == 0 and r.output == "", r.output
+    assert "DecompressionBomb" not in capfd.readouterr().err
+    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
+    assert counts["normalization"] == {"large_image": 1}
