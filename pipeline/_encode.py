@@ -127,7 +127,8 @@ class Encoder:
         if self.vision is not None:
             from pipeline._tokenizer import vision_token_ids
 
-            self.image_id = vision_token_ids(tok, self.vision, options.tokenizer)["image_token"]
+            self.vision_ids = vision_token_ids(tok, self.vision, options.tokenizer)  # each once per image
+            self.image_id = self.vision_ids["image_token"]
             v = self.vision
             self.image_text = (v.vision_start or "") + v.image_token + (v.vision_end or "")
         self._folders = dict(folders or {})
@@ -325,18 +326,19 @@ class Encoder:
         (``keep`` cleared). Returns the new ids, mask and lengths, and the examples' :class:`~pipeline._rows.Images`."""
         n = len(rec_lens)
         ends = np.cumsum(rec_lens)
+        want = np.array([len(p.images.get(i, ())) for i in range(n)], dtype=np.int64)
+        for what, token_id in self.vision_ids.items():  # the placeholder, and Qwen's start/end: once per image each
+            found = np.bincount(np.searchsorted(ends, np.flatnonzero(ids == token_id), side="right"), minlength=n)
+            token = getattr(self.vision, what)
+            for i in np.flatnonzero((found != want) & keep).tolist():
+                eid, source, position, _ = p.meta[i]
+                p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
+                    f"the example holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} "
+                    "itself, or the chat template drops or repeats a turn with an image; remove the processor's tokens "
+                    "from the text (images go in image parts or as <image>)"), eid))
+                keep[i] = False
         pos = np.flatnonzero(ids == self.image_id)
         owner = np.searchsorted(ends, pos, side="right")
-        found = np.bincount(owner, minlength=n)
-        want = np.array([len(p.images.get(i, ())) for i in range(n)], dtype=np.int64)
-        token = self.vision.image_token
-        for i in np.flatnonzero(found != want).tolist():
-            eid, source, position, _ = p.meta[i]
-            p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
-                f"the example holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} itself, "
-                "or the chat template drops or repeats a turn with an image; remove the placeholder text from the "
-                "text (images go in image parts or as <image>)"), eid))
-            keep[i] = False
         ok = keep[owner]
         rep = np.ones(len(ids), np.int64)
         sizes = [img.tokens for i in range(n) if keep[i] for img in p.images.get(i, ())]

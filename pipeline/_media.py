@@ -117,6 +117,11 @@ def _outside(at: str, ref: str, root: MediaRoot, how: str) -> Rejected:
                                                "that holds every image as --media-root")
 
 
+def within_root(root: MediaRoot, path: str) -> bool:
+    """Whether ``path``, as written (no link resolved), names a place under ``root``."""
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in (root.path, root.real or root.path))
+
+
 def _local_path(ref: str, root: MediaRoot, at: str) -> str:
     """A string reference that names a local file -> that path as written (relative or absolute), from every
     spelling of a ``file:`` URL (``file:///a``, ``file:/a``, ``file://localhost/a``, percent-escapes decoded);
@@ -179,9 +184,10 @@ def resolve(ref: Any, root: MediaRoot, at: str) -> Source:
     path = os.path.abspath(os.path.join(root.path, local))
     try:
         real = within(root.real, path, what=at)
-    except OutsideRoot as e:
-        how = "leads there through a link" if e.target != os.path.normpath(path) else "is"
-        raise _outside(at, ref, root, f"{how} {_short(e.target)}" if how == "is" else how) from None
+    except OutsideRoot as e:  # out as written, or out through a link met on the way
+        linked = within_root(root, os.path.normpath(path))
+        raise _outside(at, ref, root, f"leads through a link to {_short(e.target)}" if linked
+                       else f"is {_short(e.target)}") from None
     return Source(path, None, real)
 
 
