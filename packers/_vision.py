@@ -38,6 +38,22 @@ _MAX_CONFIG_BYTES = 1 << 20
 _MAX_RATIO = 200
 """Qwen2-VL's processor refuses an image whose long side is over 200 times its short side."""
 
+# The ranges a processor config's values (and a stored spec's) must fall in. Each is generous: a value outside
+# is a typo or a damaged file, never a model (Qwen2-VL ships 14-pixel patches merged 2 x 2 and at most
+# 12,845,056 pixels; LLaVA-1.5 a 336-pixel square).
+_MAX_PATCH = 1024
+"""Pixels per patch side (ViTs use 14 to 32)."""
+_MAX_MERGE = 64
+"""Patches per merged token side, and frames per temporal patch (Qwen: 2)."""
+_MAX_PIXELS = 1 << 30
+"""Pixels a resized image may have (32768 x 32768; Qwen2-VL's largest is 12,845,056)."""
+_MAX_SIDE = 1 << 15
+"""Pixels per side of LLaVA's square (LLaVA-1.5: 336)."""
+_MAX_EXTRA = 1024
+"""Tokens the vision tower adds beyond the patches (CLIP: its one CLS token)."""
+_MAX_TOKEN_CHARS = 256
+"""Characters in a placeholder token string (``<|image_pad|>``, ``<image>``)."""
+
 
 class VisionFamily(str, enum.Enum):
     """How a family turns an image into tokens and positions."""
@@ -144,13 +160,22 @@ class VisionSpec:
                            for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> VisionSpec:
-        data = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
+    def from_json(cls, text: str | bytes, *, what: str = "vision spec") -> VisionSpec:
+        """The spec :meth:`to_json` wrote (a manifest's or a shard's ``vision`` entry). A value of the wrong type
+        or out of range (a hand-edited or damaged file) is one PackstreamError line naming ``what``, the field and
+        the value."""
+        fix = "the run's vision spec was edited or damaged; pack the data again"
+        data = load_json(text, what=what, fix=fix)
+        if not isinstance(data, dict):
+            raise PackstreamError(f"{what}: {_shown(data)} is not a JSON object; {fix}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise PackstreamError(f"vision spec has unknown fields {unknown}: written by a newer packstream; upgrade")
-        return cls(**{**data, "family": VisionFamily(data["family"])})
+            raise PackstreamError(f"{what} has unknown fields {unknown}: written by a newer packstream; upgrade")
+        values = {k: (v, what, "") for k, v in data.items()}
+        # A field left out takes the dataclass's default, as it always has; only ``family`` has none.
+        read = {key.path: _read(values, key, fix, what) for key in _SPEC_KEYS
+                if key.path in data or key.default is _NEEDED}
+        return cls(**{**read, "family": VisionFamily(read["family"])})
 
     @classmethod
     def builtin(cls, name: str) -> VisionSpec:
@@ -164,28 +189,35 @@ class VisionSpec:
     @classmethod
     def from_processor(cls, path: str | Path) -> VisionSpec:
         """Read a model's processor config: a folder with ``preprocessor_config.json`` (and optionally
-        ``processor_config.json``), or one of those files, or a shipped name."""
+        ``processor_config.json``), or one of those files, or a shipped name.
+
+        Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``: type, range, default); a value of the
+        wrong type, out of range or missing is one PackstreamError line naming the file it is in, the key, the
+        value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
         p = Path(path)
         if not p.exists():
             if str(path).strip().lower() in _BUILTIN:
                 return cls.builtin(str(path))
             raise PackstreamError(f"--processor {path}: no such file or folder; give the model's folder (with "
                                   f"preprocessor_config.json) or one of {sorted(_BUILTIN)}")
-        config: dict[str, Any] = {}
+        config: dict[str, tuple[Any, str, str]] = {}  # key -> (value, the file it came from, its key prefix)
         files = [p] if p.is_file() else [p / "preprocessor_config.json", p / "processor_config.json"]
         for f in files:
             if f.is_file():
-                loaded = load_json(read_checked(str(f), what=f"--processor {f}", limit=_MAX_CONFIG_BYTES),
-                                   what=f"--processor {f}", fix="pass the model's processor folder")
+                what = f"--processor {f}"
+                loaded = load_json(read_checked(str(f), what=what, limit=_MAX_CONFIG_BYTES),
+                                   what=what, fix="pass the model's processor folder")
                 if not isinstance(loaded, dict):
-                    raise PackstreamError(f"--processor {f}: a JSON object was expected")
-                # processor_config.json may nest the image processor's settings.
-                config.update(loaded.get("image_processor", {}) if isinstance(loaded.get("image_processor"), dict)
-                              else {})
-                config.update({k: v for k, v in loaded.items() if k != "image_processor"})
+                    raise PackstreamError(f"{what}: a JSON object was expected")
+                # processor_config.json may nest the image processor's settings; its own keys win.
+                nested = loaded.get("image_processor")
+                if isinstance(nested, dict):
+                    config.update({k: (v, what, "image_processor.") for k, v in nested.items()})
+                config.update({k: (v, what, "") for k, v in loaded.items() if k != "image_processor"})
         if not config:
             raise PackstreamError(f"--processor {path}: no preprocessor_config.json there")
-        return _from_config(config, name=str(path))
+        first = next(f for f in files if f.is_file())
+        return _from_config(config, name=str(path), where=f"--processor {first}")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -210,6 +242,120 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+_NEEDED = object()
+"""The default of a key that must be there."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """One value a reader takes from a JSON object, declared once: its name, type, range and default.
+    :func:`_get` is the one check of all of them.
+
+    An integer is a JSON integer, or a float with no fraction (``14.0`` reads as ``14``, as ``int()`` read it
+    before); ``true``/``false`` are never integers.
+    """
+
+    path: str
+    """The key; ``parent.child`` reads inside an object (``size.shortest_edge``)."""
+    kind: type
+    """``int`` or ``str``."""
+    low: int = 0
+    high: int = 0
+    """The range: of the value for an ``int``, of its length for a ``str``."""
+    choices: tuple[str, ...] = ()
+    """A ``str`` must be one of these, when given."""
+    default: Any = _NEEDED
+    """The value when the key is absent (``_NEEDED``: it must be there)."""
+    nullable: bool = False
+    """``null`` reads as absent (HF writes ``min_pixels: null`` when ``size`` holds the setting); elsewhere a
+    ``null`` is refused. A ``null`` parent (``"size": null``) always reads as absent."""
+    bare: bool = False
+    """The parent may be the value itself: CLIP's older ``crop_size: 336`` for ``{"height": 336, ...}``."""
+
+    def expected(self) -> str:
+        if self.kind is int:
+            return f"an integer in {self.low}..{self.high}"
+        if self.choices:
+            return "one of " + ", ".join(json.dumps(c) for c in self.choices)
+        return f"a string of {self.low}..{self.high} characters"
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``value`` as the JSON file has it, cut to ``limit`` characters (a bad value can be long)."""
+    s = json.dumps(value, ensure_ascii=True, allow_nan=True)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Got:
+    """A value read, and where from (for messages about two values at once)."""
+
+    value: Any
+    what: str = ""
+    """The file (``--processor PATH``) it came from; empty for a default."""
+    label: str = ""
+    """The key as written there (``image_processor.patch_size`` when nested in processor_config.json)."""
+
+    def named(self, default_name: str, beside: str) -> str:
+        """``label value``, the file too when it is not ``beside``; ``the default NAME value`` for a default."""
+        if not self.what:
+            return f"the default {default_name} {self.value}"
+        return f"{self.label} {self.value}" + (f" (in {self.what})" if self.what != beside else "")
+
+
+def _get(values: Mapping[str, tuple[Any, str, str]], key: _Key, fix: str) -> _Got:
+    """``key`` read from ``values`` (key -> (value, the file it came from, its key prefix)) and checked: the value,
+    its default when absent, or a one-line PackstreamError naming the file, the key, the value given, what was
+    expected and ``fix``."""
+    head, _, child = key.path.partition(".")
+    if head not in values:
+        return _Got(key.default)
+    value, what, prefix = values[head]
+    label = prefix + head
+
+    def bad(shown: Any, expected: str) -> PackstreamError:
+        return PackstreamError(f"{what}: {label} is {_shown(shown)}, expected {expected}; {fix}")
+
+    expected = key.expected()
+    if child:
+        if value is None:
+            return _Got(key.default)
+        if isinstance(value, dict):
+            if child not in value:
+                return _Got(key.default)
+            value, label = value[child], f"{label}.{child}"
+        elif not key.bare:
+            raise bad(value, "an object")
+        else:  # the parent stands for the value itself
+            expected = f"an object or {expected}"
+    if value is None:
+        if key.nullable:
+            return _Got(key.default)
+        raise bad(value, expected)
+    if key.kind is int:
+        if not _integral(value) or not key.low <= value <= key.high:
+            raise bad(value, expected)
+        return _Got(int(value), what, label)
+    if not isinstance(value, str) or (key.choices and value not in key.choices) or (
+            not key.choices and not key.low <= len(value) <= key.high):
+        raise bad(value, expected)
+    return _Got(value, what, label)
+
+
+def _read(values: Mapping[str, tuple[Any, str, str]], key: _Key, fix: str, where: str) -> Any:
+    """:func:`_get`'s value; a key that must be there and is not is an error naming ``where`` (the file)."""
+    got = _get(values, key, fix)
+    if got.value is _NEEDED:
+        raise PackstreamError(f"{where}: {key.path} is missing, expected {key.expected()}; {fix}")
+    return got.value
+
+
+def _integral(value: Any) -> bool:
+    """A JSON integer, or a float with no fraction; not a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                          and value.is_integer())
+
+
 _QWEN_PROCESSORS = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"}
 _CLIP_PROCESSORS = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "LlavaImageProcessor",
                     "LlavaImageProcessorFast", "LlavaImageProcessorPil"}
@@ -217,29 +363,85 @@ _QWEN_MODELS = {"": VisionFamily.QWEN2_VL, "Qwen2VLProcessor": VisionFamily.QWEN
                 "Qwen2_5_VLProcessor": VisionFamily.QWEN2_5_VL}
 _LLAVA_MODELS = {"", "LlavaProcessor"}
 
+# The keys of a processor config that packstream reads: each declared once.
+_KIND = _Key("image_processor_type", str, 0, 200, default="", nullable=True)
+_MODEL = _Key("processor_class", str, 0, 200, default="", nullable=True)
+_PATCH = _Key("patch_size", int, 1, _MAX_PATCH, default=14)
+_QWEN_KEYS = (
+    _PATCH,
+    _Key("merge_size", int, 1, _MAX_MERGE, default=2),
+    _Key("temporal_patch_size", int, 1, _MAX_MERGE, default=2),
+    # min_pixels wins over size.shortest_edge, as in transformers' Qwen2VLImageProcessor; then the default.
+    _Key("min_pixels", int, 1, _MAX_PIXELS, default=None, nullable=True),
+    _Key("size.shortest_edge", int, 1, _MAX_PIXELS, default=56 * 56, nullable=True),
+    _Key("max_pixels", int, 1, _MAX_PIXELS, default=None, nullable=True),
+    _Key("size.longest_edge", int, 1, _MAX_PIXELS, default=28 * 28 * 1280, nullable=True),
+)
+_LLAVA_KEYS = (
+    _PATCH,
+    # The square's side: crop_size (what CLIP's center crop leaves), else size.shortest_edge.
+    _Key("crop_size.height", int, 1, _MAX_SIDE, default=None, bare=True),
+    _Key("size.shortest_edge", int, 1, _MAX_SIDE, default=None, bare=True),
+    _Key("num_additional_image_tokens", int, 0, _MAX_EXTRA, default=1),
+    _Key("vision_feature_select_strategy", str, choices=("default", "full"), default="default"),
+    _Key("image_token", str, 1, _MAX_TOKEN_CHARS, default="<image>"),
+)
+# The fields of a stored spec (VisionSpec.to_json), for VisionSpec.from_json. A field left out takes the
+# dataclass's default (``default`` here is only what a nullable field's null reads as); ``family`` must be there.
+_SPEC_KEYS = (
+    _Key("family", str, choices=tuple(f.value for f in VisionFamily)),
+    _Key("patch_size", int, 1, _MAX_PATCH, default=None),
+    _Key("merge_size", int, 1, _MAX_MERGE, default=None),
+    _Key("temporal_patch_size", int, 1, _MAX_MERGE, default=None),
+    _Key("min_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("max_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("image_size", int, 0, _MAX_SIDE, default=None),
+    _Key("extra_tokens", int, -1, _MAX_EXTRA, default=None),
+    _Key("image_token", str, 1, _MAX_TOKEN_CHARS, default=None),
+    _Key("vision_start", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
+    _Key("vision_end", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
+    _Key("name", str, 0, 4096, default=None),
+)
 
-def _from_config(config: Mapping[str, Any], name: str) -> VisionSpec:
-    """A spec from a processor config; a processor whose token count or positions packstream has not verified
-    (Qwen3-VL, LLaVA-NeXT's any-resolution tiles, ...) is refused, never guessed."""
-    kind = str(config.get("image_processor_type") or "")
-    model = str(config.get("processor_class") or "")
-    size = config.get("size") if isinstance(config.get("size"), dict) else {}
+
+def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
+    """A spec from a processor config (key -> (value, the file it came from, its key prefix)); ``where`` names
+    the main file, for a key that is missing. A processor whose token count or positions packstream has not
+    verified (Qwen3-VL, LLaVA-NeXT's any-resolution tiles, ...) is refused, never guessed."""
+    shipped = "fix the value or pass a shipped spec: --processor "
+    kind = _read(config, _KIND, shipped + "qwen2-vl", where)
+    model = _read(config, _MODEL, shipped + "qwen2-vl", where)
     if kind in _QWEN_PROCESSORS and model in _QWEN_MODELS:
+        family = _QWEN_MODELS[model]
+        fix = shipped + family.value
+        got = {key.path: _get(config, key, fix) for key in _QWEN_KEYS}
+        low = got["min_pixels"] if got["min_pixels"].value is not None else got["size.shortest_edge"]
+        high = got["max_pixels"] if got["max_pixels"].value is not None else got["size.longest_edge"]
+        if low.value > high.value:
+            at = low.what or high.what
+            raise PackstreamError(f"{at}: {low.named('min_pixels', at)} is over {high.named('max_pixels', at)}, "
+                                  f"expected min_pixels <= max_pixels; {fix}")
         return VisionSpec(
-            family=_QWEN_MODELS[model], name=name,
-            patch_size=int(config.get("patch_size", 14)), merge_size=int(config.get("merge_size", 2)),
-            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
-            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
-        )
+            family=family, name=name, patch_size=got["patch_size"].value, merge_size=got["merge_size"].value,
+            temporal_patch_size=got["temporal_patch_size"].value, min_pixels=low.value, max_pixels=high.value)
     if kind in _CLIP_PROCESSORS and model in _LLAVA_MODELS:
-        crop = config.get("crop_size", {})
-        side = int(crop.get("height", 0) if isinstance(crop, dict) else crop or 0) or int(size.get("shortest_edge", 0))
-        strategy = config.get("vision_feature_select_strategy", "default")
-        extra = int(config.get("num_additional_image_tokens", 1)) - (1 if strategy == "default" else 0)
-        return VisionSpec(family=VisionFamily.LLAVA, name=name, patch_size=int(config.get("patch_size", 14)),
-                          merge_size=1, temporal_patch_size=1, image_size=side, extra_tokens=extra,
-                          image_token=str(config.get("image_token", "<image>")), vision_start=None, vision_end=None)
+        fix = shipped + "llava-1.5"
+        got = {key.path: _get(config, key, fix) for key in _LLAVA_KEYS}
+        side = got["crop_size.height"] if got["crop_size.height"].value is not None else got["size.shortest_edge"]
+        patch = got["patch_size"]
+        if side.value is None:
+            held = [f"{prefix}{k} {_shown(v)} in {what}" if k in config else f"{k} absent"
+                    for k in ("crop_size", "size") for v, what, prefix in [config.get(k, (None, "", ""))]]
+            raise PackstreamError(f"{where}: no side for the square images are resized to ({', '.join(held)}), "
+                                  f"expected crop_size.height or size.shortest_edge (LLaVA-1.5: 336); {fix}")
+        if side.value < patch.value:
+            raise PackstreamError(f"{side.what}: {side.named('', side.what)} is under "
+                                  f"{patch.named('patch_size', side.what)}, expected a side of at least one patch; {fix}")
+        default = got["vision_feature_select_strategy"].value == "default"  # "default" drops the CLS feature
+        return VisionSpec(family=VisionFamily.LLAVA, name=name, patch_size=patch.value, merge_size=1,
+                          temporal_patch_size=1, image_size=side.value,
+                          extra_tokens=got["num_additional_image_tokens"].value - (1 if default else 0),
+                          image_token=got["image_token"].value, vision_start=None, vision_end=None)
     raise PackstreamError(
         f"--processor {name}: image processor {kind or '(unnamed)'} of {model or '(no processor_class)'} is not one "
         f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 (CLIP). Shipped: "

@@ -127,7 +127,7 @@ def test_processor_configs_as_models_ship_them(tmp_path):
     ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor", "patch_size": 16},
      "Qwen2VLImageProcessorFast of Qwen3VLProcessor is not one"),
     ({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 10, "max_pixels": 5},
-     "min_pixels=10, max_pixels=5 is not a usable setting"),
+     "min_pixels 10 is over max_pixels 5, expected min_pixels <= max_pixels"),
 ])
 def test_unverified_or_broken_processors_are_refused(tmp_path, config, message):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
