@@ -226,8 +226,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.shards: tuple[str, ...] = opened.names
         self._where, self._starts, self._checks = opened.where, opened.starts, opened.checks
         self.budget: int = opened.checks.budget
-        self.vision: VisionSpec | None = (VisionSpec.from_json(self.metadata["vision"]) if "vision" in self.metadata
-                                          else None)
+        self.vision: VisionSpec | None = (
+            VisionSpec.from_json(self.metadata["vision"], what=f"{self._where}: the shards' vision spec")
+            if "vision" in self.metadata else None)
         """The run's vision processor spec when its rows carry images (``packstream pack --processor``): pass it
         to ``packers.Collator(vision=...)``."""
         _note_budget(self.budget)

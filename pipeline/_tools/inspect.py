@@ -306,7 +306,7 @@ def _vision(meta: dict[str, Any], shards: list[_Shard], tokens: int) -> dict[str
     """What a run with images holds: images, their placeholder tokens, how they spread over rows."""
     if "vision" not in meta:
         return {}
-    spec = packers.VisionSpec.from_json(meta["vision"])
+    spec = packers.VisionSpec.from_json(meta["vision"], what="the shards' vision spec (schema metadata)")
     grids = np.concatenate([s.grids for s in shards])
     per_image = np.array([spec.grid_tokens(g) for g in grids], dtype=np.int64)
     per_row = np.concatenate([s.images_per_row for s in shards])

@@ -150,7 +150,7 @@ def _spec(m: Manifest) -> Optional[packers.VisionSpec]:
     """The run's vision spec, to count an image's tokens in a message; None for a text run (or one the shard
     checks already report unreadable)."""
     try:
-        return packers.VisionSpec.from_json(m.raw["vision"]) if m.raw.get("vision") else None
+        return packers.VisionSpec.from_json(m.raw["vision"], what="manifest.json vision") if m.raw.get("vision") else None
     except (TypeError, ValueError):
         return None
 
