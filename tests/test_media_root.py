@@ -447,3 +447,18 @@ def test_pils_decompression_bomb_warning_is_counted_not_printed(tmp_path, tokeni
     assert "DecompressionBomb" not in capfd.readouterr().err
     counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
     assert counts["normalization"] == {"large_image": 1}
+
+
+def test_verify_inputs_refuses_inputs_whose_images_would_resolve_under_another_root(tree, tokenizer):
+    """The input copied to another folder: its images would resolve elsewhere, so verify says so in one line
+    instead of comparing images read from another place."""
+    data = tree["root"] / "data.jsonl"
+    data.write_text(json.dumps(_user("in.png")) + "\n")
+    out = tree["base"] / "out"
+    assert _pack(str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out)).exit_code == 0
+    copy = tree["base"] / "elsewhere" / "data.jsonl"
+    copy.parent.mkdir()
+    copy.write_text(data.read_text())
+    v = CliRunner().invoke(main, ["verify", str(out), str(copy), "--inputs"])
+    assert v.exit_code != 0 and "manifest.json media_roots" in v.output and str(tree["root"]) in v.output, v.output
+    assert CliRunner().invoke(main, ["verify", str(out), str(data), "--inputs"]).exit_code == 0

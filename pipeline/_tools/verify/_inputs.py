@@ -4,6 +4,7 @@ shards and the dead letters: packed with the same tokens, dead-lettered for the 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ import packers
 from packers import PackstreamError
 from packers.manifest import MANIFEST, Manifest
 import pipeline._read as _read
+from pipeline import _media
 import pipeline._rows as _rows
 from pipeline._formats import Reason
 from pipeline._options import DatasetSpec, FormatOptions, PackOptions
@@ -73,6 +75,13 @@ def prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote
     if want != got:
         report.add("inputs", f"resolve to sources {got}, the manifest has {want}; pass the same inputs as the pack run")
         return None
+    recorded = m.raw.get("media_roots")
+    if recorded is not None:  # images resolve under the folders the run read them under, or the check means nothing
+        now = _media.media_roots(options.media_root, [os.path.dirname(f.path) for f in files])
+        if now != recorded:
+            report.add("inputs", f"images resolve under {now} here, the run read them under {recorded} "
+                                 "(manifest.json media_roots); pass the inputs where the pack run read them")
+            return None
     name = options.tokenizer
     announce(f"verify: loading tokenizer {name!r} (named in {folder}/{MANIFEST}); its own code "
              + ("may run (--trust-remote-code)" if trust_remote_code else
