@@ -21,8 +21,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
 
     status           "complete" | "failed"
     error            why a failed run failed (failed only)
-    contract_version the packed-row contract version: 3, or 4 with images (then also "vision", the spec, and
-                     "media_roots", the absolute folders its image files were read under)
+    contract_version the packed-row contract version: 3, or 4 with images (then also "vision", "media_roots")
     run_id           16 hex digits: a digest of what decides the run's bytes (options but the output
                      folder, inputs, tokenizer); every shard carries it in its schema metadata
     shards           [{"name", "split", "rows", "examples", "tokens", "target_tokens", "bytes", "sha256"}]

@@ -40,7 +40,7 @@ from packers.files import OutsideRoot, open_beneath, real_folder, within
 from pipeline import PackOptions
 from pipeline.cli import main
 from tests._internals import Encoder, _media
-from tests.test_vision_pipeline import VISION_TOKENS, save_tokenizer
+from tests.test_vision_pipeline import VISION_TOKENS, _pack, save_tokenizer
 
 SPEC = VisionSpec.builtin("qwen2-vl")
 
@@ -100,13 +100,6 @@ def _escapes(t: dict[str, Path]) -> dict[str, object]:
         "link to a folder": "link-dir-out/secret.png",
         "struct without bytes": {"bytes": None, "path": secret},
     }
-
-
-def _pack(*args: str):
-    result = CliRunner().invoke(main, ["pack", *args, "-q"])
-    assert isinstance(result.exception, (SystemExit, type(None))), repr(result.exception)
-    assert "Traceback" not in result.output
-    return result
 
 
 def _dead(out: Path) -> list[dict]:
