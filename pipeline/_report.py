@@ -140,9 +140,9 @@ def _media_roots(manifest: dict) -> list[tuple[str, str]]:
     return [("images read under", printable(", ".join(roots[:3]) + more))]
 
 
-def summary_table(manifest: dict) -> str:
-    """The run's counts for people: which tokenizer packed it, every reason a record left the main path, with its
-    first case."""
+def summary_table(manifest: dict, packed: str | None = None) -> str:
+    """The run's counts for people: what it packed (``packed``, when the inputs need saying: the bundled sample),
+    which tokenizer packed it, every reason a record left the main path, with its first case."""
     c = manifest["counts"]
     first = c.get("first_rejected", {})
 
@@ -150,7 +150,8 @@ def summary_table(manifest: dict) -> str:
         f = first.get(reason)
         return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
 
-    lines = [
+    lines = [("packed", packed)] if packed else []
+    lines += [
         ("records read", f"{c['records_read']:,}"
          + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")
          + (f"  (+{c['extra_paths']:,} more message-tree paths)" if c.get("extra_paths") else "")),

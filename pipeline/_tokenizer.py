@@ -412,6 +412,16 @@ def tokenizer_identity(name: str, trust_remote_code: bool = False) -> dict[str, 
     }
 
 
+def _listed(ids: list[int], most: int = 8) -> str:
+    """A list of ids for a message: all of them, or the first ``most`` and how many more.
+
+    >>> _listed([1, 2, 3]), _listed(list(range(10)), 4)
+    ('[1, 2, 3]', '[0, 1, 2, 3, ... 6 more]')
+    """
+    shown = ", ".join(map(str, ids[:most]))
+    return f"[{shown}, ... {len(ids) - most} more]" if len(ids) > most else f"[{shown}]"
+
+
 def vision_token_ids(tok, spec, name: str) -> dict[str, int]:
     """The ids of ``spec``'s image placeholder and (when it has them) its vision start/end tokens: each must be ONE
     token of the tokenizer that its text encodes to, or images could not be counted and found again. Anything else
@@ -427,7 +437,7 @@ def vision_token_ids(tok, spec, name: str) -> dict[str, int]:
         if vocab_id is None or ids != [vocab_id]:
             raise PackstreamError(
                 f"tokenizer {show_path(name)} has no single token for the processor's {what} {text!r} (it encodes to "
-                f"{len(ids)} tokens {ids[:6]}); pass the vision-language model's own tokenizer with --tokenizer "
+                f"{len(ids)} tokens {_listed(ids)}); pass the vision-language model's own tokenizer with --tokenizer "
                 f"(the one shipped beside --processor {spec.name or spec.family.value})")
         out[what] = vocab_id
     return out

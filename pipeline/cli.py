@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import typing
+from pathlib import Path
 from importlib import resources
 from typing import Any, Sequence
 
@@ -21,17 +22,7 @@ from packers import InternalError, PackstreamError
 from pipeline._exit import ExitCode
 from pipeline._progress import LogFormat
 from pipeline._report import printable, summary_table
-from pipeline._workers import signals
-
-
-class _DropImportNoise(logging.Filter):
-    NOISE = ("apitools not found", "direct_num_workers is not equal to 1")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(n in record.getMessage() for n in self.NOISE)
-
-
-_NOISE = _DropImportNoise()
+from pipeline._workers import quiet, signals
 
 
 def _quiet_libraries() -> None:
@@ -41,9 +32,7 @@ def _quiet_libraries() -> None:
     in-memory mode's option name), with each worker's start-up warnings it relays. Called by every command."""
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    for name in ("", "apache_beam.runners.portability.fn_api_runner.fn_runner"):
-        if _NOISE not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_NOISE)
+    quiet.install()
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
 
 
@@ -289,7 +278,7 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
             if reporter is not None:
                 reporter.done(manifest)
             if not quiet and LogFormat(log_format) is LogFormat.TEXT:
-                click.echo(summary_table(manifest))
+                click.echo(summary_table(manifest, _what_was_packed(options)))
         case TemplateLaunched(location=location):  # Dataflow runs the job graph later
             if not quiet:
                 click.echo(f"job graph written to {location}; Dataflow runs it next")
@@ -299,6 +288,16 @@ def pack(inputs, quiet, progress, log_format, log_interval, estimate_only, sampl
             _fail(message, outcome.exit_code, reporter)
         case _:
             raise InternalError(f"the launcher returned {outcome!r}, which is not an Outcome")
+
+
+def _what_was_packed(options) -> "str | None":
+    """The summary's first line when the run packed the bundled sample (no INPUT given), so nobody takes it for
+    their own data; None otherwise."""
+    if options.config or tuple(options.inputs) != (bundled_sample(),):
+        return None
+    files = sorted(p.name for p in Path(bundled_sample()).iterdir() if p.is_file())
+    return (f"the bundled sample ({len(files)} files, a few records of every supported shape: {', '.join(files)}); "
+            "pass your own files as INPUT")
 
 
 def _quiet_logs(quiet: bool) -> None:

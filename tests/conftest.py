@@ -172,6 +172,7 @@ SLOW_CASES = (
     "tests/test_inputs.py::test_fuzz_",
     "tests/test_inputs.py::test_deep_json_costs_that_item_alone",
     "tests/test_docs_commands.py::test_documented_commands_run_as_written",  # minutes: every doc's commands
+    "tests/test_docs_commands.py::test_a_new_user_follows_the_readme",  # minutes: the README, then the docs test
     "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
     "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",

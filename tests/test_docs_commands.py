@@ -140,7 +140,7 @@ def _check_outputs(doc: str, work: Path) -> None:
             ".packstream-inspect.json", "example_lengths.png", "examples_per_row.png", "row_fill.png"]
     if doc == "README.md" and SHARED.is_dir():
         for folder in ("packed", "pairs"):
-            assert json.loads((work / folder / "manifest.json").read_text())["status"] == "complete"
+            assert json.loads((work / "out" / folder / "manifest.json").read_text())["status"] == "complete"
 
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if _to_run(d)])
@@ -160,3 +160,40 @@ def test_documented_commands_run_as_written(clone, tmp_path, doc):
     _check_outputs(doc, work)
     if skipped:
         pytest.skip(f"not run: {', '.join(skipped)} (they name ../shared, and {SHARED} is absent)")
+
+
+def _main_job(doc: str = "README.md") -> str:
+    """The README's main job command (its block installs first, which needs an index: NOT_RUN), without the
+    install, run with the test environment's packstream."""
+    (block,) = [b for b in _blocks(doc) if b.lang in SHELL and ".venv/bin/pip install . &&" in b.text]
+    command = block.text.strip().split(" && ")[-1]
+    assert command.startswith(".venv/bin/packstream pack"), command
+    return command.replace(".venv/bin/packstream", "packstream", 1)
+
+
+def test_a_new_user_follows_the_readme_then_runs_the_docs_test_in_the_same_clone(clone, tmp_path):
+    """A fresh git clone: the README's main job, twice (the second run must work as the first did), then every
+    README block this test runs, then the docs test itself, run in that clone. Whatever the README wrote must be
+    ignored by the clone's .gitignore, or the docs test's own clone copies it and its runs find an earlier output."""
+    work = tmp_path / "packstream"
+    shutil.copytree(clone, work)
+    if SHARED.is_dir():
+        (tmp_path / "shared").symlink_to(SHARED, target_is_directory=True)
+    git = ["git", "-c", "user.name=new user", "-c", "user.email=user@example.com"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "clone"]):
+        subprocess.run(git + args, cwd=work, check=True, capture_output=True, timeout=120)
+    env = {**_env(work), "TMPDIR": str(tmp_path)}  # this test's temporary files outside the clone, as a user's are
+    (work / "tmp").rmdir()
+    main = Block("README.md", 0, "bash", _main_job() + "\n")
+    for _ in range(2):
+        _run(main, work, env)
+    for block in _to_run("README.md"):
+        if "../shared" not in block.text or SHARED.is_dir():
+            _run(block, work, env)
+    written = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=work, check=True,
+                             capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert written == [], "the README wrote files its .gitignore does not cover"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs_commands.py",
+                        "-k", "test_documented_commands_run_as_written"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -177,6 +177,15 @@ def _runner_class():
         """Beam's DaskRunner whose GroupByKey is :func:`group_by_key` over ``--dask_npartitions`` lanes (by
         default more than two per worker thread of the cluster)."""
 
+        def run_pipeline(self, pipeline, options):
+            """Beam's, with :mod:`pipeline._workers.quiet` preloaded into the workers of a local cluster it starts
+            (Beam's import-time warnings would print once per worker)."""
+            import dask
+
+            preload = [*dask.config.get("distributed.worker.preload", []), "pipeline._workers.quiet"]
+            with dask.config.set({"distributed.worker.preload": preload}):
+                return super().run_pipeline(pipeline, options)
+
         @staticmethod
         def to_dask_bag_visitor(bag_kwargs=None):
             bag_kwargs = dict(bag_kwargs or {})
