@@ -108,7 +108,8 @@ def test_capitalised_fields_are_read_by_the_longest_texts():
     assert the_fix("capitalised_fields.jsonl") == ["--field", "Question=user", "--field", "Complex_CoT=reasoning",
                                                    "--field", "Response=assistant"]
     detail = refusals("capitalised_fields.jsonl")[0]
-    assert "answer, question: a shorter copy of the same fields in lower-case keys, left" in detail
+    assert "question: the same field as Question in lower-case keys, left" in detail
+    assert "answer: shorter than Response, left as another answer" in detail  # no twin: never called a copy
 
 
 def test_two_whole_conversations_are_suggested_as_a_pair():
