@@ -208,6 +208,8 @@ def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
             keys = _turn_keys(v)
             if keys is None and _speakers_as_keys(v):
                 return None, _speakers_as_keys(v, path)
+            if keys is not None and keys[0] is None:
+                return None, f"{path}: {keys[1]}"
             if keys is not None:
                 return _answered(record, path, v, keys)
     return None
@@ -251,10 +253,10 @@ def _name_like(x: Any) -> bool:
     return isinstance(x, (int, bool)) or (isinstance(x, str) and len(x) <= 32 and bool(_NAME.fullmatch(x)))
 
 
-def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
+def _turn_keys(v: list[dict]) -> Optional[tuple[Optional[dict[str, Any]], str]]:
     """For a list of turn objects: the options beside ``--messages-field`` that read it (its speaker and text keys
     when they are not the usual ones, the speaker names no built-in role covers) and the words after them; None
-    when no key looks like the speaker or the text."""
+    when no key looks like the speaker or the text; no options, and words why, when the speaker holds text."""
     rk = next((k for k in ROLE_KEYS if k in v[0]), None)
     ck = next((k for k in CONTENT_KEYS if k in v[0]), None)
     opts: dict[str, Any] = {}
@@ -275,6 +277,11 @@ def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
     unknown = [n for n in names if n.lower() not in ROLE_ALIASES]
     if not unknown:
         return opts, ""
+    text = next((m[rk] for m in v if rk in m and not _name_like(m[rk])), None)
+    if text is not None:  # a message's text is no speaker's name: never offered as one (MOSS-like markers)
+        return None, (f"the turns' {rk} holds text, not a speaker's name ({str(text)[:40]!r}); no option takes a "
+                      "role from text: map each speaker's name to a role with --roles NAME=ROLE once the turns name "
+                      "their speakers")
     guess = ("user", "assistant") if len(names) == 2 else (ROLE, ROLE)
     opts["roles"] = tuple((n, guess[min(i, 1)]) for i, n in enumerate(names) if n in unknown)
     return opts, " (check the roles with preview)"
