@@ -196,7 +196,8 @@ def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
         (f"{k}.{k2}", v2) for k, v in record.items() if isinstance(v, dict) for k2, v2 in v.items()]
     for path, v in found:
         listed = numbered(v)
-        if listed is not None and len(listed) > 1 and all(isinstance(x, (str, dict)) for _, x in listed):
+        if listed is not None and (len(listed) > 1 or isinstance(listed[0][1], dict)) and \
+                all(isinstance(x, (str, dict)) for _, x in listed):  # one turn_1 object: a one-turn chat (MOSS)
             items = [x for _, x in listed]
             if all(isinstance(x, str) for x in items):
                 return Fix.of(messages_field=path), f" (its {listed[0][0]}, {listed[1][0]}, ... keys are turns in " \
@@ -240,7 +241,7 @@ def _speakers_as_keys(v: list[dict], path: str = "") -> str:
     speakers = [k for k in texts if role_of(k) in ("user", "assistant") or k.lower() in ROLE_ALIASES]
     if len(texts) < 2 or not speakers:
         return ""
-    return (f"{path} holds {len(v)} turns, each an object with one key per speaker ({', '.join(texts)}); no option "
+    return (f"{path} holds {len(v)} turn{'s' if len(v) > 1 else ''}, each an object with one key per speaker ({', '.join(texts)}); no option "
             f"reads a speaker from a key's name (--role-key KEY reads it from a value), so convert each turn into "
             f"{{role, content}} objects first")
 
