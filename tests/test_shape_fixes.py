@@ -20,6 +20,12 @@ solution_steps.jsonl       question, a list of ``steps``, a one-word label (PRM)
                                                                                    answer; the steps are named
 marked_sides.jsonl         history, human_ref_A / human_ref_B, labels (SHP)        a pair; the label's values the
                                                                                    user's to give
+huatuo_o1.jsonl            a longer multiple-choice question + answer beside       Question, Complex_CoT, Response
+                           Question/Complex_CoT/Response (HuatuoGPT-o1)            (the family with more text)
+moss_chat.jsonl            turns with one key per speaker, marked text (MOSS)      no fix; what is missing named
+tulu_completions.jsonl     one record per completion, ids repeated (Tulu)          every one: with --ids position
+oasst_tree.jsonl           a message tree under ``prompt`` (OpenAssistant)         --tree prompt: each path
+(written at test time)     Parquet: prompt as messages + a solution (RL sets)      the solution, after the prompt
 =========================  ======================================================  ===============================
 """
 
