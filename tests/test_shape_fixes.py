@@ -20,6 +20,12 @@ solution_steps.jsonl       question, a list of ``steps``, a one-word label (PRM)
                                                                                    answer; the steps are named
 marked_sides.jsonl         history, human_ref_A / human_ref_B, labels (SHP)        a pair; the label's values the
                                                                                    user's to give
+huatuo_o1.jsonl            a longer multiple-choice question + answer beside       Question, Complex_CoT, Response
+                           Question/Complex_CoT/Response (HuatuoGPT-o1)            (the family with more text)
+moss_chat.jsonl            turns with one key per speaker, marked text (MOSS)      no fix; what is missing named
+tulu_completions.jsonl     one record per completion, ids repeated (Tulu)          every one: with --ids position
+oasst_tree.jsonl           a message tree under ``prompt`` (OpenAssistant)         --tree prompt: each path
+(written at test time)     Parquet: prompt as messages + a solution (RL sets)      the solution, after the prompt
 =========================  ======================================================  ===============================
 """
 
@@ -108,7 +114,8 @@ def test_capitalised_fields_are_read_by_the_longest_texts():
     assert the_fix("capitalised_fields.jsonl") == ["--field", "Question=user", "--field", "Complex_CoT=reasoning",
                                                    "--field", "Response=assistant"]
     detail = refusals("capitalised_fields.jsonl")[0]
-    assert "answer, question: a shorter copy of the same fields in lower-case keys, left" in detail
+    assert "question: the same field as Question in lower-case keys, left" in detail
+    assert "answer: shorter than Response, left as another answer" in detail  # no twin: never called a copy
 
 
 def test_two_whole_conversations_are_suggested_as_a_pair():
@@ -347,3 +354,109 @@ def test_any_one_character_side_mark_pairs_two_long_answers():
             "distractor1": "oxygen", "distractor2": "helium", "correct_answer": "carbon dioxide"}
     fix, _ = suggest(quiz)
     assert fix is None or "--pairs" not in fix.text()
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 42, round 2: HuatuoGPT-o1 (a longer lower-case question beside the capitalised family), MOSS (speakers as
+# keys), Tulu (ids repeated by design), an OpenAssistant tree, and RL Parquet (prompt as messages, a solution string).
+
+def test_pack_huatuo_o1_trains_the_reasoning_and_the_response_not_the_short_answer(tmp_path):
+    """The lower-case question (multiple choice, with its options) is longer than Question, yet the capitalised
+    family holds most of the record's text: Question, Complex_CoT and Response are read; question and answer left,
+    each named with its reason (answer has no twin: never called a copy)."""
+    fix = the_fix("huatuo_o1.jsonl")
+    assert fix == ["--field", "Question=user", "--field", "Complex_CoT=reasoning", "--field", "Response=assistant"]
+    detail = refusals("huatuo_o1.jsonl")[0]
+    assert "question: the same field as Question in lower-case keys, left" in detail
+    assert "answer: shorter than Response" in detail and "answer: the same" not in detail
+    rows = packed(tmp_path, "huatuo_o1.jsonl", fix)
+    assert len(rows) == len(records("huatuo_o1.jsonl"))
+    for rec in records("huatuo_o1.jsonl"):
+        (row,) = [r for r in rows if rec["Question"] in r["text"]]
+        assert rec["Complex_CoT"] in row["trained"] and rec["Response"] in row["trained"]  # the long texts train
+        assert rec["Question"] not in row["trained"]  # the question is context
+        assert rec["question"] not in row["text"] and rec["answer"] not in row["text"]  # the short answer: never
+
+
+def test_moss_speakers_as_keys_are_refused_naming_what_is_missing(tmp_path):
+    """MOSS keeps each turn as {Human: "<|Human|>: ...", MOSS: "<|MOSS|>: ..."}: no option maps a key's name to a role,
+    so no fix is offered, and never one that takes a role name from a message's text."""
+    details = refusals("moss_chat.jsonl")
+    assert len(details) == len(records("moss_chat.jsonl"))
+    for detail in details:
+        assert printed_fix(detail) == [] and "--roles" not in detail and "<|Human|>" not in detail
+        assert "one key per speaker (Human, Inner Thoughts, Commands, Tool Responses, MOSS)" in detail
+        assert "convert each turn into {role, content} objects" in detail
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["pack", str(SHAPES_DIR / "moss_chat.jsonl"), "--output", str(out)])
+    assert r.exit_code == 3 and "unknown_format" in r.output and "--roles '<|" not in r.output, r.output
+
+
+def test_pack_tulu_completions_with_the_printed_fix_keeps_every_completion(tmp_path):
+    """Tulu keeps one record per completion, three sharing each prompt's id: the printed fix names --ids position,
+    without which four of the six records would be duplicate_id dead letters."""
+    fix = the_fix("tulu_completions.jsonl")
+    assert fix == ["--field", "prompt=user", "--field", "model_output=assistant", "--ids", "position"]
+    rows = packed(tmp_path, "tulu_completions.jsonl", fix)
+    recs = records("tulu_completions.jsonl")
+    assert len(rows) == len(recs)
+    for rec in recs:
+        (row,) = [r for r in rows if rec["model_output"] in r["text"]]
+        assert row["trained"].startswith(rec["model_output"]) and rec["prompt"] not in row["trained"]
+    unique = tmp_path / "unique.jsonl"  # ids that do not repeat: the fix does not name --ids
+    unique.write_text("".join(json.dumps(dict(r, id=f"u{i}")) + "\n" for i, r in enumerate(recs)))
+    out = cli("preview", str(unique), "--no-color", "-n", "50")
+    assert "--ids" not in out and "--field prompt=user --field model_output=assistant" in out
+
+
+def test_pack_oasst_tree_with_the_printed_fix(tmp_path):
+    """An OpenAssistant tree: the refusal names --tree prompt (not only --messages-field PATH); packed so, every
+    root-to-leaf path is one conversation, each ending on an assistant reply that is trained."""
+    fix = the_fix("oasst_tree.jsonl")
+    assert fix == ["--tree", "prompt"]
+    rows = packed(tmp_path, "oasst_tree.jsonl", fix)
+    t1, t2 = records("oasst_tree.jsonl")
+    root, (a, b) = t1["prompt"], t1["prompt"]["replies"]
+    follow, last = b["replies"][0], b["replies"][0]["replies"][0]
+    paths = [r for r in rows if root["text"] in r["text"]]
+    assert len(paths) == 2  # [root, a] and [root, b, follow, last]; [root, b] begins the latter: not kept twice
+    assert [r["trained"].split("<|im_end|>")[0] for r in paths if last["text"] not in r["text"]] == [a["text"]]
+    deep = [r for r in paths if last["text"] in r["text"]]
+    assert len(deep) == 1 and follow["text"] in deep[0]["text"] and follow["text"] not in deep[0]["trained"]
+    assert b["text"] in deep[0]["trained"] and last["text"] in deep[0]["trained"]
+    assert any(t2["prompt"]["replies"][0]["text"] in r["trained"] for r in rows)
+    assert all(root["text"] not in r["trained"] for r in paths)
+
+
+def _parquet(tmp_path: Path, answer_key: str) -> tuple[Path, list[dict]]:
+    """An RL-style Parquet file (verl): ``prompt`` a list of messages, the answer a string, beside metadata columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    recs = [{"data_source": "algebra", "prompt": [{"role": "user", "content": "Solve 2x + 3 = 11 for x."}],
+             answer_key: "Subtract 3 from both sides: 2x = 8. Divide by 2: x = 4.", "ability": "math"},
+            {"data_source": "algebra", "prompt": [{"role": "user", "content": "What is 15% of 80?"}],
+             answer_key: "15% of 80 is 0.15 * 80 = 12.", "ability": "math"}]
+    path = tmp_path / f"rl_{answer_key}.parquet"
+    pq.write_table(pa.Table.from_pylist(recs), path)
+    return path, recs
+
+
+@pytest.mark.parametrize("answer_key", ["solution", "generated_solution"])
+def test_pack_parquet_prompt_and_solution_with_the_printed_fix(tmp_path, answer_key):
+    """A Parquet file whose prompt is a list of messages and whose answer is a solution string: the fix maps the
+    solution after the prompt's turns, and the solution is what trains."""
+    path, recs = _parquet(tmp_path, answer_key)
+    out = cli("preview", str(path), "--no-color", "-n", "50")
+    details = [line.strip() for line in out.splitlines() if line.startswith("   keys [")]
+    assert len(details) == len(recs) and len({tuple(printed_fix(d)) for d in details}) == 1, details
+    fix = printed_fix(details[0])
+    assert fix == ["--messages-field", "prompt", "--field", f"{answer_key}=assistant"]
+    dest = tmp_path / "out"
+    cli("pack", str(path), "--output", str(dest), *fix)
+    from tests.test_pipeline import _rows
+
+    tok = load_tokenizer(PackOptions(inputs=("-",)).tokenizer)
+    trained = [tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) for row in _rows(str(dest))]
+    for rec in recs:
+        assert any(rec[answer_key] in t and rec["prompt"][0]["content"] not in t for t in trained), trained

@@ -4,8 +4,9 @@
 driver tries it on the record before it is shown) and the words after it, or with no fix and words that say
 what is ambiguous. A reading is offered only when
 
-* every field that holds long text is read, or the words say which it leaves and why (a shorter copy of the
-  same fields under keys of another case: HuatuoGPT's ``question``/``answer`` beside ``Question``/``Response``);
+* every field that holds long text is read, or the words say which it leaves and why (the same field under a
+  key of another case, in the family of keys that holds less of the record's text: HuatuoGPT's ``question`` beside
+  ``Question``, ``Complex_CoT`` and ``Response``; a key with no twin is never left so);
 * no two alternative answers are merged into one trained turn: a list of answers to one prompt (Magpie-PO's
   ``responses`` with their ``rewards``; completions from several models) is packed as a pair when scores say
   which is best (``--pairs --pair-ranked``), else one item is trained and the words say so;
@@ -31,6 +32,7 @@ from typing import Any, Optional
 from pipeline._formats._base import ID_KEYS, text_size
 from pipeline._formats._fix import NAME, ROLE, Fix, Hole
 from pipeline._formats.preference import score_value
+from pipeline._formats.tree import REPLY_KEYS
 from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
 
 _WORDS = {
@@ -87,7 +89,7 @@ def _number(x: Any) -> bool:
 def suggest(record: dict) -> tuple[Optional[Fix], str]:
     """Options that would read a record of unknown shape and the words after them; or no options, and words that
     say what is ambiguous (see the module docstring)."""
-    for step in (_pair_sides, _turn_lists, _alternatives, _transcript, _by_role, _parallel, _one_string):
+    for step in (_pair_sides, _tree, _turn_lists, _alternatives, _transcript, _by_role, _parallel, _one_string):
         found = step(record)
         if found is not None:
             return found
@@ -177,12 +179,25 @@ def _pair_sides(record: dict) -> Optional[tuple[Optional[Fix], str]]:
 # ------------------------------------------------------------------------------------------------
 # A list of turns under any key, or one level down; a dict of numbered turns (turn_1, turn_2, ...).
 
+def _tree(record: dict) -> Optional[tuple[Optional[Fix], str]]:
+    """A message tree (OpenAssistant): a turn object with its replies, nested; read by ``--tree``."""
+    for k, v in record.items():
+        if isinstance(v, dict) and any(r in v for r in ROLE_KEYS) and any(
+                isinstance(v.get(r), list) and v[r] and all(isinstance(x, dict) for x in v[r]) for r in REPLY_KEYS):
+            other = sorted({x for x in v if x not in (*ROLE_KEYS, *CONTENT_KEYS, *REPLY_KEYS, "rank")})
+            more = f"; its messages' other keys are counted as ignored: {', '.join(other)}" if other else ""
+            return (Fix.of(tree=k, drops=(k,)),
+                    f" ({k} is a message tree: each root-to-leaf path becomes one conversation{more})")
+    return None
+
+
 def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
     found = [(k, v) for k, v in record.items()] + [
         (f"{k}.{k2}", v2) for k, v in record.items() if isinstance(v, dict) for k2, v2 in v.items()]
     for path, v in found:
         listed = numbered(v)
-        if listed is not None and len(listed) > 1 and all(isinstance(x, (str, dict)) for _, x in listed):
+        if listed is not None and (len(listed) > 1 or isinstance(listed[0][1], dict)) and \
+                all(isinstance(x, (str, dict)) for _, x in listed):  # one turn_1 object: a one-turn chat (MOSS)
             items = [x for _, x in listed]
             if all(isinstance(x, str) for x in items):
                 return Fix.of(messages_field=path), f" (its {listed[0][0]}, {listed[1][0]}, ... keys are turns in " \
@@ -192,15 +207,57 @@ def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
             if all("input" in m and "output" in m for m in v):
                 return Fix.of(messages_field=path), " (each {input, output} is one exchange)"
             keys = _turn_keys(v)
+            if keys is None and _speakers_as_keys(v):
+                return None, _speakers_as_keys(v, path)
+            if keys is not None and keys[0] is None:
+                return None, f"{path}: {keys[1]}"
             if keys is not None:
-                return Fix.of(messages_field=path, **keys[0]), keys[1]
+                return _answered(record, path, v, keys)
     return None
 
 
-def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
+def _answered(record: dict, path: str, v: list[dict], keys: tuple[dict[str, Any], str]
+              ) -> tuple[Optional[Fix], str]:
+    """``--messages-field`` for a list of turns; when it ends on a user turn and a string beside it holds the answer
+    (RL Parquet: ``prompt`` as a list of messages, ``solution`` a string), that answer mapped after it."""
+    opts, words = keys
+    rk = opts.get("role_key") or next((k for k in ROLE_KEYS if k in v[-1]), None)
+    last = speaker_name(v[-1].get(rk)) if rk is not None else ""
+    if "." not in path and ROLE_ALIASES.get(last.lower()) == "user" and "roles" not in opts:
+        answers = [k for k, x in record.items() if k != path and role_of(k) == "assistant" and isinstance(x, str)
+                   and text_size(x)]
+        if answers:
+            best = max(answers, key=lambda k: text_size(record[k]))
+            return (Fix.of(messages_field=path, **opts, fields=((best, "assistant"),)),
+                    f" ({path} ends on a user turn; {best} is its answer){words}")
+    return Fix.of(messages_field=path, **opts), words
+
+
+def _speakers_as_keys(v: list[dict], path: str = "") -> str:
+    """For turn objects that hold each speaker's text under its own key (MOSS: ``{"Human": "<|Human|>: ...",
+    "MOSS": "<|MOSS|>: ..."}``): why no option reads them; "" for other objects. A speaker is read from a value,
+    never from text: a role named after a message would be no fix."""
+    texts = [k for k in v[0] if all(isinstance(m.get(k), str) for m in v)]
+    speakers = [k for k in texts if role_of(k) in ("user", "assistant") or k.lower() in ROLE_ALIASES]
+    if len(texts) < 2 or not speakers:
+        return ""
+    return (f"{path} holds {len(v)} turn{'s' if len(v) > 1 else ''}, each an object with one key per speaker ({', '.join(texts)}); no option "
+            f"reads a speaker from a key's name (--role-key KEY reads it from a value), so convert each turn into "
+            f"{{role, content}} objects first")
+
+
+_NAME = re.compile(r"[^\s:]+(?: [^\s:]+)?:?")
+"""A speaker's name: one or two words, maybe with a colon (``gpt``, ``Speaker 2``, ``A:``), never a message."""
+
+
+def _name_like(x: Any) -> bool:
+    return isinstance(x, (int, bool)) or (isinstance(x, str) and len(x) <= 32 and bool(_NAME.fullmatch(x)))
+
+
+def _turn_keys(v: list[dict]) -> Optional[tuple[Optional[dict[str, Any]], str]]:
     """For a list of turn objects: the options beside ``--messages-field`` that read it (its speaker and text keys
     when they are not the usual ones, the speaker names no built-in role covers) and the words after them; None
-    when no key looks like the speaker or the text."""
+    when no key looks like the speaker or the text; no options, and words why, when the speaker holds text."""
     rk = next((k for k in ROLE_KEYS if k in v[0]), None)
     ck = next((k for k in CONTENT_KEYS if k in v[0]), None)
     opts: dict[str, Any] = {}
@@ -211,7 +268,7 @@ def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
             return None
         opts["content_key"] = ck
     if rk is None:  # the speaker: a key with few distinct short values
-        cands = [k for k in v[0] if k != ck and all(isinstance(m.get(k), (str, int, bool)) for m in v)]
+        cands = [k for k in v[0] if k != ck and all(_name_like(m.get(k)) for m in v)]
         cands = [k for k in cands if len({str(m[k]) for m in v}) <= max(2, len(v) // 2)]
         if not cands:
             return None
@@ -221,6 +278,11 @@ def _turn_keys(v: list[dict]) -> Optional[tuple[dict[str, Any], str]]:
     unknown = [n for n in names if n.lower() not in ROLE_ALIASES]
     if not unknown:
         return opts, ""
+    text = next((m[rk] for m in v if rk in m and not _name_like(m[rk])), None)
+    if text is not None:  # a message's text is no speaker's name: never offered as one (MOSS-like markers)
+        return None, (f"the turns' {rk} holds text, not a speaker's name ({str(text)[:40]!r}); no option takes a "
+                      "role from text: map each speaker's name to a role with --roles NAME=ROLE once the turns name "
+                      "their speakers")
     guess = ("user", "assistant") if len(names) == 2 else (ROLE, ROLE)
     opts["roles"] = tuple((n, guess[min(i, 1)]) for i, n in enumerate(names) if n in unknown)
     return opts, " (check the roles with preview)"
@@ -308,8 +370,11 @@ def _transcript(record: dict) -> Optional[tuple[Optional[Fix], str]]:
 
 
 def _case_copies(record: dict) -> tuple[set[str], str]:
-    """Keys of another case than their twin (``question`` beside ``Question``): the family (capitalised or
-    lower-case keys) whose twins hold less text, as keys to leave, and the words that say why."""
+    """Keys with a twin of another case (``question`` beside ``Question``) in the family that holds less of the
+    record's text, as keys to leave, and the words that say why. A family is every role-named key of one case,
+    twinned or not, so what is trained is judged on the whole record: HuatuoGPT-o1 keeps a multiple-choice
+    ``question`` (longer than its twin) and a one-letter ``answer`` beside ``Question``, ``Complex_CoT`` and
+    ``Response``, and the capitalised family is read. A key with no twin is never left as a copy (issue 42)."""
     lower: dict[str, list[str]] = {}
     for k in record:
         lower.setdefault(k.lower(), []).append(k)
@@ -317,11 +382,17 @@ def _case_copies(record: dict) -> tuple[set[str], str]:
     if not twins:
         return set(), ""
     style = lambda k: k[:1].isupper()  # noqa: E731
-    held = {s: sum(text_size(record[k]) for ks in twins for k in ks if style(k) is s) for s in (True, False)}
+    held = {s: sum(text_size(record[k]) for k in record if style(k) is s and role_of(k) is not None)
+            for s in (True, False)}
     keep = held[True] >= held[False]
-    left = {k for k in record if style(k) is not keep and role_of(k) is not None}
-    words = (f"; {', '.join(sorted(left))}: a shorter copy of the same fields in "
-             f"{'lower-case' if keep else 'capitalised'} keys, left") if left else ""
+    left = {k for ks in twins if {style(k) for k in ks} == {True, False} for k in ks
+            if style(k) is not keep and role_of(k) is not None}
+    if not left:
+        return set(), ""
+    kept = ", ".join(sorted(k for ks in twins for k in ks if style(k) is keep and k.lower() in {x.lower() for x in left}))
+    words = (f"; {', '.join(sorted(left))}: the same field{'s' if len(left) > 1 else ''} as {kept} in "
+             f"{'lower-case' if keep else 'capitalised'} keys, left, as the {'capitalised' if keep else 'lower-case'} "
+             f"keys hold more of the record's text, {held[keep]} against {held[not keep]} characters")
     return left, words
 
 

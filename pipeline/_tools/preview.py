@@ -14,11 +14,12 @@ Like Axolotl's ``preprocess --debug``, without a training config.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pipeline._formats import TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect, pair_conversations
-from pipeline._options import PackOptions
+from pipeline._options import Ids, PackOptions
 
 def inputs(options: PackOptions) -> list:
     """The input files of every data set, as :class:`pipeline._read.InputFile`: the job's own input check
@@ -61,7 +62,9 @@ def preview(options: PackOptions, n: int) -> list[dict]:
     items: list[dict] = []
     for f in files:
         fmt = specs[f.dataset].format
+        first, own_ids = len(items), []
         for position, record in itertools.islice(records(f, options.max_record_bytes), n):
+            own_ids.append(record.get("id") if isinstance(record, dict) else None)
             item: dict[str, Any] = {"source": f.source, "position": position, "dataset": specs[f.dataset].name}
             convs = []
             if not isinstance(record, Rejected):
@@ -76,6 +79,7 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                 except Rejected as r:
                     if options.pairs and r.reason is not Reason.NOT_A_PAIR:
                         item["format"] = "preference"  # a pair, refused (a tie, a prompt mismatch): say what it is
+                    item["_refused"] = record
             encoded = encoder.encode([(f.dataset, f.source, position, record)])
             dead = {d.get("example_id"): d for d in encoded.rejected}
             packed = dict(zip(encoded.batch.ids, range(len(encoded.batch.ids))))
@@ -106,7 +110,34 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                     cut = int(batch.cuts[i])
                     it["sides"] = [[(tok.decode(r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
                                    for x, y in ((0, cut), (cut, len(ids)))]
+        _fold_ids(items[first:], own_ids if fmt.ids is Ids.AUTO else [],
+                  lambda rec: pair_conversations(rec, fmt) if options.pairs else conversations(rec, fmt))
     return items
+
+
+def _fold_ids(items: list[dict], own_ids: list, read: Callable[[Any], Any]) -> None:
+    """Where the sample's own ids repeat (Tulu: one record per completion, each with its prompt's id), each printed
+    fix also names ``--ids position``: without it, the records the fix reads would be dead-lettered as
+    ``duplicate_id`` but the first of each id (issue 42). ``read``: the reader whose refusal (its fix tried) the
+    items show."""
+    ids = [i for i in own_ids if isinstance(i, (str, int)) and not isinstance(i, bool) and i != ""]
+    repeat = len(ids) != len(set(ids))
+    for it in items:
+        record = it.pop("_refused", None)
+        if not repeat or record is None:
+            continue
+        try:
+            read(record)
+            continue
+        except Rejected as e:
+            r = e
+        fix = r.fix
+        if fix is None or fix.failed or it.get("detail") != r.detail or "ids" in dict(fix.options):
+            continue
+        ids_option = (("ids", Ids.POSITION),)  # last, unless the fix's last option carries an alternative
+        options = ids_option + fix.options if fix.alternative is not None else fix.options + ids_option
+        it["detail"] = r.with_fix(dataclasses.replace(fix, options=options)).detail + (
+            " (ids repeat among the records shown: each is keyed by its file and position instead)")
 
 
 _IMAGE_MARK = -1
