@@ -33,12 +33,9 @@ def records(f, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """``(position, record or Rejected)`` of one input, lazily, as the job reads them
     (:func:`pipeline._read.read_file`); a file that breaks off ends with a ``corrupt_input`` refusal,
     at the position the job's dead letter would have."""
-    from pipeline._read import CorruptInput, read_file
+    from pipeline._read import read_file, until_break
 
-    try:
-        yield from read_file(f, max_bytes)
-    except CorruptInput as e:
-        yield e.rest_at, Rejected(Reason.CORRUPT_INPUT, str(e))
+    return until_break(read_file(f, max_bytes))
 
 
 def preview(options: PackOptions, n: int) -> list[dict]:
