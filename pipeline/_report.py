@@ -37,10 +37,37 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_CLOSE = {"(": ")", "[": "]", "{": "}"}
+
+
 def one_line(text: str, limit: int = 160) -> str:
-    """``text`` with its runs of whitespace as one space, cut to ``limit`` characters (the cut marked ``…``)."""
+    """``text`` with its runs of whitespace as one space, cut to ``limit`` characters (the cut marked ``…``). A cut
+    inside brackets closes them after the mark, so what is left stays balanced (issue 42: the summary's ``e.g.``
+    lost a detail's closing parenthesis).
+
+    >>> one_line("keys [a] match no format (input_ids, segments, messages); read it", 40)
+    'keys [a] match no format (input_ids, s…)'
+    """
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    while True:
+        closers = _unclosed(cut)
+        if len(cut) + 1 + len(closers) <= limit or not cut:
+            return cut + "…" + closers
+        cut = cut[:-1]
+
+
+def _unclosed(text: str) -> str:
+    """The closing brackets that ``text``'s open ones still want, innermost first."""
+    stack: list[str] = []
+    for ch in text:
+        if ch in _CLOSE:
+            stack.append(_CLOSE[ch])
+        elif stack and ch == stack[-1]:
+            stack.pop()
+    return "".join(reversed(stack))
 
 
 def split_remedy(detail: str) -> tuple[str, str]:

@@ -74,7 +74,7 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 
 from __future__ import annotations
 
-from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
+from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected, Row
 from pipeline._formats._labels import NOTE as KTO_NOTE
 from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._fix import Fix, Hole
@@ -91,7 +91,7 @@ own rather than as a normalization count."""
 
 __all__ = [
     "FIELD_NOTES", "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
-    "PreferenceTurns", "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
+    "PreferenceTurns", "Reason", "Rejected", "Row", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
     "preference_turns", "resolve", "suggest", "target_flags",
     "_fast", "_normalize",
 ]

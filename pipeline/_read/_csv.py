@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from packers import InternalError, PackstreamError
 from packers.files import show_path
-from pipeline._formats import Reason, Rejected
+from pipeline._formats import Reason, Rejected, Row
 from pipeline._read._files import CorruptStream, InputFile, file_kind, open_bytes
 
 _MIN_BLOCK = 1 << 20
@@ -100,16 +100,17 @@ def _record(row: dict, number: int, max_bytes: int) -> Any:
     size = sum(len(v) for v in row.values())
     if size > max_bytes:
         return Rejected(Reason.RECORD_TOO_LARGE, f"row {number}: {size} bytes > --max-record-bytes {max_bytes}")
-    out = {}
+    out, empty = {}, []
     for name, value in row.items():
         if not value:
+            empty.append(name)
             continue
         try:
             out[name] = value.decode("utf-8")
         except UnicodeDecodeError as e:
             return Rejected(Reason.INVALID_UTF8, f"row {number}, column {name!r}: byte {e.start}: {e.reason}; save "
                                                  "the file as UTF-8")
-    return out
+    return Row(out, empty) if empty else out  # a Row names its empty cells: a refusal for one can name it
 
 
 def _malformed(row: Any, width: int) -> Rejected:
