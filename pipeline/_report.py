@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pipeline._formats import FIELD_NOTES, KTO_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
+from pipeline._formats import FIELD_NOTES, KTO_NOTE, KTO_TEXT_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
 from pipeline._options import DEFAULT_TOKENIZER
 
 
@@ -103,6 +103,23 @@ def with_whole_remedy(detail: str, limit: int = 160) -> str:
     if not remedy:
         return one_line(what, limit)
     return one_line(what, max(24, limit - len(remedy) - 2)) + "; " + remedy
+
+
+def kto_text_fix(field: str, n: int) -> str:
+    """What to do about a ``label``/``kto_tag`` field that holds true/false as text (``kto_label_text:`` notes)."""
+    return (f"{field} holds true/false as text in {n:,} records (a CSV cell cannot hold a boolean), so they were "
+            f"packed as plain SFT, unlabelled; --kto-label {field} keeps them as KTO labels")
+
+
+def _label_lines(notes: dict) -> list[tuple[str, str]]:
+    """The summary's KTO lines: labels kept, and a ``label`` of true/false text that was not read as one."""
+    lines = [("  fix", kto_text_fix(printable(k[len(KTO_TEXT_NOTE):]), n))
+             for k, n in sorted(notes.items()) if k.startswith(KTO_TEXT_NOTE)]
+    good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
+    if good or bad:
+        lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "
+                                    "desirable column (packers.kto_loss reads it); a plain SFT loss trains on both"))
+    return lines
 
 
 def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
@@ -212,10 +229,7 @@ def summary_table(manifest: dict) -> str:
             lines.append(("transcript as text", f"{field} holds 'Human:'/'Assistant:' turns in {n:,} records, trained "
                                                 f"as plain text (every turn); --field {field}=transcript trains the "
                                                 "assistant turns only"))
-    good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
-    if good or bad:
-        lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "
-                                    "desirable column (packers.kto_loss reads it); a plain SFT loss trains on both"))
+    lines += _label_lines(notes)
     for field, n in sorted(as_text.items()):
         lines.append(("tool calls as text", f"{printable(field)} holds JSON tool calls in {n:,} records, trained as raw "
                                             f"text; --field {printable(field)}=tool_calls renders them as calls"))

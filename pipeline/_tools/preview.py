@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
-from pipeline._formats import TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect, pair_conversations
+from pipeline._formats import KTO_TEXT_NOTE, TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect, pair_conversations
 from pipeline._options import PackOptions
 
 def inputs(options: PackOptions) -> list:
@@ -205,6 +205,10 @@ def format_preview(items: list[dict], color: bool) -> str:
         if notes:
             out.append("   notes: " + ", ".join(f"{k} {v}" for k, v in sorted(notes.items())))
         for k in sorted(notes):
+            if k.startswith(KTO_TEXT_NOTE):
+                field = k[len(KTO_TEXT_NOTE):]
+                out.append(c(_BOLD, f"   suggest: --kto-label {field}") + f" ({field} holds true/false "
+                           "as text, which a CSV cell must; without it the record packs as plain SFT, unlabelled)")
             if k.startswith(TRANSCRIPT_NOTE):
                 field = k[len(TRANSCRIPT_NOTE):]
                 out.append(c(_BOLD, f"   suggest: --field {field}=transcript") + f" ({field} holds 'Human:'/'Assistant:' "
