@@ -111,6 +111,21 @@ def kto_text_fix(field: str, n: int) -> str:
             f"packed as plain SFT, unlabelled; --kto-label {field} keeps them as KTO labels")
 
 
+def first_case(f: "dict | None") -> str:
+    """A reason's first dead letter as the summary shows it, its remedy whole (``  e.g. a.csv at 2: ...; fix``)."""
+    return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
+
+
+def rejected_lines(by_reason: dict, first: dict, about: str = "") -> list[tuple[str, str]]:
+    """One line per reason, most first, each with its first case and that case's fix: ``pack``'s summary and
+    ``estimate`` (``about="~"``: counts projected from a sample) print the same (issue 42)."""
+    lines = [(f"  {printable(k)}", f"{about}{v:,}" + first_case(first.get(k)))
+             for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])]
+    if by_reason.get("duplicate_id"):
+        lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
+    return lines
+
+
 def _label_lines(notes: dict) -> list[tuple[str, str]]:
     """The summary's KTO lines: labels kept, and a ``label`` of true/false text that was not read as one."""
     lines = [("  fix", kto_text_fix(printable(k[len(KTO_TEXT_NOTE):]), n))
@@ -191,8 +206,7 @@ def summary_table(manifest: dict) -> str:
     first = c.get("first_rejected", {})
 
     def case(reason: str) -> str:
-        f = first.get(reason)
-        return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
+        return first_case(first.get(reason))
 
     lines = [
         ("records read", f"{c['records_read']:,}"
@@ -202,11 +216,7 @@ def summary_table(manifest: dict) -> str:
     ]
     if c.get("not_sampled"):
         lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
-    lines += [("rejected", f"{c['rejected']:,}"),
-              *[(f"  {printable(k)}", f"{v:,}" + case(k))
-                for k, v in sorted(c["rejected_by_reason"].items(), key=lambda kv: -kv[1])]]
-    if c["rejected_by_reason"].get("duplicate_id"):
-        lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
+    lines += [("rejected", f"{c['rejected']:,}"), *rejected_lines(c["rejected_by_reason"], first)]
     lines += _media_roots(manifest)
     lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
     if c["dropped_too_long"] and case("too_long"):
