@@ -208,10 +208,10 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     Every data set of ``options`` counts with its weight (a fraction samples, an integer repeats),
     and ``--validation-fraction`` splits the rows and shards. Returns a JSON-ready dict (keys
     documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers`` and
-    ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted
-    local run time. ``timed_run`` (the job's launcher, which the tools do not import: the command passes it)
-    packs ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to measure the run time's
-    fixed and per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
+    ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted local run
+    time. ``timed_run`` (the job's launcher, which the tools do not import: the command passes it) packs
+    ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to time the run's fixed and
+    per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
     """
     from pipeline._encode import Encoder, input_folders
     from pipeline._tokenizer import tokenizer_identity
@@ -253,8 +253,7 @@ def estimate(options: PackOptions, *, sample: int = 1000,
         "not_sampled": counts["not_sampled"],
         "repeated_copies": counts["repeated_copies"],
         "rejected": sum(rejected.values()),
-        "rejected_by_reason": rejected,
-        "first_rejected": _first_rejected(encoded),
+        "rejected_by_reason": rejected, "first_rejected": _first_rejected(encoded),
         "dropped_too_long": counts["dropped_too_long"],
         "examples_packed": counts["examples_packed"],
         "truncated_examples": counts["truncated_examples"],
