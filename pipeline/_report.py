@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pipeline._formats import FIELD_NOTES, KTO_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
+from pipeline._formats import FIELD_NOTES, KTO_NOTE, KTO_TEXT_NOTE, NOTE_UNITS, TRANSCRIPT_NOTE
 from pipeline._options import DEFAULT_TOKENIZER
 
 
@@ -37,10 +37,37 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_CLOSE = {"(": ")", "[": "]", "{": "}"}
+
+
 def one_line(text: str, limit: int = 160) -> str:
-    """``text`` with its runs of whitespace as one space, cut to ``limit`` characters (the cut marked ``…``)."""
+    """``text`` with its runs of whitespace as one space, cut to ``limit`` characters (the cut marked ``…``). A cut
+    inside brackets closes them after the mark, so what is left stays balanced (issue 42: the summary's ``e.g.``
+    lost a detail's closing parenthesis).
+
+    >>> one_line("keys [a] match no format (input_ids, segments, messages); read it", 40)
+    'keys [a] match no format (input_ids, s…)'
+    """
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    while True:
+        closers = _unclosed(cut)
+        if len(cut) + 1 + len(closers) <= limit or not cut:
+            return cut + "…" + closers
+        cut = cut[:-1]
+
+
+def _unclosed(text: str) -> str:
+    """The closing brackets that ``text``'s open ones still want, innermost first."""
+    stack: list[str] = []
+    for ch in text:
+        if ch in _CLOSE:
+            stack.append(_CLOSE[ch])
+        elif stack and ch == stack[-1]:
+            stack.pop()
+    return "".join(reversed(stack))
 
 
 def split_remedy(detail: str) -> tuple[str, str]:
@@ -76,6 +103,38 @@ def with_whole_remedy(detail: str, limit: int = 160) -> str:
     if not remedy:
         return one_line(what, limit)
     return one_line(what, max(24, limit - len(remedy) - 2)) + "; " + remedy
+
+
+def kto_text_fix(field: str, n: int) -> str:
+    """What to do about a ``label``/``kto_tag`` field that holds true/false as text (``kto_label_text:`` notes)."""
+    return (f"{field} holds true/false as text in {n:,} records (a CSV cell cannot hold a boolean), so they were "
+            f"packed as plain SFT, unlabelled; --kto-label {field} keeps them as KTO labels")
+
+
+def first_case(f: "dict | None") -> str:
+    """A reason's first dead letter as the summary shows it, its remedy whole (``  e.g. a.csv at 2: ...; fix``)."""
+    return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
+
+
+def rejected_lines(by_reason: dict, first: dict, about: str = "") -> list[tuple[str, str]]:
+    """One line per reason, most first, each with its first case and that case's fix: ``pack``'s summary and
+    ``estimate`` (``about="~"``: counts projected from a sample) print the same (issue 42)."""
+    lines = [(f"  {printable(k)}", f"{about}{v:,}" + first_case(first.get(k)))
+             for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])]
+    if by_reason.get("duplicate_id"):
+        lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
+    return lines
+
+
+def _label_lines(notes: dict) -> list[tuple[str, str]]:
+    """The summary's KTO lines: labels kept, and a ``label`` of true/false text that was not read as one."""
+    lines = [("  fix", kto_text_fix(printable(k[len(KTO_TEXT_NOTE):]), n))
+             for k, n in sorted(notes.items()) if k.startswith(KTO_TEXT_NOTE)]
+    good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
+    if good or bad:
+        lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "
+                                    "desirable column (packers.kto_loss reads it); a plain SFT loss trains on both"))
+    return lines
 
 
 def tokenizer_line(manifest: dict) -> "tuple[str, str] | None":
@@ -147,8 +206,7 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
     first = c.get("first_rejected", {})
 
     def case(reason: str) -> str:
-        f = first.get(reason)
-        return f"  e.g. {printable(str(f['source']))} at {f['position']}: {printable(with_whole_remedy(f['detail']))}" if f else ""
+        return first_case(first.get(reason))
 
     lines = [("packed", packed)] if packed else []
     lines += [
@@ -159,11 +217,7 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
     ]
     if c.get("not_sampled"):
         lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
-    lines += [("rejected", f"{c['rejected']:,}"),
-              *[(f"  {printable(k)}", f"{v:,}" + case(k))
-                for k, v in sorted(c["rejected_by_reason"].items(), key=lambda kv: -kv[1])]]
-    if c["rejected_by_reason"].get("duplicate_id"):
-        lines.append(("  fix", "ids that repeat by design: --ids position keys records by file and position"))
+    lines += [("rejected", f"{c['rejected']:,}"), *rejected_lines(c["rejected_by_reason"], first)]
     lines += _media_roots(manifest)
     lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
     if c["dropped_too_long"] and case("too_long"):
@@ -186,10 +240,7 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
             lines.append(("transcript as text", f"{field} holds 'Human:'/'Assistant:' turns in {n:,} records, trained "
                                                 f"as plain text (every turn); --field {field}=transcript trains the "
                                                 "assistant turns only"))
-    good, bad = notes.get(f"{KTO_NOTE}desirable", 0), notes.get(f"{KTO_NOTE}undesirable", 0)
-    if good or bad:
-        lines.append(("KTO labels", f"{good:,} desirable, {bad:,} undesirable records: kept per example in the rows' "
-                                    "desirable column (packers.kto_loss reads it); a plain SFT loss trains on both"))
+    lines += _label_lines(notes)
     for field, n in sorted(as_text.items()):
         lines.append(("tool calls as text", f"{printable(field)} holds JSON tool calls in {n:,} records, trained as raw "
                                             f"text; --field {printable(field)}=tool_calls renders them as calls"))

@@ -249,6 +249,11 @@ CASES = [
     Case("csv_rows", b'instruction,output\nHi,Hello\nbroken row\n"Q, with comma","multi\nline"\n\xff,x\n', {
         3: ("malformed_row", "it holds 1 cells, the header 2"), 5: ("invalid_utf8", "column 'instruction'")},
         ext="csv", records=4),
+    # An empty cell is a missing field; an empty answer cell is its own reason, never a fix that trains the prompt
+    # (issue 42: it was unknown_format, "read it with --field instruction=text")
+    Case("csv_empty_answer", b'instruction,output\n"What is 2+2?",""\nHi,Hello\n,Lonely answer\n', {
+        2: ("empty_answer", "the row's output cell is empty: no answer to train on; fill in the answer"),
+        4: ("missing_field", "the row's instruction cell is empty: the prompt is missing; fill it in")}, ext="csv", records=3),
 ]
 
 

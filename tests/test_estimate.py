@@ -28,7 +28,7 @@ ESTIMATE_KEYS = {
     "no_target_pieces", "pieces", "tokens", "target_tokens", "rows", "lower_bound", "fill", "examples_per_row",
     "splits", "output_bytes", "shards", "workers", "tokenizer_threads", "workers_why", "local_seconds",
     "local_seconds_error", "timed_sample", "sample_tokens_per_s", "estimate_seconds", "max_tokens", "pairs",
-    "vision",
+    "vision", "first_rejected",
 }
 TIMED_KEYS = {"records", "seconds", "fixed_s", "read_s", "pack_write_s", "calibration"}
 INPUT_KEYS = {"source", "dataset", "records", "records_exact", "sampled", "mean_tokens"}

@@ -307,7 +307,8 @@ UNKNOWN_SHAPES = ("parallel_answers.jsonl", "model_completions.jsonl", "capitali
                   "pair_conversations.jsonl", "turn_keys.jsonl", "named_solution.jsonl", "solution_steps.jsonl",
                   "marked_sides.jsonl", "huatuo_o1.jsonl", "moss_chat.jsonl", "tulu_completions.jsonl", "oasst_tree.jsonl")
 """Fixtures of records no shape claims, read through their refusal's printed fix (tests/test_shape_fixes.py)."""
-INPUT_KIND_FIXTURES = {"alpaca.csv", "qa.tsv", "broken.csv", "notes.txt", "completions.jsonl"}
+INPUT_KIND_FIXTURES = {"alpaca.csv", "qa.tsv", "broken.csv", "notes.txt", "completions.jsonl", "empty_answer.csv",
+                       "kto_labels.csv"}
 """Worked examples of input kinds and --ids, not shapes: tests/test_tabular_text.py packs them."""
 
 

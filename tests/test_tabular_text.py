@@ -276,3 +276,20 @@ def test_generated_csv_reads_back_cell_for_cell(tmp_path, case):
             assert isinstance(record, Rejected) and record.reason.value == expected and record.detail, (pos, record)
         else:
             assert record == expected, (pos, record, data)
+
+
+def test_a_whitespace_only_text_file_under_text_split_file_is_a_blank_text_dead_letter(tmp_path):
+    """docs/formats.md: under ``--text-split file`` the file is the document, so a blank one is its ``blank_text``
+    dead letter (issue 42: it was refused at launch), never a launch error; other splits still refuse it."""
+    (tmp_path / "good.txt").write_text("A document to train on.\n")
+    (tmp_path / "blank.txt").write_bytes(b" \n\n\t\r\n  ")
+    out = tmp_path / "out"
+    result = pack(str(tmp_path / "good.txt"), str(tmp_path / "blank.txt"), "--text-split", "file", "-o", str(out),
+                  "--max-reject-fraction", "1")
+    assert result.exit_code == 0, result.output
+    (dead,) = dead_letters(out).values()
+    assert (dead["source"], dead["position"], dead["reason"]) == ("blank.txt", 1, "blank_text"), dead
+    assert "holds only whitespace" in dead["detail"] and "remove the file from the inputs" in dead["detail"]
+    assert reconciled(out)["examples_packed"] == 1 and "A document to train on." in texts(out)
+    result = pack(str(tmp_path / "blank.txt"), "--text-split", "line", "-o", str(tmp_path / "o2"))
+    assert result.exit_code == 2 and "holds only whitespace" in result.output, result.output

@@ -74,8 +74,8 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 
 from __future__ import annotations
 
-from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected
-from pipeline._formats._labels import NOTE as KTO_NOTE
+from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected, Row
+from pipeline._formats._labels import NOTE as KTO_NOTE, TEXT_NOTE as KTO_TEXT_NOTE
 from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._fix import Fix, Hole
 from pipeline._formats._hygiene import target_flags
@@ -85,13 +85,13 @@ from pipeline._formats.detect import ORDER, REGISTRY, detect, suggest
 from pipeline._formats.preference import PreferenceTurns, preference_turns
 from pipeline._options import FormatOptions, parse_path
 
-FIELD_NOTES = ("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, TRANSCRIPT_NOTE)
+FIELD_NOTES = ("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, KTO_TEXT_NOTE, TRANSCRIPT_NOTE)
 """Prefixes of the notes counted per field or label (``ignored_field:meta``), each shown on a summary line of its
 own rather than as a normalization count."""
 
 __all__ = [
-    "FIELD_NOTES", "KTO_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
-    "PreferenceTurns", "Reason", "Rejected", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
+    "FIELD_NOTES", "KTO_NOTE", "KTO_TEXT_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
+    "PreferenceTurns", "Reason", "Rejected", "Row", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
     "preference_turns", "resolve", "suggest", "target_flags",
     "_fast", "_normalize",
 ]

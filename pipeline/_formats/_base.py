@@ -54,6 +54,20 @@ class Reason(str, enum.Enum):
     BAD_IMAGE = "bad_image"  #: --processor: an image that is missing, unreadable, or of a size the processor refuses
     REMOTE_IMAGE = "remote_image"  #: --processor: an http(s) image URL (packing is offline)
     OUTSIDE_MEDIA_ROOT = "outside_media_root"  #: --processor: an image file that is not under the media root
+    EMPTY_ANSWER = "empty_answer"  #: a CSV/TSV row whose answer cell is empty (an empty cell is a missing field)
+
+
+class Row(dict):
+    """A CSV/TSV row's record: its non-empty cells. ``empty`` names the columns whose cell was empty, left out
+    (an empty cell is a missing field), so a row refused for lacking one can name that cell
+    (:data:`Reason.EMPTY_ANSWER`) rather than fix the row by reading the cells it has otherwise (issue 42)."""
+
+    def __init__(self, cells: dict, empty: Sequence[str]):
+        super().__init__(cells)
+        self.empty = tuple(empty)
+
+    def __reduce__(self):  # pickled with its empty cells (records cross processes)
+        return (Row, (dict(self), self.empty))
 
 
 class Rejected(Exception):

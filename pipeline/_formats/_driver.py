@@ -320,12 +320,38 @@ def _text_below_top(record: dict, note: str) -> bool:
     return any(text_size(v) for v in values)
 
 
+def _empty_cells(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
+    """A CSV/TSV row refused for lacking a field its empty cell left out: the row is read again with each empty
+    cell filled with a mark of its own, to see which turn it would have been. An answer left empty is
+    ``empty_answer``, a prompt ``missing_field``, each naming the cell and no other fix (issue 42:
+    ``instruction,output`` with ``"What is 2+2?",""`` was ``unknown_format``, fixed by ``--field
+    instruction=text``, which trains the prompt). Otherwise ``r``."""
+    empty = getattr(record, "empty", ())
+    if not empty or r.reason not in (Reason.UNKNOWN_FORMAT, Reason.MISSING_FIELD):
+        return r
+    marks = {name: f"\u2402{name}\u2402" for name in empty}
+    try:
+        convs = _conversations({**record, **marks}, options)
+    except (Rejected, PackstreamError):
+        return r
+    turns = [(m.get("role"), str(m.get("content"))) for c in convs for m in c.messages]
+    held = {name: sorted({role for role, text in turns if mark in text}) for name, mark in marks.items()}
+    answers = [name for name, roles in held.items() if "assistant" in roles]
+    prompts = [name for name, roles in held.items() if roles and name not in answers]
+    for cells, why in ((answers, "no answer to train on; fill in the answer"), (prompts, "the prompt is missing; fill it in")):
+        if cells:
+            said = f"the row's {', '.join(cells)} cell{'s are' if len(cells) > 1 else ' is'} empty: {why}, or remove the row"
+            return Rejected(Reason.EMPTY_ANSWER if cells is answers else Reason.MISSING_FIELD, said)
+    return r
+
+
 def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
     """``r`` as its fix, tried on the record, finds it: the fix (and its alternative) read the record whole
     (packed, no text left unread below the top level but under the keys it reads in part on purpose,
     ``Fix.drops``), naming the top-level fields left unread; or no value of it does, and its values are the
     user's to choose (holes). A fix with nothing to try is shown as it is; one that names ``--pairs`` is tried
     by the pair reader (:func:`pair_conversations`)."""
+    r = _empty_cells(r, record, options)
     fix = r.fix
     if fix is None or not isinstance(record, dict) or not fix.changes(options):
         return r

@@ -38,6 +38,14 @@ _TEXT = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no":
 """Text values ``--kto-label`` reads (case-insensitive): CSV cells, and labels written as words."""
 
 
+TEXT_NOTE = "kto_label_text:"
+"""Notes ``kto_label_text:<field>``: records whose ``label``/``kto_tag`` holds true/false as text (a CSV cell cannot
+hold a boolean) without ``--kto-label``: packed as plain SFT, and the summary and ``preview`` name
+``--kto-label <field>`` (issue 42)."""
+_LIKELY = ("true", "false", "1", "0", "yes", "no")
+"""Text that reads as a desirability without doubt; ``positive``/``negative`` are as often a sentiment class."""
+
+
 def label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optional[str]]:
     """The record's desirability and the field it came from, or ``(None, None)``; :class:`Rejected` when
     ``--kto-label`` names a field the record holds no label in."""
@@ -64,6 +72,11 @@ def labelled(record: Any, options: FormatOptions, convs: Sequence[Conversation])
     first conversation, where the record's notes are."""
     value, key = label_of(record, options)
     if value is None:
+        key = next((k for k in AUTO_KEYS if options.kto_label is None and isinstance(record, dict)
+                    and str(record.get(k, "")).strip().lower() in _LIKELY), None)
+        if key is not None and convs:
+            note = f"{TEXT_NOTE}{key}"
+            convs[0].notes[note] = convs[0].notes.get(note, 0) + 1
         return
     first = convs[0]
     first.notes.pop(f"ignored_field:{key}", None)

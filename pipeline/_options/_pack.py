@@ -235,6 +235,12 @@ class PackOptions(FormatOptions):
             raise PackstreamError(f"--max-per-row {self.max_per_row} is less than one pair (2 sequences) with --pairs; "
                                   "use at least 2")
         for spec in self.datasets():
+            if spec.format.kto_label is not None:  # never ignored in silence (issue 42)
+                raise PackstreamError(
+                    f"data set {spec.name!r}: --kto-label {spec.format.kto_label} labels single answers (KTO); --pairs "
+                    "packs both sides of a preference pair, which needs no label: drop --kto-label, or pack without "
+                    "--pairs"
+                )
             if spec.format.preference is not None:
                 raise PackstreamError(
                     f"data set {spec.name!r}: --preference {spec.format.preference.value} trains one side of each pair "

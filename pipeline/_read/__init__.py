@@ -22,7 +22,7 @@ A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Re
 * ``_sample``  about ``k`` records spread over one input, for ``estimate``
 """
 
-from pipeline._read._files import COMPRESSIONS, SUPPORTED, InputFile, compression, file_kind, open_raw, supported_text
+from pipeline._read._files import COMPRESSIONS, CorruptStream, SUPPORTED, InputFile, compression, file_kind, open_raw, supported_text
 from pipeline._read._inputs import Skipped, expand_datasets, expand_inputs
 from pipeline._read._csv import csv_header, csv_records
 from pipeline._read._json import json_items, parse_line
@@ -32,7 +32,7 @@ from pipeline._read._sample import Sample, sample
 from pipeline._read._tables import row_decoder, table_rows
 from pipeline._read._tasks import (
     MIN_TASK_BYTES, TASK_BYTES, TASK_ROWS, TASKS_PER_WORKER, UNKNOWN_WORKERS, CorruptInput, ReadTask, count_records,
-    cut_tasks, expected_records, input_bytes, read_file, read_task, read_tasks, task_bytes, task_count,
+    cut_tasks, expected_records, input_bytes, read_file, read_task, read_tasks, task_bytes, task_count, until_break,
 )
 
 __all__ = [
@@ -40,5 +40,5 @@ __all__ = [
     "Skipped", "expand_datasets", "expand_inputs", "csv_header", "csv_records", "text_records", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
     "Sample", "sample", "row_decoder", "table_rows", "MIN_TASK_BYTES", "TASK_BYTES", "TASK_ROWS", "TASKS_PER_WORKER",
     "UNKNOWN_WORKERS", "CorruptInput", "ReadTask", "count_records", "cut_tasks", "expected_records", "input_bytes",
-    "read_file", "read_task", "read_tasks", "task_bytes", "task_count",
+    "read_file", "read_task", "read_tasks", "task_bytes", "task_count", "until_break", "CorruptStream",
 ]

@@ -24,8 +24,8 @@ from typing import Any, Iterator
 
 from packers import InternalError, PackstreamError
 from packers.files import show_path
-from pipeline._formats import Reason, Rejected
-from pipeline._read._files import InputFile, file_kind, open_bytes
+from pipeline._formats import Reason, Rejected, Row
+from pipeline._read._files import CorruptStream, InputFile, file_kind, open_bytes
 
 _MIN_BLOCK = 1 << 20
 
@@ -53,18 +53,35 @@ def _is_tsv(path: str) -> bool:
 
 @contextlib.contextmanager
 def _reader(f: InputFile, max_bytes: int, refused: "list | None", names: "list[str] | None" = None):
+    """pyarrow's reader of the file, and the stream it reads: a compressed one ends at a break (its
+    :attr:`~pipeline._read._files.Decompressed.broken` set), so the rows before it are parsed, not dropped with
+    the block the break falls in; the caller raises the break once it has handed them over."""
     import pyarrow.csv as pc
 
-    with open_bytes(f.path) as fh:
-        yield pc.open_csv(fh, **_options(f.path, max_bytes, refused, names))
+    with open_bytes(f.path, at_break="end") as fh:
+        try:
+            yield pc.open_csv(fh, **_options(f.path, max_bytes, refused, names)), fh
+        except ValueError:  # ArrowInvalid on the bytes a break cut short: the break is the cause
+            _raise_break(fh)
+            raise
+
+
+def _raise_break(fh: Any) -> None:
+    """Raise the decompressor's error if the stream broke off (a :class:`CorruptStream`: a corrupt_input)."""
+    broken = getattr(fh, "broken", None)
+    if broken is not None:
+        raise broken from None
 
 
 def csv_header(f: InputFile, max_bytes: int) -> list[str]:
-    """The column names of a CSV/TSV input; a header packstream cannot key records by is one error line."""
+    """The column names of a CSV/TSV input; a header packstream cannot key records by is one error line (a
+    stream that breaks off inside it raises :class:`CorruptStream`)."""
     where = show_path(f.path)
     try:
-        with _reader(f, max_bytes, []) as r:
+        with _reader(f, max_bytes, []) as (r, _):
             names = list(r.schema.names)
+    except CorruptStream:
+        raise
     except (ValueError, OSError) as e:  # ArrowInvalid (a ValueError), a header that is not UTF-8
         raise PackstreamError(f"input {where}: cannot read its header row ({str(e).splitlines()[0]}); the first row of "
                               "a CSV/TSV file names its columns") from None
@@ -83,16 +100,17 @@ def _record(row: dict, number: int, max_bytes: int) -> Any:
     size = sum(len(v) for v in row.values())
     if size > max_bytes:
         return Rejected(Reason.RECORD_TOO_LARGE, f"row {number}: {size} bytes > --max-record-bytes {max_bytes}")
-    out = {}
+    out, empty = {}, []
     for name, value in row.items():
         if not value:
+            empty.append(name)
             continue
         try:
             out[name] = value.decode("utf-8")
         except UnicodeDecodeError as e:
             return Rejected(Reason.INVALID_UTF8, f"row {number}, column {name!r}: byte {e.start}: {e.reason}; save "
                                                  "the file as UTF-8")
-    return out
+    return Row(out, empty) if empty else out  # a Row names its empty cells: a refusal for one can name it
 
 
 def _malformed(row: Any, width: int) -> Rejected:
@@ -104,24 +122,37 @@ def _malformed(row: Any, width: int) -> Rejected:
 
 
 def csv_records(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:
-    """``(row number, record or Rejected)`` of every row of a CSV/TSV input, in file order."""
+    """``(row number, record or Rejected)`` of every row of a CSV/TSV input, in file order; a compressed file that
+    breaks off raises :class:`CorruptStream` after the rows before the break (the row the break falls in is
+    part of the rest: it may be cut short, and a cut cell would pack as a shorter answer)."""
     names = csv_header(f, max_bytes)
     refused: list = []  # rows pyarrow skipped, appended as it parses (before the batch that follows them)
+    with _reader(f, max_bytes, refused, names) as (reader, fh):
+        held = None  # the last row so far: handed over once the stream goes on past it
+        for item in _rows(reader, refused, names, max_bytes):
+            if held is not None:
+                yield held
+            held = item
+        _raise_break(fh)
+        if held is not None:
+            yield held
+
+
+def _rows(reader: Any, refused: list, names: list[str], max_bytes: int) -> Iterator[tuple[int, Any]]:
     number = 1  # the last row number handed out (the header's)
-    with _reader(f, max_bytes, refused, names) as reader:
-        bad: dict[int, Any] = {}
-        for batch in reader:
-            bad.update(_numbered(refused))
-            refused.clear()
-            for row in batch.to_pylist():
-                number += 1
-                while number in bad:
-                    yield number, _malformed(bad.pop(number), len(names))
-                    number += 1
-                yield number, _record(row, number, max_bytes)
+    bad: dict[int, Any] = {}
+    for batch in reader:
         bad.update(_numbered(refused))
-        for n in sorted(bad):
-            yield n, _malformed(bad[n], len(names))
+        refused.clear()
+        for row in batch.to_pylist():
+            number += 1
+            while number in bad:
+                yield number, _malformed(bad.pop(number), len(names))
+                number += 1
+            yield number, _record(row, number, max_bytes)
+    bad.update(_numbered(refused))
+    for n in sorted(bad):
+        yield n, _malformed(bad[n], len(names))
 
 
 def _numbered(rows: list) -> dict[int, Any]:
@@ -136,5 +167,5 @@ def _numbered(rows: list) -> dict[int, Any]:
 def csv_count(f: InputFile, max_bytes: int) -> int:
     """Rows of a CSV/TSV input (refused ones included), parsed but not decoded."""
     refused: list = []
-    with _reader(f, max_bytes, refused, csv_header(f, max_bytes)) as reader:
+    with _reader(f, max_bytes, refused, csv_header(f, max_bytes)) as (reader, _):  # a break: the rows before it
         return sum(b.num_rows for b in reader) + len(refused)

@@ -14,6 +14,7 @@ import dataclasses
 import gzip
 import os
 import posixpath
+import zlib
 from typing import Any, Iterator, Optional
 
 from packers.files import open_checked
@@ -130,9 +131,86 @@ _BLOCK = 1 << 20
 BOM = b"\xef\xbb\xbf"
 
 
+class CorruptStream(OSError):
+    """A compressed input's stream that breaks off or holds bad data: whichever error its decompressor raised
+    (``EOFError`` at a break, ``zlib.error``, ``lzma.LZMAError``, gzip's and bz2's ``OSError``, pyarrow's zstd
+    ``OSError``), as one type that every stage catches (an ``OSError``, so a catch of ``OSError`` keeps it)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = type(cause).__name__
+        """The decompressor's own error type, for messages (``EOFError``)."""
+        self.detail = str(cause)
+
+
+def _decompressor_errors() -> tuple:
+    import lzma
+
+    return (EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
+class Decompressed:
+    """A decompressing stream, the one place every compressed input is read through (:func:`open_bytes`), so each
+    decompressor's error, at launch, at the count, at read time and in the tools, is one :class:`CorruptStream`
+    (issue 42: a truncated ``.csv.gz`` let ``EOFError`` reach click, which printed ``Aborted!``).
+
+    ``at_break="raise"`` raises it at the break (and at every read after it); ``"end"`` ends the stream there, as
+    if the file stopped, and keeps the error in :attr:`broken` for the reader to raise once it has handed over
+    the records before the break (pyarrow's CSV reader fills whole blocks, and an error drops the block)."""
+
+    def __init__(self, stream: Any, at_break: str = "raise"):
+        self.stream, self.at_break = stream, at_break
+        self.broken: Optional[CorruptStream] = None
+        self._read1 = getattr(stream, "read1", stream.read)
+
+    def _take(self, n: int) -> bytes:
+        """Up to ``n`` bytes, as many as the decompressor has at hand; b"" at the end, or at a break (then kept)."""
+        if self.broken is None:
+            try:
+                return self._read1(n)
+            except _decompressor_errors() as e:
+                self.broken = e if isinstance(e, CorruptStream) else CorruptStream(e)
+        return b""
+
+    def _give(self, data: bytes) -> bytes:
+        if not data and self.broken is not None and self.at_break == "raise":
+            raise self.broken
+        return data
+
+    def read1(self, n: Optional[int] = -1) -> bytes:
+        """At most ``n`` bytes, as many as the decompressor has at hand."""
+        return self._give(self._take(_BLOCK if n is None or n < 0 else n))
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        """``n`` bytes (all: -1), fewer at the end. The bytes decoded before a break are handed over first; the
+        next read raises it (or, under ``"end"``, meets the end)."""
+        parts, want = [], -1 if n is None or n < 0 else n
+        while want:
+            part = self._take(_BLOCK if want < 0 else want)
+            if not part:
+                break
+            parts.append(part)
+            want = want if want < 0 else want - len(part)
+        return self._give(b"".join(parts))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self.stream.closed
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 @contextlib.contextmanager
-def open_bytes(path: str) -> Iterator[Any]:
-    """The file's bytes, decompressed by its suffix (:data:`COMPRESSIONS`).
+def open_bytes(path: str, at_break: str = "raise") -> Iterator[Any]:
+    """The file's bytes, decompressed by its suffix (:data:`COMPRESSIONS`); a compressed file as a
+    :class:`Decompressed` stream (``at_break``: what it does at a break, see there).
 
     Each decompressor raises at a stream that breaks off, so the rest of the file never vanishes
     without a trace (see :func:`pipeline._read.read_file`): Python's gzip (not Beam's ``CompressedFile``, which
@@ -143,24 +221,31 @@ def open_bytes(path: str) -> Iterator[Any]:
     with open_raw(path) as raw:
         if c is None:
             yield raw
-        elif c == ".gz":
-            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-                yield stream
-        elif c == ".bz2":
-            import bz2
+            return
+        with _decompressing(raw, c) as stream:
+            yield Decompressed(stream, at_break)
 
-            with bz2.BZ2File(raw, mode="rb") as stream:
-                yield stream
-        elif c == ".xz":
-            import lzma
 
-            with lzma.LZMAFile(raw, mode="rb") as stream:
-                yield stream
-        else:
-            import pyarrow as pa
+@contextlib.contextmanager
+def _decompressing(raw: Any, c: str) -> Iterator[Any]:
+    if c == ".gz":
+        with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+            yield stream
+    elif c == ".bz2":
+        import bz2
 
-            with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
-                yield _SmallReads(stream)
+        with bz2.BZ2File(raw, mode="rb") as stream:
+            yield stream
+    elif c == ".xz":
+        import lzma
+
+        with lzma.LZMAFile(raw, mode="rb") as stream:
+            yield stream
+    else:
+        import pyarrow as pa
+
+        with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
+            yield _SmallReads(stream)
 
 
 class _SmallReads:
@@ -175,6 +260,13 @@ class _SmallReads:
 
     def read1(self, n: int = -1) -> bytes:
         return self.stream.read(1 << 16 if n is None or n < 0 else min(n, 1 << 16))
+
+    @property
+    def closed(self) -> bool:
+        return self.stream.closed
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def read_blocks(fh, limit: Optional[int] = None, size: int = _BLOCK) -> Iterator[bytes]:

@@ -16,15 +16,17 @@ from typing import NamedTuple
 from packers import PackstreamError
 from packers.files import check_regular, check_utf8_name, show_path
 from pipeline._read._files import (
-    CODEC, COMPRESSIONS, InputFile, compression, file_kind, fix_for, is_hf_disk, looks_like_data, open_bytes, open_raw,
+    CODEC, COMPRESSIONS, CorruptStream, InputFile, compression, file_kind, fix_for, is_hf_disk, looks_like_data, open_bytes, open_raw,
     read_blocks, supported_text,
 )
 from pipeline._read._csv import csv_header
 from pipeline._read._json import json_texts
 
 
-def _sniff(path: str, kind: str) -> None:
-    """Refuse a file whose bytes do not match its extension, or that is empty."""
+def _sniff(path: str, kind: str, text_split: str = "") -> None:
+    """Refuse a file whose bytes do not match its extension, or that is empty. Compressed: a stream whose
+    first 4 KiB do not decompress (or a small one, with a break anywhere) is refused; a later break is
+    the reader's ``corrupt_input`` dead letter."""
     try:
         with open_raw(path) as f:
             head = raw_head = f.read(4096)
@@ -41,20 +43,26 @@ def _sniff(path: str, kind: str) -> None:
             # A small file is decompressed whole here, so a break in it is a launch error (bounded: a
             # few KiB of zstd or xz can stand for gigabytes).
             with open_bytes(path) as fh:
-                head = fh.read(4096)
-                if len(head) == 4096 and len(raw_head) < 4096:
+                head = fh.read(4096)  # the bytes before a break, if any: the next read raises it
+                if len(raw_head) < 4096:
                     for _ in read_blocks(fh, limit=64 * 2**20):
                         pass
-        except (OSError, EOFError, ValueError, zlib.error) as e:
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # a CorruptStream (an OSError), from any decompressor
             raise PackstreamError(f"input {show_path(path)} is a corrupt or truncated {CODEC[c]} file ({e}); re-create it") from None
     if kind == "parquet" and head[:4] != b"PAR1":
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
         raise PackstreamError(f"input {path} has extension .arrow but is not an Arrow IPC file (starts with {head[:8]!r})")
-    if kind in ("csv", "tsv", "text") and not head.lstrip(b"\xef\xbb\xbf \t\r\n"):
+    # Under --text-split file the whole file is one document: a blank one is its blank_text dead letter (docs/formats.md)
+    blank_is_a_record = kind == "text" and text_split == "file"
+    if kind in ("csv", "tsv", "text") and not head.lstrip(b"\xef\xbb\xbf \t\r\n") and not blank_is_a_record:
         raise PackstreamError(f"input {show_path(path)} holds only whitespace; remove it from the inputs")
     if kind in ("csv", "tsv"):
-        csv_header(InputFile(path, path, kind), 2**24)  # a header that cannot key records: one error line
+        try:
+            csv_header(InputFile(path, path, kind), 2**24)  # a header that cannot key records: one error line
+        except CorruptStream as e:  # it breaks off inside its header row: nothing to read
+            raise PackstreamError(f"input {show_path(path)} is a corrupt or truncated {CODEC[c]} file, cut inside its "
+                                  f"header row ({e}); re-create it") from None
     if kind in ("jsonl", "json"):
         stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
         if not stripped:
@@ -84,7 +92,7 @@ def _sniff(path: str, kind: str) -> None:
 
 def _one_line(path: str) -> bool:
     """Whether the file holds a single non-blank line (LF, CRLF or CR line ends)."""
-    with open_bytes(path) as f:
+    with open_bytes(path, at_break="end") as f:  # a break: the reader's corrupt_input, not a launch error
         seen_end = False
         for block in iter(lambda: f.read(2**20), b""):
             if seen_end:
@@ -247,9 +255,9 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
                     continue
                 owner[real] = (p, d)
                 found.append((p, k, d))
-    for p, k, _ in found:
+    for p, k, d in found:
         if k != "hf_disk":
-            _sniff(p, k)
+            _sniff(p, k, datasets[d].format.text_split.value if k == "text" else "")
     found.sort(key=lambda t: t[0])
     root = _common_root([p for p, _, _ in found])
     out = []

@@ -16,11 +16,12 @@ import random
 
 import numpy as np
 
-from pipeline._read._files import InputFile, compression, hf_dataset, open_raw, read_blocks
+from pipeline._formats import Reason, Rejected
+from pipeline._read._files import CorruptStream, InputFile, compression, hf_dataset, open_raw, read_blocks
 from pipeline._read._json import record_of
 from pipeline._read._lines import jsonl_texts, split_lines
 from pipeline._read._tables import row_decoder, table_rows
-from pipeline._read._tasks import count_records, input_bytes, read_file
+from pipeline._read._tasks import corrupt_input, count_records, input_bytes, read_file, until_break
 
 WHOLE_JSONL_BYTES = 32 * 2**20
 """JSONL files up to this size are read whole (exact count, exact even spacing)."""
@@ -49,12 +50,21 @@ def sample(f: InputFile, k: int, max_bytes: int, seed: int = 0) -> Sample:
         items, n, exact = _parquet(f, k, max_bytes)
     elif f.kind == "hf_disk":
         items, n, exact = _hf_disk(f, k, max_bytes)
-    else:  # json, arrow: no seeking; count, then keep the records at evenly spaced places in one pass
-        n = count_records(f)
+    else:  # json, arrow, csv, text: no seeking; count, then keep the records at evenly spaced places in one pass
+        try:
+            n = count_records(f)
+        except (OSError, EOFError, ValueError):  # it breaks off: count as the job reads it (the rest one record)
+            n = sum(1 for _ in until_break(read_file(f, max_bytes)))
         wanted = set(_evenly(n, k))
-        items = [item for i, item in enumerate(read_file(f, max_bytes)) if i in wanted]
+        items = [(i, pos, rec) for i, (pos, rec) in enumerate(until_break(read_file(f, max_bytes)))]
+        # a break's corrupt_input (the last item) is always kept: the run will dead-letter it
+        items = [(pos, rec) for i, pos, rec in items if i in wanted or (i == len(items) - 1 and _is_break(rec))]
         return Sample(f, n, True, items, n)
     return Sample(f, n, exact, items, len(items))
+
+
+def _is_break(record) -> bool:
+    return isinstance(record, Rejected) and record.reason is Reason.CORRUPT_INPUT
 
 
 def _evenly(n: int, k: int) -> list[int]:
@@ -75,16 +85,20 @@ def _jsonl(f: InputFile, k: int, max_bytes: int, rng: random.Random) -> tuple[li
     if compression(f.path) is not None:
         # No seeking into a compressed stream: one pass, counting lines and keeping a seeded reservoir.
         kept: list[tuple[int, "bytes | int"]] = []
-        n = 0
-        for lineno, raw in jsonl_texts(f, max_bytes):
-            n += 1
-            if len(kept) < k:
-                kept.append((lineno, raw))
-            else:
-                j = rng.randrange(n)
-                if j < k:
-                    kept[j] = (lineno, raw)
-        return _parse(sorted(kept), max_bytes), n, True
+        n, lineno, broken = 0, None, []
+        try:
+            for lineno, raw in jsonl_texts(f, max_bytes):
+                n += 1
+                if len(kept) < k:
+                    kept.append((lineno, raw))
+                else:
+                    j = rng.randrange(n)
+                    if j < k:
+                        kept[j] = (lineno, raw)
+        except CorruptStream as e:  # the rest is one corrupt_input, as the job reads it
+            cut = corrupt_input(f, e, lineno)
+            n, broken = n + 1, [(cut.rest_at, Rejected(Reason.CORRUPT_INPUT, str(cut)))]
+        return _parse(sorted(kept), max_bytes) + broken, n, True
     size = input_bytes(f)
     if size <= WHOLE_JSONL_BYTES:
         lines = list(jsonl_texts(f, max_bytes))

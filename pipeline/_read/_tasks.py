@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from packers import PackstreamError
 from pipeline._read._csv import csv_count, csv_records
-from pipeline._read._files import InputFile, compression, hf_dataset, open_bytes, open_raw, read_blocks
+from pipeline._formats import Reason, Rejected
+from pipeline._read._files import CorruptStream, InputFile, compression, hf_dataset, open_bytes, open_raw, read_blocks
 from pipeline._read._json import json_records, json_texts, jsonl_records
 from pipeline._read._text import text_count, text_records
 from pipeline._read._lines import line_ends
@@ -212,11 +213,16 @@ def read_task(t: ReadTask, max_bytes: int) -> Iterator[tuple[int, Any]]:
     except PackstreamError:
         raise
     except (OSError, EOFError, ValueError, zlib.error) as e:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
-        after = "at the start" if position is None else f"after position {position}"
-        raise CorruptInput(
-            f"input {f.path} is corrupt or truncated ({type(e).__name__} {after}: {e}); re-create or remove the file",
-            position,
-        ) from None
+        # (a compressed stream's every error is a CorruptStream, an OSError: pipeline._read._files.Decompressed)
+        raise corrupt_input(f, e, position) from None
+
+
+def corrupt_input(f: InputFile, e: BaseException, position: Optional[int]) -> "CorruptInput":
+    """The :class:`CorruptInput` of input ``f`` breaking off with ``e`` after ``position`` (None: at the start)."""
+    after = "at the start" if position is None else f"after position {position}"
+    what, detail = (e.cause, e.detail) if isinstance(e, CorruptStream) else (type(e).__name__, e)
+    return CorruptInput(f"input {f.path} is corrupt or truncated ({what} {after}: {detail}); re-create or remove "
+                        "the file", position)
 
 
 class CorruptInput(PackstreamError):
@@ -231,6 +237,15 @@ class CorruptInput(PackstreamError):
         """The position of the dead letter that stands for the rest of the file: the one after the last good
         record (0 when none was read)."""
         return 0 if self.position is None else self.position + 1
+
+
+def until_break(items: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """The items of :func:`read_file` or :func:`read_task`, a break ending them with the ``corrupt_input``
+    :class:`~pipeline._formats.Rejected` that the job dead-letters at its place (``preview``, ``estimate``)."""
+    try:
+        yield from items
+    except CorruptInput as e:
+        yield e.rest_at, Rejected(Reason.CORRUPT_INPUT, str(e))
 
 
 def read_file(f: InputFile, max_bytes: int) -> Iterator[tuple[int, Any]]:

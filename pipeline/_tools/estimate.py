@@ -82,6 +82,9 @@ class _Encoded:
     sample: _read.Sample
     rejected: dict[str, int]
     """Dead letters by reason (too_long excluded: ``counts["dropped_too_long"]``)."""
+    first: dict[str, dict]
+    """The first dead letter of each reason in the sample (source, position, detail), as the manifest's
+    ``first_rejected``: its detail names the fix ``pack`` prints."""
     counts: dict[str, int]
     """not_sampled, repeated_copies, dropped_too_long, truncated_examples, split_examples,
     no_target_pieces, examples_packed."""
@@ -136,14 +139,16 @@ def _encode_sample(f: _read.InputFile, k: int, encoder, options: PackOptions) ->
     held_out = [_rows.split_of(i, options.validation_fraction) == "validation" for i in batch.ids]
     validation = np.array([held_out[e] for e in ex.tolist()], dtype=bool)
     rejected: dict[str, int] = {}
-    for r in dead:
+    first: dict[str, dict] = {}
+    for r in sorted(dead, key=lambda r: r.get("position") or 0):
         if r["reason"] != Reason.TOO_LONG.value:
             rejected[r["reason"]] = rejected.get(r["reason"], 0) + 1
+        first.setdefault(r["reason"], {k: r.get(k) for k in ("source", "position", "detail")})
     for key in ("dropped_too_long", "truncated_examples", "split_examples", "no_target_pieces"):
         counts[key] = stats.get(key, 0)
     counts["examples_packed"] = int(len(np.unique(ex)))
     per_record = (time.perf_counter() - started) / max(1, len(items)) + read_s / max(1, s.parsed)
-    return _Encoded(s, rejected, counts, lengths, targets, validation, batch, per_record, side_difference)
+    return _Encoded(s, rejected, first, counts, lengths, targets, validation, batch, per_record, side_difference)
 
 
 def _simulate_rows(parts: Sequence[tuple[np.ndarray, float]], groups: int, options: PackOptions,
@@ -203,10 +208,10 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     Every data set of ``options`` counts with its weight (a fraction samples, an integer repeats),
     and ``--validation-fraction`` splits the rows and shards. Returns a JSON-ready dict (keys
     documented in ``docs/operations.md``; ``schema_version`` changes with them). ``--workers`` and
-    ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted
-    local run time. ``timed_run`` (the job's launcher, which the tools do not import: the command passes it)
-    packs ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to measure the run time's
-    fixed and per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
+    ``--tokenizer-threads`` (auto as ``pack`` resolves them) set the parallelism of the predicted local run
+    time. ``timed_run`` (the job's launcher, which the tools do not import: the command passes it) packs
+    ~:data:`TIMED_RECORDS` sampled records for real into a temporary folder, to time the run's fixed and
+    per-record parts on this machine; without it the time is the sample's, plus fixed guesses.
     """
     from pipeline._encode import Encoder, input_folders
     from pipeline._tokenizer import tokenizer_identity
@@ -248,7 +253,7 @@ def estimate(options: PackOptions, *, sample: int = 1000,
         "not_sampled": counts["not_sampled"],
         "repeated_copies": counts["repeated_copies"],
         "rejected": sum(rejected.values()),
-        "rejected_by_reason": rejected,
+        "rejected_by_reason": rejected, "first_rejected": _first_rejected(encoded),
         "dropped_too_long": counts["dropped_too_long"],
         "examples_packed": counts["examples_packed"],
         "truncated_examples": counts["truncated_examples"],
@@ -307,6 +312,15 @@ def _counts(encoded: list[_Encoded]) -> tuple[dict[str, int], dict[str, int]]:
     reasons = sorted({r for e in encoded for r in e.rejected})
     rejected = {r: int(round(_scaled(encoded, lambda e, r=r: e.rejected.get(r, 0)))) for r in reasons}
     return counts, {r: n for r, n in rejected.items() if n}
+
+
+def _first_rejected(encoded: list[_Encoded]) -> dict[str, dict]:
+    """The first sampled dead letter of each reason, over the inputs in order (the manifest's ``first_rejected``)."""
+    first: dict[str, dict] = {}
+    for e in encoded:
+        for reason, case in e.first.items():
+            first.setdefault(reason, case)
+    return first
 
 
 def _split(encoded: list[_Encoded], split: str, options: PackOptions, groups: int, shards: int,
@@ -499,7 +513,7 @@ def _time_basis(e: dict[str, Any]) -> str:
 
 def format_estimate(e: dict[str, Any]) -> str:
     """The estimate as a two-column table, counted like ``pack``'s summary."""
-    from pipeline._report import table
+    from pipeline._report import first_case, rejected_lines, table
 
     exact = all(i["records_exact"] for i in e["inputs"])
     lines = [
@@ -512,8 +526,10 @@ def format_estimate(e: dict[str, Any]) -> str:
         lines.append(("repeated copies (weight > 1)", f"~{e['repeated_copies']:,}"))
     lines += [
         ("rejected", f"~{e['rejected']:,}"),
-        *[(f"  {k}", f"~{v:,}") for k, v in e["rejected_by_reason"].items()],
+        *rejected_lines(e["rejected_by_reason"], e.get("first_rejected", {}), "~"),
         (f"dropped (> {e['max_tokens']} tokens)", f"~{e['dropped_too_long']:,}"),
+        *([("  too_long", first_case(e["first_rejected"]["too_long"]).lstrip())]
+          if e["dropped_too_long"] and "too_long" in e.get("first_rejected", {}) else []),
         ("truncated / split examples", f"~{e['truncated_examples']:,} / ~{e['split_examples']:,}"),
         ("examples packed", f"~{e['examples_packed']:,}"),
         ("tokens", f"~{e['tokens']:,}  (~{e['target_tokens']:,} targets)"),

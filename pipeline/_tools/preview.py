@@ -18,7 +18,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Iterator
 
-from pipeline._formats import TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect, pair_conversations
+from pipeline._formats import (KTO_TEXT_NOTE, TRANSCRIPT_NOTE, Reason, Rejected, conversations, detect,
+                               pair_conversations)
 from pipeline._options import Ids, PackOptions
 
 def inputs(options: PackOptions) -> list:
@@ -34,12 +35,9 @@ def records(f, max_bytes: int) -> Iterator[tuple[int, Any]]:
     """``(position, record or Rejected)`` of one input, lazily, as the job reads them
     (:func:`pipeline._read.read_file`); a file that breaks off ends with a ``corrupt_input`` refusal,
     at the position the job's dead letter would have."""
-    from pipeline._read import CorruptInput, read_file
+    from pipeline._read import read_file, until_break
 
-    try:
-        yield from read_file(f, max_bytes)
-    except CorruptInput as e:
-        yield e.rest_at, Rejected(Reason.CORRUPT_INPUT, str(e))
+    return until_break(read_file(f, max_bytes))
 
 
 def preview(options: PackOptions, n: int) -> list[dict]:
@@ -239,6 +237,10 @@ def format_preview(items: list[dict], color: bool) -> str:
         if notes:
             out.append("   notes: " + ", ".join(f"{k} {v}" for k, v in sorted(notes.items())))
         for k in sorted(notes):
+            if k.startswith(KTO_TEXT_NOTE):
+                field = k[len(KTO_TEXT_NOTE):]
+                out.append(c(_BOLD, f"   suggest: --kto-label {field}") + f" ({field} holds true/false "
+                           "as text, which a CSV cell must; without it the record packs as plain SFT, unlabelled)")
             if k.startswith(TRANSCRIPT_NOTE):
                 field = k[len(TRANSCRIPT_NOTE):]
                 out.append(c(_BOLD, f"   suggest: --field {field}=transcript") + f" ({field} holds 'Human:'/'Assistant:' "
