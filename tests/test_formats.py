@@ -305,7 +305,8 @@ def pack_options(opts: dict) -> PackOptions:
 
 UNKNOWN_SHAPES = ("parallel_answers.jsonl", "model_completions.jsonl", "capitalised_fields.jsonl",
                   "pair_conversations.jsonl", "turn_keys.jsonl", "named_solution.jsonl", "solution_steps.jsonl",
-                  "marked_sides.jsonl", "huatuo_o1.jsonl", "moss_chat.jsonl", "tulu_completions.jsonl", "oasst_tree.jsonl")
+                  "marked_sides.jsonl", "huatuo_o1.jsonl", "moss_chat.jsonl", "tulu_completions.jsonl", "oasst_tree.jsonl",
+                  "numbered_turns.jsonl")
 """Fixtures of records no shape claims, read through their refusal's printed fix (tests/test_shape_fixes.py)."""
 INPUT_KIND_FIXTURES = {"alpaca.csv", "qa.tsv", "broken.csv", "notes.txt", "completions.jsonl", "empty_answer.csv",
                        "kto_labels.csv"}

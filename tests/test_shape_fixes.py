@@ -26,6 +26,8 @@ moss_chat.jsonl            turns with one key per speaker, marked text (MOSS)   
 tulu_completions.jsonl     one record per completion, ids repeated (Tulu)          every one: with --ids position
 oasst_tree.jsonl           a message tree under ``prompt`` (OpenAssistant)         --tree prompt: each path
 (written at test time)     Parquet: prompt as messages + a solution (RL sets)      the solution, after the prompt
+numbered_turns.jsonl       ``message_1`` / ``message_2`` and no prompt (CAMEL)      message_1 the user's turn,
+                                                                                   message_2 trained: not a pair
 =========================  ======================================================  ===============================
 """
 
@@ -460,3 +462,16 @@ def test_pack_parquet_prompt_and_solution_with_the_printed_fix(tmp_path, answer_
     trained = [tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) for row in _rows(str(dest))]
     for rec in recs:
         assert any(rec[answer_key] in t and rec["prompt"][0]["content"] not in t for t in trained), trained
+
+
+def test_pack_numbered_turns_with_no_prompt_as_two_turns_not_a_pair(tmp_path):
+    """CAMEL's message_1/message_2 share a stem and differ by a mark, as a pair's sides do (SHP's human_ref_A/B), but
+    nothing beside them is a prompt both could answer: they are the question and its answer, in the marks' order.
+    Suggested as a pair, the question would have trained as a rival answer to an empty prompt."""
+    fix = the_fix("numbered_turns.jsonl")
+    assert fix == ["--field", "message_1=user", "--field", "message_2=assistant"]
+    rows = packed(tmp_path, "numbered_turns.jsonl", fix)
+    assert len(rows) == len(records("numbered_turns.jsonl"))
+    for rec in records("numbered_turns.jsonl"):
+        (row,) = [r for r in rows if rec["message_1"] in r["text"]]
+        assert rec["message_2"] in row["trained"] and rec["message_1"] not in row["trained"]

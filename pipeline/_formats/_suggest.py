@@ -130,15 +130,33 @@ def _marked(a: str, b: str) -> bool:
     return bool(ma and mb and ma["stem"] == mb["stem"] and ma["mark"].lower() != mb["mark"].lower())
 
 
+def _marked_prompt(record: dict, a: str, b: str) -> Optional[str]:
+    """The field two marked sides answer: a prompt key, else the longest other text of some length; None."""
+    prompt = _prompt_key(record)
+    if prompt is None:
+        rest = [k for k, v in record.items() if k not in (a, b) and isinstance(v, str) and text_size(v) >= LONG // 2]
+        prompt = max(rest, key=lambda k: text_size(record[k]), default=None)
+    return prompt
+
+
+def _numbered_turns(record: dict, a: str, b: str) -> Optional[tuple[Optional[Fix], str]]:
+    """Two marked text fields with nothing beside them for both to answer (CAMEL's ``message_1``/``message_2``):
+    not a preference pair (two answers to no prompt) but two turns in the marks' order, the first the user's."""
+    if not (isinstance(record[a], str) and isinstance(record[b], str)) or _marked_prompt(record, a, b) is not None \
+            or "assistant" in (role_of(a), role_of(b)):  # response_0/response_1: two answers, a pair's sides
+        return None
+    first, second = sorted((a, b), key=lambda k: _MARKED.match(k)["mark"].lower())
+    return (Fix.of(fields=((first, "user"), (second, "assistant"))),
+            f" ({first} and {second} are numbered turns with no prompt beside them to answer: {first} is read as "
+            f"the user's turn, {second} as the assistant's)")
+
+
 def _marked_extras(record: dict, a: str, b: str) -> tuple[dict[str, Any], str]:
     """For two marked sides (SHP, Chatbot Arena): the prompt when the pair reader would not find it by itself, and
     the field that may say which side won (its values are the user's to give), with the words about them."""
     opts: dict[str, Any] = {}
     words = ""
-    prompt = _prompt_key(record)
-    if prompt is None:
-        rest = [k for k, v in record.items() if k not in (a, b) and isinstance(v, str) and text_size(v) >= LONG // 2]
-        prompt = max(rest, key=lambda k: text_size(record[k]), default=None)
+    prompt = _marked_prompt(record, a, b)
     if prompt is not None and prompt not in PAIR_PROMPTS:
         opts["pair_prompt"] = prompt
         words += f"; {prompt} read as the prompt"
@@ -160,6 +178,9 @@ def _pair_sides(record: dict) -> Optional[tuple[Optional[Fix], str]]:
         for b in keys[i + 1:]:
             va, vb = record[a], record[b]
             if _marked(a, b) and type(va) is type(vb) and min(text_size(va), text_size(vb)) >= LONG // 2:
+                turns = _numbered_turns(record, a, b)
+                if turns is not None:
+                    return turns
                 extras, more = _marked_extras(record, a, b)
                 return (Fix.of(pairs=True, pair_sides=f"{a},{b}", **extras),
                         f" ({a} and {b} look like the two answers of one preference pair{more}; to train one "
