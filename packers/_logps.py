@@ -16,13 +16,17 @@ one before it, inside the same sequence: a completion never starts at a sequence
 
 A reference model's pass over the same batch gives the reference log-probs the same way. Only
 the completion positions' logits are upcast and normalised (never the whole ``[T, vocab]`` tensor
-in float32). The sums are accumulated in float64 and rounded once to float32: added one at a time in
-float32, a 1,000-token completion's log-prob (about -4,600) drifted by up to 4e-3 from its exact sum.
+in float32). The sums are accumulated and returned in float64: added one at a time in float32, a 1,000-token
+completion's log-prob (about -4,600) drifted by up to 4e-3 from its exact sum, and even rounded once to float32
+at the end it carries up to 2.4e-4 of error, about what a DPO margin of policy-minus-reference differences
+measures; so the differences a loss takes are taken in float64, and only the loss is float32 (or whatever the
+caller casts it to).
 For a batch without pairs, the targets are the tokens whose label is not -100.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -45,7 +49,8 @@ class SequenceLogps:
     """
 
     sum: torch.Tensor
-    """``[E]`` float32: summed log-probability of each example's completion tokens (summed in float64)."""
+    """``[E]`` float64: summed log-probability of each example's completion tokens (subtract the reference's in
+    float64, then cast the loss)."""
     tokens: torch.Tensor
     """``[E]`` int64: completion tokens of each example."""
     pair_index: torch.Tensor | None
@@ -145,14 +150,14 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> SequenceLo
         if desirable.shape != index.shape:
             raise PackstreamError(f"{desirable.shape[0]} desirable labels for {index.shape[0]} examples: the batch was "
                                   "changed after collation; pass the packers.Collator batch as it is")
-    return SequenceLogps(sum=sums[index].float(), tokens=tokens[index], pair_index=pair_index, ids=ids,
+    return SequenceLogps(sum=sums[index], tokens=tokens[index], pair_index=pair_index, ids=ids,
                          desirable=desirable)
 
 
 def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per sequence of the batch (padding included): its completion tokens' summed log-probability in float64
     (``[N]``, differentiable), its completion tokens (``[N]`` int64), and ``N``. :func:`sequence_logps` before
-    it picks the examples and rounds to float32."""
+    it picks the examples."""
     ids, pos = batch["input_ids"], text_positions(batch)
     if ids.dim() != 2 or ids.shape[0] != 1 or pos.shape != ids.shape:
         raise PackstreamError(f"sequence_logps needs a packed [1, T] batch from packers.Collator; got input_ids of shape "
@@ -185,6 +190,21 @@ def _sequence_sums(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torc
     return sums, torch.bincount(seq[at], minlength=n_seq), n_seq
 
 
+_PIECE = re.compile(r"#\d+$")
+"""A piece of an example split by ``--long split``: ``<id>#<k>`` (packers.schema, ``example_ids``)."""
+
+
+def _refuse_pieces(ids: tuple[Any, ...] | None, labels: torch.Tensor) -> None:
+    """KTO scores whole examples: a labelled piece of a split one (a folder packed before packstream refused
+    ``--long split`` for KTO data) is refused, naming it."""
+    for eid, label in zip(ids or (), labels.tolist()):
+        if label >= 0 and _PIECE.search(str(eid)):
+            raise PackstreamError(f"example {eid!r} is a piece of a KTO example split by --long split: each piece "
+                                  "carries the record's label and the later ones start mid-answer with no prompt, so "
+                                  "KTO would score text the record never labelled (TRL truncates, never splits); "
+                                  "repack the data with --long truncate or --long drop")
+
+
 def kto_loss(policy: SequenceLogps, reference: SequenceLogps, kl: torch.Tensor | float, *, beta: float = 0.1,
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
     """The KTO loss (Ethayarajh et al. 2024, as TRL's ``KTOTrainer`` computes it) of a batch of labelled examples.
@@ -215,6 +235,7 @@ def kto_loss(policy: SequenceLogps, reference: SequenceLogps, kl: torch.Tensor |
         raise PackstreamError(f"policy has {policy.sum.shape[0]} examples, reference {reference.sum.shape[0]}: compute "
                               "both with sequence_logps on the same batch")
     labels = labels.to(policy.sum.device)
+    _refuse_pieces(policy.ids or reference.ids, labels)
     if bool((labels < 0).any()):
         raise PackstreamError(f"{int((labels < 0).sum())} of the batch's {labels.shape[0]} examples carry no "
                               "desirability label; KTO trains labelled examples only (pack only labelled records)")

@@ -321,18 +321,19 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
         mask = batch.loss_mask[o:o + n]
         eid, source, position = batch.ids[i], batch.sources[i], batch.positions[i]
         k = int(batch.images.counts[i]) if batch.images is not None else 0
+        labelled = batch.desirable is not None and int(batch.desirable[i]) >= 0
+        why = None
         if k:  # an image is never cut, nor an example from its images: such an example goes whole or not at all
-            rejected.append(reject_record(source, position, Reason.TOO_LONG,
-                                          f"{n} tokens > budget {budget}, and the example holds {k} image(s), which "
-                                          "are never cut (whatever --long says); use a larger --max-tokens, or "
-                                          "smaller images (the processor's max_pixels)", eid))
-            stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
-            stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
-            keep[i] = False
+            why = (f"{n} tokens > budget {budget}, and the example holds {k} image(s), which are never cut (whatever "
+                   "--long says); use a larger --max-tokens, or smaller images (the processor's max_pixels)")
         elif options.long is LongPolicy.DROP:
-            rejected.append(reject_record(source, position, Reason.TOO_LONG,
-                                          f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, "
-                                          "or a larger --max-tokens", eid))
+            why = f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, or a larger --max-tokens"
+        elif options.long is LongPolicy.SPLIT and labelled:  # TRL's KTOTrainer truncates; it never splits
+            why = (f"{n} tokens > budget {budget}, and a KTO example (labelled desirable or undesirable) is never "
+                   "split by --long split: its later pieces would start mid-answer with no prompt and carry the "
+                   "record's label; use --long truncate (as TRL does) or --long drop, or a larger --max-tokens")
+        if why is not None:
+            rejected.append(reject_record(source, position, Reason.TOO_LONG, why, eid))
             stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
             stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
             keep[i] = False

@@ -87,7 +87,7 @@ _LAZY = {
     "attention_probe": ("packers._attention._probe", None),
     "num_sequences": ("packers._attention._rules", "num_sequences"),
     **{name: ("packers._attention._probe", name) for name in ("batch_rope", "run_probe", "special_lengths")},
-    # The per-sequence float64 completion sums that packers.sequence_logps rounds to float32 (tests/test_dpo.py).
+    # The per-sequence float64 completion sums that packers.sequence_logps returns per example (tests/test_dpo.py).
     "sequence_sums": ("packers._logps", "_sequence_sums"),
 }
 

@@ -7,6 +7,7 @@ label is its record's), the contract checks, and the loss on a packed batch equa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,7 +18,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packers import Collator, ContractError, PackedDataset, kto_loss, sequence_logps, validate_row
+from packers import (Collator, ContractError, PackedDataset, PackstreamError, SequenceLogps, kto_loss,
+                     sequence_logps, validate_row)
 from pipeline.cli import main
 from tests._models import tiny_model
 from tests._shards import make_row, random_examples, v2_row
@@ -125,11 +127,14 @@ def test_every_packed_example_carries_its_records_label(tmp_path_factory, record
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = CliRunner().invoke(main, ["pack", str(src), "-o", str(tmp / "o"), "--workers", "1", "--no-progress",
                                   "--max-tokens", str(budget), "--long", long])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code in (0, 3), r.output  # 3: every record dropped (over the budget, and KTO is never split)
+    if r.exit_code == 3:
+        return
     for eid, label in _labels_by_id(tmp / "o").items():
         line = int(eid.split("@")[1].split("#")[0])
         value = records[line - 1]["label"]
         assert label == (int(value) if isinstance(value, bool) else -1), (eid, value)
+        assert label == -1 or "#" not in eid, eid  # a labelled example is whole: never a piece
 
 
 # -- the contract ------------------------------------------------------------------------------------------------------
@@ -183,3 +188,32 @@ def test_kto_loss_refuses_unlabelled_examples_and_batches_without_labels():
     lp = sequence_logps(logits, mixed)
     with pytest.raises(Exception, match="1 of the batch's 2 examples carry no desirability label"):
         kto_loss(lp, lp, kl=0.0)
+
+
+# -- KTO and --long split (issue 43): TRL truncates, never splits ------------------------------------------------------
+
+def test_kto_with_long_split_is_refused_at_pack_time(tmp_path):
+    """Worked example: two labelled records, one longer than the budget. Under --long split the long one is a
+    too_long dead letter naming the alternatives (not pieces that each carry its label); the short one packs.
+    --kto-label with --long split is refused before anything is read."""
+    long_answer = " ".join(f"word{i}" for i in range(200))
+    records = [{"prompt": "Say hi.", "completion": "Hi!", "label": True},
+               {"prompt": "Count.", "completion": long_answer, "label": False}]
+    out, _, _ = _pack(tmp_path, records, "--max-tokens", "64", "--long", "split")
+    dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(d["position"], d["reason"]) for d in dead] == [(2, "too_long")]
+    assert "never split" in dead[0]["detail"] and "--long truncate" in dead[0]["detail"]
+    assert all("#" not in eid for eid in _labels_by_id(out))
+    refused = CliRunner().invoke(main, ["pack", str(tmp_path / "kto.jsonl"), "-o", str(tmp_path / "o2"),
+                                        "--kto-label", "label", "--long", "split"])
+    assert refused.exit_code == 2 and "--long truncate or --long drop" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_kto_loss_refuses_pieces_of_a_split_example_from_an_older_folder():
+    lp = SequenceLogps(sum=torch.tensor([-2.0, -3.0]), tokens=torch.tensor([2, 3]), pair_index=None,
+                       ids=("kto.jsonl@1", "kto.jsonl@2#1"), desirable=torch.tensor([1, 0], dtype=torch.int8))
+    with pytest.raises(PackstreamError, match="'kto.jsonl@2#1' is a piece of a KTO example split by --long split"):
+        kto_loss(lp, lp, kl=0.0)
+    whole = dataclasses.replace(lp, ids=("kto.jsonl@1", "kto.jsonl@2"))
+    assert torch.isfinite(kto_loss(whole, whole, kl=0.0))

@@ -216,6 +216,11 @@ class PackOptions(FormatOptions):
             if spec.format.maps_pairs() and not self.pairs:
                 raise PackstreamError(f"data set {spec.name!r}: --pair-sides/--pair-ranked/--pair-prompt name the fields "
                                       "of preference pairs, which --pairs packs; add --pairs")
+            if spec.format.kto_label is not None and self.long is LongPolicy.SPLIT:
+                raise PackstreamError(f"data set {spec.name!r}: --kto-label {spec.format.kto_label} packs KTO examples, "
+                                      "and --long split would cut one into pieces that each carry its label, the later "
+                                      "ones starting mid-answer with no prompt (TRL truncates, never splits); use "
+                                      "--long truncate or --long drop")
             if spec.format.tokenized_with not in (None, self.tokenizer):
                 raise PackstreamError(
                     f"--tokenized-with {spec.format.tokenized_with!r} (data set {spec.name!r}) differs from --tokenizer "
