@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from packers._vision import VisionSpec
-from packers.files import open_checked
+from packers.files import open_checked, real_folder, within
 from packers.errors import ContractError, PackstreamError
 
 
@@ -69,11 +69,14 @@ class PixelLoader:
 
     def resolve(self, path: str) -> Path:
         """Where ``path`` (a row's image path) is read: ``remap`` applied to an absolute path, ``root`` joined to a
-        relative one."""
+        relative one, which must stay under it (links resolved; else :class:`packers.files.OutsideRoot`)."""
         p = Path(path)
         if not p.is_absolute():
-            return p if self.root is None else Path(self.root) / p
-        text = p.as_posix()
+            if self.root is None:
+                return p
+            root = real_folder(str(self.root))  # a relative path stays under root= (no ../ nor link out of it)
+            return Path(within(root, os.path.join(root, os.path.normpath(path)), what=f"image {path!r} under root="))
+        text = os.path.normpath(p.as_posix())  # /data/imgs/../x is /x: a prefix matches what the path names
         for old in sorted(self.remap or {}, key=lambda o: len(o.rstrip("/")), reverse=True):  # longest prefix wins
             stem = old.rstrip("/") or "/"
             if text == stem or text.startswith(stem.rstrip("/") + "/"):

@@ -455,3 +455,19 @@ def test_verify_inputs_refuses_inputs_whose_images_would_resolve_under_another_r
     v = CliRunner().invoke(main, ["verify", str(out), str(copy), "--inputs"])
     assert v.exit_code != 0 and "manifest.json media_roots" in v.output and str(tree["root"]) in v.output, v.output
     assert CliRunner().invoke(main, ["verify", str(out), str(data), "--inputs"]).exit_code == 0
+
+
+def test_the_loader_reads_a_relative_row_path_only_under_its_root(tree):
+    """PixelLoader(root=...): a row's relative path resolves under root, and one that leads out of it (../, a link)
+    is refused in one line, never read."""
+    from packers import PixelLoader
+
+    loader = PixelLoader(vision=SPEC, root=str(tree["root"]))
+    assert loader.resolve("sub/deep/in2.png") == Path(os.path.realpath(tree["in2"]))
+    for path in ("../outside/secret.png", "link-out.png", "link-dir-out/secret.png"):
+        with pytest.raises(OutsideRoot, match="outside"):
+            loader.resolve(path)
+    # absolute paths (--images reference) go through remap, compared once normalised
+    moved = PixelLoader(vision=SPEC, remap={"/data/imgs": str(tree["root"])})
+    assert moved.resolve("/data/imgs/in.png") == tree["root"] / "in.png"
+    assert os.path.normpath(moved.resolve("/data/imgs/../../etc/x.png")) == "/etc/x.png"  # not remapped
