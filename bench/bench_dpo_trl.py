@@ -1,6 +1,6 @@
 """DPO on packed pairs against TRL's ``DPOTrainer`` on the same pairs padded, side by side in one run (CPU, fp32).
 
-    python bench/bench_dpo_trl.py [--pairs 64] [--steps 6] [--pairs-per-step 8] [--budget 2048] [--json OUT]
+    python bench/bench_dpo_trl.py [--pairs 128] [--steps 10] [--pairs-per-step 8] [--budget 2048] [--json OUT]
 
 Data: the first ``--pairs`` pairs of ../shared/preference/dpo_zh_demo.json (LLaMA-Factory's ranking form), packed
 by ``packstream pack --pairs --long truncate --max-tokens BUDGET`` into a temporary folder (skipped, with a message,
@@ -221,8 +221,8 @@ def trl_trainer(policy, data, args, collate, clock):
 
 def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=64, help="first N pairs of dpo_zh_demo.json to pack")
-    ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per path, after --warmup")
+    ap.add_argument("--pairs", type=int, default=128, help="first N pairs of dpo_zh_demo.json to pack")
+    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per path, after --warmup")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps per path")
     ap.add_argument("--pairs-per-step", type=int, default=8)
     ap.add_argument("--budget", type=int, default=2048, help="row budget (--max-tokens) of the packing")
