@@ -176,6 +176,7 @@ SLOW_CASES = (
     "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
     "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",
+    "tests/test_bench_dpo_trl.py::test_bench_dpo_trl_runs_both_paths",  # ~18 s: packs, then trains with TRL
 )
 
 
