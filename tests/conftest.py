@@ -176,6 +176,7 @@ SLOW_CASES = (
     "tests/test_guards.py::test_importing_any_module_changes_no_environment_logger_or_signal",
     "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",
+    "tests/test_preference_trainers.py::test_example_trains",  # ~11 s each: 10 Trainer steps on CPU
 )
 
 
