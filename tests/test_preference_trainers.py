@@ -243,3 +243,27 @@ def test_example_trains(tmp_path, trainer, precompute):
     logs = module.main(argv)["logs"]
     assert len(logs) == 10 and all(k in logs[-1] for k in ("rewards/chosen", "rewards/rejected", "logps/chosen"))
     assert logs[0]["rewards/margins"] == 0.0 and logs[-1]["rewards/margins"] > 0.1, logs
+
+
+def test_without_trl_one_line_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from packers import PackedKTOTrainer
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
+    with pytest.raises(PackstreamError, match='need TRL: pip install "packstream\\[trl\\]"'):
+        PackedKTOTrainer(None, None, None)
+
+
+def test_precomputed_from_the_policy_itself(tmp_path):
+    """No ref_model, precompute_ref_log_probs=True: the policy before training is the reference (as in TRL), so the
+    first step's rewards are 0 and the loss is log 2."""
+    from packers import PackedDPOTrainer
+
+    pairs = _pairs(B * ACCUM * STEPS)
+    ds = _packed_folder(tmp_path, [make_pair_row(pairs[i:i + B]) for i in range(0, len(pairs), B)])
+    policy, _ = _models()
+    logs, _ = _run(PackedDPOTrainer, policy, train_dataset=ds,
+                   args=trl.DPOConfig(**_dpo_config(tmp_path, "sigmoid", True)))
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert logs[-1]["rewards/margins"] != 0.0
