@@ -39,8 +39,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
-
 from packers.errors import PackstreamError
 from packers._collate import Collator
 from packers._loader import PackedDataset
@@ -110,8 +108,10 @@ def _scores(kind: str, alpha: float, x: torch.Tensor) -> torch.Tensor:
                           "alpha_divergence")
 
 
-class _PackedPreferenceTrainer(Trainer):
-    """What DPO and KTO share: the packed data loader, the reference model or precomputed log-probs, the metrics."""
+class _Shared:
+    """What DPO and KTO share: the packed data loader, the reference model or precomputed log-probs, the metrics.
+    Mixed into ``transformers.Trainer`` on first use (:func:`__getattr__`): importing transformers' Trainer sets
+    torch's environment and loggers, which importing a packers module must not."""
 
     loss_is_scaled_for_ga = False  # as TRL's: a micro-batch mean, divided by the accumulation steps by the Trainer
     _config = ""
@@ -210,7 +210,7 @@ class _PackedPreferenceTrainer(Trainer):
         self._metrics.clear()
 
 
-class PackedDPOTrainer(_PackedPreferenceTrainer):
+class _DPO(_Shared):
     """DPO on rows packed with ``packstream pack --pairs``, as TRL's ``DPOTrainer`` computes it, from TRL's ``DPOConfig``.
 
     ``PackedDPOTrainer(model, DPOConfig(...), PackedDataset(folder, batching=Batching(batch_by="examples",
@@ -277,7 +277,7 @@ class PackedDPOTrainer(_PackedPreferenceTrainer):
         return (loss, {"chosen_logps": pc, "rejected_logps": pr}) if return_outputs else loss
 
 
-class PackedKTOTrainer(_PackedPreferenceTrainer):
+class _KTO(_Shared):
     """KTO on KTO-labelled packed rows (each example's ``desirable`` label kept), as TRL's ``KTOTrainer`` computes it,
     from TRL's ``KTOConfig``: ``loss_type`` ``"kto"`` (with TRL's KL reference point, see the module docstring) or
     ``"apo_zero_unpaired"``; ``beta``, ``desirable_weight``, ``undesirable_weight`` as in TRL. Each example must be a
@@ -390,3 +390,20 @@ def _mismatched(prompts: list[list[int]], completions: list[list[int]], ids: tup
     rows = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c), "seq_offsets": [0, len(p) + len(c)],
              "example_ids": [f"{i}#kl"]} for p, c, i in zip(prompts, completions, ids)]
     return Collator()(rows)
+
+
+_BUILT: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    """``PackedDPOTrainer`` and ``PackedKTOTrainer``: the strategies above on ``transformers.Trainer``, built once."""
+    mixins = {"PackedDPOTrainer": _DPO, "PackedKTOTrainer": _KTO}
+    if name not in mixins:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT:
+        from transformers import Trainer
+
+        mixin = mixins[name]
+        _BUILT[name] = type(name, (mixin, Trainer), {"__doc__": mixin.__doc__, "__module__": __name__,
+                                                    "__qualname__": name})
+    return _BUILT[name]
