@@ -2,7 +2,7 @@
 
 Imports with numpy and pyarrow alone; the loader names (``Collator``, ``PackedDataset``, ``loss``, ``example_losses``,
 ``sequence_logps``, ``register_varlen_attention``, ``check_packing_safe``, ``PixelLoader``, ...) import torch on first
-use. ``VisionSpec`` and ``mrope_positions`` (vision-language rows: image tokens and 3-D positions) need no torch.
+use; ``PackedDPOTrainer`` and ``PackedKTOTrainer`` (TRL's DPO and KTO on packed rows) also need ``trl``. ``VisionSpec`` and ``mrope_positions`` (vision-language rows: image tokens and 3-D positions) need no torch.
 The loader's options (``Sampling``, ``Sharding``, ``Batching`` and the enums and cost model they hold) need no torch.
 """
 
@@ -32,6 +32,8 @@ _TORCH_NAMES = {
     "SequenceLogps": "packers._logps",
     "kto_loss": "packers._logps",
     "PixelLoader": "packers._pixels",
+    "PackedDPOTrainer": "packers._preference_trainer",
+    "PackedKTOTrainer": "packers._preference_trainer",
 }
 
 __all__ = [

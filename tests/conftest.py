@@ -177,6 +177,7 @@ SLOW_CASES = (
     "tests/test_signals.py::test_the_signal_tests_pass_when_the_suite_starts_with_sigint_and_sighup_ignored",
     "packers/_attention/",
     "tests/test_bench_dpo_trl.py::test_bench_dpo_trl_runs_both_paths",  # ~18 s: packs, then trains with TRL
+    "tests/test_preference_trainers.py::test_example_trains",  # ~11 s each: 10 Trainer steps on CPU
 )
 
 

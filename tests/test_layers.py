@@ -32,7 +32,8 @@ LAYERS = {
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers",
              "packers._vision", "packers._mrope"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
-               "packers._logps", "packers._loss", "packers._examples", "packers._pixels"},
+               "packers._logps", "packers._loss", "packers._examples", "packers._pixels",
+               "packers._preference_trainer"},
 }
 ALLOWED = {  # what each layer may import, besides itself
     "face": {"job", "tools", "encode", "workers", "stages", "core", "loader"},
