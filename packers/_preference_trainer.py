@@ -200,12 +200,10 @@ class _Shared:
                 raise PackstreamError(f"cannot resume from {checkpoint}: it holds no {LOADER_STATE} (the packed "
                                       "dataset's position), so it was not saved by these trainers; resume from one "
                                       "they saved, or pass ignore_data_skip=True to start its epoch's data afresh")
-            with open(path, encoding="utf-8") as f:
-                ds.load_state_dict(json.load(f))  # refuses other data or options, naming them
+            ds.load_state_dict(_read_json(path, LOADER_STATE, 1 << 20))  # refuses other data or options, naming them
         path = os.path.join(checkpoint, REF_LOGPS)
         if self.args.precompute_ref_log_probs and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                self._precomputed = json.load(f)
+            self._precomputed = _read_json(path, REF_LOGPS, 1 << 34)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -462,6 +460,14 @@ def _mismatched(prompts: list[list[int]], completions: list[list[int]], ids: tup
     rows = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c), "seq_offsets": [0, len(p) + len(c)],
              "example_ids": [f"{i}#kl"]} for p, c, i in zip(prompts, completions, ids)]
     return Collator()(rows)
+
+
+def _read_json(path: str, what: str, limit: int) -> Any:
+    """The JSON file ``path`` these trainers wrote into a checkpoint, read through packstream's checked open."""
+    from packers.files import load_json, read_checked
+
+    fix = "it is not the file these trainers wrote; resume from another checkpoint"
+    return load_json(read_checked(path, what=f"checkpoint file {what}", limit=limit, fix=fix), what=path, fix=fix)
 
 
 def _write_json(path: str, value: Any) -> None:
