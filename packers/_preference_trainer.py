@@ -22,6 +22,15 @@ second batch, through the policy and the reference without grad; ``kl`` is the m
 these mismatched sequences, averaged over processes, clamped at 0, detached. With ``precompute_ref_log_probs`` the
 mismatched completion of each example is fixed at the precompute pass (as TRL fixes it when it prepares the data).
 
+Checkpoint and resume: each checkpoint folder also holds ``packstream_loader.json`` (the dataset's
+``state_dict()``: epoch and micro-batches consumed) and, with ``precompute_ref_log_probs``, ``packstream_ref_logps.json``
+(the reference table). ``train(resume_from_checkpoint=...)`` loads both before the Trainer loads the weights, and the
+Trainer's own skipping of the epoch's trained batches (``get_resumed_dataloader``, which would read them again) is
+replaced by a check that the dataset stands where the trainer state says. The table is restored, not recomputed: with
+no reference model it came from the policy before training, which the resumed run no longer has (and with KTO's
+``rebatch`` the mismatched completions depend on the epoch it was computed in). Optimizer, scheduler and RNG states are
+the Trainer's. tests/test_preference_resume.py.
+
 The trade-off: subclassing ``transformers.Trainer`` and reading TRL's configs keeps these trainers working while
 TRL's trainer internals move between releases (its collators, dataset preparation, fused LM head and
 ``_compute_loss`` changed in every minor release of 1.x), at the cost of copying TRL's loss formulas here: a TRL
@@ -32,7 +41,9 @@ but also its dataset preparation and padded collator, which are what cannot take
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Callable, Mapping
@@ -43,6 +54,12 @@ from packers.errors import PackstreamError
 from packers._collate import Collator
 from packers._loader import PackedDataset
 from packers._logps import SequenceLogps, kto_loss, sequence_logps
+
+LOADER_STATE = "packstream_loader.json"
+"""In each checkpoint folder: ``PackedDataset.state_dict()`` when it was saved (every rank's is the same but for
+``rank``, which ``load_state_dict`` does not compare)."""
+REF_LOGPS = "packstream_ref_logps.json"
+"""In each checkpoint folder when ``precompute_ref_log_probs=True``: the reference table, example id -> values."""
 
 _NOT_MODEL = ("labels", "completion_mask", "pair_index", "example_index", "example_ids", "desirable", "loss_weights",
               "loss_denominator")
@@ -152,9 +169,7 @@ class _Shared:
                 if m is not None:
                     disable_dropout_in_model(m)
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._precomputed: dict[Any, Any] | None = None
-        if args.precompute_ref_log_probs:
-            self._precomputed = self._precompute(ref_model if ref_model is not None else self.model)
+        self._precomputed: dict[Any, Any] | None = None  # filled by _reference_table() when first needed
 
     def _check_args(self, args: Any) -> None:
         raise NotImplementedError
@@ -163,6 +178,61 @@ class _Shared:
         # Not through accelerator.prepare: PackedDataset is rank-aware and already batched (examples/hf_trainer.py).
         return self.train_dataset.dataloader(collate_fn=self.collator, num_workers=self.args.dataloader_num_workers,
                                              pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available())
+
+    # -- checkpoint and resume: the loader's position and the reference table go into each checkpoint folder -----
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """``transformers.Trainer.train``; resuming also restores the dataset's position (``LOADER_STATE``) and the
+        precomputed reference log-probs (``REF_LOGPS``) from the checkpoint, before the Trainer loads the weights."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the Trainer's error
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self._restore(os.fspath(resume_from_checkpoint))
+        self._reference_table()  # from the policy as handed in, before the checkpoint's weights replace it
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _restore(self, checkpoint: str) -> None:
+        ds: PackedDataset = self.train_dataset
+        path = os.path.join(checkpoint, LOADER_STATE)
+        if not self.args.ignore_data_skip:  # ignore_data_skip: the Trainer's meaning, the resumed epoch from its start
+            if not os.path.isfile(path):
+                raise PackstreamError(f"cannot resume from {checkpoint}: it holds no {LOADER_STATE} (the packed "
+                                      "dataset's position), so it was not saved by these trainers; resume from one "
+                                      "they saved, or pass ignore_data_skip=True to start its epoch's data afresh")
+            ds.load_state_dict(_read_json(path, LOADER_STATE, 1 << 20))  # refuses other data or options, naming them
+        path = os.path.join(checkpoint, REF_LOGPS)
+        if self.args.precompute_ref_log_probs and os.path.isfile(path):
+            self._precomputed = _read_json(path, REF_LOGPS, 1 << 34)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:  # every rank is at the same (epoch, position); the table is merged over ranks
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if not os.path.isdir(folder):  # rotated away at once (save_total_limit with load_best_model_at_end)
+            return
+        _write_json(os.path.join(folder, LOADER_STATE), self.train_dataset.state_dict())
+        if self._precomputed is not None:
+            _write_json(os.path.join(folder, REF_LOGPS), self._precomputed)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The Trainer would skip ``num_batches`` by reading them; the dataset already stands there (``_restore``)."""
+        ds: PackedDataset = self.train_dataset
+        if ds.position != num_batches:
+            raise PackstreamError(f"cannot resume: the checkpoint's {LOADER_STATE} is at micro-batch {ds.position} of "
+                                  f"epoch {ds.epoch}, its trainer state at micro-batch {num_batches}; the files come "
+                                  "from different checkpoints")
+        return dataloader
+
+    def _reference_table(self) -> dict[Any, Any] | None:
+        """The precomputed reference log-probs (``precompute_ref_log_probs=True``), computed on first need: from the
+        reference model, else from the policy before training."""
+        if self.args.precompute_ref_log_probs and self._precomputed is None:
+            self._precomputed = self._precompute(self.ref_model if self.ref_model is not None else self.model)
+        return self._precomputed
 
     @torch.no_grad()
     def _precompute(self, ref: torch.nn.Module) -> dict[Any, Any]:
@@ -251,7 +321,7 @@ class _DPO(_Shared):
         if lp.pair_index is None:
             raise PackstreamError("this batch holds no preference pairs: pack the folder with packstream pack --pairs")
         pairs = lp.pair_index
-        if self._precomputed is not None:
+        if self._reference_table() is not None:
             ref = self._looked_up(lp.ids, 0, lp.sum.device)
         else:
             with torch.no_grad():
@@ -330,7 +400,7 @@ class _KTO(_Shared):
         if lp.desirable is None:
             raise PackstreamError("this batch carries no KTO labels: pack KTO data (a boolean label, kto_tag or "
                                   "--kto-label field) with packstream pack")
-        if self._precomputed is not None:
+        if self._reference_table() is not None:
             ref = self._looked_up(lp.ids, 0, lp.sum.device)
         else:
             with torch.no_grad():
@@ -390,6 +460,21 @@ def _mismatched(prompts: list[list[int]], completions: list[list[int]], ids: tup
     rows = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c), "seq_offsets": [0, len(p) + len(c)],
              "example_ids": [f"{i}#kl"]} for p, c, i in zip(prompts, completions, ids)]
     return Collator()(rows)
+
+
+def _read_json(path: str, what: str, limit: int) -> Any:
+    """The JSON file ``path`` these trainers wrote into a checkpoint, read through packstream's checked open."""
+    from packers.files import load_json, read_checked
+
+    fix = "it is not the file these trainers wrote; resume from another checkpoint"
+    return load_json(read_checked(path, what=f"checkpoint file {what}", limit=limit, fix=fix), what=path, fix=fix)
+
+
+def _write_json(path: str, value: Any) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (floats round-trip exactly: Python writes the shortest repr)."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
 
 
 _BUILT: dict[str, type] = {}

@@ -658,6 +658,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/_write.py", "beam_open"): "the remote opener packers.files' checked open calls (Beam's FileSystems)",
     ("pipeline/_tools/inspect.py", "mark"): "a writer: the marker of the plots folder inspect owns",
     ("pipeline/_tools/estimate.py", "_timed_pack"): "a writer: the timed sample pack's inputs, in its temporary folder",
+    ("packers/_preference_trainer.py", "_write_json"): "a writer: the loader state and reference table in a "
+                                                        "Trainer checkpoint folder",
     ("pipeline/_tools/inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
     # Output folders (manifests, shards, dead letters, locks): issue 16's folder side (16B, 16C)
     # moves these behind packers.files; each one leaves this list when it does.
