@@ -113,6 +113,12 @@ def _rank(rank: int, world: int, store: str, folder: str, kind: str, precompute:
     finally:
         if done:  # both ranks here before either tears gloo down (else a rank can abort: SIGABRT, "terminate called")
             dist.barrier()
+            # ... and both out of the barrier: a rank that returns from it may still have its message in flight to
+            # the other, which aborts if the socket closes first (seen once in ~20 runs before this wait).
+            Path(f"{out}.left.{rank}").touch()
+            end = time.monotonic() + 30
+            while not all(Path(f"{out}.left.{r}").exists() for r in range(world)) and time.monotonic() < end:
+                time.sleep(0.05)
         dist.destroy_process_group()
 
 
