@@ -271,7 +271,12 @@ class _Shared:
         return torch.tensor([self._precomputed[i][key] for i in ids], dtype=torch.float64, device=device)
 
     def _gathered_mean(self, x: torch.Tensor) -> float:
-        return self.accelerator.gather(x.detach()).double().mean().item()
+        """The mean of ``x`` over every process's values: TRL's ``gather(x).mean()``, but the ranks' micro-batches of
+        packed rows hold different numbers of pairs, and a gather of unequal shapes is a collective mismatch (gloo
+        aborts the process; NCCL can hang). So each rank gives its sum and count, one shape everywhere."""
+        x = x.detach().double()
+        total, count = self.accelerator.gather(torch.stack([x.sum(), x.new_tensor(x.numel())]).reshape(1, 2)).sum(0)
+        return (total / count).item()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         prefix = "" if self.model.training else "eval_"
@@ -392,7 +397,9 @@ class _KTO(_Shared):
             else:
                 ref = self._logps(self.ref_model, kl_batch).sum.double()
         kl = (policy - ref).mean()
-        return self.accelerator.gather_for_metrics(kl.reshape(1)).mean().clamp(min=0)
+        # One value per rank, averaged with equal weights as TRL's is (gather, not gather_for_metrics: the loader is
+        # not accelerate's, so there is no duplicated tail to drop).
+        return self.accelerator.gather(kl.reshape(1)).mean().clamp(min=0)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -423,7 +430,7 @@ class _KTO(_Shared):
         """TRL's KTO metrics: sums over the processes' chosen (rejected) examples over their count; margins only when
         both are present."""
         self._metrics["kl"].append(float(kl))
-        gather = self.accelerator.gather_for_metrics
+        gather = self.accelerator.gather
         sums = torch.stack([rewards[good].sum(), logps[good].sum(), rewards[~good].sum(), logps[~good].sum(),
                             good.sum().double(), (~good).sum().double()])
         rc, lc, rr, lr, nc, nr = gather(sums.reshape(1, -1)).sum(0).tolist()

@@ -144,7 +144,7 @@ SLOW_MODULES = {
     "tests/test_dask.py", "tests/test_dpo.py", "tests/test_faults.py", "tests/test_fast_path.py", "tests/test_estimate.py", "tests/test_exactness.py",
     "tests/test_fuzz_formats.py", "tests/test_guard.py", "tests/test_guard_lengths.py", "tests/test_inspect.py",
     "tests/test_interrupt.py", "tests/test_loss.py", "tests/test_pack_real.py", "tests/test_packaging.py",
-    "tests/test_pipeline.py", "tests/test_safety.py", "tests/test_scale.py", "tests/test_verify.py",
+    "tests/test_pipeline.py", "tests/test_preference_ddp.py", "tests/test_safety.py", "tests/test_scale.py", "tests/test_verify.py",
 }
 FAST_CASES = (
     "tests/test_pipeline.py::test_bundled_sample_round_trip",
