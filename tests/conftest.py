@@ -144,7 +144,9 @@ SLOW_MODULES = {
     "tests/test_dask.py", "tests/test_dpo.py", "tests/test_faults.py", "tests/test_fast_path.py", "tests/test_estimate.py", "tests/test_exactness.py",
     "tests/test_fuzz_formats.py", "tests/test_guard.py", "tests/test_guard_lengths.py", "tests/test_inspect.py",
     "tests/test_interrupt.py", "tests/test_loss.py", "tests/test_pack_real.py", "tests/test_packaging.py",
-    "tests/test_pipeline.py", "tests/test_preference_ddp.py", "tests/test_safety.py", "tests/test_scale.py", "tests/test_verify.py",
+    "tests/test_pipeline.py", "tests/test_preference_ddp.py", "tests/test_preference_resume.py",
+    "tests/test_preference_trainers.py", "tests/test_preference_trainers_models.py", "tests/test_safety.py",
+    "tests/test_scale.py", "tests/test_verify.py",
 }
 FAST_CASES = (
     "tests/test_pipeline.py::test_bundled_sample_round_trip",
@@ -164,6 +166,10 @@ FAST_CASES = (
     "tests/test_interrupt.py::test_a_signal_ends_with_one_line_and_a_folder_overwrite_cleans[commit-TERM-1]",
     "tests/test_faults.py::test_bundle_retried_after_a_fault_gives_identical_output[mid_group]",
     "tests/test_fast_path.py::test_the_fast_path_equals_the_general_path[default]",
+    "tests/test_preference_trainers.py::test_packed_dpo_equals_trl_per_step[sigmoid-ref_model]",
+    "tests/test_preference_trainers.py::test_packed_kto_equals_trl_per_step[kto-precomputed]",
+    "tests/test_preference_trainers.py::test_refusals",
+    "tests/test_preference_resume.py::test_resume_mid_epoch_gives_the_uninterrupted_steps[dpo-precomputed",
 )
 SLOW_CASES = (
     "tests/test_loader_trust.py::test_random_byte_damage_never_ends_in_a_stray_exception",
