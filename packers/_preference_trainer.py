@@ -154,6 +154,11 @@ class _Shared:
             raise PackstreamError(f"PackedDataset(batching=Batching(grad_accum={accum})) but gradient_accumulation_steps"
                                   f"={args.gradient_accumulation_steps}: give both the same value (the dataset deals "
                                   "optimizer steps to ranks)")
+        if train_dataset.batching.loss_weighting.value == "source":  # never a weighting applied in silence
+            raise PackstreamError(f"{name} computes TRL's loss, a mean over each micro-batch's "
+                                  f"{'pairs' if self._config == 'DPOConfig' else 'examples'}; "
+                                  "Batching(loss_weighting='source') weights SFT tokens by data set and is not "
+                                  "applied here: leave the default, or weight data sets by sampling (--config weight)")
         self._check_args(args)
         args.remove_unused_columns = False  # keep the packed columns
         self.collator = collator if collator is not None else Collator()

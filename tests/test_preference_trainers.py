@@ -13,6 +13,7 @@ packed forward differ.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -216,6 +217,10 @@ def test_refusals(tmp_path):
     with pytest.raises(PackstreamError, match="grad_accum=2.*gradient_accumulation_steps=1"):
         PackedDPOTrainer(policy, trl.DPOConfig(**{**_dpo_config(tmp_path, "sigmoid", False),
                                                    "gradient_accumulation_steps": 1}), ds, ref_model=ref)
+    weighted = copy.copy(ds)  # as a folder packed from a --config mix and read with per-source loss weights
+    weighted.batching = dataclasses.replace(ds.batching, loss_weighting="source")
+    with pytest.raises(PackstreamError, match="loss_weighting='source'.* is not applied here"):
+        PackedDPOTrainer(policy, trl.DPOConfig(**_dpo_config(tmp_path, "sigmoid", False)), weighted, ref_model=ref)
 
 
 @pytest.mark.parametrize("trainer,precompute", [("dpo", False), ("kto", True)])
