@@ -16,7 +16,7 @@ import importlib
 
 # Reading: inputs -> records.
 from pipeline import _read
-from pipeline._read import _inputs, _sample, _tasks, expand_inputs, read_file, sample
+from pipeline._read import PackedExample, _inputs, _sample, _tasks, expand_inputs, packed_examples, read_file, sample
 
 # Options beyond the public PackOptions (pipeline.PackOptions, Format, TrainOn, ...).
 from pipeline._options import MAX_REPEAT, FormatOptions, TreePaths, load_config
@@ -40,7 +40,7 @@ from pipeline._report import split_remedy, with_whole_remedy
 
 # Encoding and rows: records -> encoded examples -> packed rows; images (--processor) resolved and embedded.
 from pipeline import _media, _rows
-from pipeline._encode import Encoder
+from pipeline._encode import Encoder, input_folders
 from pipeline._rows import ExampleBatch, dedupe, example_id, pack_group
 
 # Writing, spilling, the output folder, tracing and progress; Arrow arrays without pa.array (pipeline._arrow).

@@ -19,6 +19,7 @@ A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Re
 * ``_text``    plain text -> ``{"text": document}`` records, by ``--text-split``
 * ``_tables``  Parquet, Arrow and datasets rows -> the records they hold
 * ``_tasks``   read tasks: cutting the inputs for the workers, sizing them, reading each
+* ``_packed``  a finished packed folder -> the examples its rows hold (the first brick of ``repack``)
 * ``_sample``  about ``k`` records spread over one input, for ``estimate``
 """
 
@@ -28,6 +29,7 @@ from pipeline._read._csv import csv_header, csv_records
 from pipeline._read._json import json_items, parse_line
 from pipeline._read._text import text_records
 from pipeline._read._lines import jsonl_texts, line_ends, split_lines
+from pipeline._read._packed import PackedExample, packed_examples
 from pipeline._read._sample import Sample, sample
 from pipeline._read._tables import row_decoder, table_rows
 from pipeline._read._tasks import (
@@ -40,5 +42,5 @@ __all__ = [
     "Skipped", "expand_datasets", "expand_inputs", "csv_header", "csv_records", "text_records", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
     "Sample", "sample", "row_decoder", "table_rows", "MIN_TASK_BYTES", "TASK_BYTES", "TASK_ROWS", "TASKS_PER_WORKER",
     "UNKNOWN_WORKERS", "CorruptInput", "ReadTask", "count_records", "cut_tasks", "expected_records", "input_bytes",
-    "read_file", "read_task", "read_tasks", "task_bytes", "task_count", "until_break", "CorruptStream",
+    "read_file", "read_task", "PackedExample", "packed_examples", "read_tasks", "task_bytes", "task_count", "until_break", "CorruptStream",
 ]

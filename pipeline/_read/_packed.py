@@ -1,0 +1,190 @@
+"""A finished packed folder -> the examples its rows hold: the first brick of ``repack`` (issue 44).
+
+Every row holds examples back to back; its ``seq_offsets`` say where each one starts, and its other columns carry,
+per sequence, what the example carried when it was packed. Reading them back (budget 16, see
+:mod:`packers.schema`)::
+
+    example_ids  ["gsm8k/train.jsonl@7",   "oasst.jsonl:a1b2",  "t0.jsonl@3#1"]
+    input_ids    [ 5  9  2 41 17  1 | 5  8 30  1 | 5 77  6  1 ]
+    seq_offsets  [0,                6,          10,          14]
+    ->  PackedExample("gsm8k/train.jsonl@7", input_ids [5 9 2 41 17 1], loss_mask [0 0 0 1 1 1], ...)
+        PackedExample("oasst.jsonl:a1b2", ...)
+        PackedExample("t0.jsonl@3#1", ..., piece=1)     the 2nd piece of an example --long split cut at the first pack
+
+A pair (``--pairs`` folders) comes back as one item, as :class:`pipeline._rows.ExampleBatch` holds it before
+packing: the chosen side's tokens then the rejected side's, ``chosen_length`` where the rejected side starts,
+and each side's completion span counted from the item's first token.
+
+Truncated examples (``--long truncate``) are not marked per example in the rows: a kept window carries the
+record's id, with no suffix, and the manifest only counts them (``counts.truncated_examples``). A truncated
+example is exactly ``budget`` tokens long, so :attr:`PackedExample.maybe_truncated` flags every example of that
+length in a folder that truncated any; a truncated pair has no such tell, so there every pair is flagged.
+
+The folder is read as the loader reads it: its complete ``manifest.json`` decides which shards are read, and each
+shard's size, sha256, schema, schema metadata and counts must agree with its entry before a row is read. Local
+folders only for now; rows of images (contract version 4) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from packers.errors import ContractError, PackstreamError
+from packers.files import check_regular, open_checked, show_path
+from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, ShardEntry, escape_source, id_source,
+                              load_manifest, metadata_mismatch, missing_manifest, require_complete)
+from packers.schema import VISION_CONTRACT_VERSION, Side, read_metadata, row_schema
+
+_NO_IMAGES = "repack of image rows is not supported yet"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedExample:
+    """One example recovered from a packed row, with everything the row carries for it."""
+
+    id: str
+    """Its example id as packed (a pair's: the pair id, without ``#chosen``/``#rejected``)."""
+    source: str
+    """The input it came from, as the manifest's ``inputs[].source`` names it (the id's escaped prefix when the
+    manifest lists no input of that name)."""
+    split: str
+    """``train`` or ``validation``: the split of the shard that holds it."""
+    input_ids: np.ndarray
+    """int32: its tokens (a pair's: chosen then rejected)."""
+    loss_mask: np.ndarray
+    """uint8: 1 on its target tokens; same length."""
+    desirable: Optional[int] = None
+    """Its KTO label (1 desirable, 0 undesirable, -1 none) when the row holds a ``desirable`` column entry, else None."""
+    chosen_length: Optional[int] = None
+    """A pair's: where its rejected side starts in ``input_ids``; None for a plain example."""
+    completion_spans: tuple[tuple[int, int], ...] = ()
+    """A pair's: each side's completion ``[start, stop)``, counted from the item's first token; () for a plain one."""
+    piece: Optional[int] = None
+    """``k`` when it is the ``<id>#<k>`` piece of an example cut by ``--long split`` at the first pack; else None."""
+    maybe_truncated: bool = False
+    """True when the folder truncated examples (``--long truncate``) and this one is as long as a kept window."""
+
+
+def packed_examples(folder: str, *, split: Optional[str] = None) -> Iterator[PackedExample]:
+    """The examples of the finished packed ``folder`` (its ``split``, or both), row by row in shard-name order.
+
+    PackstreamError (or ContractError) in one line when the folder is not a complete packstream run, a shard
+    differs from its manifest entry, or its rows hold images."""
+    if split is not None and split not in SPLITS:
+        raise PackstreamError(f"split={split!r}; use one of {list(SPLITS)}")
+    m = _manifest(folder)
+    sources = {escape_source(i.source): i.source for i in m.inputs}
+    budget = int(m.config["max_tokens"])
+    truncated = bool(m.counts and m.counts.truncated_examples)
+    for entry in m.listed(split):
+        table = _open(folder, m, entry)
+        yield from _examples(table, entry.split, sources, budget if truncated else None)
+
+
+def _manifest(folder: str) -> Manifest:
+    where = show_path(folder)
+    if not os.path.isdir(folder):
+        raise PackstreamError(f"{where} is not a folder; pass the --output folder of packstream pack (local folders only for now)")
+    names = os.listdir(folder)
+    if MANIFEST not in names:
+        raise missing_manifest(where, names)
+    m = require_complete(load_manifest(os.path.join(folder, MANIFEST), where), where)
+    if m.raw.get("vision"):
+        raise PackstreamError(f"{where}: its rows hold images (packed with --processor); {_NO_IMAGES}")
+    return m
+
+
+def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
+    """The rows of the listed shard ``s``, once its bytes, schema, metadata and counts agree with its entry."""
+    at = f"{show_path(folder)}/{s.name}"
+    path = os.path.join(folder, s.name)
+    try:
+        size = check_regular(path, "shard").st_size
+    except PackstreamError:
+        raise ContractError(f"{at}: listed in {MANIFEST} but missing or not a regular file; {RESTORE}") from None
+    if size != s.bytes:
+        raise ContractError(f"{at}: {size:,} bytes, {MANIFEST} says {s.bytes:,}; {RESTORE}")
+    with open_checked(path, what="shard") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    if sha != s.sha256:
+        raise ContractError(f"{at}: sha256 {sha[:16]}…, {MANIFEST} says {s.sha256[:16]}…; {RESTORE}")
+    try:
+        if s.ext == "parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(pa.memory_map(path))
+            schema, table = pf.schema_arrow, pf.read()
+        else:
+            reader = pa.ipc.open_stream(pa.memory_map(path))
+            schema, table = reader.schema, reader.read_all()
+        meta = read_metadata(schema)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ContractError(f"{at}: not a readable packstream shard ({e}); {RESTORE}") from None
+    if meta["contract_version"] == VISION_CONTRACT_VERSION:
+        raise PackstreamError(f"{at}: contract version {VISION_CONTRACT_VERSION} rows hold images; {_NO_IMAGES}")
+    if not schema.remove_metadata().equals(row_schema(meta["contract_version"])):
+        raise ContractError(f"{at}: its schema differs from the packed-row contract; {RESTORE}")
+    wrong = metadata_mismatch(meta, m, s)
+    if wrong is not None:
+        raise ContractError(f"{at}: schema metadata {wrong[0]} {wrong[1]}; {RESTORE}")
+    if table.num_rows != s.rows:
+        raise ContractError(f"{at}: {table.num_rows:,} rows, {MANIFEST} says {s.rows:,}; {RESTORE}")
+    return table
+
+
+def _examples(table: pa.Table, split: str, sources: dict[str, str], budget: Optional[int]) -> Iterator[PackedExample]:
+    """The examples of a checked shard's rows. ``budget``: the folder's, when it truncated examples, else None."""
+    for batch in table.to_batches():
+        ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+        id_starts, mask_starts = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
+        tokens, mask = ids_col.values.to_numpy(), mask_col.values.to_numpy()
+        cols = {c: batch.column(c).to_pylist()
+                for c in ("seq_offsets", "example_ids", "pair_ids", "sides", "completion_spans", "desirable")}
+        for r in range(batch.num_rows):
+            t0, m0 = int(id_starts[r]), int(mask_starts[r])
+            offsets, eids, labels = cols["seq_offsets"][r], cols["example_ids"][r], cols["desirable"][r]
+
+            def cut(j: int) -> tuple[np.ndarray, np.ndarray]:
+                a, b = offsets[j], offsets[j + 1]
+                return tokens[t0 + a:t0 + b].copy(), mask[m0 + a:m0 + b].copy()
+
+            def source(eid: str) -> str:
+                esc = id_source(eid)
+                return sources.get(esc, esc)
+
+            if cols["pair_ids"][r]:
+                yield from _pairs(r, {c: v[r] for c, v in cols.items()}, cut, source, split, budget)
+                continue
+            for j, eid in enumerate(eids):
+                ids, msk = cut(j)
+                base, _, k = eid.rpartition("#")  # ids and sources escape '#': one is always a piece marker
+                yield PackedExample(
+                    id=eid, source=source(eid), split=split, input_ids=ids, loss_mask=msk,
+                    desirable=labels[j] if labels else None, piece=int(k) if base and k.isdigit() else None,
+                    maybe_truncated=budget is not None and len(ids) == budget)
+
+
+def _pairs(r, row, cut, source, split, budget) -> Iterator[PackedExample]:
+    """Row ``r`` of pairs (``row``: its small columns as lists): each pair (chosen, then rejected, adjacent) as one item."""
+    offsets, eids, pair_ids, sides = row["seq_offsets"], row["example_ids"], row["pair_ids"], row["sides"]
+    spans, labels = row["completion_spans"], row["desirable"]
+    if len(eids) % 2:
+        raise ContractError(f"row {r}: {len(eids)} sequences in a row of pairs; {RESTORE}")
+    for j in range(0, len(eids), 2):
+        pid = pair_ids[j]
+        if (sides[j], sides[j + 1]) != (Side.CHOSEN, Side.REJECTED) or pair_ids[j + 1] != pid:
+            raise ContractError(f"row {r}: pair {pid!r} is not a chosen side followed by its rejected side; {RESTORE}")
+        (c_ids, c_mask), (r_ids, r_mask) = cut(j), cut(j + 1)
+        start = offsets[j]
+        rel = tuple((spans[2 * k] - start, spans[2 * k + 1] - start) for k in (j, j + 1))
+        yield PackedExample(
+            id=pid, source=source(pid), split=split, input_ids=np.concatenate([c_ids, r_ids]),
+            loss_mask=np.concatenate([c_mask, r_mask]), desirable=labels[j] if labels else None,
+            chosen_length=len(c_ids), completion_spans=rel,
+            maybe_truncated=budget is not None and len(c_ids) + len(r_ids) <= budget)
