@@ -12,10 +12,9 @@ import copy
 import pytest
 import torch
 
-from tests._models import tiny_model
 from tests._shards import make_pair_row, make_row
-from tests.test_preference_trainers import (ACCUM, B, STEPS, _common, _compare, _dpo_config, _kto, _packed_folder,
-                                            _pairs, _run, _text, _tokenizer)
+from tests.test_preference_trainers import (ACCUM, B, STEPS, _common, _compare, _dpo_config, _kto, _models,
+                                            _packed_folder, _pairs, _run, _text, _tokenizer)
 
 
 def _same(packed, padded):
@@ -33,16 +32,6 @@ trl = pytest.importorskip("trl")
 KINDS = [("qwen2", "sdpa", {}), ("mistral", "sdpa", {"sliding_window": 4}), ("phi3", "eager", {}),
          ("llama", "eager", {})]
 IDS = ["qwen2-sdpa", "mistral-window4-sdpa", "phi3-eager", "llama-eager"]
-
-
-def _models(kind: str, attn: str, overrides: dict):
-    policy = tiny_model(kind, attn, **overrides)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return policy, ref
 
 
 @pytest.mark.parametrize("kind,attn,overrides", KINDS, ids=IDS)
