@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from tests._shards import make_pair_row, make_row
 from tests.test_preference_trainers import (ACCUM, B, STEPS, _common, _compare, _dpo_config, _kto, _models,
