@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from packers.errors import ContractError, PackstreamError, short
 from packers.files import check_regular, open_checked, show_path
@@ -37,11 +36,10 @@ from packers.manifest import (
     ShardEntry,
     is_datasets_cache,
     load_manifest,
-    metadata_mismatch,
     missing_manifest,
     require_complete,
 )
-from packers.schema import PLACE_KEYS, read_metadata, row_schema
+from packers.shardcheck import check_rows, checked_metadata
 
 # -- opening: the manifest decides what is read ---------------------------------------------------------
 
@@ -376,39 +374,12 @@ def _open_shard(at: str, local: str, m: Manifest, s: ShardEntry) -> tuple[Any, d
     metadata, Arrow structure and counts agree with its manifest entry ``s``."""
     import datasets
 
-    schema = _read_schema(local, at)
-    try:
-        meta = read_metadata(schema)
-    except ValueError as e:  # ContractError, or metadata that is not UTF-8 JSON
-        raise ContractError(f"{at}: schema metadata unreadable: {e}") from None
-    expected = row_schema(meta["contract_version"])
-    if not schema.remove_metadata().equals(expected):
-        raise ContractError(f"{at}: schema {schema.remove_metadata()} differs from the packed-row contract {expected}")
-    wrong = metadata_mismatch(meta, m, s)
-    if wrong is not None:
-        key, what = wrong
-        whose = ("another shard's file (a copy listed twice, or renamed), or another run's" if key in PLACE_KEYS
-                 else "not this run's")
-        raise ContractError(
-            f"{at}: schema metadata {key} {what}: the shard is {whose}; {RESTORE}"
-        )
+    meta = checked_metadata(at, _read_schema(local, at), m, s)
     try:
         part = datasets.Dataset.from_file(local)
-        table = part.data.table
-        # Arrow's own structure (buffer sizes, list offsets in bounds, UTF-8): O(rows), no token is read.
-        # A damaged file must fail here, not as an out-of-bounds read in the middle of training.
-        table.validate(full=True)
     except (pa.ArrowException, OSError) as e:
         raise ContractError(
             f"{at}: not a valid Arrow file ({e}); it was damaged after the run wrote it: {RESTORE}"
         ) from None
-    measured = {"rows": part.num_rows,  # cheap: one int32 column, and the offsets of another
-                "tokens": int(pc.sum(table.column("num_tokens")).as_py() or 0),
-                "examples": int(pc.sum(pc.list_value_length(table.column("example_ids"))).as_py() or 0)}
-    for key, got in measured.items():
-        if got != getattr(s, key):
-            raise ContractError(
-                f"{at}: {got:,} {key}, {MANIFEST} says {getattr(s, key):,}: the shard is not the one the run wrote; "
-                f"{RESTORE}"
-            )
+    check_rows(at, part.data.table, s)
     return part, meta

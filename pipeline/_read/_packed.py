@@ -38,8 +38,9 @@ import pyarrow as pa
 from packers.errors import ContractError, PackstreamError
 from packers.files import check_regular, open_checked, show_path
 from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, ShardEntry, escape_source, id_source,
-                              load_manifest, metadata_mismatch, missing_manifest, require_complete)
-from packers.schema import VISION_CONTRACT_VERSION, Side, read_metadata, row_schema
+                              load_manifest, missing_manifest, require_complete)
+from packers.shardcheck import check_rows, checked_metadata
+from packers.schema import VISION_CONTRACT_VERSION, Side
 
 _NO_IMAGES = "repack of image rows is not supported yet"
 
@@ -123,18 +124,12 @@ def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
         else:
             reader = pa.ipc.open_stream(pa.memory_map(path))
             schema, table = reader.schema, reader.read_all()
-        meta = read_metadata(schema)
-    except (pa.ArrowException, OSError, ValueError) as e:
+    except (pa.ArrowException, OSError) as e:
         raise ContractError(f"{at}: not a readable packstream shard ({e}); {RESTORE}") from None
+    meta = checked_metadata(at, schema, m, s)  # the loader's checks (packers.shardcheck), in its words
     if meta["contract_version"] == VISION_CONTRACT_VERSION:
         raise PackstreamError(f"{at}: contract version {VISION_CONTRACT_VERSION} rows hold images; {_NO_IMAGES}")
-    if not schema.remove_metadata().equals(row_schema(meta["contract_version"])):
-        raise ContractError(f"{at}: its schema differs from the packed-row contract; {RESTORE}")
-    wrong = metadata_mismatch(meta, m, s)
-    if wrong is not None:
-        raise ContractError(f"{at}: schema metadata {wrong[0]} {wrong[1]}; {RESTORE}")
-    if table.num_rows != s.rows:
-        raise ContractError(f"{at}: {table.num_rows:,} rows, {MANIFEST} says {s.rows:,}; {RESTORE}")
+    check_rows(at, table, s)
     return table
 
 
