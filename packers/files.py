@@ -168,13 +168,18 @@ def within(root: str, path: str, *, what: str) -> str:
     packers.files.OutsideRoot: image /data/../etc/x.png leads to /etc/x.png, outside /data; only files under that folder are read
     """
     real = os.path.realpath(path)
-    if not _under(root, real):
+    if not under(root, real):
         raise OutsideRoot(path, real, root, what)
     return real
 
 
-def _under(root: str, real: str) -> bool:
-    return real == root or real.startswith(root if root.endswith(os.sep) else root + os.sep)
+def under(root: str, path: str) -> bool:
+    """Whether ``path`` is ``root`` or lies beneath it, by their text (resolve links first where they count).
+
+    >>> under("/data", "/data/a.png"), under("/data", "/data2/a.png"), under("/", "/etc")
+    (True, False, True)
+    """
+    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
 
 
 def open_beneath(root: str, real: str, *, what: str) -> IO[bytes]:
@@ -183,11 +188,11 @@ def open_beneath(root: str, real: str, *, what: str) -> IO[bytes]:
     descriptor, starting at ``root``'s, with ``O_NOFOLLOW``. ``real`` holds no links, so a link met on the way
     means a component was swapped for one after the look-up (it could lead out): :class:`OutsideRoot`, never
     followed. A missing file, a FIFO, a device or a folder fail as in :func:`open_checked`."""
-    if not _under(root, real):
+    if not under(root, real):
         raise OutsideRoot(real, real, root, what)
     if os.open not in os.supports_dir_fd or not hasattr(os, "O_NOFOLLOW"):  # no descriptor-relative opens here
         f = open_checked(real, what=what)
-        if not _under(root, os.path.realpath(real)):
+        if not under(root, os.path.realpath(real)):
             f.close()
             raise OutsideRoot(real, os.path.realpath(real), root, what, moved=True)
         return f

@@ -44,7 +44,7 @@ import warnings
 from typing import IO, Any, Optional, Sequence
 
 from packers import ImageSizeError, PackstreamError, VisionSpec
-from packers.files import OutsideRoot, open_beneath, real_folder, within
+from packers.files import OutsideRoot, open_beneath, real_folder, under, within
 from pipeline._formats import Reason, Rejected
 from pipeline._options import ImageStorage
 
@@ -117,9 +117,9 @@ def _outside(at: str, ref: str, root: MediaRoot, how: str) -> Rejected:
                                                "that holds every image as --media-root")
 
 
-def within_root(root: MediaRoot, path: str) -> bool:
+def _within_root(root: MediaRoot, path: str) -> bool:
     """Whether ``path``, as written (no link resolved), names a place under ``root``."""
-    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in (root.path, root.real or root.path))
+    return under(root.path, path) or (root.real is not None and under(root.real, path))
 
 
 def _local_path(ref: str, root: MediaRoot, at: str) -> str:
@@ -185,7 +185,7 @@ def resolve(ref: Any, root: MediaRoot, at: str) -> Source:
     try:
         real = within(root.real, path, what=at)
     except OutsideRoot as e:  # out as written, or out through a link met on the way
-        linked = within_root(root, os.path.normpath(path))
+        linked = _within_root(root, os.path.normpath(path))
         raise _outside(at, ref, root, f"leads through a link to {_short(e.target)}" if linked
                        else f"is {_short(e.target)}") from None
     return Source(path, None, real)
