@@ -155,6 +155,39 @@ class VisionSpec:
         """The placeholder tokens an image of this size becomes (what the processor expands it to)."""
         return self.grid_tokens(self.image_grid(width, height))
 
+    def with_pixel_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> VisionSpec:
+        """This spec with its resize limits set (``--image-min-pixels`` / ``--image-max-pixels``, LLaMA-Factory's
+        ``image_min_pixels`` / ``image_max_pixels``): what the processor's ``min_pixels`` / ``max_pixels`` (its
+        ``size.shortest_edge`` / ``size.longest_edge``) do, for the families that resize within a pixel range. A
+        limit left None keeps the processor's. A family that resizes every image to one size (LLaVA) has no such
+        range and refuses them, as does a pair of limits where the lower is over the upper.
+
+        >>> VisionSpec.builtin("qwen2-vl").with_pixel_limits(max_pixels=768 * 768).image_tokens(4000, 3000)
+        713
+        """
+        if min_pixels is None and max_pixels is None:
+            return self
+        name = self.name or self.family.value
+        if not self.family.mrope:
+            raise PackstreamError(f"--image-min-pixels/--image-max-pixels: the processor {name} resizes every image "
+                                  f"to one {self.image_size}x{self.image_size} square, so no pixel limit applies; "
+                                  "drop them")
+        for flag, value in (("--image-min-pixels", min_pixels), ("--image-max-pixels", max_pixels)):
+            if value is not None and (not _integral(value) or not 1 <= value <= _MAX_PIXELS):
+                raise PackstreamError(f"{flag} {value!r} is out of range; give a pixel count within 1..{_MAX_PIXELS:,} "
+                                      "(e.g. --image-max-pixels 589824 for 768x768)")
+        low = self.min_pixels if min_pixels is None else int(min_pixels)
+        high = self.max_pixels if max_pixels is None else int(max_pixels)
+        if low > high:
+            said = (f"--image-min-pixels {low:,}" if min_pixels is not None else f"the processor's min_pixels {low:,}")
+            over = (f"--image-max-pixels {high:,}" if max_pixels is not None else f"the processor's max_pixels "
+                    f"{high:,}")
+            fix = (f"give --image-min-pixels {high:,} or less too" if min_pixels is None
+                   else f"give --image-max-pixels {low:,} or more too" if max_pixels is None
+                   else "give a lower --image-min-pixels or a higher --image-max-pixels")
+            raise PackstreamError(f"{said} is over {over} for processor {name}; {fix}")
+        return dataclasses.replace(self, min_pixels=low, max_pixels=high)
+
     def to_json(self) -> str:
         return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v)
                            for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
