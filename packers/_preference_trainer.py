@@ -161,7 +161,11 @@ class _Shared:
                                   "applied here: leave the default, or weight data sets by sampling (--config weight)")
         self._check_args(args)
         args.remove_unused_columns = False  # keep the packed columns
-        self.collator = collator if collator is not None else Collator()
+        if train_dataset.vision is not None and self._config != "DPOConfig":
+            raise PackstreamError(f"{name}: the rows carry images ({train_dataset.vision.name or 'a vision spec'}), and "
+                                  "KTO's KL term pairs each prompt with another example's completion, which is not "
+                                  "built for image rows yet; train KTO on text rows, or DPO (--pairs) on image rows")
+        self.collator = collator if collator is not None else Collator(vision=train_dataset.vision)
         super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=self.collator, **kwargs)
         self.model_accepts_loss_kwargs = False  # transformers < 5.19 reads this instead of loss_is_scaled_for_ga
         self.ref_model = ref_model

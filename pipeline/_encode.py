@@ -197,7 +197,11 @@ class Encoder:
                     p.counts["not_sampled"] = p.counts.get("not_sampled", 0) + 1
                     continue
                 if p.pairs:
-                    sides, notes = self.prepare_pair(record, fmt)
+                    sides, notes, refs = self.prepare_pair(record, fmt)
+                    if refs:  # the prompt's images, measured once, stand in both sides
+                        images = _media.measure(refs, self._media_root(source), self.vision, self.options.images,
+                                                notes)
+                        p.images[2 * len(p.meta)] = p.images[2 * len(p.meta) + 1] = images
                     for k, segs in enumerate(sides):
                         p.add_segments(segs, 2 * len(p.meta) + k)
                     add_counts(p.counts, notes)
@@ -230,10 +234,11 @@ class Encoder:
                 p.labels.append(-1 if conv.desirable is None else int(conv.desirable))
         return p
 
-    def prepare_pair(self, record: Any, fmt: FormatOptions) -> tuple[tuple[list, list], dict[str, int]]:
+    def prepare_pair(self, record: Any, fmt: FormatOptions) -> tuple[tuple[list, list], dict[str, int], list]:
         """One preference record -> the segments of its chosen and rejected sides (prompt: context; the answer and
-        everything after it: target), and its normalization notes (counted once); or :class:`Rejected`."""
-        convs = pair_conversations(record, fmt)
+        everything after it: target), its normalization notes (counted once) and its prompt's image references
+        (``--processor``: both sides hold them; an image in an answer is refused); or :class:`Rejected`."""
+        convs = pair_conversations(record, fmt, self.image_text)
         c, r = convs
         if c.tools != r.tools:
             raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the two sides carry different tool definitions; a pair shares "
@@ -249,6 +254,7 @@ class Encoder:
             raise Rejected(Reason.PAIR_PROMPT_MISMATCH, (
                 f"the two sides differ before their answers ({at}); a pair is one prompt (the same messages on both "
                 "sides), then two assistant answers"))
+        _pair_images(c, r, n, self.image_text)
         sides = []
         train = dataclasses.replace(fmt, train_on=TrainOn.ASSISTANT, mask_reasoning=False)
         for conv in convs:
@@ -266,7 +272,7 @@ class Encoder:
             sides.append([(t, i >= first) for i, (t, _) in enumerate(segs)])
         notes = {k: max(c.notes.get(k, 0), r.notes.get(k, 0)) for k in c.notes.keys() | r.notes.keys()
                  if k != "other_side_not_trained"}
-        return (sides[0], sides[1]), notes
+        return (sides[0], sides[1]), notes, list(c.images)
 
     def tokenize(self, p: "_Prepared") -> list:
         """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
@@ -319,11 +325,13 @@ class Encoder:
             counts["repeated_copies"] = counts.get("repeated_copies", 0) + copies
         return Encoded(batch, rejected, counts)
 
-    def _expand_images(self, ids, mask, rec_lens, p: "_Prepared", keep: np.ndarray):
+    def _expand_images(self, ids, mask, rec_lens, p: "_Prepared", keep: np.ndarray, group: int = 1):
         """Each image's one placeholder token becomes its run of ``tokens`` placeholder tokens (never a target), so
         an example's length is what the model sees. An example whose placeholder tokens and images differ in number
         (text holding the placeholder's own text, a template that drops or repeats a turn) is ``placeholder_mismatch``
-        (``keep`` cleared). Returns the new ids, mask and lengths, and the examples' :class:`~pipeline._rows.Images`."""
+        (``keep`` cleared). Returns the new ids, mask and lengths, and the examples' :class:`~pipeline._rows.Images`.
+        ``group``: sequences per record (2 for pairs: ``rec_lens`` are sides, ``p.meta[i // 2]`` their record; a
+        side refused refuses its pair, once)."""
         n = len(rec_lens)
         ends = np.cumsum(rec_lens)
         want = np.array([len(p.images.get(i, ())) for i in range(n)], dtype=np.int64)
@@ -331,12 +339,15 @@ class Encoder:
             found = np.bincount(np.searchsorted(ends, np.flatnonzero(ids == token_id), side="right"), minlength=n)
             token = getattr(self.vision, what)
             for i in np.flatnonzero((found != want) & keep).tolist():
-                eid, source, position, _ = p.meta[i]
+                if not keep[i]:  # its pair's other side was refused just now
+                    continue
+                eid, source, position, _ = p.meta[i // group]
+                side = ("the chosen side" if i % 2 == 0 else "the rejected side") if group == 2 else "the example"
                 p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
-                    f"the example holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} "
+                    f"{side} holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} "
                     "itself, or the chat template drops or repeats a turn with an image; remove the processor's tokens "
                     "from the text (images go in image parts or as <image>)"), eid))
-                keep[i] = False
+                keep[i - i % group:i - i % group + group] = False
         pos = np.flatnonzero(ids == self.image_id)
         owner = np.searchsorted(ends, pos, side="right")
         ok = keep[owner]
@@ -366,10 +377,17 @@ class Encoder:
         ids, mask, seg_lens = p.token_arrays(encs)
         side_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=2 * n).astype(np.int64)
         ids, mask, side_lens = self._append_eos(ids, mask, side_lens, set())
+        images = None
+        if self.vision is not None:
+            kept_sides = np.ones(2 * n, dtype=bool)
+            ids, mask, side_lens, images = self._expand_images(ids, mask, side_lens, p, kept_sides, group=2)
+            images = _pair_images_of(images, side_lens)
+            keep = kept_sides[0::2].copy()
+        else:
+            keep = np.ones(n, dtype=bool)
         ends = np.cumsum(side_lens)
         starts = ends - side_lens
-        keep = np.ones(n, dtype=bool)
-        for k in range(n):
+        for k in np.flatnonzero(keep).tolist():
             (a0, z0), (a1, z1) = (starts[2 * k], ends[2 * k]), (starts[2 * k + 1], ends[2 * k + 1])
             c_mask, r_mask = mask[a0:z0], mask[a1:z1]
             why = None
@@ -394,7 +412,9 @@ class Encoder:
             meta = [m for m, k in zip(meta, keep) if k]
         pair = side_lens.reshape(-1, 2)
         batch = _rows.ExampleBatch.from_arrays([m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta],
-                                               pair.sum(axis=1), ids, mask, cuts=pair[:, 0])
+                                               pair.sum(axis=1), ids, mask, cuts=pair[:, 0]
+                                               ).with_images(None if images is None else
+                                                             images.take(np.flatnonzero(keep)))
         batch, copies = self._repeat(batch, [m[3] for m in meta])
         if copies:
             p.counts["repeated_copies"] = p.counts.get("repeated_copies", 0) + copies
@@ -431,6 +451,30 @@ class Encoder:
             which = [i for i, t in enumerate(times) if t >= copy]
             parts.append(batch.take(which, suffix=f"~{copy}"))
         return _rows.ExampleBatch.concat(parts), sum(times) - len(times)
+
+
+def _pair_images_of(sides: _rows.Images, side_lens: np.ndarray) -> _rows.Images:
+    """The images of each side (``sides``: per side, offsets from the side's start) as the images of each pair: the
+    chosen side's, then the rejected side's, their offsets from the pair's start (the rejected side starts after the
+    chosen one)."""
+    n = len(side_lens) // 2
+    owner = np.repeat(np.arange(2 * n), sides.counts)
+    shift = np.where(owner % 2 == 1, side_lens[owner - 1], 0) if len(owner) else np.zeros(0, np.int64)
+    return _rows.Images(sides.index[0::2].copy(), sides.offsets + shift, sides.grids, sides.refs)
+
+
+def _pair_images(c: Conversation, r: Conversation, n: int, image_text: Optional[str]) -> None:
+    """A pair's images stand in its shared prompt (its first ``n`` messages), the same on both sides: an image in
+    an answer, or sides whose prompts name other images, is :class:`Rejected`."""
+    if not c.images and not r.images:
+        return
+    for side, conv in (("chosen", c), ("rejected", r)):
+        if any(image_text in str(m.get("content")) for m in conv.messages[n:]):
+            raise Rejected(Reason.NON_TEXT_CONTENT, f"the {side} answer holds an image; pairs are packed with images "
+                                                    "in their shared prompt only: move the image to the prompt")
+    if c.images != r.images:
+        raise Rejected(Reason.PAIR_PROMPT_MISMATCH, f"the two sides' prompts hold different images ({len(c.images)} "
+                                                    f"and {len(r.images)}, or other files); a pair shares its prompt")
 
 
 def _splice(ids, mask, rec_lens, direct: dict[int, np.ndarray]):

@@ -586,7 +586,7 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         chunks: tuple[pa.RecordBatch, ...] = (pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA),)
     else:
         image_cols, row_bytes = image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
-                                              ends - piece_lens, row_pieces)
+                                              ends - piece_lens, row_pieces, sides=placed.sides is not None)
         chunks = _chunked(arrays + image_cols, row_bytes)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
     if eos_id is None or not len(piece_lens):
@@ -647,17 +647,21 @@ def _chunked(arrays: list, row_bytes: np.ndarray) -> tuple[pa.RecordBatch, ...]:
 
 
 def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, at: np.ndarray,
-                  row_pieces: np.ndarray) -> tuple[list[pa.Array], np.ndarray]:
+                  row_pieces: np.ndarray, sides: bool = False) -> tuple[list[pa.Array], np.ndarray]:
     """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`, the bytes wide
     until :func:`_chunked`): pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
-    at row offset ``at[j]``); and the embedded image bytes of each row."""
+    at row offset ``at[j]``); and the embedded image bytes of each row. ``sides``: the pieces are the two sides of
+    pairs, each holding the images that start inside it (its prompt's); else a piece holds all its example's."""
     imgs = batch.images if batch.images is not None else Images.none(len(batch))
     counts = imgs.counts[ex]
     idx = _ranges(imgs.index[ex], imgs.index[ex + 1])  # the pieces' images, in row order
     piece = np.repeat(np.arange(len(ex)), counts)
-    inside = imgs.offsets[idx] - starts[piece]
-    if len(idx) and ((inside < 0).any() or (imgs.offsets[idx] >= stops[piece]).any()):
+    here = (imgs.offsets[idx] >= starts[piece]) & (imgs.offsets[idx] < stops[piece])
+    if sides:
+        idx, piece = idx[here], piece[here]
+    elif not here.all():
         raise packers.InternalError("a piece of an example with images was cut; images are never cut")
+    inside = imgs.offsets[idx] - starts[piece]
     rows = len(row_pieces)
     per_row = np.bincount(np.repeat(np.arange(rows), row_pieces)[piece], minlength=rows) if rows else np.zeros(0, np.int64)
     off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)

@@ -221,7 +221,7 @@ def test_option_errors_are_one_line(tmp_path, tokenizer):
     out = str(tmp_path / "out")
     cases = [
         (["--processor", "no-such-model"], "no such file or folder"),
-        (["--processor", "qwen2-vl", "--pairs"], "--pairs"),
+        (["--processor", "llava-1.5", "--image-max-pixels", "90000"], "no pixel limit applies; drop them"),
         (["--media-root", str(tmp_path)], "add --processor"),
         (["--processor", "qwen2-vl", "--media-root", str(tmp_path / "nope")], "no such folder"),
         (["--images", "embed"], "only --processor packs images; add --processor"),

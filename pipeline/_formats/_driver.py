@@ -63,14 +63,16 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     return conv
 
 
-def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversation, Conversation]:
+def pair_conversations(record: Any, options: FormatOptions,
+                       image_text: Optional[str] = None) -> tuple[Conversation, Conversation]:
     """A preference record read as a pair (``packstream pack --pairs``): its chosen and its rejected conversation,
     each the prompt then that answer, through the steps every shape shares; or :class:`Rejected`.
 
     The record is read as the ``preference`` shape whenever it holds a pair, whatever detection would pick
     first: UltraFeedback (binarized) carries a ``messages`` copy of the chosen side beside ``chosen``/
     ``rejected``, which detection reads as SFT messages; here that copy is an ignored field, counted.
-    A record that holds no pair is ``not_a_pair``.
+    A record that holds no pair is ``not_a_pair``. ``image_text`` (``--processor`` runs): as for
+    :func:`conversations`; each side then carries the images of its prompt (the record's image column or parts).
     """
     from pipeline._formats import preference
     from pipeline._options import Preference
@@ -90,7 +92,8 @@ def pair_conversations(record: Any, options: FormatOptions) -> tuple[Conversatio
                                           f"{shape}; pack it without --pairs")
     shape = REGISTRY[preference.SHAPE.name]
     chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side), ignored=ignored,
-                                mapping=mapping) for side in (Preference.CHOSEN, Preference.REJECTED))
+                                mapping=mapping, image_text=image_text)
+                        for side in (Preference.CHOSEN, Preference.REJECTED))
     if len(chosen) != 1 or len(rejected) != 1:
         raise InternalError(f"the preference shape read {len(chosen)} and {len(rejected)} conversations, not one each")
     return chosen[0], rejected[0]

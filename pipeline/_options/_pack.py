@@ -283,9 +283,6 @@ class PackOptions(FormatOptions):
         if not self.processor.strip():
             raise PackstreamError("--processor '' is empty; give a shipped processor (qwen2-vl, qwen2.5-vl, llava-1.5) "
                                   "or the model's folder, or omit --processor for text-only packing")
-        if self.pairs:
-            raise PackstreamError("--pairs packs text preference pairs; pairs with images are not packed yet: drop "
-                                  "--processor, or pack the records as SFT without --pairs")
         if self.media_root is not None and not os.path.isdir(self.media_root):
             raise PackstreamError(f"--media-root {self.media_root}: no such folder; give the folder that relative "
                                   "image paths start from, or omit it to resolve them against each input's folder")

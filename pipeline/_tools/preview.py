@@ -105,8 +105,9 @@ def preview(options: PackOptions, n: int) -> list[dict]:
                     it["image_tokens"] = sum(im["tokens"] for im in it["images"])
                 it["spans"] = [(_decode(tok, run_ids), bool(flag)) for flag, run_ids in _runs(ids, mask)]
                 if batch.cuts is not None:  # a pair: its chosen and rejected sides, each on its own
-                    cut = int(batch.cuts[i])
-                    it["sides"] = [[(tok.decode(r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
+                    cut = int(batch.cuts[i])  # in marked ids, each image run before it is one mark
+                    cut -= sum(im["tokens"] - 1 for im in it.get("images", ())[:len(it.get("images", ())) // 2])
+                    it["sides"] = [[(_decode(tok, r), bool(flag)) for flag, r in _runs(ids[x:y], mask[x:y])]
                                    for x, y in ((0, cut), (cut, len(ids)))]
         _fold_ids(items[first:], own_ids if fmt.ids is Ids.AUTO else [],
                   lambda rec: pair_conversations(rec, fmt) if options.pairs else conversations(rec, fmt))
