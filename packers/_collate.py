@@ -75,11 +75,12 @@ completion log-probability, as (chosen, rejected) pairs.
 >>> p["pair_index"].tolist(), p["completion_mask"].int().tolist()
 ([[0, 1], [2, 3]], [[0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1]])
 
-Vision-language rows (Qwen2-VL, Qwen2.5-VL) also carry ``image_offsets`` (where each image's run of placeholder
+Vision-language rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) also carry ``image_offsets`` (where each image's run of placeholder
 tokens starts in the row), ``image_grid_thw`` (3 per image: its patch grid) and ``images`` (``{"path",
 "bytes"}`` references). ``Collator(vision=spec)`` then gives ``position_ids`` of ``[4, 1, T]``: row 0 the
 positions above, which transformers' Qwen2-VL text model reads to find the packed sequences (without that
-row it builds one causal mask over the whole batch and the examples attend to each other), rows 1..3 each
+row it builds one causal mask over the whole batch and the examples attend to each other; Qwen3-VL's text model
+reads it the same way in transformers 5.x), rows 1..3 each
 example's 3-D rotary positions (:func:`packers.mrope_positions`), as the model computes them for it alone.
 One row, two examples, the first with an image of grid (1, 4, 4) (4 tokens ``I`` after merging 2 x 2)::
 
@@ -231,7 +232,7 @@ class Collator:
     """Check each row's offsets and lengths (vectorised, cheap) and raise ContractError if broken."""
     vision: VisionSpec | None = None
     """The vision processor the rows were packed with (e.g. ``VisionSpec.builtin("qwen2-vl")`` or
-    ``VisionSpec.builtin("llava-1.5")``). For a model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL) every
+    ``VisionSpec.builtin("llava-1.5")``). For a model with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) every
     batch, text-only too, gets ``position_ids`` of ``[4, 1, T]`` (see "vision-language rows" above), and a batch
     holding images gets ``image_grid_thw`` and ``pixel_values``; for LLaVA the positions stay ``[1, T]`` and a
     batch holding images gets ``pixel_values``. Rows that hold images need it."""
@@ -394,7 +395,7 @@ class Collator:
             raise PackstreamError(
                 f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
                 "Collator has no vision spec: pass the spec the rows were packed with, Collator(vision="
-                "VisionSpec.builtin('qwen2-vl')) (or 'qwen2.5-vl', 'llava-1.5') or VisionSpec.from_processor(model "
+                "VisionSpec.builtin('qwen2-vl')) (or 'qwen2.5-vl', 'qwen3-vl', 'llava-1.5') or VisionSpec.from_processor(model "
                 "folder), so that the batch gets the pixel_values (and for Qwen2-VL the mRoPE position_ids and "
                 "image_grid_thw) the model needs")
         starts = np.asarray(row["image_offsets"], dtype=np.int64).reshape(-1)

@@ -1,11 +1,14 @@
 """3-D rotary positions (mRoPE) of one vision-language example, as Qwen2-VL computes them for it alone.
 
-Qwen2-VL and Qwen2.5-VL rotate each token by three positions: temporal, height and width. A text token
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each token by three positions: temporal, height and width. A text token
 gets its index three times; an image's placeholder tokens get the image's merged patch grid, offset by
 the position where the image starts; after an image, positions go on from that start plus the image's
 longer merged side (``max(h, w) // merge``), not from its token count. The same arithmetic as
 ``Qwen2VLModel.get_rope_index`` (transformers 5.x, ``models/qwen2_vl/modeling_qwen2_vl.py``) for one
-sequence; Qwen2.5-VL's differs only for videos (its temporal spacing), which packstream refuses.
+sequence; Qwen2.5-VL's differs only for videos (its temporal spacing), which packstream refuses. Qwen3-VL's
+``Qwen3VLModel.get_rope_index`` gives images the same positions (its ``get_vision_position_ids``, the image runs found
+by ``mm_token_type_ids``; ``tests/test_vision_qwen3.py`` holds the two equal); it differs only for videos (one
+timestamped run per frame), which packstream refuses too.
 
 An example of 7 tokens: ``a b <img> <img> <img> <img> c`` holding one image of patch grid (1, 4, 4) at
 token 2 (merge 2: a 2 x 2 grid of merged patches, 4 tokens)::

@@ -3,9 +3,9 @@
 Packed rows keep images as references (Hugging Face ``datasets``' Image encoding: ``{"path", "bytes"}``) and
 each image's patch grid, measured when the row was packed (:class:`packers._vision.VisionSpec`). A
 :class:`PixelLoader` opens them, runs the family's image processor (transformers' PIL
-``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes; for LLaVA its PIL
-``LlavaImageProcessorPil``, CLIP's resize and centre crop to the spec's ``image_size``; or a processor of the
-caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced since
+``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes, and for Qwen3-VL its
+mean and std of 0.5; for LLaVA its PIL ``LlavaImageProcessorPil``, CLIP's resize and centre crop to the spec's
+``image_size``; or a processor of the caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced since
 packing, or a processor set differently from the spec, would otherwise shift every placeholder token after it
 onto the wrong features.
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from packers._vision import VisionSpec
+from packers._vision import VisionFamily, VisionSpec
 from packers.files import open_checked, real_folder, within
 from packers.errors import ContractError, PackstreamError
 
@@ -97,9 +97,12 @@ class PixelLoader:
                                           crop_size={"height": v.image_size, "width": v.image_size})
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+        # Qwen3-VL normalizes with mean and std 0.5 (its preprocessor_config.json), Qwen2-VL with CLIP's (the
+        # class's default); a processor normalizing otherwise is passed as ``processor=``.
+        norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if v.family is VisionFamily.QWEN3_VL else {}
         return Qwen2VLImageProcessorPil(size={"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
                                         patch_size=v.patch_size, merge_size=v.merge_size,
-                                        temporal_patch_size=v.temporal_patch_size)
+                                        temporal_patch_size=v.temporal_patch_size, **norm)
 
     @contextlib.contextmanager
     def _pil(self, image: Mapping[str, Any] | None, where: str) -> Iterator[Any]:

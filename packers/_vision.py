@@ -9,13 +9,15 @@ before any pixel is decoded.
 
 Specs come from a processor folder or file (:meth:`VisionSpec.from_processor`: the
 ``preprocessor_config.json`` / ``processor_config.json`` a model ships) or from the configs
-shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``llava-1.5``).
+shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``).
 
 >>> spec = VisionSpec.builtin("qwen2-vl")
 >>> spec.image_grid(width=640, height=480)       # smart_resize to 644 x 476, 14-pixel patches
 (1, 34, 46)
 >>> spec.image_tokens(width=640, height=480)     # the grid merged 2 x 2
 391
+>>> VisionSpec.builtin("qwen3-vl").image_grid(width=640, height=480)   # 16-pixel patches: multiples of 32
+(1, 30, 40)
 >>> VisionSpec.builtin("llava-1.5").image_tokens(width=640, height=480)
 576
 """
@@ -63,6 +65,12 @@ class VisionFamily(str, enum.Enum):
     3-D (temporal, height, width) rotary positions (mRoPE)."""
     QWEN2_5_VL = "qwen2.5-vl"
     """As Qwen2-VL for images (Qwen2.5-VL differs in the vision tower and in video time positions)."""
+    QWEN3_VL = "qwen3-vl"
+    """``Qwen3VLProcessor`` (Qwen3-VL, Qwen3-VL-MoE): the same image processor class as Qwen2-VL (transformers'
+    ``Qwen2VLImageProcessor``) with Qwen3-VL's settings (16-pixel patches, 65,536..16,777,216 pixels), one token
+    per merged patch, and image positions the same arithmetic as Qwen2-VL's (``Qwen3VLModel.get_rope_index`` /
+    ``get_vision_position_ids``; held equal in ``tests/test_vision_qwen3.py``). Qwen3-VL differs for videos: each
+    frame is its own ``<t seconds>`` timestamp and vision run; videos stay refused, so timestamps never arise."""
     LLAVA = "llava"
     """A fixed square resize: every image is the same number of tokens; 1-D positions."""
 
@@ -212,7 +220,7 @@ class VisionSpec:
 
     @classmethod
     def builtin(cls, name: str) -> VisionSpec:
-        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl`` or ``llava-1.5``."""
+        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl`` or ``llava-1.5``."""
         key = name.strip().lower()
         if key not in _BUILTIN:
             raise PackstreamError(f"no shipped vision processor {name!r}; choose one of {sorted(_BUILTIN)} or pass "
@@ -250,7 +258,25 @@ class VisionSpec:
         if not config:
             raise PackstreamError(f"--processor {path}: no preprocessor_config.json there")
         first = next(f for f in files if f.is_file())
-        return _from_config(config, name=str(path), where=f"--processor {first}")
+        spec = _from_config(config, name=str(path), where=f"--processor {first}")
+        if spec.family is VisionFamily.QWEN3_VL:
+            _check_qwen3_model(first.parent / "config.json")
+        return spec
+
+
+def _check_qwen3_model(path: Path) -> None:
+    """A Qwen3VLProcessor folder's ``config.json``, when there is one, must be a verified model type (Qwen3-VL or
+    Qwen3-VL-MoE): transformers gives the same processor to Qwen3.5, whose packed batches are not verified."""
+    if not path.is_file():
+        return
+    what = f"--processor {path}"
+    loaded = load_json(read_checked(str(path), what=what, limit=_MAX_CONFIG_BYTES), what=what,
+                       fix="pass the model's processor folder")
+    kind = loaded.get("model_type") if isinstance(loaded, dict) else None
+    if kind not in _QWEN3_MODEL_TYPES:
+        raise PackstreamError(f"{what}: model_type {_shown(kind)} uses Qwen3VLProcessor, but packstream has verified "
+                              f"its packed batches only for model_type {' and '.join(_QWEN3_MODEL_TYPES)}; pack for "
+                              "a Qwen3-VL model, or pass --processor qwen3-vl knowing the model is not verified")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -393,10 +419,15 @@ _QWEN_PROCESSORS = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2
 _CLIP_PROCESSORS = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "LlavaImageProcessor",
                     "LlavaImageProcessorFast", "LlavaImageProcessorPil"}
 _QWEN_MODELS = {"": VisionFamily.QWEN2_VL, "Qwen2VLProcessor": VisionFamily.QWEN2_VL,
-                "Qwen2_5_VLProcessor": VisionFamily.QWEN2_5_VL}
+                "Qwen2_5_VLProcessor": VisionFamily.QWEN2_5_VL, "Qwen3VLProcessor": VisionFamily.QWEN3_VL}
+# The model types (a folder's config.json) whose packed batches are verified for Qwen3VLProcessor: transformers 5.x
+# also gives it to Qwen3.5 (qwen3_5, qwen3_5_moe: linear-attention layers), whose packed batches are not verified.
+_QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 _LLAVA_MODELS = {"", "LlavaProcessor"}
 
-# The keys of a processor config that packstream reads: each declared once.
+# The keys of a processor config that packstream reads: each declared once. A key left out takes the image
+# processor class's default, as transformers does (Qwen3VLProcessor's image processor is Qwen2VLImageProcessor, so a
+# Qwen3-VL config without patch_size gets Qwen2-VL's 14 there too; Qwen3-VL's own configs write every key).
 _KIND = _Key("image_processor_type", str, 0, 200, default="", nullable=True)
 _MODEL = _Key("processor_class", str, 0, 200, default="", nullable=True)
 _PATCH = _Key("patch_size", int, 1, _MAX_PATCH, default=14)
@@ -440,7 +471,8 @@ _SPEC_KEYS = (
 def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
     """A spec from a processor config (key -> (value, the file it came from, its key prefix)); ``where`` names
     the main file, for a key that is missing. A processor whose token count or positions packstream has not
-    verified (Qwen3-VL, LLaVA-NeXT's any-resolution tiles, ...) is refused, never guessed."""
+    verified (LLaVA-NeXT's any-resolution tiles, Qwen2-VL's image processor under another model's processor, ...) is
+    refused, never guessed."""
     shipped = "fix the value or pass a shipped spec: --processor "
     kind = _read(config, _KIND, shipped + "qwen2-vl", where)
     model = _read(config, _MODEL, shipped + "qwen2-vl", where)
@@ -477,7 +509,7 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
                           image_token=got["image_token"].value, vision_start=None, vision_end=None)
     raise PackstreamError(
         f"--processor {name}: image processor {kind or '(unnamed)'} of {model or '(no processor_class)'} is not one "
-        f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 (CLIP). Shipped: "
+        f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 (CLIP). Shipped: "
         f"{sorted(_BUILTIN)}")
 
 
@@ -486,6 +518,12 @@ _BUILTIN: dict[str, VisionSpec] = {
     "qwen2-vl": VisionSpec(family=VisionFamily.QWEN2_VL, min_pixels=3136, max_pixels=12845056),
     # Qwen/Qwen2.5-VL-*-Instruct: the same image rules.
     "qwen2.5-vl": VisionSpec(family=VisionFamily.QWEN2_5_VL, min_pixels=3136, max_pixels=12845056),
+    # Qwen/Qwen3-VL-*-Instruct preprocessor_config.json (the same in the 2B..32B and the MoE 30B-A3B/235B-A22B
+    # releases): Qwen2VLImageProcessorFast with 16-pixel patches merged 2 x 2, temporal 2, size.shortest_edge 65536
+    # (256 x 256) and size.longest_edge 16777216 (4096 x 4096), image_mean/image_std 0.5. transformers 5.25 ships no
+    # Qwen3-VL image defaults of its own (models/auto/image_processing_auto.py maps qwen3_vl to Qwen2VLImageProcessor,
+    # whose defaults are Qwen2-VL's); its Qwen3VLVideoProcessor's 131072..786432 pixels are for videos only.
+    "qwen3-vl": VisionSpec(family=VisionFamily.QWEN3_VL, patch_size=16, min_pixels=65536, max_pixels=16777216),
     # llava-hf/llava-1.5-*-hf: CLIP ViT-L/14 at 336 x 336, the CLS feature dropped: 576 tokens.
     "llava-1.5": VisionSpec(family=VisionFamily.LLAVA, patch_size=14, merge_size=1, temporal_patch_size=1,
                             image_size=336, extra_tokens=0, image_token="<image>", vision_start=None, vision_end=None),

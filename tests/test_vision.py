@@ -124,8 +124,8 @@ def test_processor_configs_as_models_ship_them(tmp_path):
 @pytest.mark.parametrize("config, message", [
     ({"image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor"},
      "LlavaNextImageProcessor of LlavaNextProcessor is not one packstream counts tokens for exactly"),
-    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor", "patch_size": 16},
-     "Qwen2VLImageProcessorFast of Qwen3VLProcessor is not one"),
+    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen2_5OmniProcessor", "patch_size": 14},
+     "Qwen2VLImageProcessorFast of Qwen2_5OmniProcessor is not one"),
     ({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 10, "max_pixels": 5},
      "min_pixels 10 is over max_pixels 5, expected min_pixels <= max_pixels"),
 ])

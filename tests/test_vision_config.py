@@ -149,7 +149,7 @@ def test_valid_folders_read_as_before(tmp_path):
 @pytest.mark.parametrize("change, words", [
     ({"patch_size": "two"}, 'vision spec: patch_size is "two", expected an integer in 1..1024'),
     ({"extra_tokens": True}, "vision spec: extra_tokens is true, expected an integer in -1..1024"),
-    ({"family": "qwen9"}, 'vision spec: family is "qwen9", expected one of "qwen2-vl", "qwen2.5-vl", "llava"'),
+    ({"family": "qwen9"}, 'vision spec: family is "qwen9", expected one of "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "llava"'),
     ({"family": None}, "vision spec: family is null"),
     ({"image_token": None}, "vision spec: image_token is null"),
     ({"vision_start": 7}, "vision spec: vision_start is 7, expected a string"),

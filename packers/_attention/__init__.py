@@ -14,7 +14,7 @@ Which backends keep the examples of a flattened ``[1, T]`` batch apart (transfor
                               ``position_ids`` resets)            or a KV cache raises
 ============================  ==================================  =========================================
 
-Models with 3-D rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL) build the packed mask only from ``[4, B, T]``
+Models with 3-D rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) build the packed mask only from ``[4, B, T]``
 position_ids (row 0 the text positions): any other packed batch leaks under every backend, and is refused naming
 ``packers.Collator(vision=...)``, which collates them so; the probe collates its rows the same way. LLaVA keeps
 1-D positions (the text rules and probe decide). A batch with ``pixel_values`` whose vision tower runs under a
