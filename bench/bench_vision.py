@@ -91,7 +91,8 @@ def make_set(folder: Path, records: int, seed: int) -> Path:
     return path
 
 
-def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None, images: str = "reference") -> dict:
+def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None, images: str = "reference",
+         workers: str = "auto") -> dict:
     processor = "qwen2-vl"
     if max_pixels is not None:
         folder = out.parent / "processor"
@@ -102,7 +103,8 @@ def pack(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | 
             "temporal_patch_size": 2}))
         processor = str(folder)
     cmd = [sys.executable, "-m", "pipeline.cli", "pack", str(data), "--output", str(out), "--no-progress",
-           "--tokenizer", str(tokenizer), "--processor", processor, "--max-tokens", str(budget), "--images", images]
+           "--tokenizer", str(tokenizer), "--processor", processor, "--max-tokens", str(budget), "--images", images,
+           "--workers", workers, "--overwrite"]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
@@ -223,6 +225,46 @@ def embedded_layout(out: Path, embedded: Path, rows: list[dict], sample: int) ->
             "decode_embedded_ms_per_image": 1000 * decode_cpu}
 
 
+def make_heavy_set(folder: Path, records: int, seed: int) -> Path:
+    """An image-heavy JSONL: ``records`` short records, each naming one 2400 x 1800 PNG (a tiled noise pattern:
+    cheap to write, a full decode to size and check, ~14 ms each here), so the run's work is in its images and the
+    JSONL is a few dozen KiB: what ``--workers auto`` once sized by the JSONL's bytes alone (one worker, one task)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for r in range(records):
+        tile = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        name = f"img/h{r:05d}.png"
+        Image.fromarray(np.tile(tile, (29, 38, 1))[:1800, :2400]).save(folder / name, compress_level=1)
+        lines.append({"id": f"h{r}", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": name}},
+                                         {"type": "text", "text": _text(rng, 20)}]},
+            {"role": "assistant", "content": _text(rng, 30)}]})
+    path = folder / "heavy.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def workers_speedup(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None,
+                    repeats: int) -> dict:
+    """The same image set packed with ``--workers 1`` and ``--workers auto``, alternately, ``repeats`` times each:
+    the best wall time of each, the workers and read tasks ``auto`` chose and why (``--processor`` runs size both
+    by the images' measured work, not the JSONL's bytes)."""
+    best = {"1": float("inf"), "auto": float("inf")}
+    chosen = {}
+    for _ in range(repeats):
+        for w in best:
+            m = pack(data, out / w, tokenizer, budget, max_pixels, workers=w)
+            best[w] = min(best[w], m["_seconds"])
+            if w == "auto":
+                chosen = m.get("run", {})
+    return {"pack_seconds_1_worker": best["1"], "pack_seconds_auto": best["auto"],
+            "auto_workers": chosen.get("workers"), "auto_why": chosen.get("why"),
+            "auto_speedup": best["1"] / best["auto"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=400)
@@ -233,6 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample", type=int, default=60, help="images decoded to time the loader")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--repeats", type=int, default=2, help="packs per --workers setting for the speed-up (best kept)")
+    p.add_argument("--no-speedup", action="store_true", help="skip the --workers 1 / auto comparison")
+    p.add_argument("--heavy-records", type=int, default=160,
+                   help="records of the image-heavy set the --workers speed-up is measured on (one large PNG each)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -245,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         embedded = pack(data, tmp / "embedded", tok, args.budget, args.max_pixels, images="embed")
         layout.update(embedded_layout(tmp / "out", tmp / "embedded", rows, args.sample),
                       pack_seconds_embedded=embedded["_seconds"])
+        speed = {} if args.no_speedup else workers_speedup(make_heavy_set(tmp / "heavy", args.heavy_records, args.seed),
+                                                           tmp / "speed", tok, args.budget, args.max_pixels,
+                                                           args.repeats)
+        layout.update(speed)
     figures = {"records": args.records, "budget": args.budget, "pack_seconds": manifest["_seconds"],
                "dead_letters": manifest.get("counts", {}).get("rejected"), **fill, **layout}
     if args.json:
@@ -269,6 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loader CPU per image: decode + preprocess from the file {layout['decode_ms_per_image']:.1f} ms, from "
           f"embedded bytes {layout['decode_embedded_ms_per_image']:.1f} ms, read stored pixels "
           f"{layout['stored_pixels_ms_per_image']:.2f} ms ({layout['sampled']} images)")
+    if speed:
+        print(f"image-heavy set ({args.heavy_records} records, one 2400x1800 PNG each), pack wall, best of "
+              f"{args.repeats}: --workers 1 {speed['pack_seconds_1_worker']:.2f} s, --workers auto "
+              f"{speed['pack_seconds_auto']:.2f} s ({speed['auto_workers']} workers: {speed['auto_why']}): "
+              f"{speed['auto_speedup']:.2f}x")
 
 
 if __name__ == "__main__":

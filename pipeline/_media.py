@@ -279,3 +279,89 @@ def measure(refs: Sequence[Any], root: MediaRoot, spec: VisionSpec,
             raise Rejected(Reason.BAD_IMAGE, f"{at} ({_short(src.path) if src.path else 'bytes'}): {e}") from None
         out.append(Image(stored, data, grid, spec.grid_tokens(grid)))
     return out
+
+
+TEXT_SECONDS_PER_MIB = 0.55
+"""CPU-seconds a MiB of JSONL text costs the job on the shared mix (``bench/bench_scale.py --cores``): the unit
+:func:`image_work` turns measured image time into."""
+SAMPLED_RECORDS = 128
+"""Records sampled per input (at most :data:`SAMPLED_INPUTS` inputs, the biggest) to count their images."""
+SAMPLED_INPUTS = 4
+TIMED_IMAGES = 12
+"""Images resolved, read and sized (:func:`measure`) to time one: a few dozen milliseconds in all, usually."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A ``--processor`` run's work in bytes of text (what ``--workers auto`` and the read tasks are sized by):
+    the input bytes, plus each image's measured time as the text bytes that take as long."""
+
+    input_bytes: int
+    images: int
+    """Images the inputs hold, estimated from a sample of records."""
+    seconds_per_image: float
+    """Wall time of :func:`measure` per sampled image (resolve, open, header, a draft decode)."""
+
+    @property
+    def bytes(self) -> float:
+        return self.input_bytes + self.images * self.seconds_per_image / TEXT_SECONDS_PER_MIB * 2**20
+
+    @property
+    def scale(self) -> float:
+        """Work per input byte (1 for a text-only run)."""
+        return self.bytes / max(1, self.input_bytes)
+
+    def describe(self) -> str:
+        """How the summary says it: ``31,204 bytes of records and ~240 images at ~18.0 ms each: the work of ~7.9 MiB
+        of text``."""
+        return (f"{_amount(self.input_bytes)} of records and ~{self.images:,} images at "
+                f"~{self.seconds_per_image * 1e3:,.1f} ms each: the work of ~{_amount(int(self.bytes))} of text")
+
+
+def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Optional[Work]:
+    """The image work of a ``--processor`` run over ``files`` (``sizes``: their bytes), from a sample: the images
+    per record of up to :data:`SAMPLED_RECORDS` records of each of the biggest inputs, and the time
+    :func:`measure` takes on up to :data:`TIMED_IMAGES` of them. None for a text-only run, or when the sample holds no
+    image. A record the sample cannot read is skipped (the job dead-letters it)."""
+    import time
+
+    from pipeline._formats import conversations, pair_conversations
+    from pipeline._read import sample
+
+    spec = options.vision() if options.processor is not None else None
+    if spec is None or not files:
+        return None
+    image_text = (spec.vision_start or "") + spec.image_token + (spec.vision_end or "")
+    formats = [d.format for d in options.datasets()]
+    total, refs = 0.0, []
+    biggest = sorted(range(len(files)), key=lambda i: -sizes[i])[:SAMPLED_INPUTS]
+    for i in biggest:
+        f = files[i]
+        try:
+            s = sample(f, SAMPLED_RECORDS, options.max_record_bytes)
+        except PackstreamError:
+            continue
+        root = media_root(options.media_root, os.path.dirname(f.path))
+        found = 0
+        for _, record in s.items:
+            try:
+                convs = (list(pair_conversations(record, formats[f.dataset], image_text))[:1] if options.pairs
+                         else conversations(record, formats[f.dataset], image_text))
+            except (Rejected, PackstreamError):
+                continue
+            for conv in convs:
+                found += len(conv.images)
+                refs += [(ref, root) for ref in conv.images[:TIMED_IMAGES - len(refs)]]
+        if s.items:
+            total += found / len(s.items) * s.records
+    if not refs:
+        return None
+    total *= sum(sizes) / max(1, sum(sizes[i] for i in biggest))  # the inputs not sampled: alike, by size
+    start = time.perf_counter()
+    for ref, root in refs:
+        try:
+            measure([ref], root, spec, options.images)
+        except Rejected:
+            pass  # a bad image costs about as much to find out
+    timed = (time.perf_counter() - start) / len(refs)
+    return Work(int(sum(sizes)), int(round(total)), timed)

@@ -99,11 +99,11 @@ def test_output_does_not_depend_on_the_task_size(tmp_path, monkeypatch):
     src = _write_mix(tmp_path, seed=7)
     base = PackOptions(inputs=(str(src),), max_tokens=512, group_size=60, num_shards=3, validation_fraction=0.1,
                        long="split", batch_size=32, output=str(tmp_path / "one"))
-    monkeypatch.setattr(_read, "task_bytes", lambda size, workers=None: 10**9)  # one task
+    monkeypatch.setattr(_read, "task_bytes", lambda size, workers=None, scale=1.0: 10**9)  # one task
     run(base)
     one = _files(base.output)
     for task_bytes in (997, 8000):  # dozens of tasks, cut mid-way through the groups
-        monkeypatch.setattr(_read, "task_bytes", lambda size, workers=None, b=task_bytes: b)
+        monkeypatch.setattr(_read, "task_bytes", lambda size, workers=None, scale=1.0, b=task_bytes: b)
         out = str(tmp_path / f"cut-{task_bytes}")
         run(dataclasses.replace(base, output=out))
         got = _files(out)

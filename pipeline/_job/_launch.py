@@ -117,9 +117,9 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
         identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
         _check_launch(options, identity, quiet)
     inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
-    par = parallel.choose(options.workers, options.tokenizer_threads, inputs.size,
-                          read_tasks=lambda n: _read.read_tasks(files, inputs.size, n))
-    task_bytes = dask_task_bytes or _read.task_bytes(inputs.size, par.workers if local else None)
+    with _trace.span("launch_parallelism"):  # a --processor run's images, measured on a sample: work, not bytes
+        par, size, scale = parallel.for_run(options, files, sizes)
+    task_bytes = dask_task_bytes or _read.task_bytes(size, par.workers if local else None, scale)
     if local:  # every worker process (this one for one worker) takes its share of the cores for the tokenizer
         options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
     run_id = uuid.uuid4().hex[:12]

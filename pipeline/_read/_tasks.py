@@ -55,20 +55,24 @@ UNKNOWN_WORKERS = 32
 """The workers assumed where the launcher cannot know them (a cluster): 256 tasks for a big input."""
 
 
-def task_bytes(input_bytes: int, workers: Optional[int] = None) -> int:
+def task_bytes(input_bytes: float, workers: Optional[int] = None, scale: float = 1.0) -> int:
     """The JSONL task size of a run over ``input_bytes`` bytes of input on ``workers`` workers (None:
     unknown): about :data:`TASKS_PER_WORKER` tasks per worker, within [MIN_TASK_BYTES, TASK_BYTES];
-    one worker reads the biggest tasks.
+    one worker reads the biggest tasks. ``scale``: the run's work per input byte (a ``--processor`` run's
+    images: :class:`pipeline._media.Work`), with ``input_bytes`` its work in bytes of text; the sizes above
+    bound a task's work, and the task is cut that much smaller in the file's own bytes.
 
     The output does not depend on it: a group's examples are sorted by id before packing.
 
     >>> task_bytes(35 * 2**20, 2) // 2**10, task_bytes(35 * 2**20, 16) // 2**10, task_bytes(10**12) // 2**20
     (2240, 512, 8)
+    >>> task_bytes(9 * 2**20, 2, scale=300.0)    # 30 KiB of image records with 9 MiB of text's work: 16 tasks
+    1966
     """
     if workers == 1:  # nothing to balance: the fewest tasks (each fills and drains the tokenizer pipeline once)
-        return TASK_BYTES
+        return max(1, int(TASK_BYTES / scale))
     wanted = max(1, workers or UNKNOWN_WORKERS) * TASKS_PER_WORKER
-    return int(min(TASK_BYTES, max(MIN_TASK_BYTES, input_bytes // wanted)))
+    return max(1, int(min(TASK_BYTES, max(MIN_TASK_BYTES, input_bytes // wanted)) / scale))
 TASK_ROWS = 65_536
 """Rows per task for Parquet (whole row groups) and datasets folders."""
 
@@ -175,10 +179,11 @@ def input_bytes(f: InputFile) -> int:
         return 0
 
 
-def read_tasks(files: Sequence[InputFile], input_bytes: int, workers: int) -> int:
+def read_tasks(files: Sequence[InputFile], input_bytes: float, workers: int, scale: float = 1.0) -> int:
     """About how many read tasks a local run on ``workers`` workers cuts ``files`` into (``input_bytes``: their
-    total size), without reading them: what ``--workers auto`` starts at most workers for."""
-    size = task_bytes(input_bytes, workers)
+    total size; with ``scale``, their work, as :func:`task_bytes` takes them), without reading them: what
+    ``--workers auto`` starts at most workers for."""
+    size = task_bytes(input_bytes, workers, scale)
     return sum(task_count(f, expected_records(f) if f.kind in ("parquet", "hf_disk") else 0, size) for f in files)
 
 

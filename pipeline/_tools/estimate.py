@@ -219,9 +219,9 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     started = time.perf_counter()
     specs = options.datasets()
     files = _read.expand_datasets(specs)[0]
-    input_bytes = sum(_read.input_bytes(f) for f in files)
-    par = _parallel.choose(options.workers, options.tokenizer_threads, input_bytes,
-                           read_tasks=lambda n: _read.read_tasks(files, input_bytes, n))  # as pack chooses
+    sizes = [_read.input_bytes(f) for f in files]
+    input_bytes = sum(sizes)
+    par, size, scale = _parallel.for_run(options, files, sizes)  # as pack chooses: a --processor run's images counted
     t = time.perf_counter()
     encoder = Encoder(options, input_folders(files))  # loads the tokenizer (once per process)
     tokenizer_s = time.perf_counter() - t
@@ -244,7 +244,7 @@ def estimate(options: PackOptions, *, sample: int = 1000,
     empty, per_token = _shard_bytes(_rows.ExampleBatch.concat([e.batch for e in encoded]), options, identity,
                                     encoder.eos_id)
     sample_s = sum(e.seconds_per_record * len(e.sample.items) for e in encoded)
-    local_s, timed = _run_time(encoded, options, par, (input_bytes, tokenizer_s, tokens), timed_run)
+    local_s, timed = _run_time(encoded, options, par, (size, tokenizer_s, tokens, scale), timed_run)
     return {
         "schema_version": ESTIMATE_SCHEMA_VERSION,
         "inputs": [_input_report(e, specs) for e in encoded],
@@ -378,6 +378,19 @@ class _Timing:
                 "calibration": round(self.calibration, 3)}
 
 
+def _sampled_media_root(options: PackOptions, encoded: list[_Encoded]) -> Optional[str]:
+    """The media root of the timed pack, whose records sit in a temporary folder: ``--media-root``, else the one
+    folder of the sampled inputs (relative image paths resolve there, as in the run). Inputs in several folders
+    with no ``--media-root`` have no one root: PackstreamError (the estimate goes uncalibrated, saying so)."""
+    if options.processor is None or options.media_root is not None:
+        return options.media_root
+    folders = {os.path.dirname(os.path.abspath(e.sample.file.path)) for e in encoded if "://" not in e.sample.file.path}
+    if len(folders) != 1:
+        raise PackstreamError(f"the image inputs lie in {len(folders)} folders and no --media-root is given, so one "
+                              "timed pack cannot resolve their relative image paths")
+    return folders.pop()
+
+
 def _timed_pack(encoded: list[_Encoded], options: PackOptions, par, timed_run: Callable[[PackOptions], dict],
                 k: int = TIMED_RECORDS) -> _Timing:
     """Pack ~``k`` of the sampled records (each input's share by its record count, evenly spaced), as JSONL in a
@@ -406,7 +419,7 @@ def _timed_pack(encoded: list[_Encoded], options: PackOptions, par, timed_run: C
         config = tuple(dataclasses.replace(specs[d], paths=tuple(p), split=None) for d, p in sorted(paths.items()))
         timed = dataclasses.replace(
             options, output=os.path.join(tmp, "out"), overwrite=False, workers=par.workers,
-            tokenizer_threads=par.threads, force_workers=True,
+            tokenizer_threads=par.threads, force_workers=True, media_root=_sampled_media_root(options, encoded),
             **({"config": config} if options.config else {"inputs": tuple(p for ps in paths.values() for p in ps)}))
         trace = os.path.join(tmp, "trace")
         os.mkdir(trace)
@@ -435,29 +448,30 @@ def _timed_pack(encoded: list[_Encoded], options: PackOptions, par, timed_run: C
                    phase("pack_group", "write_shard")[1], sampled_s)
 
 
-def _run_time(encoded: list[_Encoded], options: PackOptions, par, sizes: tuple[int, float, int],
+def _run_time(encoded: list[_Encoded], options: PackOptions, par, sizes: tuple[float, float, int, float],
               timed_run: Optional[Callable[[PackOptions], dict]]) -> tuple[float, dict[str, Any]]:
     """The predicted local run time and the report's ``timed_sample`` (``records`` 0 and ``why`` when there is
-    none). ``sizes``: the input's bytes, the tokenizer's load seconds, the predicted tokens."""
+    none). ``sizes``: the input's work in bytes (its images counted), the tokenizer's load seconds, the predicted
+    tokens, and the work per input byte."""
     timing, why = None, "no timed pack (estimate() called without timed_run)"
     if timed_run is not None:
         try:
             timing = _timed_pack(encoded, options, par, timed_run)
         except (PackstreamError, TypeError, ValueError, OSError) as e:  # the prediction falls back to the sample's
             why = f"the timed pack failed: {e}"
-    input_bytes, tokenizer_s, tokens = sizes
-    seconds = _local_seconds(encoded, par, input_bytes, tokenizer_s, tokens, timing)
+    work_bytes, tokenizer_s, tokens, scale = sizes
+    seconds = _local_seconds(encoded, par, (work_bytes, scale), tokenizer_s, tokens, timing)
     return seconds, (timing.report() if timing is not None else {"records": 0, "why": why})
 
 
-def _local_seconds(encoded: list[_Encoded], par, input_bytes: int, tokenizer_s: float, tokens: int,
+def _local_seconds(encoded: list[_Encoded], par, work: tuple[float, float], tokenizer_s: float, tokens: int,
                    timing: Optional[_Timing]) -> float:
     """The local run time: reading and encoding spread over the workers (at most one per read task), plus the fixed
     part and packing and writing. With ``timing``, each input's sampled seconds per record times the timed pack's
     calibration are seconds of one worker of this run; without, the sample was timed here with this process's
     tokenizer threads, and the run has workers x threads of them."""
     workers = par.workers
-    task_bytes = _read.task_bytes(input_bytes, workers)
+    task_bytes = _read.task_bytes(work[0], workers, work[1])  # work: the input's (images counted) and per byte
     tasks = [_read.task_count(e.sample.file, e.sample.records, task_bytes) for e in encoded]
     parallel = max(1, min(workers, sum(tasks)))
     if timing is not None:

@@ -85,11 +85,13 @@ def tokenizer_env(threads: int) -> dict[str, str]:
 
 
 def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int] = None,
-           read_tasks: Optional[Callable[[int], int]] = None) -> Parallelism:
+           read_tasks: Optional[Callable[[int], int]] = None, size_note: Optional[str] = None) -> Parallelism:
     """Resolve ``--workers`` and ``--tokenizer-threads`` (0: auto) for a local run over ``input_bytes``.
 
     ``read_tasks(n)``: about how many read tasks the inputs give ``n`` workers (:func:`pipeline._read.read_tasks`);
     ``auto`` starts no more workers than that (a worker without a task costs a process and does nothing).
+    ``size_note``: what ``input_bytes`` stands for when it is not the input's size (a ``--processor`` run's
+    work, its images counted: :meth:`pipeline._media.Work.describe`), said in ``why``.
 
     >>> choose(0, 0, 9 * 2**20, n_cores=16).why
     '--workers auto: 16 cores, a small input (9 MiB: a worker per 2 MiB)'
@@ -114,5 +116,22 @@ def choose(workers: int, threads: int, input_bytes: float, n_cores: Optional[int
         why.append(f"a small input ({input_bytes / 2**20:,.0f} MiB: a worker per {BYTES_PER_WORKER // 2**20} MiB)")
     elif c >= per:
         why.append("a worker per core" if per == 1 else f"a worker per {per} cores")
+    if size_note:
+        why.append(size_note)
     head = "--workers auto" + (f" --tokenizer-threads {threads}" if threads else "")
     return Parallelism(n, threads or max(1, c // n), f"{head}: " + ", ".join(why))
+
+
+def for_run(options: Any, files: list, sizes: list[int]) -> tuple[Parallelism, float, float]:
+    """:func:`choose` for a run over ``files`` (``sizes``: their bytes), as ``pack`` and ``estimate`` both resolve it:
+    a ``--processor`` run counts its images' measured work (:func:`pipeline._media.image_work`), not only the
+    records' bytes. Returns the parallelism, the work in bytes of text and the work per input byte, which the read
+    tasks are cut by (:func:`pipeline._read.task_bytes`)."""
+    from pipeline import _media, _read
+
+    work = _media.image_work(options, files, sizes)
+    size, scale = (float(sum(sizes)), 1.0) if work is None else (work.bytes, work.scale)
+    par = choose(options.workers, options.tokenizer_threads, size,
+                 read_tasks=lambda n: _read.read_tasks(files, size, n, scale),
+                 size_note=None if work is None else work.describe())
+    return par, size, scale
