@@ -180,6 +180,10 @@ class PixelLoader:
         if self.vision.family is VisionFamily.INTERNVL:  # as InternVLProcessor calls its image processor
             out = self.image_processor(images=pil, return_tensors="pt", crop_to_patches=True)
             pixels = torch.as_tensor(out["pixel_values"])
+            if "num_patches" not in out:
+                raise ContractError(f"the image processor {type(self.image_processor).__name__} gave no num_patches "
+                                    "(each image's tile count) for InternVL images; pass a GotOcr2 image processor "
+                                    "(InternVL's), or none: PixelLoader builds one from the spec")
             got = self._tile_grids(pixels, out["num_patches"], pil, names)
         else:
             out = self.image_processor(images=pil, return_tensors="pt")

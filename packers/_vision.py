@@ -225,9 +225,9 @@ class VisionSpec:
         """Read a model's processor config: a folder with ``preprocessor_config.json`` (and optionally
         ``processor_config.json``), or one of those files, or a shipped name.
 
-        Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``: type, range, default); a value of the
-        wrong type, out of range or missing is one PackstreamError line naming the file it is in, the key, the
-        value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
+        Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``, ``_INTERNVL_KEYS``: type, range, default); a
+        value of the wrong type, out of range or missing is one PackstreamError line naming the file it is in, the
+        key, the value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
         p = Path(path)
         if not p.exists():
             if str(path).strip().lower() in _BUILTIN:

@@ -30,7 +30,7 @@ import packers
 from packers import Collator, ContractError, PackstreamError, PixelLoader, VisionSpec
 from pipeline.cli import main
 from tests._internals import VisionFamily
-from tests.test_vision_exact import pack_row, png
+from tests.test_vision_exact import assert_same_gradients, gradients, mean_target_loss, pack_row, png
 from tests.test_vision_pipeline import save_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
@@ -178,8 +178,8 @@ def test_the_folder_internvl3_hf_ships_reads_as_the_shipped_spec(tmp_path):
     ({"do_normalize": False}, 256, r"do_normalize is false, expected true"),
     ({"resample": 2}, 256, r"resample is 2, expected 3"),
     ({}, 0, r"image_seq_length is 0, expected an integer in 1..65536"),
-    ({"image_processor_type": "InternVLImageProcessor"}, 256, r"image processor InternVLImageProcessor of "
-                                                              r"InternVLProcessor is not one packstream counts"),
+    ({"image_processor_type": "InternVL3_5ImageProcessor"}, 256, r"image processor InternVL3_5ImageProcessor of "
+                                                                 r"InternVLProcessor is not one packstream counts"),
 ])
 def test_unverified_settings_are_refused_in_one_line(tmp_path, change, seq, message):
     pre = preprocessor() | change
@@ -222,7 +222,19 @@ def test_a_row_whose_grid_is_no_tile_grid_is_refused():
         Collator(vision=spec, decode_images=False)([row])
 
 
-def test_a_processor_that_does_not_crop_is_refused():
+def test_an_image_replaced_since_packing_is_refused_without_decoding():
+    """A 60 x 30 image packed as (3, 1, 2), its file since replaced by a 30 x 60 one (3, 2, 1: the same tokens): the
+    Collator that does not decode still reads each image's size from its header and refuses the row."""
+    spec = _tiny_spec()
+    (ex,) = _examples(spec, [[(60, 30)]])
+    assert ex["grids"] == [(3, 1, 2)]
+    row = pack_row([{**ex, "images": [{"path": None, "bytes": png(30, 60, 0)}]}])
+    with pytest.raises(ContractError, match=r"its size gives patch grid \(3, 2, 1\), the row was packed for "
+                                            r"\(3, 1, 2\)"):
+        Collator(vision=spec, decode_images=False)([row])
+
+
+def test_a_processor_set_to_other_tiles_is_refused():
     """The loader checks each image's tiles against the packed grid: a GotOcr2 processor of another tile size is
     refused by the pixels' shape; one whose limits differ by the tiles it gives."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -358,21 +370,75 @@ def test_packed_internvl_records_equal_each_record_prepared_by_transformers(tmp_
     print(f"max logit diff {worst:.2e}")
 
 
-def test_the_images_matter_in_the_packed_batch(tmp_path):
-    """The comparison above can fail: swapping two images' tiles moves their examples' logits."""
-    spec = VisionSpec(family=VisionFamily.INTERNVL, image_size=SIDE, min_tiles=1, max_tiles=4, tile_tokens=PER_TILE,
+def _tiny_spec(high: int = 4) -> VisionSpec:
+    return VisionSpec(family=VisionFamily.INTERNVL, image_size=SIDE, min_tiles=1, max_tiles=high, tile_tokens=PER_TILE,
                       merge_size=1, temporal_patch_size=1, image_token="<IMG_CONTEXT>", vision_start="<img>",
                       vision_end="</img>", name="tiny")
-    examples = []
-    for k, (w, h) in enumerate([(60, 30), (30, 30)]):
-        grid = spec.image_grid(w, h)
-        n = spec.grid_tokens(grid)
-        examples.append(dict(id=f"e{k}", ids=[3, 4, 5] + [9] * n + [6, 7, 8], mask=[0] * (n + 5) + [1],
-                             offsets=[3], grids=[grid], images=[{"path": None, "bytes": png(w, h, k)}]))
+
+
+def _examples(spec: VisionSpec, sizes: list[list[tuple[int, int]]]) -> list[dict]:
+    """Examples of text and images (ids: <img> 1, <IMG_CONTEXT> 9, </img> 2), each image's run as packing makes it."""
+    out = []
+    for k, images in enumerate(sizes):
+        ids, offsets, grids, refs = [3, 4 + k], [], [], []
+        for j, (w, h) in enumerate(images):
+            grid = spec.image_grid(w, h)
+            ids.append(1)
+            offsets.append(len(ids))
+            ids += [9] * spec.grid_tokens(grid) + [2, 5 + j]
+            grids.append(grid)
+            refs.append({"path": None, "bytes": png(w, h, 10 * k + j)})
+        ids += [6, 7, 8]
+        out.append(dict(id=f"e{k}", ids=ids, mask=[0] * (len(ids) - 3) + [1, 1, 1], offsets=offsets, grids=grids,
+                        images=refs))
+    return out
+
+
+def _alone(model: torch.nn.Module, ex: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """An example run alone, its pixels from transformers' GotOcr2 processor cropping as InternVLProcessor does."""
+    import io
+
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    kwargs = {}
+    if ex["images"]:
+        proc = GotOcr2ImageProcessorPil(size={"height": SIDE, "width": SIDE}, max_patches=4, **IMAGENET)
+        pil = [PIL.open(io.BytesIO(r["bytes"])).convert("RGB") for r in ex["images"]]
+        kwargs["pixel_values"] = proc(images=pil, crop_to_patches=True, return_tensors="pt")["pixel_values"]
+    logits = model(input_ids=torch.tensor([ex["ids"]]), use_cache=False, **kwargs).logits[0]
+    return logits, mean_target_loss(logits, ex)
+
+
+SIZES = [[(60, 30), (30, 30)], [], [(20, 90)], [(100, 50), (40, 41)]]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_gradients_equal_the_sum_of_each_examples_alone(attn):
+    """In train mode, the gradient of the summed per-example losses w.r.t. every parameter (InternViT tower,
+    projector, Qwen2) from the packed batch equals the sum of each example's own."""
+    spec = _tiny_spec()
+    examples = _examples(spec, SIZES)
+    model = _tiny_internvl(16, 9, attn).train()
+    batch = Collator(vision=spec)([pack_row(examples[:2]), pack_row(examples[2:])])
+    packed = gradients(model, packers.example_losses(model(**batch).logits, batch).loss.sum())
+    summed = gradients(model, sum(_alone(model, ex)[1] for ex in examples))
+    assert_same_gradients(packed, summed, tower="model.vision_tower.")
+
+
+def test_the_images_matter_in_the_packed_batch():
+    """The comparisons above can fail: the tiles moved by one (each image then sees its neighbour's) move every image
+    example's logits, the text-only one's not at all."""
+    spec = _tiny_spec()
+    examples = _examples(spec, SIZES)
     batch = Collator(vision=spec)([pack_row(examples)])
-    assert batch["pixel_values"].shape == (3 + 1, 3, SIDE, SIDE)
+    assert batch["pixel_values"].shape == (sum(g[0] for ex in examples for g in ex["grids"]), 3, SIDE, SIDE)
     model = _tiny_internvl(16, 9, "sdpa").eval()
     with torch.no_grad():
-        exact = model(**batch).logits
-        moved = model(**{**batch, "pixel_values": batch["pixel_values"].roll(1, 0)}).logits
-    assert (exact - moved).abs().max().item() > 1e-3
+        exact = model(**batch).logits[0]
+        moved = model(**{**batch, "pixel_values": batch["pixel_values"].roll(1, 0)}).logits[0]
+    at = 0
+    for ex in examples:
+        n = len(ex["ids"])
+        diff = (exact[at:at + n] - moved[at:at + n]).abs().max().item()
+        assert (diff > 1e-3) if ex["images"] else diff == 0, (ex["id"], diff)
+        at += n
