@@ -76,7 +76,7 @@ class VisionFamily(str, enum.Enum):
     LLAVA = "llava"
     """A fixed square resize: every image is the same number of tokens; 1-D positions."""
     INTERNVL = "internvl"
-    """Dynamic tiles (:mod:`packers._tiles`): ``image_tokens`` per tile, the tile count from the aspect ratio;
+    """Dynamic tiles (:mod:`packers._tiles`): ``tile_tokens`` per tile, the tile count from the aspect ratio;
     ``image_grid_thw`` holds ``(tiles, rows, cols)``; 1-D positions."""
 
     @property
