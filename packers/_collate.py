@@ -122,6 +122,10 @@ tokens in the same order, and no ``image_grid_thw`` (``LlavaForConditionalGenera
 >>> l = Collator(vision=llava, decode_images=False)([{**vl_row, "image_grid_thw": [1, 2, 2]}])
 >>> l["position_ids"].tolist(), "image_grid_thw" in l
 ([[0, 1, 2, 3, 4, 5, 0, 1]], False)
+
+InternVL rows (``VisionSpec.builtin("internvl3")``) collate as LLaVA's do: ``[1, T]`` position_ids, and
+``pixel_values`` ``[tiles, 3, S, S]``, each image's tiles then its thumbnail, in the rows' order; their
+``image_grid_thw`` is ``(tiles, rows, cols)`` (:mod:`packers._tiles`), ``tiles x image_seq_length`` tokens.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ each image's patch grid, measured when the row was packed (:class:`packers._visi
 :class:`PixelLoader` opens them, runs the family's image processor (transformers' PIL
 ``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes, and for Qwen3-VL its
 mean and std of 0.5; for LLaVA its PIL ``LlavaImageProcessorPil``, CLIP's resize and centre crop to the spec's
-``image_size``; or a processor of the caller's) and checks that each image still comes out at the grid its row was packed for: a file replaced since
+``image_size``; for InternVL its PIL ``GotOcr2ImageProcessorPil`` cropping to the spec's tiles, as
+``InternVLProcessor`` runs it; or a processor of the caller's) and checks that each image still comes out at the grid
+its row was packed for: a file replaced since
 packing, or a processor set differently from the spec, would otherwise shift every placeholder token after it
 onto the wrong features.
 
@@ -24,6 +26,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from packers._tiles import IMAGENET_MEAN, IMAGENET_STD
 from packers._vision import VisionFamily, VisionSpec
 from packers.files import open_checked, real_folder, within
 from packers.errors import ContractError, PackstreamError
@@ -38,7 +41,10 @@ class PixelLoader:
     as the model's processor would for the same images. With a LLaVA spec
     (``VisionSpec.builtin("llava-1.5")``) ``pixel_values`` is ``[n, C, image_size, image_size]`` (what
     ``LlavaForConditionalGeneration`` takes) and the grids are read from its shape: ``(1, image_size / patch,
-    image_size / patch)`` each, as :meth:`VisionSpec.image_grid` gives them.
+    image_size / patch)`` each, as :meth:`VisionSpec.image_grid` gives them. With an InternVL spec
+    (``VisionSpec.builtin("internvl3")``) ``pixel_values`` is ``[tiles, C, image_size, image_size]``, each image's
+    tiles then its thumbnail, image after image (what ``InternVLForConditionalGeneration`` takes), and the grids are
+    ``(tiles, rows, cols)``: the tiles the processor gave each image, the canvas its size gives.
 
     An image is read from its ``bytes`` when the row holds them (``--images embed``, or a source that held
     bytes), else from its ``path``: an absolute one (``--images reference``) through ``remap`` when the images
@@ -89,6 +95,13 @@ class PixelLoader:
         if self.processor is not None:
             return self.processor
         v = self.vision
+        if v.family is VisionFamily.INTERNVL:
+            from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+            # OpenGVLab/InternVL3-*-hf: 448-pixel tiles, ImageNet's mean and std (packers._tiles.FIXED).
+            return GotOcr2ImageProcessorPil(size={"height": v.image_size, "width": v.image_size},
+                                            crop_to_patches=True, min_patches=v.min_tiles, max_patches=v.max_tiles,
+                                            image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD))
         if not v.family.mrope:
             from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
@@ -168,10 +181,19 @@ class PixelLoader:
 
         names = list(names) if names is not None else [f"image {i}" for i in range(len(images))]
         pil = [self.open(im, names[i]) for i, im in enumerate(images)]
-        out = self.image_processor(images=pil, return_tensors="pt")
-        pixels = torch.as_tensor(out["pixel_values"])
-        got = (torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3) if self.vision.family.mrope
-               else self._square_grids(pixels, images, names))
+        if self.vision.family is VisionFamily.INTERNVL:  # as InternVLProcessor calls its image processor
+            out = self.image_processor(images=pil, return_tensors="pt", crop_to_patches=True)
+            pixels = torch.as_tensor(out["pixel_values"])
+            if "num_patches" not in out:
+                raise ContractError(f"the image processor {type(self.image_processor).__name__} gave no num_patches "
+                                    "(each image's tile count) for InternVL images; pass a GotOcr2 image processor "
+                                    "(InternVL's), or none: PixelLoader builds one from the spec")
+            got = self._tile_grids(pixels, out["num_patches"], pil, names)
+        else:
+            out = self.image_processor(images=pil, return_tensors="pt")
+            pixels = torch.as_tensor(out["pixel_values"])
+            got = (torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3)
+                   if self.vision.family.mrope else self._square_grids(pixels, images, names))
         if grids is not None:
             _compare_grids(images, got.numpy(), grids, names, "decodes to patch grid")
         return pixels, got
@@ -193,6 +215,25 @@ class PixelLoader:
                                 "differ from the spec the rows were packed with; load with that spec, or a processor "
                                 "set to it")
         return torch.tensor([[1, h // patch, w // patch]] * len(images), dtype=torch.int64).reshape(-1, 3)
+
+    def _tile_grids(self, pixels: Any, num_patches: Any, pil: Sequence[Any], names: Sequence[str]) -> Any:
+        """InternVL: each image's ``(tiles, rows, cols)``, its tiles the processor's ``num_patches`` and its canvas
+        the spec's for the image's size; ContractError unless ``pixels`` is ``[sum(tiles), C, image_size,
+        image_size]`` (a processor set to another tile size, or not cropping, would give other token counts)."""
+        import torch
+
+        side = self.vision.image_size
+        tiles = [int(n) for n in torch.as_tensor(num_patches).reshape(-1).tolist()]
+        if len(tiles) != len(pil) or pixels.dim() != 4 or pixels.shape[0] != sum(tiles) or tuple(
+                pixels.shape[2:]) != (side, side):
+            spec = self.vision.name or self.vision.family.value
+            raise ContractError(f"{names[0]} (and the images beside it): the image processor gave pixel_values of "
+                                f"shape {list(pixels.shape)} and num_patches {tiles[:8]}, the spec {spec} gives "
+                                f"[tiles, channels, {side}, {side}] and one num_patches per image: its size differs "
+                                "from the spec the rows were packed with; load with that spec, or a processor set to "
+                                "it")
+        grids = [(n, *self.vision.image_grid(*im.size)[1:]) for n, im in zip(tiles, pil)]
+        return torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
 
 
 def _compare_grids(images: Sequence[Mapping[str, Any]], got: np.ndarray, grids: Any, names: Sequence[str],

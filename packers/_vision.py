@@ -1,7 +1,8 @@
 """How many tokens an image becomes, without a model: a vision processor's resize rules as data.
 
 A :class:`VisionSpec` holds what a family's image processor does to an image's size (Qwen2-VL's
-``smart_resize`` with its min/max pixels, patch and merge size; LLaVA's fixed square) and the
+``smart_resize`` with its min/max pixels, patch and merge size; LLaVA's fixed square; InternVL's dynamic tiles,
+:mod:`packers._tiles`) and the
 token strings its chat template and processor use. From an image's width and height alone it
 gives the patch grid (``image_grid_thw``, as the processor returns it) and the number of
 placeholder tokens the processor expands the image to, so a packer can budget a row exactly
@@ -9,7 +10,7 @@ before any pixel is decoded.
 
 Specs come from a processor folder or file (:meth:`VisionSpec.from_processor`: the
 ``preprocessor_config.json`` / ``processor_config.json`` a model ships) or from the configs
-shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``).
+shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``, ``internvl3``).
 
 >>> spec = VisionSpec.builtin("qwen2-vl")
 >>> spec.image_grid(width=640, height=480)       # smart_resize to 644 x 476, 14-pixel patches
@@ -20,6 +21,10 @@ shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-
 (1, 30, 40)
 >>> VisionSpec.builtin("llava-1.5").image_tokens(width=640, height=480)
 576
+>>> VisionSpec.builtin("internvl3").image_grid(width=640, height=480)    # (tiles, rows, cols): 3 x 4 + thumbnail
+(13, 3, 4)
+>>> VisionSpec.builtin("internvl3").image_tokens(width=640, height=480)  # 256 per tile
+3328
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from packers import _tiles
 from packers.errors import PackstreamError
 from packers.files import load_json, read_checked
 
@@ -55,6 +61,10 @@ _MAX_EXTRA = 1024
 """Tokens the vision tower adds beyond the patches (CLIP: its one CLS token)."""
 _MAX_TOKEN_CHARS = 256
 """Characters in a placeholder token string (``<|image_pad|>``, ``<image>``)."""
+_MAX_TILES = 1024
+"""InternVL: tiles an image may become (InternVL3: at most 12, plus the thumbnail)."""
+_MAX_TILE_TOKENS = 1 << 16
+"""InternVL: tokens per tile (InternVL3: 256)."""
 
 
 class VisionFamily(str, enum.Enum):
@@ -73,10 +83,13 @@ class VisionFamily(str, enum.Enum):
     frame is its own ``<t seconds>`` timestamp and vision run; videos stay refused, so timestamps never arise."""
     LLAVA = "llava"
     """A fixed square resize: every image is the same number of tokens; 1-D positions."""
+    INTERNVL = "internvl"
+    """Dynamic tiles (:mod:`packers._tiles`): ``tile_tokens`` per tile, the tile count from the aspect ratio;
+    ``image_grid_thw`` holds ``(tiles, rows, cols)``; 1-D positions."""
 
     @property
     def mrope(self) -> bool:
-        return self is not VisionFamily.LLAVA
+        return self not in (VisionFamily.LLAVA, VisionFamily.INTERNVL)
 
 
 class ImageRefusal(str, enum.Enum):
@@ -113,7 +126,7 @@ class VisionSpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     image_size: int = 0
-    """LLaVA: the side of the square every image is resized to (0 for Qwen)."""
+    """LLaVA: the side of the square every image is resized to; InternVL: the side of a tile (0 for Qwen)."""
     extra_tokens: int = 0
     """LLaVA: tokens the vision tower adds beyond the patches (its CLS token, when kept)."""
     image_token: str = "<|image_pad|>"
@@ -122,12 +135,21 @@ class VisionSpec:
     vision_end: str | None = "<|vision_end|>"
     name: str = ""
     """Where it came from (a builtin name or a path), for messages and the manifest."""
+    min_tiles: int = 1
+    max_tiles: int = 12
+    """InternVL: the processor's ``min_patches`` / ``max_patches`` (tiles of the canvas, the thumbnail not counted)."""
+    tile_tokens: int = 256
+    """InternVL: the processor's ``image_seq_length``, placeholder tokens per tile."""
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("patch_size", "merge_size", "temporal_patch_size")
                if int(getattr(self, k)) < 1]
         if self.family is VisionFamily.LLAVA and self.image_size < self.patch_size:
             bad.append(f"image_size={self.image_size}")
+        if self.family is VisionFamily.INTERNVL and not (self.image_size >= 1 and self.tile_tokens >= 1
+                                                         and 1 <= self.min_tiles <= self.max_tiles):
+            bad.append(f"image_size={self.image_size}, tile_tokens={self.tile_tokens}, min_tiles={self.min_tiles}, "
+                       f"max_tiles={self.max_tiles}")
         if self.family.mrope and not 0 < self.min_pixels <= self.max_pixels:
             bad.append(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}")
         if bad:
@@ -145,18 +167,28 @@ class VisionSpec:
             raise ImageSizeError(ImageRefusal.EMPTY, width, height, 0)
         if self.family is VisionFamily.LLAVA:
             return self.image_size, self.image_size
+        if self.family is VisionFamily.INTERNVL:  # the canvas the tiles are cut from
+            _, rows, cols = self.image_grid(width, height)
+            return rows * self.image_size, cols * self.image_size
         if max(height, width) / min(height, width) > _MAX_RATIO:
             raise ImageSizeError(ImageRefusal.ASPECT, width, height, _MAX_RATIO)
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
     def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``(t, h, w)`` in patches, as the processor's ``image_grid_thw`` gives it for one image."""
+        """``(t, h, w)`` in patches, as the processor's ``image_grid_thw`` gives it for one image; InternVL:
+        ``(tiles, rows, cols)`` (:func:`packers._tiles.tile_grid`)."""
+        if self.family is VisionFamily.INTERNVL:
+            if width < 1 or height < 1:
+                raise ImageSizeError(ImageRefusal.EMPTY, width, height, 0)
+            return _tiles.tile_grid(width, height, self.image_size, self.min_tiles, self.max_tiles)
         h, w = self.resized(width, height)
         return 1, h // self.patch_size, w // self.patch_size
 
     def grid_tokens(self, grid: tuple[int, int, int] | list[int]) -> int:
         """The placeholder tokens an image of patch grid ``grid`` becomes."""
         t, h, w = (int(v) for v in grid)
+        if self.family is VisionFamily.INTERNVL:
+            return t * self.tile_tokens
         return t * h * w // (self.merge_size * self.merge_size) + self.extra_tokens
 
     def image_tokens(self, width: int, height: int) -> int:
@@ -176,6 +208,11 @@ class VisionSpec:
         if min_pixels is None and max_pixels is None:
             return self
         name = self.name or self.family.value
+        if self.family is VisionFamily.INTERNVL:
+            raise PackstreamError(f"--image-min-pixels/--image-max-pixels: the processor {name} cuts each image into "
+                                  f"{self.image_size}x{self.image_size} tiles ({self.min_tiles}..{self.max_tiles} of "
+                                  "them, its min_patches/max_patches), so no pixel limit applies; drop them, or set "
+                                  "max_patches in the processor folder")
         if not self.family.mrope:
             raise PackstreamError(f"--image-min-pixels/--image-max-pixels: the processor {name} resizes every image "
                                   f"to one {self.image_size}x{self.image_size} square, so no pixel limit applies; "
@@ -197,8 +234,10 @@ class VisionSpec:
         return dataclasses.replace(self, min_pixels=low, max_pixels=high)
 
     def to_json(self) -> str:
+        """The spec as JSON; InternVL's tile fields only for that family (another's JSON stays as it was)."""
+        drop = () if self.family is VisionFamily.INTERNVL else _TILE_FIELDS
         return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v)
-                           for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
+                           for k, v in dataclasses.asdict(self).items() if k not in drop}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, what: str = "vision spec") -> VisionSpec:
@@ -220,7 +259,7 @@ class VisionSpec:
 
     @classmethod
     def builtin(cls, name: str) -> VisionSpec:
-        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl`` or ``llava-1.5``."""
+        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5`` or ``internvl3``."""
         key = name.strip().lower()
         if key not in _BUILTIN:
             raise PackstreamError(f"no shipped vision processor {name!r}; choose one of {sorted(_BUILTIN)} or pass "
@@ -232,9 +271,9 @@ class VisionSpec:
         """Read a model's processor config: a folder with ``preprocessor_config.json`` (and optionally
         ``processor_config.json``), or one of those files, or a shipped name.
 
-        Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``: type, range, default); a value of the
-        wrong type, out of range or missing is one PackstreamError line naming the file it is in, the key, the
-        value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
+        Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``, ``_INTERNVL_KEYS``: type, range, default); a
+        value of the wrong type, out of range or missing is one PackstreamError line naming the file it is in, the
+        key, the value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
         p = Path(path)
         if not p.exists():
             if str(path).strip().lower() in _BUILTIN:
@@ -424,6 +463,8 @@ _QWEN_MODELS = {"": VisionFamily.QWEN2_VL, "Qwen2VLProcessor": VisionFamily.QWEN
 # also gives it to Qwen3.5 (qwen3_5, qwen3_5_moe: linear-attention layers), whose packed batches are not verified.
 _QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 _LLAVA_MODELS = {"", "LlavaProcessor"}
+_GOT_OCR2_PROCESSORS = {"GotOcr2ImageProcessor", "GotOcr2ImageProcessorFast", "GotOcr2ImageProcessorPil"}
+_INTERNVL_MODELS = {"InternVLProcessor"}
 
 # The keys of a processor config that packstream reads: each declared once. A key left out takes the image
 # processor class's default, as transformers does (Qwen3VLProcessor's image processor is Qwen2VLImageProcessor, so a
@@ -450,6 +491,13 @@ _LLAVA_KEYS = (
     _Key("vision_feature_select_strategy", str, choices=("default", "full"), default="default"),
     _Key("image_token", str, 1, _MAX_TOKEN_CHARS, default="<image>"),
 )
+_INTERNVL_KEYS = (
+    _Key("size.height", int, 1, _MAX_SIDE, default=_NEEDED),
+    _Key("size.width", int, 1, _MAX_SIDE, default=_NEEDED),
+    _Key("min_patches", int, 1, _MAX_TILES, default=1),  # GotOcr2ImageProcessor's defaults
+    _Key("max_patches", int, 1, _MAX_TILES, default=12),
+    _Key("image_seq_length", int, 1, _MAX_TILE_TOKENS, default=256),  # InternVLProcessor's default
+)
 # The fields of a stored spec (VisionSpec.to_json), for VisionSpec.from_json. A field left out takes the
 # dataclass's default (``default`` here is only what a nullable field's null reads as); ``family`` must be there.
 _SPEC_KEYS = (
@@ -465,7 +513,11 @@ _SPEC_KEYS = (
     _Key("vision_start", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
     _Key("vision_end", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
     _Key("name", str, 0, 4096, default=None),
+    _Key("min_tiles", int, 1, _MAX_TILES, default=None),
+    _Key("max_tiles", int, 1, _MAX_TILES, default=None),
+    _Key("tile_tokens", int, 1, _MAX_TILE_TOKENS, default=None),
 )
+_TILE_FIELDS = ("min_tiles", "max_tiles", "tile_tokens")
 
 
 def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
@@ -507,10 +559,39 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
                           temporal_patch_size=1, image_size=side.value,
                           extra_tokens=got["num_additional_image_tokens"].value - (1 if default else 0),
                           image_token=got["image_token"].value, vision_start=None, vision_end=None)
+    if kind in _GOT_OCR2_PROCESSORS and model in _INTERNVL_MODELS:
+        return _internvl_spec(config, name, where)
     raise PackstreamError(
         f"--processor {name}: image processor {kind or '(unnamed)'} of {model or '(no processor_class)'} is not one "
-        f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 (CLIP). Shipped: "
+        f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 (CLIP), InternVL3 "
+        f"(GotOcr2 of InternVLProcessor). Shipped: "
         f"{sorted(_BUILTIN)}")
+
+
+def _internvl_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
+    """InternVL's tiles from a GotOcr2 image processor config of ``InternVLProcessor``. ``InternVLProcessor`` always
+    crops to tiles (it passes ``crop_to_patches=True`` whatever the image processor's own ``crop_to_patches``, which
+    InternVL3-hf ships false), so that key is not read. Tiles must be square (the vision tower's), ``min_patches <=
+    max_patches``, and the pixel settings InternVL3-hf's (:data:`packers._tiles.FIXED`); anything else is refused."""
+    fix = "fix the value or pass a shipped spec: --processor internvl3"
+    got = {key.path: _get(config, key, fix) for key in _INTERNVL_KEYS}
+    for key in ("size.height", "size.width"):
+        if got[key].value is _NEEDED:
+            raise PackstreamError(f"{where}: {key} is missing, expected the tile side (InternVL3: size {{\"height\": "
+                                  f"448, \"width\": 448}}); {fix}")
+    height, width, low, high = (got[k] for k in ("size.height", "size.width", "min_patches", "max_patches"))
+    if height.value != width.value:
+        raise PackstreamError(f"{height.what}: {height.named('', height.what)} and {width.named('', height.what)} "
+                              f"differ, expected square tiles (the vision tower's image_size); {fix}")
+    if low.value > high.value:
+        at = low.what or high.what
+        raise PackstreamError(f"{at}: {low.named('min_patches', at)} is over {high.named('max_patches', at)}, "
+                              f"expected min_patches <= max_patches; {fix}")
+    _tiles.check_fixed(config, where, fix)
+    return VisionSpec(family=VisionFamily.INTERNVL, name=name, patch_size=14, merge_size=1, temporal_patch_size=1,
+                      image_size=height.value, min_tiles=low.value, max_tiles=high.value,
+                      tile_tokens=got["image_seq_length"].value, image_token="<IMG_CONTEXT>", vision_start="<img>",
+                      vision_end="</img>")
 
 
 _BUILTIN: dict[str, VisionSpec] = {
@@ -527,4 +608,11 @@ _BUILTIN: dict[str, VisionSpec] = {
     # llava-hf/llava-1.5-*-hf: CLIP ViT-L/14 at 336 x 336, the CLS feature dropped: 576 tokens.
     "llava-1.5": VisionSpec(family=VisionFamily.LLAVA, patch_size=14, merge_size=1, temporal_patch_size=1,
                             image_size=336, extra_tokens=0, image_token="<image>", vision_start=None, vision_end=None),
+    # OpenGVLab/InternVL3-*-hf: GotOcr2ImageProcessorFast at 448 x 448 tiles, min_patches 1, max_patches 12 (as
+    # transformers' convert_internvl_weights_to_hf.py writes it), InternVLProcessor's image_seq_length 256 (448 / 14
+    # = 32 patches a side, pixel-shuffled by 0.5: 16 x 16), tokens <img> <IMG_CONTEXT> </img> (the tokenizer's
+    # start_image_token, context_image_token, end_image_token).
+    "internvl3": VisionSpec(family=VisionFamily.INTERNVL, patch_size=14, merge_size=1, temporal_patch_size=1,
+                            image_size=448, min_tiles=1, max_tiles=12, tile_tokens=256, image_token="<IMG_CONTEXT>",
+                            vision_start="<img>", vision_end="</img>"),
 }

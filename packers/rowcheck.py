@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from packers._tiles import grid_problem
+from packers._vision import VisionFamily
 from packers.manifest import RowChecks
 
 
@@ -341,7 +343,8 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     (``spec.grid_tokens(grid)`` tokens from its offset) after the previous one, inside one sequence, one token id
     throughout (the same for every image), never a target; for an mRoPE spec (Qwen2-VL) never touching the
     previous run (transformers' ``get_rope_index`` groups consecutive image tokens into one image, and raises even
-    on the example alone); for LLaVA the spec's one square grid; and in each sequence no placeholder token outside
+    on the example alone); for LLaVA the spec's one square grid; for InternVL a ``(tiles, rows, cols)`` its tile
+    limits give (:func:`packers._tiles.grid_problem`); and in each sequence no placeholder token outside
     its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
     rows). A failure's detail starts with ``image K:`` when one image breaks a rule."""
@@ -353,7 +356,8 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
                                       "image")
     if n_images != k:
         return Failure(row, "images", f"{n_images} images for {k} image_offsets; one per image")
-    square = None if spec.family.mrope else spec.image_grid(spec.image_size, spec.image_size)  # LLaVA: every image's
+    tiled = spec.family is VisionFamily.INTERNVL  # (tiles, rows, cols), checked by packers._tiles.grid_problem
+    square = spec.image_grid(spec.image_size, spec.image_size) if spec.family is VisionFamily.LLAVA else None
     n, last, image_id = len(input_ids), 0, None
     for j, (at, grid) in enumerate(zip(starts.tolist(), flat.reshape(-1, 3).tolist())):
         count = spec.grid_tokens(grid)
@@ -367,6 +371,8 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
                                           f"{spec.family.value}'s model takes touching image runs for one image and "
                                           "cannot run the example even alone: put a token between images (the chat "
                                           f"template's {spec.vision_end or ''}{spec.vision_start or ''} does)")
+        if tiled and (why := grid_problem(grid, spec.min_tiles, spec.max_tiles)) is not None:
+            return Failure(row, "images", f"{where} {why}; the row was packed with another vision spec?")
         if square is not None and tuple(grid) != square:
             return Failure(row, "images", f"{where}: every image of the vision spec {spec.name or spec.family.value} "
                                           f"(image_size {spec.image_size}, patch {spec.patch_size}) has grid {square}, "
