@@ -295,7 +295,10 @@ class VisionSpec:
                     config.update({k: (v, what, "image_processor.") for k, v in nested.items()})
                 config.update({k: (v, what, "") for k, v in loaded.items() if k != "image_processor"})
         if not config:
-            raise PackstreamError(f"--processor {path}: no preprocessor_config.json there")
+            found = [str(f) for f in files if f.is_file()]
+            raise PackstreamError(f"--processor {found[0]}: an empty JSON object, no image processor settings; pass the "
+                                  "model's processor folder" if found else
+                                  f"--processor {path}: no preprocessor_config.json there")
         first = next(f for f in files if f.is_file())
         spec = _from_config(config, name=str(path), where=f"--processor {first}")
         if spec.family is VisionFamily.QWEN3_VL:
