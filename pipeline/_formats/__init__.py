@@ -20,7 +20,7 @@ segments           ``segments: [{text, label}]`` (template-free, Axolotl's input
 messages           ``messages: [{role, content}]`` (OpenAI: parts, reasoning, tool calls)
 preference         ``chosen`` + ``rejected`` (TRL, LLaMA-Factory ranking, HH-RLHF) or OpenAI DPO's ``preferred_output``: with ``--preference chosen``
 sharegpt           ``conversations: [{from, value}]`` (or role/content)
-chat               ``conversation``/``dialog``/``dialogue``/``chat``: a list of turn objects (lmsys-chat; Capybara's ``[{input, output}]``)
+chat               ``conversation``/``dialog``/``dialogue``/``chat``/``texts``: a list of turn objects (lmsys-chat; Capybara's ``[{input, output}]``; the_cauldron's ``texts: [{user, assistant}]``)
 xlam               ``query`` + ``answers: [{name, arguments}]`` (xLAM/APIGen function calling; JSON text or objects)
 prompt-completion  ``prompt`` + ``completion`` (strings, or lists of messages as in TRL)
 alpaca             ``instruction`` + ``output``/``response`` (+ ``input``, ``system``, ``history``)
@@ -69,7 +69,7 @@ per shape.
 >>> normalize({"question": "2+2?", "answer": "4"}, FormatOptions())
 Traceback (most recent call last):
 ...
-pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat, query/answers, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
+pipeline._formats.Rejected: unknown_format: keys [answer, question] match no format (input_ids, segments, messages, chosen/rejected, conversations, conversation/dialog/dialogue/chat/texts, query/answers, prompt/completion, instruction/output, text); read it with --field question=user --field answer=assistant
 """
 
 from __future__ import annotations

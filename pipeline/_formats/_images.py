@@ -123,12 +123,21 @@ def _placeholders(ctx: Ctx) -> "re.Pattern[str]":
 def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx) -> None:
     """Each placeholder (:func:`_placeholders`) in the drafts' text, in order, becomes the marker of the column's
     next image; their numbers must agree, with or without a column (an ``<image>`` with no image beside it, an
-    empty ``images`` list or CSV cell, is ``placeholder_mismatch`` under every processor)."""
+    empty ``images`` list or CSV cell, is ``placeholder_mismatch`` under every processor). A conversation whose text
+    holds no placeholder at all gets the column's images before its first user turn's text, in order (TRL's
+    ``prepare_multimodal_messages`` rule), counted as ``images_placed_first``."""
     texts = [(t, "content") for d in drafts for t in (d.turns or ())] + [(d, "text") for d in drafts if d.text]
     pattern = _placeholders(ctx)
     found = sum(len(pattern.findall(getattr(o, attr))) for o, attr in texts)
     if not found and not refs:
         return
+    first_user = next((t for d in drafts[:1] for t in (d.turns or ()) if t.role == "user"), None)
+    if not found and first_user is not None and len(drafts) == 1:
+        # No placeholder anywhere (LLaVA/LLaMA-Factory records that leave them out, RLAIF-V, the_cauldron): the
+        # images go before the first user turn's text, as TRL's prepare_multimodal_messages puts them; counted.
+        first_user.content = PLACEHOLDER * len(refs) + first_user.content
+        found = len(refs)
+        ctx.note("images_placed_first", len(refs))
     if found != len(refs):
         where = f"{len(refs)} in {key!r}" if key is not None else "no image beside the text (no 'images' column)"
         raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} image placeholders (<image>, the "

@@ -33,7 +33,7 @@ from pipeline._formats._base import ID_KEYS, text_size
 from pipeline._formats._fix import NAME, ROLE, Fix, Hole
 from pipeline._formats.preference import score_value
 from pipeline._formats.tree import REPLY_KEYS
-from pipeline._formats._turns import CONTENT_KEYS, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
+from pipeline._formats._turns import CONTENT_KEYS, EXCHANGES, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
 
 _WORDS = {
     "system": ("system", "system_prompt", "sys", "system_message"),
@@ -225,10 +225,13 @@ def _turn_lists(record: dict) -> Optional[tuple[Optional[Fix], str]]:
                                                     "numeric order; strings alternate user, assistant)"
             v = items
         if isinstance(v, list) and v and all(isinstance(m, dict) for m in v) and not _is_alternatives(path, v, record):
-            if all("input" in m and "output" in m for m in v):
-                return Fix.of(messages_field=path), " (each {input, output} is one exchange)"
+            pair = next((p for p in EXCHANGES if all(p[0] in m and p[1] in m for m in v)), None)
+            if pair is not None:
+                return Fix.of(messages_field=path), f" (each {{{pair[0]}, {pair[1]}}} is one exchange)"
             keys = _turn_keys(v)
-            if keys is None and _speakers_as_keys(v):
+            # Speakers as keys ({"human": ..., "bot": ...}) win over a guessed speaker key: a guess would take one
+            # speaker's messages for role names.
+            if (keys is None or (keys[0] or {}).get("role_key")) and _speakers_as_keys(v):
                 return None, _speakers_as_keys(v, path)
             if keys is not None and keys[0] is None:
                 return None, f"{path}: {keys[1]}"

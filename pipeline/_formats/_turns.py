@@ -456,24 +456,38 @@ def _turn_list(items: Any, where: str, ctx: Ctx, strings_alternate: bool = False
     else:
         places = [f"{where}[{i}]" for i in range(len(items))]
     turns = []
+    said: list[tuple[str, str]] = []
     for i, m in enumerate(items):
         at = places[i]
-        if isinstance(m, dict) and _is_exchange(m, ctx):  # Capybara-style {input, output}: one exchange
-            turns.append(Turn("user", _content(m["input"], f"{at}.input", ctx, "user").text, f"{at}.input"))
-            turns.append(Turn("assistant", _content(m["output"], f"{at}.output", ctx, "assistant").text, f"{at}.output"))
-            _unused_turn_keys(m, {"input", "output"}, at, where, ctx)
+        pair = _exchange(m, ctx) if isinstance(m, dict) else None
+        if pair is not None:  # Capybara's {input, output}, the_cauldron's {user, assistant}: one exchange
+            ask, answer = pair
+            turns.append(Turn("user", _content(m[ask], f"{at}.{ask}", ctx, "user").text, f"{at}.{ask}"))
+            turns.append(Turn("assistant", _content(m[answer], f"{at}.{answer}", ctx, "assistant").text,
+                              f"{at}.{answer}"))
+            _unused_turn_keys(m, set(pair), at, where, ctx)
+            said += [pair] if pair not in said else []
             continue
         default = ("user", "assistant")[i % 2] if strings_alternate else None
         turns.append(_turn(m, at, ctx, default, where))
-    if any(isinstance(m, dict) and _is_exchange(m, ctx) for m in items):
-        ctx.mapping.append(f"{where}[]: input -> user, output -> assistant")
+    for ask, answer in said:
+        ctx.mapping.append(f"{where}[]: {ask} -> user, {answer} -> assistant")
     if strings_alternate and any(isinstance(m, str) for m in items):
         ctx.mapping.append(f"{where}: plain strings alternate user, assistant")
     return turns
 
 
-def _is_exchange(m: dict, ctx: Ctx) -> bool:
-    return "input" in m and "output" in m and ctx.o.role_key not in m and not any(k in m for k in ROLE_KEYS)
+EXCHANGES = (("input", "output"), ("user", "assistant"))
+"""Keys of a turn object that holds one whole exchange, a question and its answer: Capybara's ``{input, output}``,
+the_cauldron's and Docmatix's ``{user, assistant}`` (``texts``)."""
+
+
+def _exchange(m: dict, ctx: Ctx) -> Optional[tuple[str, str]]:
+    """The (question, answer) keys of an exchange object, or None for a turn object (one with a role key)."""
+    if ctx.o.role_key in m or any(k in m for k in ROLE_KEYS):
+        return None
+    return next((pair for pair in EXCHANGES if pair[0] in m and pair[1] in m), None)
+
 
 
 def roles_verb(ctx: Ctx) -> str:

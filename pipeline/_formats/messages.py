@@ -1,10 +1,11 @@
-"""Lists of turn objects under a known key: OpenAI ``messages``, and ``conversation``/``dialog``/``dialogue``/``chat``.
+"""Lists of turn objects under a known key: OpenAI ``messages``, and ``conversation``/``dialog``/``dialogue``/``chat``/
+``texts``.
 
 ``{"messages": [{"role", "content"}], "tools", "system"}``: content as a string, parts, or an
 object; ``reasoning_content``/``thinking``; ``tool_calls`` and ``tool`` results. The second shape,
-``chat``, is the same list under ``conversation`` (lmsys-chat), ``dialog``, ``dialogue`` or
-``chat``, detected only when it holds turn objects (or Capybara's ``{input, output}``
-exchanges); any other key takes ``--messages-field``.
+``chat``, is the same list under ``conversation`` (lmsys-chat), ``dialog``, ``dialogue``, ``chat`` or
+``texts``, detected only when it holds turn objects (or Capybara's ``{input, output}`` and the_cauldron's
+``{user, assistant}`` exchanges); any other key takes ``--messages-field``.
 
 >>> from pipeline._formats._base import Ctx
 >>> from pipeline._options import FormatOptions
@@ -20,14 +21,16 @@ from __future__ import annotations
 from typing import Optional
 
 from pipeline._formats._base import Claim, Conversation, Ctx, Draft, Need, Shape, Turn, all_of, has
-from pipeline._formats._turns import ROLE_KEYS, _speaker_words, _turn_list
+from pipeline._formats._turns import EXCHANGES, ROLE_KEYS, _speaker_words, _turn_list
 from pipeline._options import Format
 
 
 def read_turns(record: dict, ctx: Ctx, key: str) -> list[Turn]:
     """The turn objects under ``key``, with the words preview shows."""
     turns = _turn_list(record[key], key, ctx)
-    ctx.mapping.insert(0, f"{key}[]: " + (_speaker_words(ctx) or "no turns"))
+    words = _speaker_words(ctx)
+    if words or not any(m.startswith(f"{key}[]: ") for m in ctx.mapping):  # exchanges say their own mapping
+        ctx.mapping.insert(0, f"{key}[]: " + (words or "no turns"))
     return turns
 
 
@@ -76,17 +79,18 @@ SHAPE = Shape(
 )
 
 
-TURN_KEYS = ("conversation", "dialog", "dialogue", "chat")
-"""Other keys detected as a list of turn objects (lmsys-chat ``conversation``, Capybara); any other key
-takes ``--messages-field``."""
+TURN_KEYS = ("conversation", "dialog", "dialogue", "chat", "texts")
+"""Other keys detected as a list of turn objects (lmsys-chat ``conversation``, Capybara, the_cauldron's and
+Docmatix's ``texts``); any other key takes ``--messages-field``."""
 
 
 def _turn_key(record: dict) -> Optional[str]:
-    """The first of :data:`TURN_KEYS` that holds a list of turn objects (or ``{input, output}`` exchanges)."""
+    """The first of :data:`TURN_KEYS` that holds a list of turn objects (or ``{input, output}`` / ``{user,
+    assistant}`` exchanges)."""
     for key in TURN_KEYS:
         v = record.get(key)
-        if isinstance(v, list) and v and all(isinstance(m, dict) and (any(k in m for k in ROLE_KEYS) or
-                                                                     ("input" in m and "output" in m)) for m in v):
+        if isinstance(v, list) and v and all(isinstance(m, dict) and (any(k in m for k in ROLE_KEYS) or any(
+                a in m and b in m for a, b in EXCHANGES)) for m in v):
             return key
     return None
 
@@ -101,7 +105,7 @@ DIALOGUE = Shape(
     reads=lambda record, options: (_turn_key(record),),
     common=("system", "tools"),
     read=read_chat,
-    looks_like="``conversation``/``dialog``/``dialogue``/``chat``: a list of turn objects (lmsys-chat; "
-               "Capybara's ``[{input, output}]``)",
-    keys="conversation/dialog/dialogue/chat",
+    looks_like="``conversation``/``dialog``/``dialogue``/``chat``/``texts``: a list of turn objects (lmsys-chat; "
+               "Capybara's ``[{input, output}]``; the_cauldron's ``texts: [{user, assistant}]``)",
+    keys="conversation/dialog/dialogue/chat/texts",
 )

@@ -24,7 +24,7 @@ class FormatOptions:
 
     format: Format = dataclasses.field(default=Format.AUTO, metadata=cli(
         "--format", "Record shape; auto detects it per record by its keys: input_ids (tokens), segments, messages, "
-        "conversations (sharegpt), conversation/dialog/dialogue/chat turn lists, prompt+completion, instruction+output/response (alpaca, with input, system, "
+        "conversations (sharegpt), conversation/dialog/dialogue/chat/texts turn lists, prompt+completion, instruction+output/response (alpaca, with input, system, "
         "history), text. Other shapes: --field or --messages-field (see docs/formats.md)."))
     fields: tuple[tuple[str, str], ...] = dataclasses.field(default=(), metadata=cli(
         "--field", "Map a field (a path: a.b, choices[0].turns) to a role, repeat in turn order: "
