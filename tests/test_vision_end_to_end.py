@@ -40,13 +40,15 @@ def _processor_folder(root: Path) -> Path:
     return root
 
 
-def _records(root: Path, n: int, seed: int) -> Path:
+def _records(root: Path, n: int, seed: int, sides: tuple[int, int] = (8, 400)) -> Path:
+    """``n`` OpenAI-style records, each 0-2 PNGs of random sizes in ``sides`` (aspect at most 150) placed among random
+    text; the shared generator of the families' end-to-end tests."""
     rng = np.random.default_rng(seed)
     lines = []
     for r in range(n):
         parts = []
         for k in range(int(rng.integers(0, 3))):
-            w, h = int(rng.integers(8, 400)), int(rng.integers(8, 400))
+            w, h = int(rng.integers(*sides)), int(rng.integers(*sides))
             if max(w, h) / min(w, h) > 150:
                 w = h
             path = root / f"r{r}_{k}.png"

@@ -31,6 +31,7 @@ from packers import Collator, ContractError, PackstreamError, PixelLoader, Visio
 from pipeline.cli import main
 from tests._internals import VisionFamily
 from tests.test_vision_exact import assert_same_gradients, gradients, mean_target_loss, pack_row, png
+from tests.test_vision_end_to_end import _records as _shared_records
 from tests.test_vision_pipeline import save_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
@@ -258,22 +259,7 @@ SIDE, PATCH, PER_TILE = 28, 7, 4  # (28 / 7)^2 = 16 patches a tile, pixel-shuffl
 
 
 def _records(root: Path, n: int, seed: int) -> Path:
-    rng = np.random.default_rng(seed)
-    lines = []
-    for r in range(n):
-        parts = []
-        for k in range(int(rng.integers(0, 3))):
-            w, h = int(rng.integers(4, 200)), int(rng.integers(4, 200))
-            PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"r{r}_{k}.png")
-            parts.append({"type": "image_url", "image_url": {"url": f"r{r}_{k}.png"}})
-        parts.insert(int(rng.integers(0, len(parts) + 1)),
-                     {"type": "text", "text": " ".join(rng.choice(WORDS, int(rng.integers(1, 10))))})
-        lines.append({"id": f"r{r}", "messages": [
-            {"role": "user", "content": parts},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS, int(rng.integers(1, 8))))}]})
-    path = root / "records.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
+    return _shared_records(root, n, seed, sides=(4, 200))
 
 
 def _tiny_internvl(vocab: int, image_id: int, attn: str) -> torch.nn.Module:

@@ -25,6 +25,7 @@ import packers
 from packers import PackstreamError, VisionSpec, mrope_positions
 from pipeline.cli import main
 from tests._internals import VisionFamily
+from tests.test_vision_end_to_end import _records as _shared_records
 from tests.test_vision_pipeline import VISION_TOKENS, save_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
@@ -216,25 +217,7 @@ def test_qwen3_vl_finds_the_packed_sequences_from_the_first_position_row(rope_mo
 
 
 def _records(root: Path, n: int, seed: int) -> Path:
-    rng = np.random.default_rng(seed)
-    lines = []
-    for r in range(n):
-        parts = []
-        for k in range(int(rng.integers(0, 3))):
-            w, h = int(rng.integers(8, 300)), int(rng.integers(8, 300))
-            if max(w, h) / min(w, h) > 150:
-                w = h
-            path = root / f"r{r}_{k}.png"
-            PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-            parts.append({"type": "image_url", "image_url": {"url": path.name}})
-        parts.insert(int(rng.integers(0, len(parts) + 1)),
-                     {"type": "text", "text": " ".join(rng.choice(WORDS, int(rng.integers(1, 12))))})
-        lines.append({"id": f"r{r}", "messages": [
-            {"role": "user", "content": parts},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS, int(rng.integers(1, 8))))}]})
-    path = root / "records.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
+    return _shared_records(root, n, seed, sides=(8, 300))
 
 
 def _reference(tokens: list[int], images: list[dict], pad: int, proc) -> tuple[list[int], dict | None]:
