@@ -122,6 +122,23 @@ class VisionSpec:
     vision_end: str | None = "<|vision_end|>"
     name: str = ""
     """Where it came from (a builtin name or a path), for messages and the manifest."""
+    video_fps: float | None = None
+    """Qwen2-VL / Qwen2.5-VL videos (``--video-fps``): frames sampled per second of video, as the video processor's
+    ``fps``; None: videos are refused. The video fields below are stored only when it is set (:meth:`to_json`)."""
+    video_min_frames: int = 4
+    """The fewest frames sampled (``Qwen2VLVideoProcessor.min_frames``)."""
+    video_max_frames: int = 768
+    """The most frames sampled (``--video-max-frames``; ``Qwen2VLVideoProcessor.max_frames``)."""
+    video_min_pixels: int = 128 * 28 * 28
+    """Pixels a video frame is resized to at least (``--video-min-pixels``; the video processor's
+    ``size.shortest_edge``, 100,352 by default)."""
+    video_max_pixels: int = 28 * 28 * 768
+    """Pixels a video frame is resized to at most (``--video-max-pixels``; ``size.longest_edge``, 602,112)."""
+    video_token: str = "<|video_pad|>"
+    """The placeholder the processor repeats once per video token."""
+    tokens_per_second: int = 2
+    """Qwen2.5-VL: the model's ``vision_config.tokens_per_second`` (2 in Qwen2.5-VL's releases), which with each
+    video's ``second_per_grid_ts`` spaces its temporal positions."""
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("patch_size", "merge_size", "temporal_patch_size")
@@ -130,6 +147,10 @@ class VisionSpec:
             bad.append(f"image_size={self.image_size}")
         if self.family.mrope and not 0 < self.min_pixels <= self.max_pixels:
             bad.append(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}")
+        if self.video_fps is not None and not (0 < self.video_min_pixels <= self.video_max_pixels
+                                               and 1 <= self.video_min_frames <= self.video_max_frames):
+            bad.append(f"video_min_pixels={self.video_min_pixels}, video_max_pixels={self.video_max_pixels}, "
+                       f"video_min_frames={self.video_min_frames}, video_max_frames={self.video_max_frames}")
         if bad:
             raise PackstreamError(f"vision processor {self.name or self.family.value}: {', '.join(bad)} is not a "
                                   "usable setting; check the processor config")
@@ -196,9 +217,58 @@ class VisionSpec:
             raise PackstreamError(f"{said} is over {over} for processor {name}; {fix}")
         return dataclasses.replace(self, min_pixels=low, max_pixels=high)
 
+    @property
+    def videos(self) -> bool:
+        """Whether videos are packed (``--video-fps`` given)."""
+        return self.video_fps is not None
+
+    def with_video(self, fps: float | None, max_frames: int | None = None, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> VisionSpec:
+        """This spec packing videos (``--video-fps``, ``--video-max-frames``, ``--video-min-pixels``,
+        ``--video-max-pixels``): Qwen2-VL and Qwen2.5-VL only. ``fps`` None and no other value: unchanged."""
+        return _video_spec(self, fps, max_frames, min_pixels, max_pixels)
+
+    def video_resized(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(height, width)`` the video processor resizes every frame of a ``width`` x ``height`` video to."""
+        if width < 1 or height < 1:
+            raise ImageSizeError(ImageRefusal.EMPTY, width, height, 0)
+        if max(height, width) / min(height, width) > _MAX_RATIO:
+            raise ImageSizeError(ImageRefusal.ASPECT, width, height, _MAX_RATIO)
+        return smart_resize(height, width, self.factor, self.video_min_pixels, self.video_max_pixels)
+
+    def video_grid(self, frames: int, fps: float, width: int, height: int) -> tuple[tuple[int, int, int], list[int],
+                                                                                     float]:
+        """A video of ``frames`` frames at ``fps`` (its container's count and rate), ``width`` x ``height``: its patch
+        grid ``(t, h, w)`` (``video_grid_thw``), the frame indices sampled, and its ``second_per_grid_ts``."""
+        from packers._video import frame_indices, sampled_seconds_per_grid
+
+        if self.video_fps is None:
+            raise PackstreamError("this vision spec packs no videos; pass --video-fps")
+        t = self.temporal_patch_size
+        idx = frame_indices(frames, fps, want_fps=self.video_fps, min_frames=self.video_min_frames,
+                            max_frames=self.video_max_frames, temporal=t)
+        h, w = self.video_resized(width, height)
+        grid = (-(-len(idx) // t), h // self.patch_size, w // self.patch_size)
+        return grid, idx, sampled_seconds_per_grid(t, len(idx), frames, fps)
+
+    def measure_video(self, source: Any, what: str) -> tuple[tuple[int, int, int], float]:
+        """A video file (a path or a seekable binary file object): its ``video_grid_thw`` and ``second_per_grid_ts``
+        from its container's frame count, rate and size, its frames decoded once up to the last one sampled (one
+        that is not there, or a file PyAV cannot read, is a PackstreamError naming ``what``). Needs PyAV."""
+        from packers._video import count_frames, probe
+
+        info = probe(source, what)
+        grid, indices, seconds = self.video_grid(info.frames, info.fps, info.width, info.height)
+        if hasattr(source, "seek"):
+            source.seek(0)
+        count_frames(source, indices[-1], what)
+        return grid, seconds
+
     def to_json(self) -> str:
-        return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v)
-                           for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
+        data = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
+        if self.video_fps is None:  # a spec without videos reads as it did before videos (older packstreams too)
+            data = {k: v for k, v in data.items() if k not in _VIDEO_FIELDS}
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, what: str = "vision spec") -> VisionSpec:
@@ -332,6 +402,8 @@ class _Key:
     """The parent may be the value itself: CLIP's older ``crop_size: 336`` for ``{"height": 336, ...}``."""
 
     def expected(self) -> str:
+        if self.kind is float:
+            return f"a number in {self.low}..{self.high}"
         if self.kind is int:
             return f"an integer in {self.low}..{self.high}"
         if self.choices:
@@ -395,6 +467,10 @@ def _get(values: Mapping[str, tuple[Any, str, str]], key: _Key, fix: str) -> _Go
         if not _integral(value) or not key.low <= value <= key.high:
             raise bad(value, expected)
         return _Got(int(value), what, label)
+    if key.kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not key.low <= value <= key.high:
+            raise bad(value, expected)
+        return _Got(float(value), what, label)
     if not isinstance(value, str) or (key.choices and value not in key.choices) or (
             not key.choices and not key.low <= len(value) <= key.high):
         raise bad(value, expected)
@@ -465,7 +541,56 @@ _SPEC_KEYS = (
     _Key("vision_start", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
     _Key("vision_end", str, 1, _MAX_TOKEN_CHARS, default=None, nullable=True),
     _Key("name", str, 0, 4096, default=None),
+    _Key("video_fps", float, 0, 1000, default=None, nullable=True),
+    _Key("video_min_frames", int, 1, 1 << 20, default=None),
+    _Key("video_max_frames", int, 1, 1 << 20, default=None),
+    _Key("video_min_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("video_max_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("video_token", str, 1, _MAX_TOKEN_CHARS, default=None),
+    _Key("tokens_per_second", int, 1, 1 << 16, default=None),
 )
+_VIDEO_FIELDS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
+                 "video_token", "tokens_per_second")
+"""The fields a spec stores only when it packs videos."""
+_VIDEO_FAMILIES = (VisionFamily.QWEN2_VL, VisionFamily.QWEN2_5_VL)
+"""The families whose videos packstream packs (Qwen3-VL's timestamped frame groups are not done)."""
+
+
+def _video_spec(spec: VisionSpec, fps: float | None, max_frames: int | None, min_pixels: int | None,
+                max_pixels: int | None) -> VisionSpec:
+    """:meth:`VisionSpec.with_video`: each value checked, one line naming it, its limit and the fix."""
+    if fps is None:
+        given = [f for f, v in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                                ("--video-max-pixels", max_pixels)) if v is not None]
+        if given:
+            raise PackstreamError(f"{' and '.join(given)} say how videos are sampled, and videos are packed only with "
+                                  "--video-fps; add --video-fps 2 (Qwen's default) or drop them")
+        return spec
+    name = spec.name or spec.family.value
+    if spec.family not in _VIDEO_FAMILIES:
+        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL and Qwen2.5-VL only, not for the "
+                              f"processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        raise PackstreamError(f"--video-fps {fps!r} is out of range; give frames per second in (0, 1000] "
+                              "(Qwen samples 2)")
+    for flag, value in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                        ("--video-max-pixels", max_pixels)):
+        top = 1 << 20 if flag == "--video-max-frames" else _MAX_PIXELS
+        if value is not None and (not _integral(value) or not 1 <= value <= top):
+            raise PackstreamError(f"{flag} {value!r} is out of range; give an integer within 1..{top:,}")
+    frames = spec.video_max_frames if max_frames is None else int(max_frames)
+    if frames < spec.temporal_patch_size:
+        raise PackstreamError(f"--video-max-frames {frames} is under the processor's temporal patch of "
+                              f"{spec.temporal_patch_size} frames; give at least {spec.temporal_patch_size}")
+    low = spec.video_min_pixels if min_pixels is None else int(min_pixels)
+    high = spec.video_max_pixels if max_pixels is None else int(max_pixels)
+    if low > high:
+        raise PackstreamError(f"the video pixel limits run from {low:,} to {high:,} (--video-min-pixels / "
+                              "--video-max-pixels, or the processor's defaults 100,352 and 602,112); give a min "
+                              "under the max")
+    return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
+                               video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,
+                               video_max_pixels=high)
 
 
 def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:

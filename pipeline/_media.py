@@ -45,7 +45,7 @@ from typing import IO, Any, Optional, Sequence
 
 from packers import ImageSizeError, PackstreamError, VisionSpec
 from packers.files import OutsideRoot, open_beneath, real_folder, under, within
-from pipeline._formats import Reason, Rejected
+from pipeline._formats import Reason, Rejected, Video
 from pipeline._options import ImageStorage
 
 _SHOWN = 80
@@ -66,6 +66,10 @@ class Image:
     data: Optional[bytes]
     grid: tuple[int, int, int]
     tokens: int
+    video: bool = False
+    """A video (``--video-fps``): ``grid`` is its ``video_grid_thw``."""
+    seconds: float = 0.0
+    """A video's ``second_per_grid_ts`` (float32 as the processor gives it); 0 for an image."""
 
 
 def _short(text: str) -> str:
@@ -261,6 +265,11 @@ def measure(refs: Sequence[Any], root: MediaRoot, spec: VisionSpec,
     :attr:`ImageStorage.EMBED` the row stores the bytes read then, and they are what is sized and checked."""
     out = []
     for k, ref in enumerate(refs):
+        if isinstance(ref, Video):
+            from pipeline._video import measure_video
+
+            out.append(measure_video(ref.ref, root, spec, storage, f"video {k + 1} of {len(refs)}"))
+            continue
         at = f"image {k + 1} of {len(refs)}"
         src = resolve(ref, root, at)
         stored, data = src.path, src.data
