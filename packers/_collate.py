@@ -137,7 +137,7 @@ from packers._pixels import PixelLoader
 from packers._video import VideoLoader
 from packers._vision import VisionFamily, VisionSpec
 from packers.errors import ContractError, PackstreamError
-from packers.rowcheck import Failure, check_images
+from packers.rowcheck import Failure, check_images, check_videos
 
 IGNORE_INDEX = -100
 """The label of a token that is not a training target (the ``ignore_index`` of the HF losses)."""
@@ -448,7 +448,7 @@ class Collator:
         grids = np.asarray(row.get("video_grid_thw", ()), dtype=np.int64).reshape(-1)
         refs = list(row.get("videos") if row.get("videos") is not None else [])
         seconds = np.asarray(row.get("second_per_grid_ts", ()), dtype=np.float32).reshape(-1)
-        f = check_images(i, ids, None, offs, starts, grids, len(refs), self.vision, what="video")
+        f = check_videos(i, ids, None, offs, starts, grids, len(refs), self.vision)
         if f is None and seconds.shape != starts.shape:
             f = Failure(i, "videos", f"{seconds.shape[0]} second_per_grid_ts for {starts.shape[0]} videos; one each")
         if f is not None:

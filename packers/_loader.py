@@ -41,7 +41,7 @@ from packers._options import Batching, BatchBy, LossWeighting, Sampling, Shardin
 from packers._schedule import Rows, Schedule, schedule_epoch, step_denominators
 from packers.errors import ContractError, PackstreamError, is_int, short
 from packers.manifest import MANIFEST, Manifest, escape_source
-from packers.rowcheck import Batch, Failure, check_batch, check_images, gather
+from packers.rowcheck import Batch, Failure, check_batch, check_images, check_videos, gather
 from packers.schema import count_targets
 from packers._vision import VisionSpec
 
@@ -381,8 +381,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             row["video_grid_thw"] = np.asarray(cols["video_grid_thw"][i], dtype=np.int32)
             row["videos"] = cols["videos"][i]
             row["second_per_grid_ts"] = np.asarray(cols["second_per_grid_ts"][i], dtype=np.float32)
-            f = check_images(i, row["input_ids"], row["loss_mask"], row["seq_offsets"], row["video_offsets"],
-                             row["video_grid_thw"], len(row["videos"]), self.vision, what="video") if check else None
+            f = check_videos(i, row["input_ids"], row["loss_mask"], row["seq_offsets"], row["video_offsets"],
+                             row["video_grid_thw"], len(row["videos"]), self.vision) if check else None
             if f is None and check and len(row["second_per_grid_ts"]) != len(row["video_offsets"]):
                 f = Failure(i, "videos", f"{len(row['second_per_grid_ts'])} second_per_grid_ts for "
                                          f"{len(row['video_offsets'])} videos; one per video")

@@ -334,9 +334,14 @@ def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | No
 # -- rows with images (contract version 4) ---------------------------------------------------------------------------
 
 
+def check_videos(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
+                 video_offsets: Any, video_grid_thw: Any, n_videos: int, spec: Any) -> Failure | None:
+    """:func:`check_images` for a row's video columns (contract version 5)."""
+    return _check_runs(row, input_ids, loss_mask, seq_offsets, (video_offsets, video_grid_thw, n_videos), spec, "video")
+
+
 def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
-                 image_offsets: Any, image_grid_thw: Any, n_images: int, spec: Any,
-                 what: str = "image") -> Failure | None:
+                 image_offsets: Any, image_grid_thw: Any, n_images: int, spec: Any) -> Failure | None:
     """Row ``row``'s image columns against its tokens (:data:`packers.schema.VISION_SCHEMA`), under the vision spec
     ``spec``: three grid values and one image (``n_images``) per offset; each image's placeholder run
     (``spec.grid_tokens(grid)`` tokens from its offset) after the previous one, inside one sequence, one token id
@@ -345,9 +350,17 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     on the example alone); for LLaVA the spec's one square grid; and in each sequence no placeholder token outside
     its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
-    rows). A failure's detail starts with ``image K:`` when one image breaks a rule. ``what="video"``: the same rules
+    rows). A failure's detail starts with ``image K:`` when one image breaks a rule. :func:`check_videos`: the same rules
     for a row's video columns (``video_offsets``, ``video_grid_thw``, ``videos``: contract version 5), each video's run
     ``t * h * w / merge**2`` tokens of its own placeholder id."""
+    return _check_runs(row, input_ids, loss_mask, seq_offsets, (image_offsets, image_grid_thw, n_images), spec, "image")
+
+
+def _check_runs(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
+                runs: tuple[Any, Any, int], spec: Any, what: str) -> Failure | None:
+    """:func:`check_images` (``what`` "image") and :func:`check_videos` ("video"): ``runs`` is the offsets, grids and
+    number of references."""
+    image_offsets, image_grid_thw, n_images = runs
     col = what + "s"
     starts = np.asarray(image_offsets, dtype=np.int64).reshape(-1)
     flat = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1)

@@ -122,16 +122,14 @@ class Images:
     refs: list
     """Per image ``(path, bytes)``, as the rows' ``images`` column stores it."""
     video: np.ndarray | None = None
-    """bool (images,): which are videos (``--video-fps`` runs; written to the rows' video columns); None: none."""
+    """bool (images,): which are videos (``--video-fps``: the rows' video columns); None: none."""
     seconds: np.ndarray | None = None
-    """float32 (images,): each video's ``second_per_grid_ts`` (0 for an image)."""
+    """float32 (images,): each video's ``second_per_grid_ts`` (0 for an image); None: all 0."""
 
     def __post_init__(self) -> None:
-        n = len(self.offsets)
-        if self.video is None:
-            object.__setattr__(self, "video", np.zeros(n, bool))
-        if self.seconds is None:
-            object.__setattr__(self, "seconds", np.zeros(n, np.float32))
+        object.__setattr__(self, "video", np.zeros(len(self.offsets), bool) if self.video is None else self.video)
+        object.__setattr__(self, "seconds", np.zeros(len(self.offsets), np.float32) if self.seconds is None
+                           else self.seconds)
 
     @classmethod
     def none(cls, n: int) -> "Images":
@@ -601,8 +599,8 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
     else:
         videos = options.vision().videos
         image_cols, row_bytes = image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
-                                              ends - piece_lens, row_pieces, sides=placed.sides is not None,
-                                              videos=videos)
+                                              ends - piece_lens, row_pieces, sides=placed.sides is not None)
+        image_cols = image_cols if videos else image_cols[:3]
         chunks = _chunked(arrays + image_cols, row_bytes, packers.VIDEO_SCHEMA if videos else packers.VISION_SCHEMA)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
     if eos_id is None or not len(piece_lens):
@@ -625,15 +623,13 @@ CHUNK_IMAGE_BYTES = 256 * 2**20
 (never cut inside a row), so no ``binary`` column nears its 2 GiB limit and no batch is huge in memory."""
 
 def _wide(schema: pa.Schema) -> pa.Schema:
-    """``schema`` with 64-bit offsets for the image (and video) bytes: a group's rows before they are cut into
-    chunks."""
+    """``schema`` with 64-bit offsets for the image (and video) bytes: a group's rows before they are cut up."""
     return pa.schema([f if f.name not in ("images", "videos") else pa.field(
         f.name, pa.list_(pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.large_binary())])),
         nullable=False) for f in schema])
 
 
 _WIDE_SCHEMA = _wide(packers.VISION_SCHEMA)
-"""VISION_SCHEMA with 64-bit offsets for the image bytes."""
 
 
 def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
@@ -670,13 +666,12 @@ def _chunked(arrays: list, row_bytes: np.ndarray, schema: pa.Schema = packers.VI
 
 
 def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, at: np.ndarray,
-                  row_pieces: np.ndarray, sides: bool = False, videos: bool = False) -> tuple[list[pa.Array], np.ndarray]:
-    """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`, the bytes wide
-    until :func:`_chunked`): pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
-    at row offset ``at[j]``); and the embedded image bytes of each row. ``sides``: the pieces are the two sides of
-    pairs, each holding the images that start inside it (its prompt's); else a piece holds all its example's.
-    ``videos``: the video columns too (``video_offsets``, ``video_grid_thw``, ``videos``, ``second_per_grid_ts``:
-    :data:`packers.VIDEO_SCHEMA`), the images' columns then holding the images alone."""
+                  row_pieces: np.ndarray, sides: bool = False) -> tuple[list[pa.Array], np.ndarray]:
+    """The rows' ``image_offsets``, ``image_grid_thw``, ``images``, then ``video_offsets``, ``video_grid_thw``,
+    ``videos``, ``second_per_grid_ts`` (:data:`packers.VIDEO_SCHEMA`; a run without videos drops these), the bytes wide
+    until :func:`_chunked`: pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
+    at row offset ``at[j]``); and the embedded bytes of each row. ``sides``: the pieces are the two sides of pairs,
+    each holding the images that start inside it (its prompt's); else a piece holds all its example's."""
     imgs = batch.images if batch.images is not None else Images.none(len(batch))
     counts = imgs.counts[ex]
     idx = _ranges(imgs.index[ex], imgs.index[ex + 1])  # the pieces' images, in row order
@@ -688,10 +683,9 @@ def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops
         raise packers.InternalError("a piece of an example with images was cut; images are never cut")
     rows = len(row_pieces)
     row_of = np.repeat(np.arange(rows), row_pieces)[piece] if rows else np.zeros(0, np.int64)
-    cols: list[pa.Array] = []
-    row_bytes = np.zeros(rows, np.int64)
-    for kind in ((False, True) if videos else (False,)):
-        sel = imgs.video[idx] == kind if videos else np.ones(len(idx), bool)
+    cols, row_bytes = [], np.zeros(rows, np.int64)
+    for kind in (False, True):
+        sel = imgs.video[idx] == kind
         k_idx, k_piece, k_row = idx[sel], piece[sel], row_of[sel]
         per_row = np.bincount(k_row, minlength=rows) if rows else np.zeros(0, np.int64)
         off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
@@ -702,6 +696,5 @@ def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops
         cols += [_list(off, (inside + at[k_piece]).astype(np.int32), pa.int32()),
                  _list(3 * off, imgs.grids[k_idx].reshape(-1).astype(np.int32), pa.int32()),
                  image_list(off, refs)]
-        if kind:
-            cols.append(_list(off, imgs.seconds[k_idx].astype(np.float32), pa.float32()))
+        cols += [_list(off, imgs.seconds[k_idx].astype(np.float32), pa.float32())] if kind else []
     return cols, row_bytes
