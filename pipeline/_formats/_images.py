@@ -156,7 +156,7 @@ def refuse_private_use(record: Any) -> None:
         if isinstance(v, str):
             if _PRIVATE.search(v):
                 raise Rejected(Reason.PLACEHOLDER_MISMATCH, "the record's text holds one of the private-use characters "
-                                                            "U+E000..U+E003, which packstream marks image "
+                                                            "U+E000, U+E001, U+E002, U+E003, which packstream marks image "
                                                             "places with under --processor; remove them")
         elif isinstance(v, dict):
             stack.extend(v.keys())
