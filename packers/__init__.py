@@ -10,7 +10,8 @@ from packers.errors import ContractError, InternalError, PackstreamError
 from packers._options import Balance, Batching, BatchBy, CostModel, LossWeighting, Sampling, Sharding
 from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
 from packers._pairs import pack_pairs
-from packers.schema import (CONTRACT_VERSION, SCHEMA, VISION_CONTRACT_VERSION, VISION_SCHEMA, Side, read_metadata,
+from packers.schema import (CONTRACT_VERSION, SCHEMA, VIDEO_CONTRACT_VERSION, VIDEO_SCHEMA, VISION_CONTRACT_VERSION,
+                            VISION_SCHEMA, Side, read_metadata,
                             schema_metadata, shard_schema, validate_row)
 from packers._vision import ImageSizeError, VisionFamily, VisionSpec
 from packers._stats import PackStats, pack_stats
@@ -41,6 +42,8 @@ __all__ = [
     "SCHEMA",
     "VISION_CONTRACT_VERSION",
     "VISION_SCHEMA",
+    "VIDEO_CONTRACT_VERSION",
+    "VIDEO_SCHEMA",
     "ImageSizeError",
     "VisionFamily",
     "VisionSpec",

@@ -138,9 +138,10 @@ import torch
 
 from packers._mrope import mrope_positions
 from packers._pixels import PixelLoader
-from packers._vision import VisionSpec
+from packers._video import VideoLoader
+from packers._vision import VisionFamily, VisionSpec
 from packers.errors import ContractError, PackstreamError
-from packers.rowcheck import check_images
+from packers.rowcheck import Failure, check_images, check_videos
 
 IGNORE_INDEX = -100
 """The label of a token that is not a training target (the ``ignore_index`` of the HF losses)."""
@@ -321,16 +322,36 @@ class Collator:
             return self._pixels(parts, np.concatenate(parts.image_grids))
         mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
         out: dict[str, Any] = {}
-        if parts.image_offsets:
-            offsets = np.concatenate(parts.image_offsets)
-            grids = np.concatenate(parts.image_grids)
-            seq = np.searchsorted(ends, offsets, side="right")  # the sequence holding each image (checked in _add)
+        offsets, grids = _cat(parts.image_offsets, np.int64), _cat(parts.image_grids, np.int64, 3)
+        v_offsets, v_grids = _cat(parts.video_offsets, np.int64), _cat(parts.video_grids, np.int64, 3)
+        v_seconds = _cat(parts.video_seconds, np.float32)
+        if len(offsets) or len(v_offsets):
+            # Images and videos in token order; Qwen2.5-VL spaces a video's temporal index by tokens_per_second *
+            # second_per_grid_ts (float32, as get_rope_index), Qwen2-VL by one per temporal patch.
+            at = np.concatenate([offsets, v_offsets])
+            order = np.argsort(at, kind="stable")
+            at, all_grids = at[order], np.concatenate([grids, v_grids])[order]
+            scaled = self.vision.family is VisionFamily.QWEN2_5_VL
+            scale = np.concatenate([np.zeros(len(offsets), np.float32), np.float32(self.vision.tokens_per_second)
+                                    * v_seconds if scaled else np.ones(len(v_offsets), np.float32)])[order]
+            seq = np.searchsorted(ends, at, side="right")  # the sequence holding each image (checked in _add)
             for s in np.unique(seq).tolist():
                 here = seq == s
                 a, b = int(starts[s]), int(ends[s])
-                mrope[:, a:b] = mrope_positions(b - a, offsets[here] - a, grids[here], self.vision.merge_size)
+                mrope[:, a:b] = mrope_positions(b - a, at[here] - a, all_grids[here], self.vision.merge_size,
+                                                scale[here])
+        if len(offsets):
             out["image_grid_thw"] = torch.from_numpy(grids)
             out.update(self._pixels(parts, grids))
+        if len(v_offsets):
+            out["video_grid_thw"] = torch.from_numpy(v_grids)
+            if self.vision.family is VisionFamily.QWEN2_5_VL:
+                out["second_per_grid_ts"] = torch.from_numpy(v_seconds)
+            videos = VideoLoader(self.pixels)
+            if self.decode_images:
+                out["pixel_values_videos"] = videos(parts.videos, v_grids, parts.video_names)[0]
+            else:
+                videos.check_grids(parts.videos, v_grids, parts.video_names)
         out["position_ids"] = torch.from_numpy(np.concatenate([position_ids[None], mrope]))[:, None, :]
         return out
 
@@ -371,6 +392,8 @@ class Collator:
                                   "(all with their example_ids, or all without)")
         if _has_images(row):
             self._add_images(parts, i, row, ids, offs)
+        if _has_videos(row):
+            self._add_videos(parts, i, row, ids, offs)
         parts.examples.append(np.arange(parts.seqs, parts.seqs + nseq, dtype=np.int64))
         parts.desirable.append(_row_desirable(i, row, nseq))
         parts.labelled |= bool((parts.desirable[-1] != -1).any())
@@ -420,6 +443,43 @@ class Collator:
         parts.images += refs
 
 
+    def _add_videos(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
+        """Row ``i``'s videos (contract version 5), checked as its images are (their own placeholder id)."""
+        if self.vision is None or not self.vision.videos:
+            raise PackstreamError(f"row {i} holds videos and the Collator's vision spec packs none: pass the spec the "
+                                  "rows were packed with, Collator(vision=PackedDataset(folder).vision)")
+        starts = np.asarray(row["video_offsets"], dtype=np.int64).reshape(-1)
+        grids = np.asarray(row.get("video_grid_thw", ()), dtype=np.int64).reshape(-1)
+        refs = list(row.get("videos") if row.get("videos") is not None else [])
+        seconds = np.asarray(row.get("second_per_grid_ts", ()), dtype=np.float32).reshape(-1)
+        f = check_videos(i, ids, None, offs, starts, grids, len(refs), self.vision)
+        if f is None and seconds.shape != starts.shape:
+            f = Failure(i, "videos", f"{seconds.shape[0]} second_per_grid_ts for {starts.shape[0]} videos; one each")
+        if f is not None:
+            raise ContractError(f"row {i}{', ' if f.detail.startswith('video ') else ': '}{f.detail}")
+        ids_of = row.get("example_ids")
+        for k, at in enumerate(starts.tolist()):
+            seq = int(np.searchsorted(offs, at, side="right")) - 1
+            name = f"row {i} video {k}"
+            parts.video_names.append(name if ids_of is None else f"{name} (example {list(ids_of)[seq]!r})")
+        parts.video_offsets.append(starts + parts.at)
+        parts.video_grids.append(grids.reshape(-1, 3))
+        parts.video_seconds.append(seconds)
+        parts.videos += refs
+
+
+def _has_videos(row: Mapping[str, Any]) -> bool:
+    offsets = row.get("video_offsets")
+    return offsets is not None and len(offsets) > 0
+
+
+def _cat(arrays: list[np.ndarray], dtype: Any, width: int = 0) -> np.ndarray:
+    """``arrays`` concatenated (empty of ``dtype``, ``(0, width)`` when ``width``, when there are none)."""
+    if arrays:
+        return np.concatenate(arrays).astype(dtype)
+    return np.zeros((0, width) if width else 0, dtype)
+
+
 def _has_images(row: Mapping[str, Any]) -> bool:
     offsets = row.get("image_offsets")
     return offsets is not None and len(offsets) > 0
@@ -458,6 +518,13 @@ class _Parts:
     """The rows' image references (``{"path", "bytes"}``), flattened."""
     image_names: list[str] = field(default_factory=list)
     """How messages name each image."""
+    video_offsets: list[np.ndarray] = field(default_factory=list)
+    """Per row with videos, each video's first placeholder token as a batch token offset."""
+    video_grids: list[np.ndarray] = field(default_factory=list)
+    video_seconds: list[np.ndarray] = field(default_factory=list)
+    """Per row with videos, each video's ``second_per_grid_ts``."""
+    videos: list[Any] = field(default_factory=list)
+    video_names: list[str] = field(default_factory=list)
     labelled: bool = False
     """Some row carries a desirability label."""
     seqs: int = 0

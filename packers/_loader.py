@@ -41,7 +41,7 @@ from packers._options import Batching, BatchBy, LossWeighting, Sampling, Shardin
 from packers._schedule import Rows, Schedule, schedule_epoch, step_denominators
 from packers.errors import ContractError, PackstreamError, is_int, short
 from packers.manifest import MANIFEST, Manifest, escape_source
-from packers.rowcheck import Batch, Failure, check_batch, check_images, gather
+from packers.rowcheck import Batch, Failure, check_batch, check_images, check_videos, gather
 from packers.schema import count_targets
 from packers._vision import VisionSpec
 
@@ -149,8 +149,16 @@ def _slice_images(row: dict[str, Any], a: int, z: int) -> dict[str, Any]:
     offs = np.asarray(row["image_offsets"], dtype=np.int64)
     keep = (offs >= a) & (offs < z)
     grids = np.asarray(row["image_grid_thw"], dtype=np.int32).reshape(-1, 3)[keep].reshape(-1)
-    return {"image_offsets": (offs[keep] - a).astype(np.int32), "image_grid_thw": grids,
-            "images": [img for img, k in zip(row["images"], keep) if k]}
+    out = {"image_offsets": (offs[keep] - a).astype(np.int32), "image_grid_thw": grids,
+           "images": [img for img, k in zip(row["images"], keep) if k]}
+    if "video_offsets" in row:
+        v = np.asarray(row["video_offsets"], dtype=np.int64)
+        vk = (v >= a) & (v < z)
+        out.update(video_offsets=(v[vk] - a).astype(np.int32),
+                   video_grid_thw=np.asarray(row["video_grid_thw"], dtype=np.int32).reshape(-1, 3)[vk].reshape(-1),
+                   videos=[x for x, k in zip(row["videos"], vk) if k],
+                   second_per_grid_ts=np.asarray(row["second_per_grid_ts"], dtype=np.float32)[vk])
+    return out
 
 
 def _slice_desirable(row: dict[str, Any], lo: int, hi: int) -> np.ndarray:
@@ -360,6 +368,25 @@ class PackedDataset(torch.utils.data.IterableDataset):
             if check and (f := check_images(i, row["input_ids"], row["loss_mask"], row["seq_offsets"],
                                             row["image_offsets"], row["image_grid_thw"], len(images[i]),
                                             self.vision)) is not None:
+                raise self._broken(indices, Failure(f.row, f.check, f.detail), f)
+        if "video_offsets" in table.column_names:
+            self._add_videos(indices, table, rows, check=check)
+
+    def _add_videos(self, indices: np.ndarray, table: pa.Table, rows: list[dict[str, Any]], *, check: bool) -> None:
+        """Each row's video columns (contract version 5), checked against its tokens as its images are."""
+        cols = {c: table.column(c).to_pylist() for c in ("video_offsets", "video_grid_thw", "videos",
+                                                          "second_per_grid_ts")}
+        for i, row in enumerate(rows):
+            row["video_offsets"] = np.asarray(cols["video_offsets"][i], dtype=np.int32)
+            row["video_grid_thw"] = np.asarray(cols["video_grid_thw"][i], dtype=np.int32)
+            row["videos"] = cols["videos"][i]
+            row["second_per_grid_ts"] = np.asarray(cols["second_per_grid_ts"][i], dtype=np.float32)
+            f = check_videos(i, row["input_ids"], row["loss_mask"], row["seq_offsets"], row["video_offsets"],
+                             row["video_grid_thw"], len(row["videos"]), self.vision) if check else None
+            if f is None and check and len(row["second_per_grid_ts"]) != len(row["video_offsets"]):
+                f = Failure(i, "videos", f"{len(row['second_per_grid_ts'])} second_per_grid_ts for "
+                                         f"{len(row['video_offsets'])} videos; one per video")
+            if f is not None:
                 raise self._broken(indices, Failure(f.row, f.check, f.detail), f)
 
     def micro_batch(self, step: int, epoch: int | None = None) -> list[dict[str, Any]]:

@@ -42,10 +42,23 @@ from packers.errors import ContractError
 
 
 def mrope_positions(length: int, image_offsets: Sequence[int], image_grid_thw: Sequence[Sequence[int]] | np.ndarray,
-                    merge_size: int) -> np.ndarray:
+                    merge_size: int, time_scale: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
     """``(3, length)`` int64 (temporal, height, width) positions of one example of ``length`` tokens whose images
     start at ``image_offsets`` (token offsets in the example, increasing), of patch grids ``image_grid_thw``
-    (``(t, h, w)`` each, as the processor gives them); ``merge_size``: the vision tower's spatial merge."""
+    (``(t, h, w)`` each, as the processor gives them); ``merge_size``: the vision tower's spatial merge.
+
+    Videos are numbered the same way (their runs among the images, in token order), the temporal index stepping
+    once per temporal patch (Qwen2-VL); ``time_scale`` (one per image or video, 0 for none): Qwen2.5-VL's
+    ``tokens_per_second * second_per_grid_ts`` of a video, its temporal index ``int(k * scale)`` computed in float32
+    as ``get_vision_position_ids`` does (still the start plus the longer merged side after it).
+
+    A video of two temporal patches of 1 x 1 merged patch each at token 1, its steps 2.5 apart: temporal 1 + 0 and
+    1 + int(2.5); after it, positions go on from 1 + max(2, 2) // 2 = 2.
+
+    >>> mrope_positions(6, [1], [(2, 2, 2)], merge_size=2, time_scale=[2.5]).tolist()
+    [[0, 1, 3, 2, 3, 4], [0, 1, 1, 2, 3, 4], [0, 1, 1, 2, 3, 4]]
+    """
+    scales = None if time_scale is None else np.asarray(time_scale, dtype=np.float32).reshape(-1)
     grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
     offsets = np.asarray(image_offsets, dtype=np.int64).reshape(-1)
     if offsets.shape[0] != grids.shape[0]:
@@ -61,7 +74,10 @@ def mrope_positions(length: int, image_offsets: Sequence[int], image_grid_thw: S
         out[:, at:off] = pos + np.arange(off - at)
         pos += off - at
         # get_vision_position_ids: a (t, h, w) meshgrid of the merged grid, every axis offset by the start.
-        tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+        steps = np.arange(gt)
+        if scales is not None and scales[i] > 0:  # Qwen2.5-VL video: (arange(t) * interval).long() in float32
+            steps = (steps.astype(np.float32) * scales[i]).astype(np.int64)
+        tt, hh, ww = np.meshgrid(steps, np.arange(gh), np.arange(gw), indexing="ij")
         out[0, off:off + n] = tt.reshape(-1) + pos
         out[1, off:off + n] = hh.reshape(-1) + pos
         out[2, off:off + n] = ww.reshape(-1) + pos

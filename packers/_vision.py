@@ -38,6 +38,8 @@ from typing import Any, Mapping
 
 from packers import _tiles
 from packers.errors import PackstreamError
+from packers._keys import (NEEDED as _NEEDED, Got as _Got, Key as _Key, get as _get, integral as _integral, read as _read,
+                           shown as _shown)
 from packers.files import load_json, read_checked
 
 _MAX_CONFIG_BYTES = 1 << 20
@@ -140,6 +142,23 @@ class VisionSpec:
     """InternVL: the processor's ``min_patches`` / ``max_patches`` (tiles of the canvas, the thumbnail not counted)."""
     tile_tokens: int = 256
     """InternVL: the processor's ``image_seq_length``, placeholder tokens per tile."""
+    video_fps: float | None = None
+    """Qwen2-VL / Qwen2.5-VL videos (``--video-fps``): frames sampled per second of video, as the video processor's
+    ``fps``; None: videos are refused. The video fields below are stored only when it is set (:meth:`to_json`)."""
+    video_min_frames: int = 4
+    """The fewest frames sampled (``Qwen2VLVideoProcessor.min_frames``)."""
+    video_max_frames: int = 768
+    """The most frames sampled (``--video-max-frames``; ``Qwen2VLVideoProcessor.max_frames``)."""
+    video_min_pixels: int = 128 * 28 * 28
+    """Pixels a video frame is resized to at least (``--video-min-pixels``; the video processor's
+    ``size.shortest_edge``, 100,352 by default)."""
+    video_max_pixels: int = 28 * 28 * 768
+    """Pixels a video frame is resized to at most (``--video-max-pixels``; ``size.longest_edge``, 602,112)."""
+    video_token: str = "<|video_pad|>"
+    """The placeholder the processor repeats once per video token."""
+    tokens_per_second: int = 2
+    """Qwen2.5-VL: the model's ``vision_config.tokens_per_second`` (2 in Qwen2.5-VL's releases), which with each
+    video's ``second_per_grid_ts`` spaces its temporal positions."""
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("patch_size", "merge_size", "temporal_patch_size")
@@ -152,6 +171,10 @@ class VisionSpec:
                        f"max_tiles={self.max_tiles}")
         if self.family.mrope and not 0 < self.min_pixels <= self.max_pixels:
             bad.append(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}")
+        if self.video_fps is not None and not (0 < self.video_min_pixels <= self.video_max_pixels
+                                               and 1 <= self.video_min_frames <= self.video_max_frames):
+            bad.append(f"video_min_pixels={self.video_min_pixels}, video_max_pixels={self.video_max_pixels}, "
+                       f"video_min_frames={self.video_min_frames}, video_max_frames={self.video_max_frames}")
         if bad:
             raise PackstreamError(f"vision processor {self.name or self.family.value}: {', '.join(bad)} is not a "
                                   "usable setting; check the processor config")
@@ -233,9 +256,59 @@ class VisionSpec:
             raise PackstreamError(f"{said} is over {over} for processor {name}; {fix}")
         return dataclasses.replace(self, min_pixels=low, max_pixels=high)
 
+    @property
+    def videos(self) -> bool:
+        """Whether videos are packed (``--video-fps`` given)."""
+        return self.video_fps is not None
+
+    def with_video(self, fps: float | None, max_frames: int | None = None, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> VisionSpec:
+        """This spec packing videos (``--video-fps``, ``--video-max-frames``, ``--video-min-pixels``,
+        ``--video-max-pixels``): Qwen2-VL and Qwen2.5-VL only. ``fps`` None and no other value: unchanged."""
+        return _video_spec(self, fps, max_frames, min_pixels, max_pixels)
+
+    def video_resized(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(height, width)`` the video processor resizes every frame of a ``width`` x ``height`` video to."""
+        if width < 1 or height < 1:
+            raise ImageSizeError(ImageRefusal.EMPTY, width, height, 0)
+        if max(height, width) / min(height, width) > _MAX_RATIO:
+            raise ImageSizeError(ImageRefusal.ASPECT, width, height, _MAX_RATIO)
+        return smart_resize(height, width, self.factor, self.video_min_pixels, self.video_max_pixels)
+
+    def video_grid(self, frames: int, fps: float, width: int, height: int) -> tuple[tuple[int, int, int], list[int],
+                                                                                     float]:
+        """A video of ``frames`` frames at ``fps`` (its container's count and rate), ``width`` x ``height``: its patch
+        grid ``(t, h, w)`` (``video_grid_thw``), the frame indices sampled, and its ``second_per_grid_ts``."""
+        from packers._video import frame_indices, sampled_seconds_per_grid
+
+        if self.video_fps is None:
+            raise PackstreamError("this vision spec packs no videos; pass --video-fps")
+        t = self.temporal_patch_size
+        idx = frame_indices(frames, fps, want_fps=self.video_fps, min_frames=self.video_min_frames,
+                            max_frames=self.video_max_frames, temporal=t)
+        h, w = self.video_resized(width, height)
+        grid = (-(-len(idx) // t), h // self.patch_size, w // self.patch_size)
+        return grid, idx, sampled_seconds_per_grid(t, len(idx), frames, fps)
+
+    def measure_video(self, source: Any, what: str) -> tuple[tuple[int, int, int], float]:
+        """A video file (a path or a seekable binary file object): its ``video_grid_thw`` and ``second_per_grid_ts``
+        from its container's frame count, rate and size, its frames decoded once up to the last one sampled (one
+        that is not there, or a file PyAV cannot read, is a PackstreamError naming ``what``). Needs PyAV."""
+        from packers._video import count_frames, probe
+
+        info = probe(source, what)
+        grid, indices, seconds = self.video_grid(info.frames, info.fps, info.width, info.height)
+        if hasattr(source, "seek"):
+            source.seek(0)
+        count_frames(source, indices[-1], what)
+        return grid, seconds
+
     def to_json(self) -> str:
-        """The spec as JSON; InternVL's tile fields only for that family (another's JSON stays as it was)."""
-        drop = () if self.family is VisionFamily.INTERNVL else _TILE_FIELDS
+        """The spec as JSON; InternVL's tile fields only for that family, the video fields only when it packs videos
+        (another spec's JSON stays as it was, and reads in older packstreams)."""
+        drop = set(() if self.family is VisionFamily.INTERNVL else _TILE_FIELDS)
+        if self.video_fps is None:
+            drop |= set(_VIDEO_FIELDS)
         return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v)
                            for k, v in dataclasses.asdict(self).items() if k not in drop}, sort_keys=True)
 
@@ -343,120 +416,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-_NEEDED = object()
-"""The default of a key that must be there."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    """One value a reader takes from a JSON object, declared once: its name, type, range and default.
-    :func:`_get` is the one check of all of them.
-
-    An integer is a JSON integer, or a float with no fraction (``14.0`` reads as ``14``, as ``int()`` read it
-    before); ``true``/``false`` are never integers.
-    """
-
-    path: str
-    """The key; ``parent.child`` reads inside an object (``size.shortest_edge``)."""
-    kind: type
-    """``int`` or ``str``."""
-    low: int = 0
-    high: int = 0
-    """The range: of the value for an ``int``, of its length for a ``str``."""
-    choices: tuple[str, ...] = ()
-    """A ``str`` must be one of these, when given."""
-    default: Any = _NEEDED
-    """The value when the key is absent (``_NEEDED``: it must be there)."""
-    nullable: bool = False
-    """``null`` reads as absent (HF writes ``min_pixels: null`` when ``size`` holds the setting); elsewhere a
-    ``null`` is refused. A ``null`` parent (``"size": null``) always reads as absent."""
-    bare: bool = False
-    """The parent may be the value itself: CLIP's older ``crop_size: 336`` for ``{"height": 336, ...}``."""
-
-    def expected(self) -> str:
-        if self.kind is int:
-            return f"an integer in {self.low}..{self.high}"
-        if self.choices:
-            return "one of " + ", ".join(json.dumps(c) for c in self.choices)
-        return f"a string of {self.low}..{self.high} characters"
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    """``value`` as the JSON file has it, cut to ``limit`` characters (a bad value can be long)."""
-    s = json.dumps(value, ensure_ascii=True, allow_nan=True)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Got:
-    """A value read, and where from (for messages about two values at once)."""
-
-    value: Any
-    what: str = ""
-    """The file (``--processor PATH``) it came from; empty for a default."""
-    label: str = ""
-    """The key as written there (``image_processor.patch_size`` when nested in processor_config.json)."""
-
-    def named(self, default_name: str, beside: str) -> str:
-        """``label value``, the file too when it is not ``beside``; ``the default NAME value`` for a default."""
-        if not self.what:
-            return f"the default {default_name} {self.value}"
-        return f"{self.label} {self.value}" + (f" (in {self.what})" if self.what != beside else "")
-
-
-def _get(values: Mapping[str, tuple[Any, str, str]], key: _Key, fix: str) -> _Got:
-    """``key`` read from ``values`` (key -> (value, the file it came from, its key prefix)) and checked: the value,
-    its default when absent, or a one-line PackstreamError naming the file, the key, the value given, what was
-    expected and ``fix``."""
-    head, _, child = key.path.partition(".")
-    if head not in values:
-        return _Got(key.default)
-    value, what, prefix = values[head]
-    label = prefix + head
-
-    def bad(shown: Any, expected: str) -> PackstreamError:
-        return PackstreamError(f"{what}: {label} is {_shown(shown)}, expected {expected}; {fix}")
-
-    expected = key.expected()
-    if child:
-        if value is None:
-            return _Got(key.default)
-        if isinstance(value, dict):
-            if child not in value:
-                return _Got(key.default)
-            value, label = value[child], f"{label}.{child}"
-        elif not key.bare:
-            raise bad(value, "an object")
-        else:  # the parent stands for the value itself
-            expected = f"an object or {expected}"
-    if value is None:
-        if key.nullable:
-            return _Got(key.default)
-        raise bad(value, expected)
-    if key.kind is int:
-        if not _integral(value) or not key.low <= value <= key.high:
-            raise bad(value, expected)
-        return _Got(int(value), what, label)
-    if not isinstance(value, str) or (key.choices and value not in key.choices) or (
-            not key.choices and not key.low <= len(value) <= key.high):
-        raise bad(value, expected)
-    return _Got(value, what, label)
-
-
-def _read(values: Mapping[str, tuple[Any, str, str]], key: _Key, fix: str, where: str) -> Any:
-    """:func:`_get`'s value; a key that must be there and is not is an error naming ``where`` (the file)."""
-    got = _get(values, key, fix)
-    if got.value is _NEEDED:
-        raise PackstreamError(f"{where}: {key.path} is missing, expected {key.expected()}; {fix}")
-    return got.value
-
-
-def _integral(value: Any) -> bool:
-    """A JSON integer, or a float with no fraction; not a bool."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
-                                                                          and value.is_integer())
-
-
 _QWEN_PROCESSORS = {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"}
 _CLIP_PROCESSORS = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil", "LlavaImageProcessor",
                     "LlavaImageProcessorFast", "LlavaImageProcessorPil"}
@@ -519,8 +478,58 @@ _SPEC_KEYS = (
     _Key("min_tiles", int, 1, _MAX_TILES, default=None),
     _Key("max_tiles", int, 1, _MAX_TILES, default=None),
     _Key("tile_tokens", int, 1, _MAX_TILE_TOKENS, default=None),
+    _Key("video_fps", float, 0, 1000, default=None, nullable=True),
+    _Key("video_min_frames", int, 1, 1 << 20, default=None),
+    _Key("video_max_frames", int, 1, 1 << 20, default=None),
+    _Key("video_min_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("video_max_pixels", int, 1, _MAX_PIXELS, default=None),
+    _Key("video_token", str, 1, _MAX_TOKEN_CHARS, default=None),
+    _Key("tokens_per_second", int, 1, 1 << 16, default=None),
 )
 _TILE_FIELDS = ("min_tiles", "max_tiles", "tile_tokens")
+"""The fields a spec stores only for InternVL."""
+_VIDEO_FIELDS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
+                 "video_token", "tokens_per_second")
+"""The fields a spec stores only when it packs videos."""
+_VIDEO_FAMILIES = (VisionFamily.QWEN2_VL, VisionFamily.QWEN2_5_VL)
+"""The families whose videos packstream packs (Qwen3-VL's timestamped frame groups are not done)."""
+
+
+def _video_spec(spec: VisionSpec, fps: float | None, max_frames: int | None, min_pixels: int | None,
+                max_pixels: int | None) -> VisionSpec:
+    """:meth:`VisionSpec.with_video`: each value checked, one line naming it, its limit and the fix."""
+    if fps is None:
+        given = [f for f, v in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                                ("--video-max-pixels", max_pixels)) if v is not None]
+        if given:
+            raise PackstreamError(f"{' and '.join(given)} say how videos are sampled, and videos are packed only with "
+                                  "--video-fps; add --video-fps 2 (Qwen's default) or drop them")
+        return spec
+    name = spec.name or spec.family.value
+    if spec.family not in _VIDEO_FAMILIES:
+        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL and Qwen2.5-VL only, not for the "
+                              f"processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        raise PackstreamError(f"--video-fps {fps!r} is out of range; give frames per second in (0, 1000] "
+                              "(Qwen samples 2)")
+    for flag, value in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                        ("--video-max-pixels", max_pixels)):
+        top = 1 << 20 if flag == "--video-max-frames" else _MAX_PIXELS
+        if value is not None and (not _integral(value) or not 1 <= value <= top):
+            raise PackstreamError(f"{flag} {value!r} is out of range; give an integer within 1..{top:,}")
+    frames = spec.video_max_frames if max_frames is None else int(max_frames)
+    if frames < spec.temporal_patch_size:
+        raise PackstreamError(f"--video-max-frames {frames} is under the processor's temporal patch of "
+                              f"{spec.temporal_patch_size} frames; give at least {spec.temporal_patch_size}")
+    low = spec.video_min_pixels if min_pixels is None else int(min_pixels)
+    high = spec.video_max_pixels if max_pixels is None else int(max_pixels)
+    if low > high:
+        raise PackstreamError(f"the video pixel limits run from {low:,} to {high:,} (--video-min-pixels / "
+                              "--video-max-pixels, or the processor's defaults 100,352 and 602,112); give a min "
+                              "under the max")
+    return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
+                               video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,
+                               video_max_pixels=high)
 
 
 def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:

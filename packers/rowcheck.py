@@ -336,6 +336,12 @@ def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | No
 # -- rows with images (contract version 4) ---------------------------------------------------------------------------
 
 
+def check_videos(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
+                 video_offsets: Any, video_grid_thw: Any, n_videos: int, spec: Any) -> Failure | None:
+    """:func:`check_images` for a row's video columns (contract version 5)."""
+    return _check_runs(row, input_ids, loss_mask, seq_offsets, (video_offsets, video_grid_thw, n_videos), spec, "video")
+
+
 def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
                  image_offsets: Any, image_grid_thw: Any, n_images: int, spec: Any) -> Failure | None:
     """Row ``row``'s image columns against its tokens (:data:`packers.schema.VISION_SCHEMA`), under the vision spec
@@ -347,48 +353,59 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     limits give (:func:`packers._tiles.grid_problem`); and in each sequence no placeholder token outside
     its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
-    rows). A failure's detail starts with ``image K:`` when one image breaks a rule."""
+    rows). A failure's detail starts with ``image K:`` when one image breaks a rule. :func:`check_videos`: the same rules
+    for a row's video columns (``video_offsets``, ``video_grid_thw``, ``videos``: contract version 5), each video's run
+    ``t * h * w / merge**2`` tokens of its own placeholder id."""
+    return _check_runs(row, input_ids, loss_mask, seq_offsets, (image_offsets, image_grid_thw, n_images), spec, "image")
+
+
+def _check_runs(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
+                runs: tuple[Any, Any, int], spec: Any, what: str) -> Failure | None:
+    """:func:`check_images` (``what`` "image") and :func:`check_videos` ("video"): ``runs`` is the offsets, grids and
+    number of references."""
+    image_offsets, image_grid_thw, n_images = runs
+    col = what + "s"
     starts = np.asarray(image_offsets, dtype=np.int64).reshape(-1)
     flat = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1)
     k = starts.shape[0]
     if flat.shape[0] != 3 * k:
-        return Failure(row, "images", f"{k} image_offsets and {flat.shape[0]} image_grid_thw values; 3 (t, h, w) per "
-                                      "image")
+        return Failure(row, col, f"{k} {what}_offsets and {flat.shape[0]} {what}_grid_thw values; 3 (t, h, w) per "
+                                   f"{what}")
     if n_images != k:
-        return Failure(row, "images", f"{n_images} images for {k} image_offsets; one per image")
+        return Failure(row, col, f"{n_images} {col} for {k} {what}_offsets; one per {what}")
     tiled = spec.family is VisionFamily.INTERNVL  # (tiles, rows, cols), checked by packers._tiles.grid_problem
     square = spec.image_grid(spec.image_size, spec.image_size) if spec.family is VisionFamily.LLAVA else None
     n, last, image_id = len(input_ids), 0, None
     for j, (at, grid) in enumerate(zip(starts.tolist(), flat.reshape(-1, 3).tolist())):
         count = spec.grid_tokens(grid)
         seq = int(np.searchsorted(seq_offsets, at, side="right")) - 1
-        where = f"image {j}: {count} placeholder tokens (grid {tuple(grid)}) at token {at}"
+        where = f"{what} {j}: {count} placeholder tokens (grid {tuple(grid)}) at token {at}"
         if at < last or min(grid) < 1:
-            return Failure(row, "images", f"{where}: overlaps the previous image (it ends at token {last}) or has an "
-                                          "empty grid; image_offsets must increase with each image's tokens")
+            return Failure(row, col, f"{where}: overlaps the previous {what} (it ends at token {last}) or has an "
+                                          f"empty grid; {what}_offsets must increase with each {what}'s tokens")
         if j and at == last and spec.family.mrope:
-            return Failure(row, "images", f"{where} start right where image {j - 1} ends, with no text token between; "
+            return Failure(row, col, f"{where} start right where {what} {j - 1} ends, with no text token between; "
                                           f"{spec.family.value}'s model takes touching image runs for one image and "
                                           "cannot run the example even alone: put a token between images (the chat "
                                           f"template's {spec.vision_end or ''}{spec.vision_start or ''} does)")
         if tiled and (why := grid_problem(grid, spec.min_tiles, spec.max_tiles)) is not None:
-            return Failure(row, "images", f"{where} {why}; the row was packed with another vision spec?")
+            return Failure(row, col, f"{where} {why}; the row was packed with another vision spec?")
         if square is not None and tuple(grid) != square:
-            return Failure(row, "images", f"{where}: every image of the vision spec {spec.name or spec.family.value} "
+            return Failure(row, col, f"{where}: every image of the vision spec {spec.name or spec.family.value} "
                                           f"(image_size {spec.image_size}, patch {spec.patch_size}) has grid {square}, "
                                           f"{spec.grid_tokens(square)} tokens; the row was packed with another vision "
                                           "spec?")
         if not 0 <= seq < len(seq_offsets) - 1 or at + count > seq_offsets[seq + 1]:
-            return Failure(row, "images", f"{where} cross the end of their example (seq_offsets "
+            return Failure(row, col, f"{where} cross the end of their example (seq_offsets "
                                           f"{np.asarray(seq_offsets).tolist()[:8]}) or of the row ({n} tokens); the row "
                                           "was packed with another vision spec?")
         run = np.asarray(input_ids[at:at + count])
         if (run != run[0]).any() or (image_id is not None and run[0] != image_id):
-            return Failure(row, "images", f"{where}: the tokens there are not one placeholder id repeated, the same as "
+            return Failure(row, col, f"{where}: the tokens there are not one placeholder id repeated, the same as "
                                           f"the first image's ({run[:8].tolist()}...); the row was packed with another "
                                           "vision spec?")
         if loss_mask is not None and np.asarray(loss_mask[at:at + count]).any():
-            return Failure(row, "images", f"{where} are marked as training targets; a placeholder never is one")
+            return Failure(row, col, f"{where} are marked as training targets; a placeholder never is one")
         image_id, last = run[0], at + count
     if image_id is None:
         return None
@@ -401,7 +418,7 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
                        weights=[spec.grid_tokens(g) for g in flat.reshape(-1, 3).tolist()])[:nseq].astype(np.int64)
     if (bad := have != want).any():
         s = int(np.flatnonzero(bad)[0])
-        return Failure(row, "images", f"sequence {s} holds {int(have[s])} tokens of the placeholder id "
+        return Failure(row, col, f"sequence {s} holds {int(have[s])} tokens of the placeholder id "
                                       f"{int(image_id)}, its images' grids give {int(want[s])}: a placeholder token "
                                       "outside every image's run (or a run longer than its grid); the row was packed "
                                       "with another vision spec, or changed since packing?", sequence=s)

@@ -69,7 +69,7 @@ against the manifest's entry for the file, so a shard listed twice, renamed, mov
 split or taken from another run is refused without reading a row (:mod:`packers.manifest`).
 
 Version history: 1, the first five columns; 2, ``num_targets`` and the pair columns; 3 (this),
-``desirable``. An older folder is refused with "repack" (:func:`read_metadata`).
+``desirable``; 4, :data:`VISION_SCHEMA` (images); 5, :data:`VIDEO_SCHEMA` (videos, ``--video-fps``). An older folder is refused with "repack" (:func:`read_metadata`).
 
 >>> import pyarrow as pa
 >>> row = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
@@ -151,13 +151,48 @@ never a target. Empty lists in a row without images."""
 
 VISION_COLUMNS = ("image_offsets", "image_grid_thw", "images")
 
-READABLE_VERSIONS = (CONTRACT_VERSION, VISION_CONTRACT_VERSION)
+VIDEO_CONTRACT_VERSION = 5
+"""The contract version of a run that packs videos (``--video-fps``): :data:`VIDEO_SCHEMA`. A reader that knows only
+versions 3 and 4 refuses it, so no older packstream trains the video placeholders as text."""
+
+VIDEO_SCHEMA = pa.schema(
+    list(VISION_SCHEMA)
+    + [
+        pa.field("video_offsets", pa.list_(pa.int32()), nullable=False),
+        pa.field("video_grid_thw", pa.list_(pa.int32()), nullable=False),
+        pa.field("videos", pa.list_(IMAGE_TYPE), nullable=False),
+        pa.field("second_per_grid_ts", pa.list_(pa.float32()), nullable=False),
+    ]
+)
+"""The shard schema of a run with videos: :data:`VISION_SCHEMA` and, per row, in row order, each video's start
+``video_offsets`` (its first ``<|video_pad|>`` token), its patch grid ``video_grid_thw`` (t, h, w: t the sampled frames
+over the temporal patch), the file ``videos`` (``{path, bytes}`` as images) and its ``second_per_grid_ts`` (the
+processor's ``temporal_patch_size / sampled fps``, float32; Qwen2.5-VL's temporal positions are scaled by it). A video's
+run is ``t * h * w / merge**2`` tokens, inside one example, never a target. Empty lists in a row without videos."""
+
+VIDEO_COLUMNS = ("video_offsets", "video_grid_thw", "videos", "second_per_grid_ts")
+
+READABLE_VERSIONS = (CONTRACT_VERSION, VISION_CONTRACT_VERSION, VIDEO_CONTRACT_VERSION)
+
+
+def vision_version(vision: str | None) -> int:
+    """The contract version of a run whose vision spec is ``vision`` (:meth:`packers.VisionSpec.to_json`; None: text):
+    3, 4 with images, 5 when the spec packs videos (its ``video_fps`` is set)."""
+    if vision is None:
+        return CONTRACT_VERSION
+    try:
+        videos = json.loads(vision).get("video_fps") is not None
+    except (ValueError, AttributeError):
+        videos = False
+    return VIDEO_CONTRACT_VERSION if videos else VISION_CONTRACT_VERSION
 
 
 def row_schema(contract_version: int) -> pa.Schema:
     """The row schema of a contract version this packstream reads."""
     if contract_version == VISION_CONTRACT_VERSION:
         return VISION_SCHEMA
+    if contract_version == VIDEO_CONTRACT_VERSION:
+        return VIDEO_SCHEMA
     if contract_version == CONTRACT_VERSION:
         return SCHEMA
     raise ContractError(f"contract version {contract_version!r} is not one this packstream reads "
@@ -203,7 +238,7 @@ def schema_metadata(
     """The metadata every shard of one run carries; :func:`place_metadata` adds the shard's own place.
     ``vision``: the run's :meth:`packers.VisionSpec.to_json` when it packs images (contract version 4)."""
     values = {
-        "contract_version": CONTRACT_VERSION if vision is None else VISION_CONTRACT_VERSION,
+        "contract_version": vision_version(vision),
         "budget": budget,
         "tokenizer": tokenizer,
         "tokenizer_vocab_sha256": vocab_sha256,
@@ -246,7 +281,7 @@ def read_metadata(schema: pa.Schema) -> dict[str, Any]:
             f"shard has contract version {out['contract_version']}, this packstream reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; repack the data or install a matching packstream"
         )
-    if (out["contract_version"] == VISION_CONTRACT_VERSION) != ("vision" in out):
+    if (out["contract_version"] != CONTRACT_VERSION) != ("vision" in out):
         raise ContractError(f"shard has contract version {out['contract_version']} "
                             f"{'without' if 'vision' not in out else 'with'} packstream.vision metadata; "
                             "it was not written by packstream: repack the data")
@@ -255,7 +290,7 @@ def read_metadata(schema: pa.Schema) -> dict[str, Any]:
 
 def shard_schema(**metadata: Any) -> pa.Schema:
     """:data:`SCHEMA` (:data:`VISION_SCHEMA` with ``vision=``) with :func:`schema_metadata` attached."""
-    schema = VISION_SCHEMA if metadata.get("vision") is not None else SCHEMA
+    schema = row_schema(vision_version(metadata.get("vision")))
     return schema.with_metadata(schema_metadata(**metadata))
 
 

@@ -124,6 +124,8 @@ class Encoder:
         self._foreign_ends = _foreign_ends(self._backend, self.eos_id)
         self.vision = options.vision()
         self.image_text: Optional[str] = None
+        self.video_text: Optional[str] = None
+        self.video_id = -1
         if self.vision is not None:
             from pipeline._tokenizer import vision_token_ids
 
@@ -131,6 +133,9 @@ class Encoder:
             self.image_id = self.vision_ids["image_token"]
             v = self.vision
             self.image_text = (v.vision_start or "") + v.image_token + (v.vision_end or "")
+            if v.videos:
+                self.video_text = (v.vision_start or "") + v.video_token + (v.vision_end or "")
+                self.video_id = self.vision_ids["video_token"]
         self._folders = dict(folders or {})
         self._roots: dict[str, _media.MediaRoot] = {}
 
@@ -207,7 +212,7 @@ class Encoder:
                     add_counts(p.counts, notes)
                     p.meta.append((eid, source, position, dataset))
                     continue
-                convs = conversations(record, fmt, self.image_text)
+                convs = conversations(record, fmt, self.image_text, self.video_text)
             except Rejected as r:
                 p.rejected.append(_rows.reject_record(source, position, r.reason, r.detail, eid))
                 continue
@@ -334,26 +339,16 @@ class Encoder:
         side refused refuses its pair, once)."""
         n = len(rec_lens)
         ends = np.cumsum(rec_lens)
+        self._check_placeholders(ids, ends, p, keep, group)
         want = np.array([len(p.images.get(i, ())) for i in range(n)], dtype=np.int64)
-        for what, token_id in self.vision_ids.items():  # the placeholder, and Qwen's start/end: once per image each
-            found = np.bincount(np.searchsorted(ends, np.flatnonzero(ids == token_id), side="right"), minlength=n)
-            token = getattr(self.vision, what)
-            for i in np.flatnonzero((found != want) & keep).tolist():
-                if not keep[i]:  # its pair's other side was refused just now
-                    continue
-                eid, source, position, _ = p.meta[i // group]
-                side = ("the chosen side" if i % 2 == 0 else "the rejected side") if group == 2 else "the example"
-                p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
-                    f"{side} holds {found[i]} {token!r} tokens for {want[i]} images: its text holds {token!r} "
-                    "itself, or the chat template drops or repeats a turn with an image; remove the processor's tokens "
-                    "from the text (images go in image parts or as <image>)"), eid))
-                keep[i - i % group:i - i % group + group] = False
-        pos = np.flatnonzero(ids == self.image_id)
+        pos = np.flatnonzero((ids == self.image_id) | (ids == self.video_id))
         owner = np.searchsorted(ends, pos, side="right")
         ok = keep[owner]
         rep = np.ones(len(ids), np.int64)
-        sizes = [img.tokens for i in range(n) if keep[i] for img in p.images.get(i, ())]
-        rep[pos[ok]] = np.asarray(sizes, np.int64)
+        kept = [img for i in range(n) if keep[i] for img in p.images.get(i, ())]
+        if [img.video for img in kept] != (ids[pos[ok]] == self.video_id).tolist():
+            raise InternalError("the image and video placeholder tokens stand in another order than the media")
+        rep[pos[ok]] = np.asarray([img.tokens for img in kept], np.int64)
         new_at = np.cumsum(rep) - rep  # where each old token starts in the expanded arrays
         ids, mask = np.repeat(ids, rep), np.repeat(mask, rep)
         runs = _rows._ranges(new_at[pos[ok]], new_at[pos[ok]] + rep[pos[ok]])
@@ -363,11 +358,37 @@ class Encoder:
         counts = np.where(keep, want, 0)
         index = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=index[1:])
-        kept = [img for i in range(n) if keep[i] for img in p.images.get(i, ())]
         images = _rows.Images(index, (new_at[pos[ok]] - starts[owner[ok]]).astype(np.int64),
                               np.array([img.grid for img in kept], np.int32).reshape(-1, 3),
-                              [(img.path, img.data) for img in kept])
+                              [(img.path, img.data) for img in kept], np.array([img.video for img in kept], bool),
+                              np.array([img.seconds for img in kept], np.float32))
         return ids, mask, rec_lens, images
+
+    def _check_placeholders(self, ids: np.ndarray, ends: np.ndarray, p: "_Prepared", keep: np.ndarray,
+                            group: int) -> None:
+        """Each example's placeholder tokens, one per image (``<|image_pad|>``), per video (``<|video_pad|>``) and
+        per either (Qwen's start/end): an example whose counts differ is ``placeholder_mismatch`` (``keep`` cleared;
+        a side refused refuses its pair, once)."""
+        n = len(ends)
+        media = [p.images.get(i, ()) for i in range(n)]
+        videos = np.array([sum(m.video for m in ms) for ms in media], dtype=np.int64)
+        total = np.array([len(ms) for ms in media], dtype=np.int64)
+        wants = {"image_token": total - videos, "video_token": videos}
+        for what, token_id in self.vision_ids.items():
+            want = wants.get(what, total)
+            found = np.bincount(np.searchsorted(ends, np.flatnonzero(ids == token_id), side="right"), minlength=n)
+            token = getattr(self.vision, what)
+            kind = "videos" if what == "video_token" else "images" if what == "image_token" else "images and videos"
+            for i in np.flatnonzero((found != want) & keep).tolist():
+                if not keep[i]:  # its pair's other side was refused just now
+                    continue
+                eid, source, position, _ = p.meta[i // group]
+                side = ("the chosen side" if i % 2 == 0 else "the rejected side") if group == 2 else "the example"
+                p.rejected.append(_rows.reject_record(source, position, Reason.PLACEHOLDER_MISMATCH, (
+                    f"{side} holds {found[i]} {token!r} tokens for {want[i]} {kind}: its text holds {token!r} "
+                    "itself, or the chat template drops or repeats a turn with an image; remove the processor's tokens "
+                    "from the text (images go in image parts or as <image>, videos as video parts or <video>)"), eid))
+                keep[i - i % group:i - i % group + group] = False
 
     def _finish_pairs(self, p: "_Prepared", encs: list) -> Encoded:
         """:meth:`finish` for pairs: per side the EOS and the completion mask, then the prompt check, then one

@@ -29,6 +29,12 @@ becomes (bytes the record holds are stored as bytes either way, with the name th
 
 Anything that cannot be read or sized, or a file over :data:`MAX_EMBED_BYTES` to embed, is a
 :class:`Rejected` (``bad_image``) naming the image and the error.
+
+Videos (``--video-fps``: ``Video`` references among a conversation's images) are resolved and opened the same way
+(:func:`measure_video`): their frame count, rate and size come from the container's header (PyAV, as transformers'
+``read_video_pyav`` reads them), the frames the processor samples follow from those alone
+(:meth:`packers.VisionSpec.video_grid`), and the file is decoded once up to the last sampled frame, so that a file
+holding fewer frames than its header states is a ``bad_image`` dead letter here, not a crash in the loader.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import IO, Any, Optional, Sequence
 
 from packers import ImageSizeError, PackstreamError, VisionSpec
 from packers.files import OutsideRoot, open_beneath, real_folder, under, within
-from pipeline._formats import Reason, Rejected
+from pipeline._formats import Reason, Rejected, Video
 from pipeline._options import ImageStorage
 
 _SHOWN = 80
@@ -66,6 +72,10 @@ class Image:
     data: Optional[bytes]
     grid: tuple[int, int, int]
     tokens: int
+    video: bool = False
+    """A video (``--video-fps``): ``grid`` is its ``video_grid_thw``."""
+    seconds: float = 0.0
+    """A video's ``second_per_grid_ts`` (float32 as the processor gives it); 0 for an image."""
 
 
 def _short(text: str) -> str:
@@ -261,6 +271,9 @@ def measure(refs: Sequence[Any], root: MediaRoot, spec: VisionSpec,
     :attr:`ImageStorage.EMBED` the row stores the bytes read then, and they are what is sized and checked."""
     out = []
     for k, ref in enumerate(refs):
+        if isinstance(ref, Video):
+            out.append(measure_video(ref.ref, root, spec, storage, f"video {k + 1} of {len(refs)}"))
+            continue
         at = f"image {k + 1} of {len(refs)}"
         src = resolve(ref, root, at)
         stored, data = src.path, src.data
@@ -365,3 +378,26 @@ def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Opti
             pass  # a bad image costs about as much to find out
     timed = (time.perf_counter() - start) / len(refs)
     return Work(int(sum(sizes)), int(round(total)), timed)
+def measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageStorage, at: str) -> Image:
+    """One video of an example, resolved under ``root``, stored as ``storage`` says (``--images embed``: its bytes)
+    and measured under ``spec``: an :class:`pipeline._media.Image` with ``video=True``, its ``video_grid_thw``, its
+    token count and its ``second_per_grid_ts``; or :class:`Rejected`."""
+    src = resolve(ref, root, at)
+    stored, data = src.path, src.data
+    source: IO[bytes]
+    if data is not None:
+        source = io.BytesIO(data)
+    else:
+        source = _open(src, root, at)
+        if storage is ImageStorage.EMBED:
+            data, stored = read_image(source, src.path, at), os.path.basename(src.path)
+            source = io.BytesIO(data)
+    what = f"{at} ({_short(src.path) if src.path else str(len(data or b'')) + ' bytes'})"
+    with source:
+        try:
+            grid, seconds = spec.measure_video(source, what)
+        except ImageSizeError as e:
+            raise Rejected(Reason.BAD_IMAGE, f"{what}: {str(e).replace('image', 'video frame', 1)}") from None
+        except PackstreamError as e:
+            raise Rejected(Reason.BAD_IMAGE, f"{e}; replace the file or drop the record") from None
+    return Image(stored, data, grid, spec.grid_tokens(grid), video=True, seconds=seconds)

@@ -121,6 +121,15 @@ class Images:
     """int32 (images, 3)."""
     refs: list
     """Per image ``(path, bytes)``, as the rows' ``images`` column stores it."""
+    video: np.ndarray | None = None
+    """bool (images,): which are videos (``--video-fps``: the rows' video columns); None: none."""
+    seconds: np.ndarray | None = None
+    """float32 (images,): each video's ``second_per_grid_ts`` (0 for an image); None: all 0."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "video", np.zeros(len(self.offsets), bool) if self.video is None else self.video)
+        object.__setattr__(self, "seconds", np.zeros(len(self.offsets), np.float32) if self.seconds is None
+                           else self.seconds)
 
     @classmethod
     def none(cls, n: int) -> "Images":
@@ -135,7 +144,8 @@ class Images:
         idx = _ranges(self.index[which], self.index[which + 1])
         index = np.zeros(len(which) + 1, np.int64)
         np.cumsum(self.counts[which], out=index[1:])
-        return Images(index, self.offsets[idx], self.grids[idx], [self.refs[i] for i in idx.tolist()])
+        return Images(index, self.offsets[idx], self.grids[idx], [self.refs[i] for i in idx.tolist()],
+                      self.video[idx], self.seconds[idx])
 
     @classmethod
     def concat(cls, parts: Sequence["Images"]) -> "Images":
@@ -143,7 +153,8 @@ class Images:
         index = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=index[1:])
         return cls(index, np.concatenate([p.offsets for p in parts]), np.concatenate([p.grids for p in parts]),
-                   [r for p in parts for r in p.refs])
+                   [r for p in parts for r in p.refs], np.concatenate([p.video for p in parts]),
+                   np.concatenate([p.seconds for p in parts]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +335,9 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
         labelled = batch.desirable is not None and int(batch.desirable[i]) >= 0
         why = None
         if k:  # an image is never cut, nor an example from its images: such an example goes whole or not at all
-            why = (f"{n} tokens > budget {budget}, and the example holds {k} image(s), which are never cut (whatever "
-                   "--long says); use a larger --max-tokens, or smaller images (the processor's max_pixels)")
+            why = (f"{n} tokens > budget {budget}, and the example holds {k} image(s) or video(s), which are never cut (whatever "
+                   "--long says); use a larger --max-tokens, or smaller images (the processor's max_pixels; for videos "
+                   "--video-fps, --video-max-frames, --video-max-pixels)")
         elif options.long is LongPolicy.DROP:
             why = f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, or a larger --max-tokens"
         elif options.long is LongPolicy.SPLIT and labelled:  # TRL's KTOTrainer truncates; it never splits
@@ -585,9 +597,11 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
     if options.processor is None:
         chunks: tuple[pa.RecordBatch, ...] = (pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA),)
     else:
+        videos = options.vision().videos
         image_cols, row_bytes = image_columns(batch, ex[piece_order], starts[piece_order], stops[piece_order],
                                               ends - piece_lens, row_pieces, sides=placed.sides is not None)
-        chunks = _chunked(arrays + image_cols, row_bytes)
+        image_cols = image_cols if videos else image_cols[:3]
+        chunks = _chunked(arrays + image_cols, row_bytes, packers.VIDEO_SCHEMA if videos else packers.VISION_SCHEMA)
     # Row checks for the manifest: sequences shorter than the budget end with the EOS; targets everywhere?
     if eos_id is None or not len(piece_lens):
         eos_ok = eos_id is not None
@@ -608,10 +622,14 @@ CHUNK_IMAGE_BYTES = 256 * 2**20
 """Embedded image bytes per record batch of packed rows: a group whose rows hold more is written as several batches
 (never cut inside a row), so no ``binary`` column nears its 2 GiB limit and no batch is huge in memory."""
 
-_WIDE_SCHEMA = pa.schema([f if f.name != "images" else pa.field(
-    "images", pa.list_(pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.large_binary())])),
-    nullable=False) for f in packers.VISION_SCHEMA])
-"""VISION_SCHEMA with 64-bit offsets for the image bytes: a group's rows before they are cut into chunks."""
+def _wide(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with 64-bit offsets for the image (and video) bytes: a group's rows before they are cut up."""
+    return pa.schema([f if f.name not in ("images", "videos") else pa.field(
+        f.name, pa.list_(pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.large_binary())])),
+        nullable=False) for f in schema])
+
+
+_WIDE_SCHEMA = _wide(packers.VISION_SCHEMA)
 
 
 def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
@@ -623,10 +641,11 @@ def image_list(offsets: np.ndarray, refs: Sequence[tuple]) -> pa.ListArray:
     return pa.ListArray.from_arrays(_arrow.array(offsets, pa.int32()), struct)
 
 
-def _chunked(arrays: list, row_bytes: np.ndarray) -> tuple[pa.RecordBatch, ...]:
-    """The rows as record batches of :data:`packers.VISION_SCHEMA`, each holding at most :data:`CHUNK_IMAGE_BYTES`
-    of embedded images (or one row); a single row over the 2 GiB a ``binary`` column holds is refused."""
-    wide = pa.RecordBatch.from_arrays(arrays, schema=_WIDE_SCHEMA)
+def _chunked(arrays: list, row_bytes: np.ndarray, schema: pa.Schema = packers.VISION_SCHEMA) -> tuple[pa.RecordBatch, ...]:
+    """The rows as record batches of ``schema`` (:data:`packers.VISION_SCHEMA`, or ``VIDEO_SCHEMA``), each holding at
+    most :data:`CHUNK_IMAGE_BYTES` of embedded images (or one row); a single row over the 2 GiB a ``binary`` column
+    holds is refused."""
+    wide = pa.RecordBatch.from_arrays(arrays, schema=_wide(schema))
     if len(row_bytes) and row_bytes.max() > _MAX_BINARY:
         raise packers.PackstreamError(
             f"one packed row holds {int(row_bytes.max()):,} bytes of embedded images, over the {_MAX_BINARY:,} an "
@@ -641,17 +660,18 @@ def _chunked(arrays: list, row_bytes: np.ndarray) -> tuple[pa.RecordBatch, ...]:
     cuts.append(wide.num_rows)
     chunks = []
     for a, z in zip(cuts[:-1], cuts[1:]):
-        narrow = pa.Table.from_batches([wide.slice(a, z - a)]).cast(packers.VISION_SCHEMA).combine_chunks()
-        chunks.append(narrow.to_batches()[0] if narrow.num_rows else _arrow.empty_batch(packers.VISION_SCHEMA))
+        narrow = pa.Table.from_batches([wide.slice(a, z - a)]).cast(schema).combine_chunks()
+        chunks.append(narrow.to_batches()[0] if narrow.num_rows else _arrow.empty_batch(schema))
     return tuple(chunks)
 
 
 def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops: np.ndarray, at: np.ndarray,
                   row_pieces: np.ndarray, sides: bool = False) -> tuple[list[pa.Array], np.ndarray]:
-    """The rows' ``image_offsets``, ``image_grid_thw`` and ``images`` (:data:`packers.VISION_SCHEMA`, the bytes wide
-    until :func:`_chunked`): pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
-    at row offset ``at[j]``); and the embedded image bytes of each row. ``sides``: the pieces are the two sides of
-    pairs, each holding the images that start inside it (its prompt's); else a piece holds all its example's."""
+    """The rows' ``image_offsets``, ``image_grid_thw``, ``images``, then ``video_offsets``, ``video_grid_thw``,
+    ``videos``, ``second_per_grid_ts`` (:data:`packers.VIDEO_SCHEMA`; a run without videos drops these), the bytes wide
+    until :func:`_chunked`: pieces in row order (piece ``j``: tokens ``[starts[j], stops[j])`` of example ``ex[j]``,
+    at row offset ``at[j]``); and the embedded bytes of each row. ``sides``: the pieces are the two sides of pairs,
+    each holding the images that start inside it (its prompt's); else a piece holds all its example's."""
     imgs = batch.images if batch.images is not None else Images.none(len(batch))
     counts = imgs.counts[ex]
     idx = _ranges(imgs.index[ex], imgs.index[ex + 1])  # the pieces' images, in row order
@@ -661,14 +681,20 @@ def image_columns(batch: ExampleBatch, ex: np.ndarray, starts: np.ndarray, stops
         idx, piece = idx[here], piece[here]
     elif not here.all():
         raise packers.InternalError("a piece of an example with images was cut; images are never cut")
-    inside = imgs.offsets[idx] - starts[piece]
     rows = len(row_pieces)
-    per_row = np.bincount(np.repeat(np.arange(rows), row_pieces)[piece], minlength=rows) if rows else np.zeros(0, np.int64)
-    off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
-    refs = [imgs.refs[i] for i in idx.tolist()]
-    sizes = np.array([len(r[1]) if r[1] is not None else 0 for r in refs], dtype=np.int64)
-    row_bytes = np.bincount(np.repeat(np.arange(rows), per_row), weights=sizes, minlength=rows).astype(np.int64) \
-        if rows else np.zeros(0, np.int64)
-    return [_list(off, (inside + at[piece]).astype(np.int32), pa.int32()),
-            _list(3 * off, imgs.grids[idx].reshape(-1).astype(np.int32), pa.int32()),
-            image_list(off, refs)], row_bytes
+    row_of = np.repeat(np.arange(rows), row_pieces)[piece] if rows else np.zeros(0, np.int64)
+    cols, row_bytes = [], np.zeros(rows, np.int64)
+    for kind in (False, True):
+        sel = imgs.video[idx] == kind
+        k_idx, k_piece, k_row = idx[sel], piece[sel], row_of[sel]
+        per_row = np.bincount(k_row, minlength=rows) if rows else np.zeros(0, np.int64)
+        off = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+        refs = [imgs.refs[i] for i in k_idx.tolist()]
+        sizes = np.array([len(r[1]) if r[1] is not None else 0 for r in refs], dtype=np.int64)
+        row_bytes += np.bincount(k_row, weights=sizes, minlength=rows).astype(np.int64) if rows else 0
+        inside = imgs.offsets[k_idx] - starts[k_piece]
+        cols += [_list(off, (inside + at[k_piece]).astype(np.int32), pa.int32()),
+                 _list(3 * off, imgs.grids[k_idx].reshape(-1).astype(np.int32), pa.int32()),
+                 image_list(off, refs)]
+        cols += [_list(off, imgs.seconds[k_idx].astype(np.float32), pa.float32())] if kind else []
+    return cols, row_bytes

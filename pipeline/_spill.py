@@ -60,7 +60,7 @@ SPILL_SCHEMA = pa.schema([
 
 VISION_SPILL_SCHEMA = pa.schema(list(SPILL_SCHEMA) + [
     pa.field("image_offsets", pa.list_(pa.int32()), nullable=False),  # example-relative (pipeline._rows.Images)
-    pa.field("image_grid_thw", pa.list_(pa.int32()), nullable=False),
+    pa.field("image_grid_thw", pa.list_(pa.int32()), nullable=False),  # 5 per image (_spilled_grids)
     pa.field("images", pa.list_(_rows.IMAGE_STRUCT), nullable=False),
 ])
 """The spill schema of a ``--processor`` run's examples: each example's images beside its tokens."""
@@ -167,7 +167,7 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
     i = imgs.index[a:b + 1]
     off = (i - i[0]).astype(np.int64)
     columns += [_arrow.list_array(off, imgs.offsets[i[0]:i[-1]].astype(np.int32), pa.int32()),
-                _arrow.list_array(3 * off, imgs.grids[i[0]:i[-1]].reshape(-1), pa.int32()),
+                _arrow.list_array(5 * off, _spilled_grids(imgs, i[0], i[-1]), pa.int32()),
                 _rows.image_list(off, imgs.refs[i[0]:i[-1]])]
     return pa.RecordBatch.from_arrays(columns, schema=VISION_SPILL_SCHEMA)
 
@@ -198,15 +198,23 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
                                         [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)]))
 
 
+def _spilled_grids(imgs: Images, a: int, z: int) -> np.ndarray:
+    """Images ``a..z-1``'s grids as spilled: five int32 per image, ``t, h, w``, whether it is a video, and its
+    ``second_per_grid_ts`` as float32 bits."""
+    return np.concatenate([imgs.grids[a:z].astype(np.int32), imgs.video[a:z, None].astype(np.int32),
+                           imgs.seconds[a:z, None].astype(np.float32).view(np.int32)], axis=1).reshape(-1)
+
+
 def _read_images(rb: pa.RecordBatch) -> Images:
     """The images of a spill batch written with :data:`VISION_SPILL_SCHEMA`."""
     offs, grids, refs = (rb.column(rb.schema.get_field_index(n)) for n in ("image_offsets", "image_grid_thw", "images"))
     index = _arrow.to_numpy(offs.offsets).astype(np.int64)
     index = index - index[0]
     flat = refs.flatten()
-    return Images(index, _arrow.to_numpy(offs.flatten()).astype(np.int64),
-                  _arrow.to_numpy(grids.flatten()).astype(np.int32).reshape(-1, 3),
-                  list(zip(flat.field("path").to_pylist(), flat.field("bytes").to_pylist())))
+    five = _arrow.to_numpy(grids.flatten()).astype(np.int32).reshape(-1, 5)
+    return Images(index, _arrow.to_numpy(offs.flatten()).astype(np.int64), np.ascontiguousarray(five[:, :3]),
+                  list(zip(flat.field("path").to_pylist(), flat.field("bytes").to_pylist())), five[:, 3] != 0,
+                  np.ascontiguousarray(five[:, 4]).view(np.float32))
 
 
 def _read_batch(path: str, index: int) -> pa.RecordBatch:

@@ -429,7 +429,7 @@ def vision_token_ids(tok, spec, name: str) -> dict[str, int]:
     backend = tok.backend_tokenizer
     out = {}
     for what, text in (("image_token", spec.image_token), ("vision_start", spec.vision_start),
-                       ("vision_end", spec.vision_end)):
+                       ("vision_end", spec.vision_end), ("video_token", spec.video_token if spec.videos else None)):
         if text is None:
             continue
         vocab_id = backend.token_to_id(text)

@@ -115,7 +115,8 @@ def run_metadata(options, identity: dict, run_id: str) -> dict:
 def run_schema(options, identity: dict, run_id: str) -> pa.Schema:
     """The schema of every shard of a run, its :func:`run_metadata` attached: :data:`packers.SCHEMA`, or
     :data:`packers.VISION_SCHEMA` for a run with images (``--processor``)."""
-    rows = packers.SCHEMA if options.processor is None else packers.VISION_SCHEMA
+    vision = options.vision()
+    rows = packers.SCHEMA if vision is None else packers.VIDEO_SCHEMA if vision.videos else packers.VISION_SCHEMA
     return pa.schema(rows, metadata=run_metadata(options, identity, run_id))
 
 

@@ -79,6 +79,7 @@ from pipeline._formats._labels import NOTE as KTO_NOTE, TEXT_NOTE as KTO_TEXT_NO
 from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._fix import Fix, Hole
 from pipeline._formats._hygiene import target_flags
+from pipeline._formats._images import Video
 from pipeline._formats._paths import resolve
 from pipeline._formats._turns import ROLE_ALIASES
 from pipeline._formats.detect import ORDER, REGISTRY, detect, suggest
@@ -92,6 +93,6 @@ own rather than as a normalization count."""
 __all__ = [
     "FIELD_NOTES", "KTO_NOTE", "KTO_TEXT_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
     "PreferenceTurns", "Reason", "Rejected", "Row", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
-    "preference_turns", "resolve", "suggest", "target_flags",
+    "preference_turns", "resolve", "suggest", "target_flags", "Video",
     "_fast", "_normalize",
 ]

@@ -207,9 +207,11 @@ def _one_slot(m: dict, names: Sequence[str]) -> tuple[Optional[str], Optional[st
 
 
 class Ctx:
-    def __init__(self, options: FormatOptions, image_text: Optional[str] = None):
+    def __init__(self, options: FormatOptions, image_text: Optional[str] = None, video_text: Optional[str] = None):
         self.o = options
         self.image_text = image_text
+        self.video_text = video_text
+        """``--video-fps`` runs: the text a video becomes in its turn; None: videos are refused."""
         """``--processor`` runs: the text an image becomes in its turn; None: images are refused (text only)."""
         self.images: list[Any] = []  # image references by marker number (pipeline._formats._images)
         self.notes: dict[str, int] = {}
@@ -230,7 +232,7 @@ class Ctx:
     def fork(self) -> "Ctx":
         """A context for one more draft of the same record: the same options, speakers and words so far,
         its own notes (a record's own notes are counted once, on its first conversation)."""
-        child = Ctx(self.o, self.image_text)
+        child = Ctx(self.o, self.image_text, self.video_text)
         child.speakers, child.mapping, child.images = self.speakers, list(self.mapping), self.images
         return child
 

@@ -28,7 +28,8 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
-from pipeline._formats._images import IMAGE_COLUMNS, column_images, place_column, refuse_private_use, take_images
+from pipeline._formats._images import (IMAGE_COLUMNS, VIDEO_COLUMNS, column_images, column_videos, place_column,
+                                       refuse_private_use, take_images)
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -36,16 +37,18 @@ from pipeline._formats.detect import ORDER, REGISTRY, detect
 from pipeline._options import Format, FormatOptions
 
 
-def conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None) -> list[Conversation]:
+def conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None,
+                  video_text: Optional[str] = None) -> list[Conversation]:
     """Every conversation one raw record holds (one, except message trees), or :class:`Rejected`. ``image_text``
     (``--processor`` runs): the text each image becomes; its references are the conversation's ``images``
-    (:mod:`pipeline._formats._images`). Without it, records with images are refused."""
+    (:mod:`pipeline._formats._images`). Without it, records with images are refused. ``video_text`` (``--video-fps``
+    runs): the same for videos (their references wrapped as ``Video`` among ``images``); without it, refused."""
     fast = _fast(record, options) if image_text is None else None
     if fast is not None:
         convs = [fast]
     else:
         try:
-            convs = _conversations(record, options, image_text)
+            convs = _conversations(record, options, image_text, video_text)
         except Rejected as r:
             raise _validated(r, record, options) from None
     labelled(record, options, convs)
@@ -134,16 +137,18 @@ def _plain(o: FormatOptions) -> bool:
             and o.role_key is None and o.content_key is None and o.system_prompt is None and o.tree is None)
 
 
-def _conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None) -> list[Conversation]:
-    return read_as(REGISTRY[detect(record, options)], record, options, image_text=image_text)
+def _conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None,
+                   video_text: Optional[str] = None) -> list[Conversation]:
+    return read_as(REGISTRY[detect(record, options)], record, options, image_text=image_text, video_text=video_text)
 
 
 def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequence[str] = (),
-            mapping: Sequence[str] = (), image_text: Optional[str] = None) -> list[Conversation]:
+            mapping: Sequence[str] = (), image_text: Optional[str] = None,
+            video_text: Optional[str] = None) -> list[Conversation]:
     """``record`` read as ``shape`` (detection done), through the steps every shape shares. ``ignored``: fields
     counted as not read beside the record's own (a record rewritten by options); ``mapping``: how it was;
     ``image_text``: see :func:`conversations`."""
-    ctx = Ctx(options, image_text)
+    ctx = Ctx(options, image_text, video_text)
     ctx.mapping.extend(mapping)
     for key in ignored:
         ctx.ignore(key)
@@ -152,7 +157,8 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
     if image_text is not None:
         refuse_private_use(record)
         column = column_images(record, ctx)
-        used = used | set(IMAGE_COLUMNS)
+        videos = column_videos(record, ctx)
+        used = used | set(IMAGE_COLUMNS) | (set(VIDEO_COLUMNS) if video_text is not None else set())
     elif not used.isdisjoint(MEDIA_KEYS) or not record.keys().isdisjoint(MEDIA_KEYS):
         _media_check(record, skip=tuple(used))
     drafts = shape.read(record, ctx)
@@ -160,6 +166,8 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
         raise InternalError(f"shape {shape.name!r} read no draft and raised nothing")
     if image_text is not None:
         place_column(drafts, *column, ctx)
+        if video_text is not None:
+            place_column(drafts, *videos, ctx, video=True)
     convs = [_conversation(record, shape, d, ctx if len(drafts) == 1 else ctx.fork()) for d in drafts]
     for key in record:  # the record's own notes: once, on its first conversation
         if key not in used:

@@ -25,6 +25,7 @@ in that order. References stay as the record holds them; the encoder resolves an
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
@@ -34,17 +35,30 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 IMAGE_PARTS = ("image_url", "input_image", "image")
 """Content part types that are images."""
 VIDEO_AUDIO_PARTS = ("video", "video_url", "input_video", "audio", "input_audio", "audio_url")
+VIDEO_PARTS = ("video", "video_url", "input_video")
+"""Content part types that are videos (packed with ``--video-fps``: Qwen2-VL, Qwen2.5-VL)."""
+VIDEO_COLUMNS = ("videos", "video")
+"""Record columns that hold a record's videos beside its text (LLaMA-Factory ``videos`` + ``<video>``)."""
+VIDEO_PLACEHOLDER = "<video>"
 IMAGE_COLUMNS = ("images", "image")
 """Record columns that hold a record's images beside its text (LLaMA-Factory ``images``, LLaVA ``image``)."""
 PLACEHOLDER = "<image>"
 """How LLaMA-Factory and LLaVA mark an image's place in the text."""
 
-_OPEN, _CLOSE, _SLOT = "\ue000", "\ue001", "\ue002"
-"""Private-use characters: a marker ``\\ue000<k>\\ue001`` for image ``k``; ``\\ue002`` for a part whose image is
-in the column."""
+_OPEN, _CLOSE, _SLOT, _VSLOT = "\ue000", "\ue001", "\ue002", "\ue003"
+"""Private-use characters: a marker ``\\ue000<k>\\ue001`` for image (or video) ``k``; ``\\ue002`` for a part whose
+image is in the column, ``\\ue003`` for one whose video is."""
 _MARKER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
-_PRIVATE = re.compile(f"[{_OPEN}{_CLOSE}{_SLOT}]")
-NOT_YET = "videos are not packed yet"
+_PRIVATE = re.compile(f"[{_OPEN}{_CLOSE}{_SLOT}{_VSLOT}]")
+NOT_YET = ("videos are packed only for Qwen2-VL and Qwen2.5-VL, with --video-fps (e.g. --video-fps 2)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Video:
+    """A video reference among a conversation's ``images`` (which then holds images and videos in the order they
+    stand in the text): the record's reference, as for an image."""
+
+    ref: Any
 
 
 def _marker(ctx: Ctx, ref: Any) -> str:
@@ -52,10 +66,30 @@ def _marker(ctx: Ctx, ref: Any) -> str:
     return f"{_OPEN}{len(ctx.images) - 1}{_CLOSE}"
 
 
+def _video_ref(part: dict, at: str) -> Any:
+    """A video part's reference (``video``, ``video_url`` {url}, ``url``, ``path``), or None for a slot."""
+    for key in ("video", "video_url", "input_video", "url", "path"):
+        ref = part.get(key)
+        if isinstance(ref, dict) and "url" in ref:
+            ref = ref.get("url")
+        if not _blank(ref):
+            if isinstance(ref, list):
+                raise Rejected(Reason.NON_TEXT_CONTENT, f"{at}.{key} is a list of frames; videos are packed from a "
+                                                        "video file (mp4, webm, ...) only: encode the frames to one")
+            if not isinstance(ref, (str, bytes, dict)):
+                raise Rejected(Reason.BAD_TYPE, f"{at}.{key} is {_kind(ref)}, expected a video path or "
+                                                "{bytes, path} object")
+            return ref
+    return None
+
+
 def part_marker(part: dict, at: str, ctx: Ctx) -> str:
     """An image content part -> the text that holds its place: a marker for an inline image, a slot for one in
     the record's image column. Video and audio parts are refused."""
     kind = part.get("type")
+    if kind in VIDEO_PARTS and ctx.video_text is not None:
+        ref = _video_ref(part, at)
+        return _VSLOT if ref is None else _marker(ctx, Video(ref))
     if kind in VIDEO_AUDIO_PARTS:
         raise Rejected(Reason.NON_TEXT_CONTENT, f"{at} is a {kind} part; {NOT_YET} (nor audio): drop these records "
                                                 "or their video and audio parts")
@@ -71,10 +105,29 @@ def part_marker(part: dict, at: str, ctx: Ctx) -> str:
     return _SLOT
 
 
+def column_videos(record: dict, ctx: Ctx) -> tuple[Optional[str], list]:
+    """The record's video column (its key, its references wrapped as :class:`Video`; (None, []) when it has none),
+    read when the run packs videos (``ctx.video_text``)."""
+    if ctx.video_text is None:
+        return None, []
+    found = [k for k in VIDEO_COLUMNS if not _blank(record.get(k))]
+    if len(found) > 1:
+        raise Rejected(Reason.AMBIGUOUS_FIELD, "the record carries videos under both 'videos' and 'video'; keep one")
+    if not found:
+        return None, []
+    key = found[0]
+    refs = record[key] if isinstance(record[key], list) else [record[key]]
+    for j, ref in enumerate(refs):
+        if not isinstance(ref, (str, bytes, dict)) or _blank(ref):
+            raise Rejected(Reason.BAD_TYPE, f"{key}[{j}] is {_kind(ref)}, expected a video path or {{bytes, path}} "
+                                            "object")
+    return key, [Video(r) for r in refs]
+
+
 def column_images(record: dict, ctx: Ctx) -> tuple[Optional[str], list]:
-    """The record's image column (its key, its references; (None, []) when it has none). Video and audio columns
-    are refused."""
-    for key in ("videos", "video", "audios", "audio"):
+    """The record's image column (its key, its references; (None, []) when it has none). Audio columns are refused,
+    and video columns unless the run packs videos (:func:`column_videos`)."""
+    for key in (("audios", "audio") if ctx.video_text is not None else ("videos", "video", "audios", "audio")):
         if not _blank(record.get(key)):
             raise Rejected(Reason.NON_TEXT_CONTENT, f"the record carries {key!r}; {NOT_YET} (nor audio): drop these "
                                                     f"records or their {key!r}")
@@ -103,7 +156,7 @@ def refuse_private_use(record: Any) -> None:
         if isinstance(v, str):
             if _PRIVATE.search(v):
                 raise Rejected(Reason.PLACEHOLDER_MISMATCH, "the record's text holds one of the private-use characters "
-                                                            "U+E000, U+E001, U+E002, which packstream marks image "
+                                                            "U+E000, U+E001, U+E002, U+E003, which packstream marks image "
                                                             "places with under --processor; remove them")
         elif isinstance(v, dict):
             stack.extend(v.keys())
@@ -112,22 +165,26 @@ def refuse_private_use(record: Any) -> None:
             stack.extend(v)
 
 
-def _placeholders(ctx: Ctx) -> "re.Pattern[str]":
+def _placeholders(ctx: Ctx, video: bool = False) -> "re.Pattern[str]":
     """What stands for one image of the record's image column, for every processor alike: ``<image>``, the
     processor's own placeholder text (``<|vision_start|><|image_pad|><|vision_end|>`` for Qwen2-VL), and an
-    image part without an image of its own."""
+    image part without an image of its own. ``video``: the same for a video (``<video>``, the processor's video
+    text, a video part without a video)."""
+    if video:
+        spelled = sorted({VIDEO_PLACEHOLDER, ctx.video_text or VIDEO_PLACEHOLDER}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, spelled)) + f"|{_VSLOT}")
     spelled = sorted({PLACEHOLDER, ctx.image_text or PLACEHOLDER}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, spelled)) + f"|{_SLOT}")
 
 
-def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx) -> None:
+def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx, video: bool = False) -> None:
     """Each placeholder (:func:`_placeholders`) in the drafts' text, in order, becomes the marker of the column's
     next image; their numbers must agree, with or without a column (an ``<image>`` with no image beside it, an
     empty ``images`` list or CSV cell, is ``placeholder_mismatch`` under every processor). A conversation whose text
     holds no placeholder at all gets the column's images before its first user turn's text, in order (TRL's
     ``prepare_multimodal_messages`` rule), counted as ``images_placed_first``."""
     texts = [(t, "content") for d in drafts for t in (d.turns or ())] + [(d, "text") for d in drafts if d.text]
-    pattern = _placeholders(ctx)
+    pattern = _placeholders(ctx, video)
     found = sum(len(pattern.findall(getattr(o, attr))) for o, attr in texts)
     if not found and not refs:
         return
@@ -139,11 +196,12 @@ def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx) 
         found = len(refs)
         ctx.note("images_placed_first", len(refs))
     if found != len(refs):
-        where = f"{len(refs)} in {key!r}" if key is not None else "no image beside the text (no 'images' column)"
-        raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} image placeholders (<image>, the "
-                                                    "processor's own image text, or image parts without an image of "
+        kind, tag = ("video", "<video>") if video else ("image", "<image>")
+        where = f"{len(refs)} in {key!r}" if key is not None else f"no {kind} beside the text (no '{kind}s' column)"
+        raise Rejected(Reason.PLACEHOLDER_MISMATCH, f"the text holds {found} {kind} placeholders ({tag}, the "
+                                                    f"processor's own {kind} text, or {kind} parts without a {kind} of "
                                                     f"their own) and the record {where}; give one placeholder per "
-                                                    "image, in order")
+                                                    f"{kind}, in order")
     if len(drafts) > 1:
         raise Rejected(Reason.NON_TEXT_CONTENT, "the record holds several conversations (a message tree) and images "
                                                 "beside the text; such records are not packed with images yet")
@@ -166,7 +224,8 @@ def take_images(conv: Conversation, ctx: Ctx) -> None:
             raise InternalError(f"image mark {k} met twice or beyond the record's {len(ctx.images)} images")
         seen.add(k)
         images.append(ctx.images[k])
-        return ctx.image_text
+        ref = ctx.images[k]
+        return ctx.video_text if isinstance(ref, Video) else ctx.image_text
 
     if conv.text is not None:
         conv.text = _MARKER.sub(one, conv.text)

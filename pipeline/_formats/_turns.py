@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline._formats._base import Ctx, Reason, Rejected, Turn, _blank, _keys, _kind, _one_slot, _same, _short
 from pipeline._formats._fix import KEY, ROLE, Fix
-from pipeline._formats._images import IMAGE_PARTS, VIDEO_AUDIO_PARTS, part_marker
+from pipeline._formats._images import IMAGE_PARTS, VIDEO_AUDIO_PARTS, VIDEO_PARTS, part_marker
 
 _CALL = "assistant:call"  # a speaker whose turn is an assistant tool call (ShareGPT/Glaive function_call)
 
@@ -144,7 +144,8 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
         kind = part.get("type")
         if kind is None:
             media = [k for k in part if k in _MEDIA_PARTS]
-            if media and ctx.image_text is not None and media[0] in IMAGE_PARTS:
+            if media and ctx.image_text is not None and (media[0] in IMAGE_PARTS or (
+                    media[0] in VIDEO_PARTS and ctx.video_text is not None)):
                 _count_unread(part, {media[0]}, where, ctx)
                 texts.append(part_marker({**part, "type": media[0]}, where, ctx))
                 continue
@@ -170,7 +171,8 @@ def _parts(parts: list, at: str, ctx: Ctx, role: str) -> _Content:
             else:  # Anthropic tool_use: the part is the call
                 calls.extend(_tool_calls(part, where, ctx))
         elif kind in _MEDIA_PARTS and ctx.image_text is not None and kind in IMAGE_PARTS + VIDEO_AUDIO_PARTS:
-            _count_unread(part, {"type", "image_url", "image", "url", "path"}, where, ctx)
+            _count_unread(part, {"type", "image_url", "image", "url", "path", "video", "video_url", "input_video"},
+                          where, ctx)
             texts.append(part_marker(part, where, ctx))
         elif kind in _MEDIA_PARTS:
             raise Rejected(Reason.NON_TEXT_CONTENT, f"{where} is an {kind} part; {_TEXT_ONLY} parts")

@@ -213,7 +213,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         "rejected_file": "rejected.jsonl",
     }
     if o.vision() is not None:  # a run with images: contract version 4 and the spec its shards carry
-        manifest.update(contract_version=packers.VISION_CONTRACT_VERSION, vision=o.vision().to_json(),
+        manifest.update(contract_version=packers.VIDEO_CONTRACT_VERSION if o.vision().videos
+                        else packers.VISION_CONTRACT_VERSION, vision=o.vision().to_json(),
                         media_roots=_media.media_roots(o.media_root, [os.path.dirname(f.path) for f in ctx.files]))
     if ctx.skipped:  # files of a folder input not read, each with its reason; absent when none (byte-identical)
         manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]

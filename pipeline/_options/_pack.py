@@ -116,6 +116,20 @@ class PackOptions(FormatOptions):
         "--image-min-pixels", "With --processor (Qwen family): the fewest pixels an image is resized to, as the "
         "processor's min_pixels (LLaMA-Factory's image_min_pixels). Recorded like --image-max-pixels. "
         "[default: the processor's]", metavar="N"))
+    video_fps: Optional[float] = dataclasses.field(default=None, metadata=cli(
+        "--video-fps", "With --processor (Qwen2-VL, Qwen2.5-VL): pack videos ({\"type\": \"video\"} parts, a "
+        "'videos' column with <video>), sampling this many frames per second as transformers' Qwen2VLVideoProcessor "
+        "does (2 is Qwen's default). Recorded in the manifest and the shards' vision spec; the loader samples the same "
+        "frames. [default: videos are refused]", metavar="FPS"))
+    video_max_frames: Optional[int] = dataclasses.field(default=None, metadata=cli(
+        "--video-max-frames", "With --video-fps: the most frames sampled from one video (the video processor's "
+        "max_frames). [default: 768]", metavar="N"))
+    video_max_pixels: Optional[int] = dataclasses.field(default=None, metadata=cli(
+        "--video-max-pixels", "With --video-fps: the most pixels a video frame is resized to (the video processor's "
+        "size.longest_edge). [default: 602112]", metavar="N"))
+    video_min_pixels: Optional[int] = dataclasses.field(default=None, metadata=cli(
+        "--video-min-pixels", "With --video-fps: the fewest pixels a video frame is resized to (the video "
+        "processor's size.shortest_edge). [default: 100352]", metavar="N"))
     max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--max-per-row", "Cap on examples per row.", metavar="N"))
     refine: bool = dataclasses.field(default=True, metadata=cli(
@@ -162,7 +176,8 @@ class PackOptions(FormatOptions):
 
     _NOT_RECORDED = ("overwrite", "workers", "tokenizer_threads", "force_workers")
     """How this run treated the folder and the machine, not what it produced: reruns stay identical."""
-    _RECORDED_WHEN_SET = ("processor", "media_root", "images", "image_max_pixels", "image_min_pixels")
+    _RECORDED_WHEN_SET = ("processor", "media_root", "images", "image_max_pixels", "image_min_pixels", "video_fps",
+                          "video_max_frames", "video_max_pixels", "video_min_pixels")
     """Options of image runs: recorded only when not at their default, so a text-only run's (and a default image
     run's) manifest and id stay as they were."""
 
@@ -217,7 +232,7 @@ class PackOptions(FormatOptions):
                                       "lets records name any file on this machine), or omit it")
             object.__setattr__(self, "media_root", os.path.abspath(self.media_root))
         if (self.processor is not None or self.media_root is not None or self.images is not ImageStorage.REFERENCE
-                or self.image_max_pixels is not None or self.image_min_pixels is not None):
+                or self.image_max_pixels is not None or self.image_min_pixels is not None or self._video_given()):
             self._check_vision()
         for spec in self.config:
             if not isinstance(spec, DatasetSpec):
@@ -276,6 +291,10 @@ class PackOptions(FormatOptions):
         if self.processor is None and limits:
             raise PackstreamError(f"{' and '.join(limits)} {'limit' if len(limits) > 1 else 'limits'} how images are resized, and only --processor packs "
                                   "images; add --processor NAME|PATH (e.g. --processor qwen2-vl) or drop them")
+        if self.processor is None and self._video_given():
+            raise PackstreamError("--video-fps and the --video-* limits say how videos are sampled, and only --processor "
+                                  "packs them; add --processor qwen2-vl (or qwen2.5-vl, or the model's folder) or drop "
+                                  "them")
         if self.processor is None:
             raise PackstreamError(f"--images {self.images.value} says how rows carry images, and only --processor "
                                   "packs images; add --processor NAME|PATH (e.g. --processor qwen2-vl) or drop "
@@ -293,7 +312,12 @@ class PackOptions(FormatOptions):
         """The image rules of ``--processor`` (None for a text-only run); resolved once per process."""
         if self.processor is None:
             return None
-        return _vision_spec(self.processor, self.image_min_pixels, self.image_max_pixels)
+        return _vision_spec(self.processor, self.image_min_pixels, self.image_max_pixels, self.video_fps,
+                            self.video_max_frames, self.video_min_pixels, self.video_max_pixels)
+
+    def _video_given(self) -> bool:
+        return any(v is not None for v in (self.video_fps, self.video_max_frames, self.video_max_pixels,
+                                           self.video_min_pixels))
 
     def datasets(self) -> tuple[DatasetSpec, ...]:
         """The data sets of this run: the config's, or one made of INPUT and the format flags."""
@@ -317,5 +341,8 @@ class PackOptions(FormatOptions):
 
 
 @functools.lru_cache(maxsize=8)
-def _vision_spec(processor: str, min_pixels: Optional[int], max_pixels: Optional[int]) -> VisionSpec:
-    return VisionSpec.from_processor(processor).with_pixel_limits(min_pixels, max_pixels)
+def _vision_spec(processor: str, min_pixels: Optional[int], max_pixels: Optional[int], fps: Optional[float] = None,
+                 max_frames: Optional[int] = None, video_min: Optional[int] = None,
+                 video_max: Optional[int] = None) -> VisionSpec:
+    return VisionSpec.from_processor(processor).with_pixel_limits(min_pixels, max_pixels).with_video(
+        fps, max_frames, video_min, video_max)
