@@ -1,4 +1,5 @@
-"""Vision-language packing: fill and useful tokens per row, packed vs padded, and the cost of the media layout.
+"""Vision-language packing: fill and useful tokens per row, packed vs padded, the cost of the media layout, videos,
+and ``--workers auto`` on image-heavy input.
 
     python bench/bench_vision.py                       # 400 records, budget 8192, Qwen2-VL's image rules
     python bench/bench_vision.py --records 1000 --budget 4096 --max-pixels 1003520
@@ -35,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 WORDS = ("the image shows a chart of quarterly revenue with labels along each axis and a legend in the corner "
          "describe what you see then answer the question about colours shapes counts and text in the picture").split()
 
@@ -247,6 +248,76 @@ def make_heavy_set(folder: Path, records: int, seed: int) -> Path:
     return path
 
 
+def make_video_set(folder: Path, records: int, seed: int) -> Path:
+    """A JSONL of ``records`` records, each one MPEG-4 clip (2-20 s at 24 or 30 fps, 320 x 240, a moving gradient:
+    cheap to write) and a question, written with PyAV; a third also hold an image."""
+    import fractions
+
+    import av
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (folder / "vid").mkdir(parents=True, exist_ok=True)
+    ramp = np.linspace(0, 255, 320, dtype=np.float32)[None, :, None]
+    lines = []
+    for r in range(records):
+        fps = int(rng.choice([24, 30]))
+        frames = int(rng.uniform(2, 20) * fps)
+        name = f"vid/{r:04d}.mp4"
+        with av.open(str(folder / name), "w") as c:
+            st = c.add_stream("mpeg4", rate=fractions.Fraction(fps))
+            st.width, st.height, st.pix_fmt = 320, 240, "yuv420p"
+            for i in range(frames):
+                frame = np.broadcast_to((ramp + 3 * i) % 256, (240, 320, 3)).astype(np.uint8)
+                for packet in st.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    c.mux(packet)
+            for packet in st.encode():
+                c.mux(packet)
+        parts = [{"type": "video", "video": name}]
+        if r % 3 == 0:
+            Image.new("RGB", (int(rng.integers(200, 900)), int(rng.integers(200, 900))), "teal").save(
+                folder / f"vid/{r:04d}.png")
+            parts.append({"type": "image_url", "image_url": {"url": f"vid/{r:04d}.png"}})
+        parts.append({"type": "text", "text": _text(rng, 20)})
+        lines.append({"id": f"v{r}", "messages": [{"role": "user", "content": parts},
+                                                   {"role": "assistant", "content": _text(rng, 60)}]})
+    path = folder / "videos.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def video_section(folder: Path, tokenizer: Path, records: int, budget: int, batch: int, seed: int,
+                  sample: int) -> dict:
+    """The video set packed with ``--video-fps 2`` (Qwen2-VL's default sampling): packed vs padded token slots, the
+    pack's wall time, and the loader's CPU per video (header, decode of the sampled frames, resize, patchify)."""
+    from packers import PackedDataset, PixelLoader
+    from packers._video import VideoLoader
+
+    data = make_video_set(folder / "data", records, seed)
+    out = folder / "out"
+    cmd = [sys.executable, "-m", "pipeline.cli", "pack", str(data), "--output", str(out), "--no-progress",
+           "--tokenizer", str(tokenizer), "--processor", "qwen2-vl", "--video-fps", "2", "--max-tokens", str(budget)]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"video pack failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    seconds = time.perf_counter() - t0
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = rows_of(out)
+    fill = packed_vs_padded(rows, budget, batch, seed)
+    video_tokens = sum(int(np.prod(np.reshape(r["video_grid_thw"], (-1, 3)), axis=1).sum()) // 4 for r in rows)
+    frames = [int(g[0]) * 2 for r in rows for g in np.reshape(r["video_grid_thw"], (-1, 3))]
+    ds = PackedDataset(out)
+    loader = VideoLoader(PixelLoader(vision=ds.vision))
+    videos = [(v, g) for r in rows for v, g in zip(r["videos"], np.reshape(r["video_grid_thw"], (-1, 3)))][:sample]
+    cpu = _cpu_per_item(lambda item: loader([item[0]], [item[1]], ["video"]), videos, passes=1)
+    return {"video_records": records, "video_packed": manifest["counts"]["examples_packed"],
+            "video_dead_letters": manifest["counts"].get("rejected", 0), "video_pack_seconds": seconds,
+            "video_tokens": video_tokens, "video_frames_mean": float(np.mean(frames)) if frames else 0.0,
+            "video_decode_ms_per_video": cpu * 1e3, "video_sampled": len(videos),
+            **{f"video_{k}": v for k, v in fill.items()}}
+
+
 def workers_speedup(data: Path, out: Path, tokenizer: Path, budget: int, max_pixels: int | None,
                     repeats: int) -> dict:
     """The same image set packed with ``--workers 1`` and ``--workers auto``, alternately, ``repeats`` times each:
@@ -277,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--repeats", type=int, default=2, help="packs per --workers setting for the speed-up (best kept)")
     p.add_argument("--no-speedup", action="store_true", help="skip the --workers 1 / auto comparison")
+    p.add_argument("--video-records", type=int, default=40, help="records of the video set (one clip each; 0: skip)")
     p.add_argument("--heavy-records", type=int, default=160,
                    help="records of the image-heavy set the --workers speed-up is measured on (one large PNG each)")
     args = p.parse_args(argv)
@@ -295,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
                                                            tmp / "speed", tok, args.budget, args.max_pixels,
                                                            args.repeats)
         layout.update(speed)
+        video = {} if not args.video_records else video_section(tmp / "video", tok, args.video_records, args.budget,
+                                                                args.batch, args.seed, min(args.sample, 10))
+        layout.update(video)
     figures = {"records": args.records, "budget": args.budget, "pack_seconds": manifest["_seconds"],
                "dead_letters": manifest.get("counts", {}).get("rejected"), **fill, **layout}
     if args.json:
@@ -319,6 +394,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loader CPU per image: decode + preprocess from the file {layout['decode_ms_per_image']:.1f} ms, from "
           f"embedded bytes {layout['decode_embedded_ms_per_image']:.1f} ms, read stored pixels "
           f"{layout['stored_pixels_ms_per_image']:.2f} ms ({layout['sampled']} images)")
+    if video:
+        print(f"videos ({video['video_records']} clips of 2-20 s, 320x240, --video-fps 2: {video['video_frames_mean']:.0f} "
+              f"frames each on average; {video['video_packed']} packed, {video['video_dead_letters']} dead letters): "
+              f"{video['video_tokens']:,} video tokens of {video['video_useful_tokens']:,}")
+        print(f"  packed {video['video_packed_rows']} rows, {video['video_packed_slots']:,} token slots "
+              f"({video['video_packed_fill']:.1%} useful); padded {video['video_padded_rows']} rows, "
+              f"{video['video_padded_slots']:,} slots ({video['video_padded_useful']:.1%} useful): "
+              f"{video['video_padded_slots'] / video['video_packed_slots']:.2f}x the slots; pack took "
+              f"{video['video_pack_seconds']:.1f} s; loader CPU per video {video['video_decode_ms_per_video']:.0f} ms "
+              f"({video['video_sampled']} videos: header, decode of the sampled frames, resize, patchify)")
     if speed:
         print(f"image-heavy set ({args.heavy_records} records, one 2400x1800 PNG each), pack wall, best of "
               f"{args.repeats}: --workers 1 {speed['pack_seconds_1_worker']:.2f} s, --workers auto "
