@@ -30,7 +30,7 @@ LAYERS = {
                "pipeline._media"},
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers",
-             "packers._vision", "packers._mrope", "packers.shardcheck", "packers._tiles"},
+             "packers._vision", "packers._mrope", "packers.shardcheck", "packers._tiles", "packers._gemma"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
                "packers._logps", "packers._loss", "packers._examples", "packers._pixels",
                "packers._preference_trainer"},
