@@ -51,6 +51,17 @@ def _runs(types: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts, ends - starts
 
 
+def _later_images(types: torch.Tensor, positions: Any) -> bool:
+    """Is some soft token outside the first sequence of its row? (Positions start at 0 and rise by one through a
+    row's first sequence, so a token at column ``i`` lies in it exactly when its position is ``i``; without
+    position_ids the row is taken as packed throughout.)"""
+    image = types.reshape(types.shape[0], -1) == 1
+    if not torch.is_tensor(positions) or positions.dim() != 2 or positions.shape[-1] != image.shape[-1]:
+        return bool(image.any())
+    columns = torch.arange(image.shape[-1], device=positions.device)
+    return bool((image & (positions.expand(image.shape[0], -1) != columns)).any())
+
+
 def block_problem(hf: torch.nn.Module, batch: Mapping[str, Any], guarded: bool) -> tuple[str | None, bool]:
     """``(why the packed batch is refused, or None; whether the guard must apply the fix)`` for a Gemma 3 model."""
     name = type(hf).__name__
@@ -63,7 +74,7 @@ def block_problem(hf: torch.nn.Module, batch: Mapping[str, Any], guarded: bool) 
                     "were packed with), which adds them"), False
         return None, False
     window = _sliding(hf)
-    if window is None or not bool((types == 1).any()):
+    if window is None or not _later_images(types, batch.get("position_ids")):
         return None, False
     if getattr(hf.config.get_text_config(), "use_bidirectional_attention", False):
         return (f"{name} with use_bidirectional_attention: its packed image blocks are not verified; set it false "
