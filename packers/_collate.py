@@ -126,6 +126,10 @@ tokens in the same order, and no ``image_grid_thw`` (``LlavaForConditionalGenera
 InternVL rows (``VisionSpec.builtin("internvl3")``) collate as LLaVA's do: ``[1, T]`` position_ids, and
 ``pixel_values`` ``[tiles, 3, S, S]``, each image's tiles then its thumbnail, in the rows' order; their
 ``image_grid_thw`` is ``(tiles, rows, cols)`` (:mod:`packers._tiles`), ``tiles x image_seq_length`` tokens.
+
+Gemma 3 rows (``VisionSpec.builtin("gemma3")``) collate as LLaVA's do, and every batch adds ``token_type_ids``
+``[1, T]``: 1 on each image's soft tokens (its bidirectional block in training, :mod:`packers._gemma`); train them
+under :func:`packers.install_packing_guard` (:mod:`packers._attention._blocks` says why).
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ import torch
 from packers._mrope import mrope_positions
 from packers._pixels import PixelLoader
 from packers._video import VideoLoader
+from packers._gemma import token_type_ids
 from packers._vision import VisionFamily, VisionSpec
 from packers.errors import ContractError, PackstreamError
 from packers.rowcheck import Failure, check_images, check_videos
@@ -317,9 +322,12 @@ class Collator:
         with images ``image_grid_thw`` and ``pixel_values``. LLaVA: with images ``pixel_values`` alone (the 1-D
         positions are the model's own)."""
         if not self.vision.family.mrope:
+            out = {}
+            if self.vision.family is VisionFamily.GEMMA3:  # every Gemma 3 batch: 1 on the soft tokens
+                out["token_type_ids"] = _gemma_types(self.vision, parts, position_ids.shape[0])
             if not parts.image_offsets:
-                return {}
-            return self._pixels(parts, np.concatenate(parts.image_grids))
+                return out
+            return out | self._pixels(parts, np.concatenate(parts.image_grids))
         mrope = np.broadcast_to(position_ids, (3, position_ids.shape[0])).copy()  # text-only: 1-D, three times
         out: dict[str, Any] = {}
         offsets, grids = _cat(parts.image_offsets, np.int64), _cat(parts.image_grids, np.int64, 3)
@@ -422,8 +430,8 @@ class Collator:
             raise PackstreamError(
                 f"row {i} holds images (image_offsets {np.asarray(row['image_offsets']).tolist()[:4]}) and the "
                 "Collator has no vision spec: pass the spec the rows were packed with, Collator(vision="
-                "VisionSpec.builtin('qwen2-vl')) (or 'qwen2.5-vl', 'qwen3-vl', 'llava-1.5') or VisionSpec.from_processor(model "
-                "folder), so that the batch gets the pixel_values (and for Qwen2-VL the mRoPE position_ids and "
+                "VisionSpec.builtin('qwen2-vl')) (or 'qwen2.5-vl', 'qwen3-vl', 'llava-1.5', 'internvl3', 'gemma3') or "
+                "VisionSpec.from_processor(model folder), so that the batch gets the pixel_values (and for Qwen2-VL the mRoPE position_ids and "
                 "image_grid_thw) the model needs")
         starts = np.asarray(row["image_offsets"], dtype=np.int64).reshape(-1)
         grids = np.asarray(row.get("image_grid_thw", ()), dtype=np.int64).reshape(-1)
@@ -543,6 +551,14 @@ def _pair_tensors(parts: _Parts, total: int) -> dict[str, torch.Tensor]:
     chosen = np.flatnonzero(sides == 0)
     return {"completion_mask": torch.from_numpy(np.cumsum(edges[:-1]) > 0)[None],
             "pair_index": torch.from_numpy(np.stack([chosen, chosen + 1], axis=1))}
+
+
+def _gemma_types(spec: VisionSpec, parts: Any, length: int) -> torch.Tensor:
+    """Gemma 3's ``token_type_ids`` ``[1, T]``: 1 on each image's soft tokens, as ``Gemma3Processor`` gives them."""
+    offsets = np.concatenate(parts.image_offsets) if parts.image_offsets else np.zeros(0, np.int64)
+    grids = np.concatenate(parts.image_grids).reshape(-1, 3) if parts.image_grids else np.zeros((0, 3), np.int64)
+    counts = [spec.grid_tokens(g) for g in grids.tolist()]
+    return torch.from_numpy(token_type_ids(length, offsets, counts))[None]
 
 
 def _has_pairs(row: Mapping[str, Any]) -> bool:

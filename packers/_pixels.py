@@ -6,7 +6,8 @@ each image's patch grid, measured when the row was packed (:class:`packers._visi
 ``Qwen2VLImageProcessorPil`` with the spec's pixel limits, patch, merge and temporal sizes, and for Qwen3-VL its
 mean and std of 0.5; for LLaVA its PIL ``LlavaImageProcessorPil``, CLIP's resize and centre crop to the spec's
 ``image_size``; for InternVL its PIL ``GotOcr2ImageProcessorPil`` cropping to the spec's tiles, as
-``InternVLProcessor`` runs it; or a processor of the caller's) and checks that each image still comes out at the grid
+``InternVLProcessor`` runs it; for Gemma 3 its PIL ``Gemma3ImageProcessorPil`` at the spec's square; or a processor
+of the caller's) and checks that each image still comes out at the grid
 its row was packed for: a file replaced since
 packing, or a processor set differently from the spec, would otherwise shift every placeholder token after it
 onto the wrong features.
@@ -102,6 +103,11 @@ class PixelLoader:
             return GotOcr2ImageProcessorPil(size={"height": v.image_size, "width": v.image_size},
                                             crop_to_patches=True, min_patches=v.min_tiles, max_patches=v.max_tiles,
                                             image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD))
+        if v.family is VisionFamily.GEMMA3:
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+            # google/gemma-3-*-it: one square, bilinear, mean/std 0.5 (the class defaults; packers._gemma.FIXED).
+            return Gemma3ImageProcessorPil(size={"height": v.image_size, "width": v.image_size}, do_pan_and_scan=False)
         if not v.family.mrope:
             from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 

@@ -31,6 +31,7 @@ from typing import IO, Any, Sequence
 import numpy as np
 
 from packers.errors import PackstreamError
+from packers._keys import integral
 
 MAX_VIDEO_FRAMES = 1 << 20
 """The most frames a container may state (a million: 9 hours at 30 fps); more is a damaged header."""
@@ -239,3 +240,48 @@ def _compare(refs: Sequence[Any], got: np.ndarray, grids: Any, names: Sequence[s
                             f"{tuple(want[i].tolist())}: the video or the row's video_grid_thw changed since packing, or "
                             "the video settings differ from the spec the rows were packed with; repack, or load with "
                             "that spec")
+
+
+MAX_PIXELS = 1 << 30
+"""Pixels a video frame may be resized to (as an image: packers._vision's limit)."""
+
+
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+"""The families whose videos packstream packs (Qwen3-VL's timestamped frame groups are not done)."""
+
+
+def video_spec(spec: Any, fps: float | None, max_frames: int | None, min_pixels: int | None,
+               max_pixels: int | None) -> Any:
+    """:meth:`VisionSpec.with_video`: each value checked, one line naming it, its limit and the fix."""
+    if fps is None:
+        given = [f for f, v in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                                ("--video-max-pixels", max_pixels)) if v is not None]
+        if given:
+            raise PackstreamError(f"{' and '.join(given)} say how videos are sampled, and videos are packed only with "
+                                  "--video-fps; add --video-fps 2 (Qwen's default) or drop them")
+        return spec
+    name = spec.name or spec.family.value
+    if spec.family.value not in VIDEO_FAMILIES:
+        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL and Qwen2.5-VL only, not for the "
+                              f"processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        raise PackstreamError(f"--video-fps {fps!r} is out of range; give frames per second in (0, 1000] "
+                              "(Qwen samples 2)")
+    for flag, value in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
+                        ("--video-max-pixels", max_pixels)):
+        top = 1 << 20 if flag == "--video-max-frames" else MAX_PIXELS
+        if value is not None and (not integral(value) or not 1 <= value <= top):
+            raise PackstreamError(f"{flag} {value!r} is out of range; give an integer within 1..{top:,}")
+    frames = spec.video_max_frames if max_frames is None else int(max_frames)
+    if frames < spec.temporal_patch_size:
+        raise PackstreamError(f"--video-max-frames {frames} is under the processor's temporal patch of "
+                              f"{spec.temporal_patch_size} frames; give at least {spec.temporal_patch_size}")
+    low = spec.video_min_pixels if min_pixels is None else int(min_pixels)
+    high = spec.video_max_pixels if max_pixels is None else int(max_pixels)
+    if low > high:
+        raise PackstreamError(f"the video pixel limits run from {low:,} to {high:,} (--video-min-pixels / "
+                              "--video-max-pixels, or the processor's defaults 100,352 and 602,112); give a min "
+                              "under the max")
+    return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
+                               video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,
+                               video_max_pixels=high)

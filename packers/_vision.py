@@ -10,7 +10,8 @@ before any pixel is decoded.
 
 Specs come from a processor folder or file (:meth:`VisionSpec.from_processor`: the
 ``preprocessor_config.json`` / ``processor_config.json`` a model ships) or from the configs
-shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``, ``internvl3``).
+shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``, ``internvl3``,
+``gemma3``).
 
 >>> spec = VisionSpec.builtin("qwen2-vl")
 >>> spec.image_grid(width=640, height=480)       # smart_resize to 644 x 476, 14-pixel patches
@@ -25,6 +26,8 @@ shipped here (:meth:`VisionSpec.builtin`: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-
 (13, 3, 4)
 >>> VisionSpec.builtin("internvl3").image_tokens(width=640, height=480)  # 256 per tile
 3328
+>>> VisionSpec.builtin("gemma3").image_tokens(width=640, height=480)     # one 896 x 896 square, 256 soft tokens
+256
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from packers import _tiles
+from packers import _gemma, _tiles
 from packers.errors import PackstreamError
 from packers._keys import (NEEDED as _NEEDED, Got as _Got, Key as _Key, get as _get, integral as _integral, read as _read,
                            shown as _shown)
@@ -88,10 +91,18 @@ class VisionFamily(str, enum.Enum):
     INTERNVL = "internvl"
     """Dynamic tiles (:mod:`packers._tiles`): ``tile_tokens`` per tile, the tile count from the aspect ratio;
     ``image_grid_thw`` holds ``(tiles, rows, cols)``; 1-D positions."""
+    GEMMA3 = "gemma3"
+    """``Gemma3Processor`` (:mod:`packers._gemma`): LLaVA's fixed square (``patch_size``: one pooled token's side,
+    896 / 16 = 56); 1-D positions; ``token_type_ids`` (1 on the soft tokens) for each image's bidirectional block."""
 
     @property
     def mrope(self) -> bool:
-        return self not in (VisionFamily.LLAVA, VisionFamily.INTERNVL)
+        return self not in (VisionFamily.LLAVA, VisionFamily.INTERNVL, VisionFamily.GEMMA3)
+
+    @property
+    def square(self) -> bool:
+        """Every image resized to one square: the same grid and token count for all."""
+        return self in (VisionFamily.LLAVA, VisionFamily.GEMMA3)
 
 
 class ImageRefusal(str, enum.Enum):
@@ -163,8 +174,10 @@ class VisionSpec:
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("patch_size", "merge_size", "temporal_patch_size")
                if int(getattr(self, k)) < 1]
-        if self.family is VisionFamily.LLAVA and self.image_size < self.patch_size:
+        if self.family.square and self.image_size < self.patch_size:
             bad.append(f"image_size={self.image_size}")
+        if self.family is VisionFamily.GEMMA3 and self.image_size % self.patch_size:
+            bad.append(f"image_size={self.image_size} (not a multiple of patch_size={self.patch_size})")
         if self.family is VisionFamily.INTERNVL and not (self.image_size >= 1 and self.tile_tokens >= 1
                                                          and 1 <= self.min_tiles <= self.max_tiles):
             bad.append(f"image_size={self.image_size}, tile_tokens={self.tile_tokens}, min_tiles={self.min_tiles}, "
@@ -188,7 +201,7 @@ class VisionSpec:
         """The ``(height, width)`` the processor resizes an image of this size to."""
         if width < 1 or height < 1:
             raise ImageSizeError(ImageRefusal.EMPTY, width, height, 0)
-        if self.family is VisionFamily.LLAVA:
+        if self.family.square:
             return self.image_size, self.image_size
         if self.family is VisionFamily.INTERNVL:  # the canvas the tiles are cut from
             _, rows, cols = self.image_grid(width, height)
@@ -217,6 +230,20 @@ class VisionSpec:
     def image_tokens(self, width: int, height: int) -> int:
         """The placeholder tokens an image of this size becomes (what the processor expands it to)."""
         return self.grid_tokens(self.image_grid(width, height))
+
+    @property
+    def placeholder(self) -> str:
+        """The text one image becomes in a record's messages, before the chat template renders them: the processor's
+        image text (``<|vision_start|><|image_pad|><|vision_end|>``, ``<image>``); Gemma 3: ``<start_of_image>``, as
+        its chat template writes it (:meth:`expand` then does what ``Gemma3Processor`` does to it)."""
+        if self.family is VisionFamily.GEMMA3:
+            return self.vision_start or ""
+        return (self.vision_start or "") + self.image_token + (self.vision_end or "")
+
+    def expand(self, text: str) -> str:
+        """Rendered text as the processor hands it to the tokenizer: unchanged, except for Gemma 3, whose processor
+        wraps each ``<start_of_image>`` in blank lines and ``<end_of_image>`` (:func:`packers._gemma.expand`)."""
+        return _gemma.expand(text) if self.family is VisionFamily.GEMMA3 else text
 
     def with_pixel_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> VisionSpec:
         """This spec with its resize limits set (``--image-min-pixels`` / ``--image-max-pixels``, LLaMA-Factory's
@@ -265,7 +292,9 @@ class VisionSpec:
                    max_pixels: int | None = None) -> VisionSpec:
         """This spec packing videos (``--video-fps``, ``--video-max-frames``, ``--video-min-pixels``,
         ``--video-max-pixels``): Qwen2-VL and Qwen2.5-VL only. ``fps`` None and no other value: unchanged."""
-        return _video_spec(self, fps, max_frames, min_pixels, max_pixels)
+        from packers._video import video_spec
+
+        return video_spec(self, fps, max_frames, min_pixels, max_pixels)
 
     def video_resized(self, width: int, height: int) -> tuple[int, int]:
         """The ``(height, width)`` the video processor resizes every frame of a ``width`` x ``height`` video to."""
@@ -332,7 +361,8 @@ class VisionSpec:
 
     @classmethod
     def builtin(cls, name: str) -> VisionSpec:
-        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5`` or ``internvl3``."""
+        """A spec shipped with packstream: ``qwen2-vl``, ``qwen2.5-vl``, ``qwen3-vl``, ``llava-1.5``, ``internvl3`` or
+        ``gemma3``."""
         key = name.strip().lower()
         if key not in _BUILTIN:
             raise PackstreamError(f"no shipped vision processor {name!r}; choose one of {sorted(_BUILTIN)} or pass "
@@ -374,19 +404,27 @@ class VisionSpec:
                                   f"--processor {path}: no preprocessor_config.json there")
         first = next(f for f in files if f.is_file())
         spec = _from_config(config, name=str(path), where=f"--processor {first}")
-        if spec.family is VisionFamily.QWEN3_VL:
-            _check_qwen3_model(first.parent / "config.json")
+        model = first.parent / "config.json"
+        if spec.family is VisionFamily.QWEN3_VL and model.is_file():
+            _check_qwen3_model(model)
+        if spec.family is VisionFamily.GEMMA3 and model.is_file():
+            _gemma.check_model(_model_config(model), f"--processor {model}", spec.image_size,
+                               spec.image_tokens(1, 1))
         return spec
 
 
-def _check_qwen3_model(path: Path) -> None:
-    """A Qwen3VLProcessor folder's ``config.json``, when there is one, must be a verified model type (Qwen3-VL or
-    Qwen3-VL-MoE): transformers gives the same processor to Qwen3.5, whose packed batches are not verified."""
-    if not path.is_file():
-        return
+def _model_config(path: Path) -> Any:
+    """A processor folder's ``config.json`` (the model's), read as the processor configs are."""
     what = f"--processor {path}"
-    loaded = load_json(read_checked(str(path), what=what, limit=_MAX_CONFIG_BYTES), what=what,
-                       fix="pass the model's processor folder")
+    return load_json(read_checked(str(path), what=what, limit=_MAX_CONFIG_BYTES), what=what,
+                     fix="pass the model's processor folder")
+
+
+def _check_qwen3_model(path: Path) -> None:
+    """A Qwen3VLProcessor folder's ``config.json`` must be a verified model type (Qwen3-VL or Qwen3-VL-MoE):
+    transformers gives the same processor to Qwen3.5, whose packed batches are not verified."""
+    what = f"--processor {path}"
+    loaded = _model_config(path)
     kind = loaded.get("model_type") if isinstance(loaded, dict) else None
     if kind not in _QWEN3_MODEL_TYPES:
         raise PackstreamError(f"{what}: model_type {_shown(kind)} uses Qwen3VLProcessor, but packstream has verified "
@@ -460,6 +498,11 @@ _INTERNVL_KEYS = (
     _Key("max_patches", int, 1, _MAX_TILES, default=12),
     _Key("image_seq_length", int, 1, _MAX_TILE_TOKENS, default=256),  # InternVLProcessor's default
 )
+_GEMMA3_KEYS = (  # Gemma3ImageProcessor's size (its class default 224 is never Gemma 3's), Gemma3Processor's tokens
+    _Key("size.height", int, 1, _MAX_SIDE, default=_NEEDED),
+    _Key("size.width", int, 1, _MAX_SIDE, default=_NEEDED),
+    _Key("image_seq_length", int, 1, _MAX_TILE_TOKENS, default=_gemma.TOKENS),
+)
 # The fields of a stored spec (VisionSpec.to_json), for VisionSpec.from_json. A field left out takes the
 # dataclass's default (``default`` here is only what a nullable field's null reads as); ``family`` must be there.
 _SPEC_KEYS = (
@@ -491,47 +534,6 @@ _TILE_FIELDS = ("min_tiles", "max_tiles", "tile_tokens")
 _VIDEO_FIELDS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
                  "video_token", "tokens_per_second")
 """The fields a spec stores only when it packs videos."""
-_VIDEO_FAMILIES = (VisionFamily.QWEN2_VL, VisionFamily.QWEN2_5_VL)
-"""The families whose videos packstream packs (Qwen3-VL's timestamped frame groups are not done)."""
-
-
-def _video_spec(spec: VisionSpec, fps: float | None, max_frames: int | None, min_pixels: int | None,
-                max_pixels: int | None) -> VisionSpec:
-    """:meth:`VisionSpec.with_video`: each value checked, one line naming it, its limit and the fix."""
-    if fps is None:
-        given = [f for f, v in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
-                                ("--video-max-pixels", max_pixels)) if v is not None]
-        if given:
-            raise PackstreamError(f"{' and '.join(given)} say how videos are sampled, and videos are packed only with "
-                                  "--video-fps; add --video-fps 2 (Qwen's default) or drop them")
-        return spec
-    name = spec.name or spec.family.value
-    if spec.family not in _VIDEO_FAMILIES:
-        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL and Qwen2.5-VL only, not for the "
-                              f"processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
-        raise PackstreamError(f"--video-fps {fps!r} is out of range; give frames per second in (0, 1000] "
-                              "(Qwen samples 2)")
-    for flag, value in (("--video-max-frames", max_frames), ("--video-min-pixels", min_pixels),
-                        ("--video-max-pixels", max_pixels)):
-        top = 1 << 20 if flag == "--video-max-frames" else _MAX_PIXELS
-        if value is not None and (not _integral(value) or not 1 <= value <= top):
-            raise PackstreamError(f"{flag} {value!r} is out of range; give an integer within 1..{top:,}")
-    frames = spec.video_max_frames if max_frames is None else int(max_frames)
-    if frames < spec.temporal_patch_size:
-        raise PackstreamError(f"--video-max-frames {frames} is under the processor's temporal patch of "
-                              f"{spec.temporal_patch_size} frames; give at least {spec.temporal_patch_size}")
-    low = spec.video_min_pixels if min_pixels is None else int(min_pixels)
-    high = spec.video_max_pixels if max_pixels is None else int(max_pixels)
-    if low > high:
-        raise PackstreamError(f"the video pixel limits run from {low:,} to {high:,} (--video-min-pixels / "
-                              "--video-max-pixels, or the processor's defaults 100,352 and 602,112); give a min "
-                              "under the max")
-    return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
-                               video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,
-                               video_max_pixels=high)
-
-
 def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
     """A spec from a processor config (key -> (value, the file it came from, its key prefix)); ``where`` names
     the main file, for a key that is missing. A processor whose token count or positions packstream has not
@@ -573,10 +575,12 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
                           image_token=got["image_token"].value, vision_start=None, vision_end=None)
     if kind in _GOT_OCR2_PROCESSORS and model in _INTERNVL_MODELS:
         return _internvl_spec(config, name, where)
+    if kind in _gemma.PROCESSORS and model in _gemma.MODELS:
+        return _gemma3_spec(config, name, where)
     raise PackstreamError(
         f"--processor {name}: image processor {kind or '(unnamed)'} of {model or '(no processor_class)'} is not one "
         f"packstream counts tokens for exactly; supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 (CLIP), InternVL3 "
-        f"(GotOcr2 of InternVLProcessor). Shipped: "
+        f"(GotOcr2 of InternVLProcessor), Gemma 3 (Gemma3Processor). Shipped: "
         f"{sorted(_BUILTIN)}")
 
 
@@ -606,6 +610,30 @@ def _internvl_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where:
                       vision_end="</img>")
 
 
+def _gemma3_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
+    """Gemma 3's square from a ``Gemma3Processor`` config: a square ``size``, ``image_seq_length`` a square number
+    whose side divides it, pan-and-scan off, Gemma 3's pixel settings (:func:`packers._gemma.check_fixed`)."""
+    fix = "fix the value or pass a shipped spec: --processor gemma3"
+    got = {key.path: _get(config, key, fix) for key in _GEMMA3_KEYS}
+    for key in ("size.height", "size.width"):
+        if got[key].value is _NEEDED:
+            raise PackstreamError(f"{where}: {key} is missing, expected the square images are resized to (Gemma 3: "
+                                  f"size {{\"height\": 896, \"width\": 896}}); {fix}")
+    height, width, seq = got["size.height"], got["size.width"], got["image_seq_length"]
+    if height.value != width.value:
+        raise PackstreamError(f"{height.what}: {height.named('', height.what)} and {width.named('', height.what)} "
+                              f"differ, expected a square (the vision tower's image_size); {fix}")
+    side = _gemma.square_side(seq.value)
+    if not side or height.value % side:
+        raise PackstreamError(f"{seq.what or where}: {seq.named('image_seq_length', seq.what or where)} is not a "
+                              f"square number whose side divides the image side {height.value} (Gemma 3: 256, 16 x 16 "
+                              f"pooled tokens of 896 pixels); {fix}")
+    _gemma.check_fixed(config, where, fix)
+    return VisionSpec(family=VisionFamily.GEMMA3, name=name, patch_size=height.value // side, merge_size=1,
+                      temporal_patch_size=1, image_size=height.value, image_token=_gemma.SOFT,
+                      vision_start=_gemma.BOI, vision_end=_gemma.EOI)
+
+
 _BUILTIN: dict[str, VisionSpec] = {
     # Qwen/Qwen2-VL-*-Instruct preprocessor_config.json: 14-pixel patches merged 2 x 2, 3136..12845056 pixels.
     "qwen2-vl": VisionSpec(family=VisionFamily.QWEN2_VL, min_pixels=3136, max_pixels=12845056),
@@ -627,4 +655,8 @@ _BUILTIN: dict[str, VisionSpec] = {
     "internvl3": VisionSpec(family=VisionFamily.INTERNVL, patch_size=14, merge_size=1, temporal_patch_size=1,
                             image_size=448, min_tiles=1, max_tiles=12, tile_tokens=256, image_token="<IMG_CONTEXT>",
                             vision_start="<img>", vision_end="</img>"),
+    # google/gemma-3-{4b,12b,27b}-it: 896 x 896, 256 soft tokens of 56 x 56 pixels each (packers._gemma.SIDE, TOKENS).
+    "gemma3": VisionSpec(family=VisionFamily.GEMMA3, patch_size=_gemma.SIDE // 16, merge_size=1, temporal_patch_size=1,
+                         image_size=_gemma.SIDE, image_token=_gemma.SOFT, vision_start=_gemma.BOI,
+                         vision_end=_gemma.EOI),
 }

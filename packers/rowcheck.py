@@ -349,7 +349,7 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     (``spec.grid_tokens(grid)`` tokens from its offset) after the previous one, inside one sequence, one token id
     throughout (the same for every image), never a target; for an mRoPE spec (Qwen2-VL) never touching the
     previous run (transformers' ``get_rope_index`` groups consecutive image tokens into one image, and raises even
-    on the example alone); for LLaVA the spec's one square grid; for InternVL a ``(tiles, rows, cols)`` its tile
+    on the example alone); for LLaVA and Gemma 3 the spec's one square grid; for InternVL a ``(tiles, rows, cols)`` its tile
     limits give (:func:`packers._tiles.grid_problem`); and in each sequence no placeholder token outside
     its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
@@ -374,7 +374,7 @@ def _check_runs(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, s
     if n_images != k:
         return Failure(row, col, f"{n_images} {col} for {k} {what}_offsets; one per {what}")
     tiled = spec.family is VisionFamily.INTERNVL  # (tiles, rows, cols), checked by packers._tiles.grid_problem
-    square = spec.image_grid(spec.image_size, spec.image_size) if spec.family is VisionFamily.LLAVA else None
+    square = spec.image_grid(spec.image_size, spec.image_size) if spec.family.square else None  # LLaVA, Gemma 3
     n, last, image_id = len(input_ids), 0, None
     for j, (at, grid) in enumerate(zip(starts.tolist(), flat.reshape(-1, 3).tolist())):
         count = spec.grid_tokens(grid)

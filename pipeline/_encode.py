@@ -132,7 +132,7 @@ class Encoder:
             self.vision_ids = vision_token_ids(tok, self.vision, options.tokenizer)  # each once per image
             self.image_id = self.vision_ids["image_token"]
             v = self.vision
-            self.image_text = (v.vision_start or "") + v.image_token + (v.vision_end or "")
+            self.image_text = v.placeholder  # Gemma 3: <start_of_image>, expanded as its processor does (tokenize)
             if v.videos:
                 self.video_text = (v.vision_start or "") + v.video_token + (v.vision_end or "")
                 self.video_id = self.vision_ids["video_token"]
@@ -281,7 +281,8 @@ class Encoder:
 
     def tokenize(self, p: "_Prepared") -> list:
         """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
-        return self._backend.encode_batch_fast(p.texts, add_special_tokens=False) if p.texts else []
+        texts = p.texts if self.vision is None else [self.vision.expand(t) for t in p.texts]
+        return self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
 
     def finish(self, p: "_Prepared", encs: list) -> Encoded:
         """Masks from segment lengths (numpy), the EOS, target checks, repeats."""

@@ -344,7 +344,7 @@ def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Opti
     spec = options.vision() if options.processor is not None else None
     if spec is None or not files:
         return None
-    image_text = (spec.vision_start or "") + spec.image_token + (spec.vision_end or "")
+    image_text = spec.placeholder
     formats = [d.format for d in options.datasets()]
     total, refs = 0.0, []
     biggest = sorted(range(len(files)), key=lambda i: -sizes[i])[:SAMPLED_INPUTS]

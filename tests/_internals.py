@@ -63,6 +63,7 @@ from packers._pack import _pack_per_item
 from packers._pairs import truncate_pairs
 from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denominators
 from packers._vision import VisionFamily, smart_resize
+from packers._gemma import token_type_ids as gemma_token_type_ids
 
 # Loaded on first use: name -> (module, attribute; None for the module itself).
 _LAZY = {
@@ -87,6 +88,7 @@ _LAZY = {
     "dropout_settings": ("packers._attention._model", "dropout_settings"),
     "attention_probe": ("packers._attention._probe", None),
     "num_sequences": ("packers._attention._rules", "num_sequences"),
+    "later_images": ("packers._attention._blocks", "_later_images"),  # Gemma 3: a soft token past a row's first example
     **{name: ("packers._attention._probe", name) for name in ("batch_rope", "run_probe", "special_lengths")},
     # The per-sequence float64 completion sums that packers.sequence_logps returns per example (tests/test_dpo.py).
     "sequence_sums": ("packers._logps", "_sequence_sums"),

@@ -31,7 +31,7 @@ LAYERS = {
     "core": {"packers._pack", "packers._strategies", "packers._bfd", "packers._pairs", "packers._stats", "packers.schema",
              "packers.errors", "packers.manifest", "packers.files", "packers.rowcheck", "packers._options", "packers",
              "packers._vision", "packers._mrope", "packers.shardcheck", "packers._tiles", "packers._video",
-             "packers._keys"},
+             "packers._keys", "packers._gemma"},
     "loader": {"packers._collate", "packers._loader", "packers._folder", "packers._schedule", "packers._attention",
                "packers._logps", "packers._loss", "packers._examples", "packers._pixels",
                "packers._preference_trainer"},

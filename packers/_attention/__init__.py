@@ -17,7 +17,10 @@ Which backends keep the examples of a flattened ``[1, T]`` batch apart (transfor
 Models with 3-D rotary positions (mRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) build the packed mask only from ``[4, B, T]``
 position_ids (row 0 the text positions): any other packed batch leaks under every backend, and is refused naming
 ``packers.Collator(vision=...)``, which collates them so; the probe collates its rows the same way. LLaVA keeps
-1-D positions (the text rules and probe decide). A batch with ``pixel_values`` whose vision tower runs under a
+1-D positions (the text rules and probe decide). Gemma 3 (``token_type_ids``: a bidirectional block per image) is
+refused a packed batch with images but no ``token_type_ids``, and a plain forward of one with images outside a row's
+first example, whose sliding-window masks transformers misplaces; :func:`install_packing_guard` builds them exactly
+(:mod:`._blocks`). A batch with ``pixel_values`` whose vision tower runs under a
 varlen backend is refused while it carries ``cu_seq_lens_*``: transformers hands them on to the tower's attention.
 
 Two layers of defence, both raising :class:`~packers.PackstreamError` with the fix:
@@ -39,7 +42,7 @@ flash-attn package cannot be installed.
 
 The modules, by job: ``_varlen`` the kernel, ``_rules`` the static rules, ``_probe`` the probe, ``_guard`` the
 entry points and the verdict cache, ``_fixes`` the fixes to transformers (mask functions, class tables),
-``_model`` what they read from a model.
+``_model`` what they read from a model, ``_blocks`` Gemma 3's image blocks.
 """
 
 from packers._attention._guard import GuardHandle, cached_verdict, check_packing_safe, install_packing_guard, note_budget

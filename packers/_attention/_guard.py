@@ -16,6 +16,7 @@ from typing import Any, Self
 
 import torch
 
+from packers._attention._blocks import block_problem, image_blocks, packed_blocks
 from packers._attention._fixes import MASK_FIX
 from packers._attention._model import configs, hf_model, input_device
 from packers._attention._probe import Verdict, agree_max, layout, probe, reach_for
@@ -134,7 +135,7 @@ def _reach(hf: torch.nn.Module, batch: Mapping[str, Any], max_length: int | None
 
 
 def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any],
-           max_length: int | None = None) -> Verdict | None:
+           max_length: int | None = None, guarded: bool = False) -> Verdict | None:
     """Static rules, then the verdict; raises PackstreamError for a packed batch that would leak.
 
     Returns the verdict (None when the batch carries no boundaries to probe). The verdict is computed
@@ -143,6 +144,8 @@ def _check(hf: torch.nn.Module, target: torch.nn.Module, batch: Mapping[str, Any
     packed = num_sequences(batch) > 1
     if packed:
         check_static(hf, batch)
+        if image_blocks(hf) and (why := block_problem(hf, batch, guarded)[0]) is not None:
+            raise PackstreamError(why)
     shape = layout(batch)
     if shape is None:
         return None
@@ -174,7 +177,7 @@ def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any], *, max_
     target = model
     while hasattr(target, "_orig_mod"):  # torch.compile's wrapper: probe the eager module, compile nothing
         target = target._orig_mod
-    verdict = _check(hf, target, batch, max_length)
+    verdict = _check(hf, target, batch, max_length, guarded=_guarded(hf))
     if verdict is not None and verdict.fix and num_sequences(batch) > 1 and not _guarded(hf):
         raise PackstreamError(
             f"{type(hf).__name__} builds its {hf.config._attn_implementation!r} masks without position_ids, so a "
@@ -223,10 +226,15 @@ def install_packing_guard(model: torch.nn.Module, *, max_length: int | None = No
         if GUARD.probing:
             return
         batch = dict(zip(params, args)) | kwargs
-        verdict = _check(hf, hf, batch, max_length)
-        if verdict is not None and verdict.fix and num_sequences(batch) > 1:
+        verdict = _check(hf, hf, batch, max_length, guarded=True)
+        packed = num_sequences(batch) > 1
+        blocks = packed and image_blocks(hf) and block_problem(hf, batch, True)[1]
+        if packed and (blocks or (verdict is not None and verdict.fix)):
             fix = contextlib.ExitStack()
-            fix.enter_context(MASK_FIX.packed_positions(hf, text_positions(batch)))
+            if verdict is not None and verdict.fix:
+                fix.enter_context(MASK_FIX.packed_positions(hf, text_positions(batch)))
+            if blocks:  # Gemma 3's image blocks at the row's indices (packers._attention._blocks)
+                fix.enter_context(packed_blocks(hf))
             stack[-1] = fix
 
     @torch.compiler.disable

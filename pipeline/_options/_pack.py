@@ -95,7 +95,7 @@ class PackOptions(FormatOptions):
         "one length.", kind="switch"))
     processor: Optional[str] = dataclasses.field(default=None, metadata=cli(
         "--processor", "Pack image+text records for a vision-language model: a shipped processor (qwen2-vl, "
-        "qwen2.5-vl, qwen3-vl, llava-1.5, internvl3) or the model's folder (its preprocessor_config.json). Each image "
+        "qwen2.5-vl, qwen3-vl, llava-1.5, internvl3, gemma3) or the model's folder (its preprocessor_config.json). Each image "
         "counts the tokens the processor expands it to, so rows stay within --max-tokens; pass the model's tokenizer "
         "with --tokenizer. Without it, records with images are refused (non_text_content).", metavar="NAME|PATH"))
     media_root: Optional[str] = dataclasses.field(default=None, metadata=cli(
@@ -301,7 +301,7 @@ class PackOptions(FormatOptions):
                                   f"--images {self.images.value}")
         if not self.processor.strip():
             raise PackstreamError("--processor '' is empty; give a shipped processor (qwen2-vl, qwen2.5-vl, qwen3-vl, "
-                                  "llava-1.5, internvl3) or the model's folder, or omit --processor for text-only "
+                                  "llava-1.5, internvl3, gemma3) or the model's folder, or omit --processor for text-only "
                                   "packing")
         if self.media_root is not None and not os.path.isdir(self.media_root):
             raise PackstreamError(f"--media-root {self.media_root}: no such folder; give the folder that relative "
