@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from packers.errors import PackstreamError
+from packers._keys import Fixed, check_fixed as _check_fixed
 
 BOI, SOFT, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 """The tokenizer's ``boi_token``, ``image_token`` and ``eoi_token`` (google/gemma-3-*-it)."""
@@ -39,15 +40,10 @@ SIDE, TOKENS = 896, 256
 # only at Gemma 3's values: the key and the value it must have. A key absent or null takes Gemma3ImageProcessor's
 # class default, which is that value (transformers 5.25: bilinear, IMAGENET_STANDARD mean/std 0.5, rgb, rescale
 # 1/255); google's preprocessor_config.json writes do_convert_rgb and the pan-and-scan keys as null.
-FIXED: tuple[tuple[str, Any], ...] = (
-    ("do_resize", True),
-    ("do_rescale", True),
-    ("do_normalize", True),
-    ("do_convert_rgb", True),
-    ("rescale_factor", 1 / 255),
-    ("resample", 2),  # PIL bilinear
-    ("image_mean", [0.5, 0.5, 0.5]),
-    ("image_std", [0.5, 0.5, 0.5]),
+FIXED: tuple[Fixed, ...] = (
+    Fixed("do_resize", True), Fixed("do_rescale", True), Fixed("do_normalize", True), Fixed("do_convert_rgb", True),
+    Fixed("rescale_factor", 1 / 255), Fixed("resample", 2),  # PIL bilinear
+    Fixed("image_mean", [0.5, 0.5, 0.5]), Fixed("image_std", [0.5, 0.5, 0.5]),
 )
 
 
@@ -97,11 +93,7 @@ def check_fixed(config: Mapping[str, tuple[Any, str, str]], where: str, fix: str
         raise PackstreamError(f"{what}: {prefix}do_pan_and_scan is {json.dumps(value)[:60]}, expected false or null: "
                               "pan-and-scan adds crops of each long image (each one more image sequence) that "
                               f"packstream does not count; set it false (Gemma 3's default) or {fix}")
-    for key, want in FIXED:
-        value, what, prefix = config.get(key, (None, where, ""))
-        if value is not None and not _same(value, want):
-            raise PackstreamError(f"{what}: {prefix}{key} is {json.dumps(value)[:60]}, expected {json.dumps(want)} "
-                                  f"(Gemma 3's; packstream's loader reproduces only that); {fix}")
+    _check_fixed(config, FIXED, where, "Gemma 3", fix)
 
 
 def check_model(config: Any, what: str, side: int, tokens: int) -> None:
@@ -118,15 +110,3 @@ def check_model(config: Any, what: str, side: int, tokens: int) -> None:
             raise PackstreamError(f"{what}: {key} is {json.dumps(value)[:60]}, the processor's is {want}: the model "
                                   "and its processor config disagree; pass the model's own processor folder")
 
-
-def _same(value: Any, want: Any) -> bool:
-    if isinstance(want, bool):
-        return value is want
-    if isinstance(want, list):
-        return (isinstance(value, list) and len(value) == len(want)
-                and all(_number(v) and abs(v - w) <= 1e-9 for v, w in zip(value, want)))
-    return _number(value) and abs(value - want) <= 1e-12
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

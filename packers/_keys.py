@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from packers.errors import PackstreamError
 
@@ -138,3 +138,42 @@ def integral(value: Any) -> bool:
     """A JSON integer, or a float with no fraction; not a bool."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
                                                                           and value.is_integer())
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """An image processor setting that changes the pixels (never the token count) and that packstream's loader
+    reproduces at one value only: the key, that value, and whether a config may leave it out (absent or null: the
+    processor class's default, which is that value) or must write it (the class default is another)."""
+
+    key: str
+    value: Any
+    default_ok: bool = True
+
+
+def check_fixed(config: Mapping[str, tuple[Any, str, str]], fixed: Sequence[Fixed], where: str, family: str,
+                fix: str) -> None:
+    """PackstreamError naming the file, the key, the value and the expected one when a setting of ``fixed`` is not
+    ``family``'s (a left-out one only where its class default is another), so that the pixels the loader gives the
+    model are the ones the model's own processor would give it."""
+    for f in fixed:
+        value, what, prefix = config.get(f.key, (None, where, ""))
+        if value is None and f.default_ok:
+            continue
+        if value is None or not _same(value, f.value):
+            shown_value = "absent (its class default is another)" if value is None else json.dumps(value)[:60]
+            raise PackstreamError(f"{what}: {prefix}{f.key} is {shown_value}, expected {json.dumps(f.value)} "
+                                  f"({family}'s; packstream's loader reproduces only that); {fix}")
+
+
+def _same(value: Any, want: Any) -> bool:
+    if isinstance(want, bool):
+        return value is want
+    if isinstance(want, (list, tuple)):
+        return (isinstance(value, list) and len(value) == len(want)
+                and all(_number(v) and abs(v - w) <= 1e-9 for v, w in zip(value, want)))
+    return _number(value) and abs(value - want) <= 1e-12
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

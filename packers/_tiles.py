@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from packers.errors import PackstreamError
+from packers._keys import Fixed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -33,17 +34,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 GotOcr2ImageProcessorFast; GotOcr2's own class defaults are CLIP's, which InternVL never used)."""
 
 # Image processor settings that change the pixels (never the token count) and that packstream's loader reproduces
-# only at InternVL3-hf's values: the key, the value a config may hold, and the value when the key is absent
-# (GotOcr2ImageProcessor's class default; None: the key must be there).
-FIXED: tuple[tuple[str, Any, Any], ...] = (
-    ("do_resize", True, True),
-    ("do_rescale", True, True),
-    ("do_normalize", True, True),
-    ("do_convert_rgb", True, True),
-    ("rescale_factor", 1 / 255, 1 / 255),
-    ("resample", 3, 3),  # PIL bicubic
-    ("image_mean", list(IMAGENET_MEAN), None),
-    ("image_std", list(IMAGENET_STD), None),
+# only at InternVL3-hf's values. Left out, each takes GotOcr2ImageProcessor's class default: InternVL3-hf's, but for
+# the mean and std (CLIP's, which InternVL never used), which must be written.
+FIXED: tuple[Fixed, ...] = (
+    Fixed("do_resize", True), Fixed("do_rescale", True), Fixed("do_normalize", True), Fixed("do_convert_rgb", True),
+    Fixed("rescale_factor", 1 / 255), Fixed("resample", 3),  # PIL bicubic
+    Fixed("image_mean", list(IMAGENET_MEAN), default_ok=False), Fixed("image_std", list(IMAGENET_STD), default_ok=False),
 )
 
 
@@ -96,27 +92,3 @@ def grid_problem(grid: Sequence[int], min_tiles: int, max_tiles: int) -> str | N
     return (f"is no InternVL tile grid (tiles, rows, cols) of min_patches {min_tiles}, max_patches {max_tiles}: a "
             f"{rows} x {cols} canvas gives {n + (1 if n > 1 else 0)} tiles with the thumbnail, within "
             f"{min_tiles}..{max_tiles} tiles")
-
-
-def check_fixed(config: Mapping[str, tuple[Any, str, str]], where: str, fix: str) -> None:
-    """PackstreamError naming the file, the key, the value and the expected one when an image processor setting of
-    :data:`FIXED` is not InternVL3-hf's (absent: GotOcr2's class default)."""
-    for key, want, default in FIXED:
-        value, what, prefix = config.get(key, (default, where, ""))
-        if not _same(value, want):
-            shown = "absent (GotOcr2's default is CLIP's)" if key not in config else json.dumps(value)[:60]
-            raise PackstreamError(f"{what}: {prefix}{key} is {shown}, expected {json.dumps(want)} (InternVL3-hf's; "
-                                  f"packstream's loader reproduces only that); {fix}")
-
-
-def _same(value: Any, want: Any) -> bool:
-    if isinstance(want, bool):
-        return value is want
-    if isinstance(want, list):
-        return (isinstance(value, list) and len(value) == len(want)
-                and all(_number(v) and abs(v - w) <= 1e-9 for v, w in zip(value, want)))
-    return _number(value) and abs(value - want) <= 1e-12
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -41,8 +41,9 @@ from typing import Any, Mapping
 
 from packers import _gemma, _tiles
 from packers.errors import PackstreamError
-from packers._keys import (NEEDED as _NEEDED, Got as _Got, Key as _Key, get as _get, integral as _integral, read as _read,
-                           shown as _shown)
+from packers._keys import (NEEDED as _NEEDED, Fixed, Got as _Got, Key as _Key, check_fixed, get as _get,
+                           integral as _integral, read as _read, shown as _shown)
+from packers._video import CLIP_MEAN, CLIP_STD
 from packers.files import load_json, read_checked
 
 _MAX_CONFIG_BYTES = 1 << 20
@@ -466,6 +467,17 @@ _LLAVA_MODELS = {"", "LlavaProcessor"}
 _GOT_OCR2_PROCESSORS = {"GotOcr2ImageProcessor", "GotOcr2ImageProcessorFast", "GotOcr2ImageProcessorPil"}
 _INTERNVL_MODELS = {"InternVLProcessor"}
 
+# Pixel settings the loader reproduces (packers.PixelLoader builds transformers' PIL processors with the class
+# defaults, Qwen3-VL with mean/std 0.5): a config that sets another is refused, never loaded with other pixels.
+_COMMON_FIXED = (Fixed("do_resize", True), Fixed("do_rescale", True), Fixed("do_normalize", True),
+                 Fixed("do_convert_rgb", True), Fixed("rescale_factor", 1 / 255), Fixed("resample", 3))  # bicubic
+_QWEN_FIXED = _COMMON_FIXED + (Fixed("image_mean", list(CLIP_MEAN)), Fixed("image_std", list(CLIP_STD)))
+_QWEN3_FIXED = _COMMON_FIXED + (Fixed("image_mean", [0.5] * 3, default_ok=False),
+                                Fixed("image_std", [0.5] * 3, default_ok=False))
+_LLAVA_FIXED = _QWEN_FIXED + (Fixed("do_center_crop", True),)
+_OWN_PIXELS = ("{fix}, then load with Collator(vision=ds.vision, pixels=PixelLoader(vision=ds.vision, processor=<your "
+               "image processor>)) to train on its pixels")
+
 # The keys of a processor config that packstream reads: each declared once. A key left out takes the image
 # processor class's default, as transformers does (Qwen3VLProcessor's image processor is Qwen2VLImageProcessor, so a
 # Qwen3-VL config without patch_size gets Qwen2-VL's 14 there too; Qwen3-VL's own configs write every key).
@@ -552,6 +564,8 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
             at = low.what or high.what
             raise PackstreamError(f"{at}: {low.named('min_pixels', at)} is over {high.named('max_pixels', at)}, "
                                   f"expected min_pixels <= max_pixels; {fix}")
+        check_fixed(config, _QWEN3_FIXED if family is VisionFamily.QWEN3_VL else _QWEN_FIXED, where,
+                    family.value, _OWN_PIXELS.format(fix=fix))
         return VisionSpec(
             family=family, name=name, patch_size=got["patch_size"].value, merge_size=got["merge_size"].value,
             temporal_patch_size=got["temporal_patch_size"].value, min_pixels=low.value, max_pixels=high.value)
@@ -568,6 +582,7 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
         if side.value < patch.value:
             raise PackstreamError(f"{side.what}: {side.named('', side.what)} is under "
                                   f"{patch.named('patch_size', side.what)}, expected a side of at least one patch; {fix}")
+        check_fixed(config, _LLAVA_FIXED, where, "LLaVA-1.5", _OWN_PIXELS.format(fix=fix))
         default = got["vision_feature_select_strategy"].value == "default"  # "default" drops the CLS feature
         return VisionSpec(family=VisionFamily.LLAVA, name=name, patch_size=patch.value, merge_size=1,
                           temporal_patch_size=1, image_size=side.value,
@@ -603,7 +618,7 @@ def _internvl_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where:
         at = low.what or high.what
         raise PackstreamError(f"{at}: {low.named('min_patches', at)} is over {high.named('max_patches', at)}, "
                               f"expected min_patches <= max_patches; {fix}")
-    _tiles.check_fixed(config, where, fix)
+    check_fixed(config, _tiles.FIXED, where, "InternVL3-hf", fix)
     return VisionSpec(family=VisionFamily.INTERNVL, name=name, patch_size=14, merge_size=1, temporal_patch_size=1,
                       image_size=height.value, min_tiles=low.value, max_tiles=high.value,
                       tile_tokens=got["image_seq_length"].value, image_token="<IMG_CONTEXT>", vision_start="<img>",

@@ -307,3 +307,43 @@ def test_pack_with_a_bad_processor_folder_prints_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --processor ") and PRE in lines[0], result.output
     assert 'merge_size is "two", expected an integer in 1..64' in lines[0], result.output
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+_QWEN25 = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+           "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+           "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+           "do_rescale": True, "do_normalize": True, "do_resize": True, "resample": 3,
+           "rescale_factor": 0.00392156862745098, "do_convert_rgb": True}  # Qwen/Qwen2.5-VL-7B-Instruct's, as shipped
+_LLAVA = {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor", "crop_size":
+          {"height": 336, "width": 336}, "size": {"shortest_edge": 336}, "do_center_crop": True, "resample": 3,
+          "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+@pytest.mark.parametrize("config, change, refused", [
+    (_QWEN25, {}, None),
+    (_QWEN25, {"image_mean": None, "image_std": None}, None),  # the class default: CLIP's, as the loader's
+    (_QWEN25, {"image_mean": [0.5, 0.5, 0.5]}, "image_mean is [0.5, 0.5, 0.5], expected [0.48145466"),
+    (_QWEN25, {"do_normalize": False}, "do_normalize is false, expected true (qwen2.5-vl's"),
+    (_QWEN25, {"resample": 2}, "resample is 2, expected 3"),
+    ({**_QWEN25, "processor_class": "Qwen3VLProcessor", "patch_size": 16}, {}, "image_mean is [0.48145466"),
+    ({**_QWEN25, "processor_class": "Qwen3VLProcessor", "patch_size": 16}, {"image_mean": None},
+     "image_mean is absent (its class default is another), expected [0.5, 0.5, 0.5]"),
+    ({**_QWEN25, "processor_class": "Qwen3VLProcessor", "patch_size": 16},
+     {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}, None),
+    (_LLAVA, {}, None),
+    (_LLAVA, {"do_center_crop": False}, "do_center_crop is false, expected true (LLaVA-1.5's"),
+    (_LLAVA, {"image_std": [0.5, 0.5, 0.5]}, "image_std is [0.5, 0.5, 0.5]"),
+])
+def test_pixel_settings_the_loader_does_not_reproduce_are_refused(tmp_path, config, change, refused):
+    """The loader builds each family's transformers processor with its own pixel settings: a config with others
+    (another mean, no normalization, another resampler) would train on pixels the model's processor never makes, so
+    it is refused in one line naming the file, the key, both values and how to load such pixels."""
+    data = {**config, **change}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    if refused is None:
+        assert VisionSpec.from_processor(tmp_path).name == str(tmp_path)
+        return
+    with pytest.raises(PackstreamError) as e:
+        VisionSpec.from_processor(tmp_path)
+    assert refused in str(e.value) and "PixelLoader(vision=ds.vision, processor=" in str(e.value)
+    assert "\n" not in str(e.value) and str(tmp_path / "preprocessor_config.json") in str(e.value)

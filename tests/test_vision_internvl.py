@@ -186,7 +186,7 @@ def test_unverified_settings_are_refused_in_one_line(tmp_path, change, seq, mess
     pre = preprocessor() | change
     if change.get("image_std", 0) is None:
         del pre["image_std"]
-        message = r"image_std is absent \(GotOcr2's default is CLIP's\)"
+        message = r"image_std is absent \(its class default is another\)"
     with pytest.raises(PackstreamError, match=message) as e:
         VisionSpec.from_processor(processor_folder(tmp_path, pre, seq))
     text = str(e.value)

@@ -298,10 +298,12 @@ def test_packed_records_equal_each_record_prepared_by_transformers(tmp_path, att
 
 
 @pytest.mark.parametrize("config, model_type, message", [
-    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor", "patch_size": 16},
+    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+      "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
      "qwen3_5", r"model_type \"qwen3_5\" uses Qwen3VLProcessor, but packstream has verified its packed batches only "
                 r"for model_type qwen3_vl and qwen3_vl_moe; pack for a Qwen3-VL model"),
-    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}, "qwen3_5_moe",
+    ({"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+      "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, "qwen3_5_moe",
      "model_type \"qwen3_5_moe\" uses Qwen3VLProcessor"),
     ({"image_processor_type": "SiglipImageProcessor", "processor_class": "Qwen3VLProcessor"}, None,
      "image processor SiglipImageProcessor of Qwen3VLProcessor is not one packstream counts tokens for exactly"),
