@@ -142,7 +142,7 @@ import torch
 
 from packers._mrope import mrope_positions
 from packers._pixels import PixelLoader
-from packers._video import VideoLoader
+from packers._video import VideoLoader, group_runs
 from packers._gemma import token_type_ids
 from packers._vision import VisionFamily, VisionSpec
 from packers.errors import ContractError, PackstreamError
@@ -333,6 +333,9 @@ class Collator:
         offsets, grids = _cat(parts.image_offsets, np.int64), _cat(parts.image_grids, np.int64, 3)
         v_offsets, v_grids = _cat(parts.video_offsets, np.int64), _cat(parts.video_grids, np.int64, 3)
         v_seconds = _cat(parts.video_seconds, np.float32)
+        if self.vision.family is VisionFamily.QWEN3_VL and len(v_offsets):  # one (1, h, w) run per frame group
+            v_offsets, v_grids = _cat(parts.group_offsets, np.int64), _cat(parts.group_grids, np.int64, 3)
+            v_seconds = np.zeros(len(v_offsets), np.float32)
         if len(offsets) or len(v_offsets):
             # Images and videos in token order; Qwen2.5-VL spaces a video's temporal index by tokens_per_second *
             # second_per_grid_ts (float32, as get_rope_index), Qwen2-VL by one per temporal patch.
@@ -351,7 +354,8 @@ class Collator:
         if len(offsets):
             out["image_grid_thw"] = torch.from_numpy(grids)
             out.update(self._pixels(parts, grids))
-        if len(v_offsets):
+        if sum(len(o) for o in parts.video_offsets):
+            v_grids, v_seconds = _cat(parts.video_grids, np.int64, 3), _cat(parts.video_seconds, np.float32)
             out["video_grid_thw"] = torch.from_numpy(v_grids)
             if self.vision.family is VisionFamily.QWEN2_5_VL:
                 out["second_per_grid_ts"] = torch.from_numpy(v_seconds)
@@ -472,6 +476,12 @@ class Collator:
             parts.video_names.append(name if ids_of is None else f"{name} (example {list(ids_of)[seq]!r})")
         parts.video_offsets.append(starts + parts.at)
         parts.video_grids.append(grids.reshape(-1, 3))
+        if self.vision.family is VisionFamily.QWEN3_VL:  # the frame groups check_videos found
+            for at, (t, h, w) in zip(starts.tolist(), grids.reshape(-1, 3).tolist()):
+                end = int(offs[np.searchsorted(offs, at, side="right")])
+                runs = group_runs(ids, at, (t, h, w), self.vision.merge_size, end) or []
+                parts.group_offsets.append(np.array([a for a, _ in runs], np.int64) + parts.at)
+                parts.group_grids.append(np.tile(np.array([[1, h, w]], np.int64), (len(runs), 1)))
         parts.video_seconds.append(seconds)
         parts.videos += refs
 
@@ -531,6 +541,10 @@ class _Parts:
     video_grids: list[np.ndarray] = field(default_factory=list)
     video_seconds: list[np.ndarray] = field(default_factory=list)
     """Per row with videos, each video's ``second_per_grid_ts``."""
+    group_offsets: list[np.ndarray] = field(default_factory=list)
+    group_grids: list[np.ndarray] = field(default_factory=list)
+    """Qwen3-VL: per video, each frame group's first placeholder token (a batch token offset) and grid (1, h, w):
+    ``get_rope_index`` positions each group as an image of its own."""
     videos: list[Any] = field(default_factory=list)
     video_names: list[str] = field(default_factory=list)
     labelled: bool = False

@@ -7,8 +7,9 @@ longer merged side (``max(h, w) // merge``), not from its token count. The same 
 ``Qwen2VLModel.get_rope_index`` (transformers 5.x, ``models/qwen2_vl/modeling_qwen2_vl.py``) for one
 sequence; Qwen2.5-VL's differs only for videos (its temporal spacing), which packstream refuses. Qwen3-VL's
 ``Qwen3VLModel.get_rope_index`` gives images the same positions (its ``get_vision_position_ids``, the image runs found
-by ``mm_token_type_ids``; ``tests/test_vision_qwen3.py`` holds the two equal); it differs only for videos (one
-timestamped run per frame), which packstream refuses too.
+by ``mm_token_type_ids``; ``tests/test_vision_qwen3.py`` holds the two equal). A Qwen3-VL video is one timestamped
+run per frame group, each positioned as an image of grid ``(1, h, w)``: :class:`packers.Collator` passes the groups
+(``tests/test_vision_qwen3_video.py``).
 
 An example of 7 tokens: ``a b <img> <img> <img> <img> c`` holding one image of patch grid (1, 4, 4) at
 token 2 (merge 2: a 2 x 2 grid of merged patches, 4 tokens)::

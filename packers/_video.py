@@ -1,4 +1,4 @@
-"""Videos for Qwen2-VL and Qwen2.5-VL: which frames the processor samples, and how many tokens they become.
+"""Videos for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: which frames the processor samples, and how many tokens they become.
 
 A video's token count is known before its pixels are: transformers' ``Qwen2VLVideoProcessor`` (5.x,
 ``models/qwen2_vl/video_processing_qwen2_vl.py``) samples frames from the container's frame count and rate alone
@@ -14,6 +14,14 @@ the same arithmetic, without torch, held equal to transformers' in ``tests/test_
 
 Qwen2.5-VL also gives each video's ``second_per_grid_ts`` (``temporal_patch_size / sampled fps``, the sampled fps
 being ``len(indices) / total * fps``), which scales its temporal rotary positions.
+
+Qwen3-VL's ``Qwen3VLVideoProcessor`` samples and resizes its own way (:func:`qwen3_frame_indices`:
+``linspace(0, total - 1, n).round()``; :func:`qwen3_resized`: pixel limits over all the sampled frames, 32-pixel
+factor), and ``Qwen3VLProcessor`` writes each temporal group of a video as its own run after a timestamp,
+``<t seconds><|vision_start|>`` + ``h * w / merge**2`` pads + ``<|vision_end|>`` (:func:`qwen3_text`, replacing the
+template's one placeholder before tokenization, so the timestamp tokenizes with the text around it as the processor's
+does); ``get_rope_index`` positions each group as an image of grid ``(1, h, w)`` (:func:`group_runs` finds them in a
+packed row). Held equal to transformers' in ``tests/test_vision_qwen3_video.py``.
 
 Decoding is PyAV's (``av``, the ``video`` extra), read as transformers' ``read_video_pyav`` reads it: the
 container's first video stream, its ``frames`` and ``average_rate``, frames decoded in order and the sampled
@@ -64,6 +72,136 @@ def frame_indices(total: int, fps: float, *, want_fps: float, min_frames: int, m
     size = math.ceil(total / step)  # torch.arange's length, computed in double
     values = (np.arange(size, dtype=np.float64) * step).astype(np.float32)
     return values.astype(np.int32).tolist()
+
+
+def qwen3_frame_indices(total: int, fps: float, *, want_fps: float, min_frames: int, max_frames: int) -> list[int]:
+    """The frame indices ``Qwen3VLVideoProcessor.sample_frames(metadata, fps=want_fps)`` samples from a video of
+    ``total`` frames at ``fps``: ``int(total / fps * want_fps)`` frames, at least ``min_frames``, at most
+    ``max_frames`` and ``total`` (not rounded to the temporal patch: the last frame is repeated to fill it), spread by
+    ``np.linspace(0, total - 1, n).round()``.
+
+    >>> qwen3_frame_indices(30, 10.0, want_fps=2.0, min_frames=4, max_frames=768)
+    [0, 6, 12, 17, 23, 29]
+    """
+    n = int(total / fps * want_fps)
+    n = min(max(n, min_frames), max_frames, total)
+    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+
+
+def qwen3_resized(frames: int, width: int, height: int, spec: Any) -> tuple[int, int]:
+    """The ``(height, width)`` ``Qwen3VLVideoProcessor`` resizes each of ``frames`` sampled frames of a ``width`` x
+    ``height`` video to: its own ``smart_resize`` (sides under one merged patch scaled up first; the pixel limits
+    bound ``t_bar * h * w``, all the frames together), factor ``patch * merge``; ``cap_pixels_per_frame`` off (its
+    default in transformers 5.25)."""
+    factor, temporal = spec.patch_size * spec.merge_size, spec.temporal_patch_size
+    if frames < temporal:
+        raise PackstreamError(f"a video sampled to {frames} frame(s): Qwen3-VL's video processor needs at least "
+                              f"{temporal} (its temporal patch); the video holds too few frames")
+    if width < 1 or height < 1:
+        raise PackstreamError(f"its frames are {width} x {height} pixels, no area; the video processor refuses it")
+    w0, h0 = width, height
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise PackstreamError(f"its {w0} x {h0} frames have an aspect ratio over 200 (sides under {factor} pixels "
+                              "scaled up first, as Qwen3-VL's video processor does); the processor refuses it")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > spec.video_max_pixels:
+        beta = math.sqrt((frames * height * width) / spec.video_max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < spec.video_min_pixels:
+        beta = math.sqrt(spec.video_min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen3_timestamps(indices: Sequence[int], fps: float, temporal: int) -> list[float]:
+    """Each temporal group's time in seconds, as ``Qwen3VLProcessor._calculate_timestamps``: the last index repeated
+    to fill the group, then the mean of the group's first and last frame times (``index / fps``).
+
+    >>> qwen3_timestamps([0, 5, 10, 19, 24], 10.0, 2)
+    [0.25, 1.45, 2.4]
+    """
+    idx = [int(i) for i in indices]
+    if len(idx) % temporal:
+        idx.extend(idx[-1] for _ in range(temporal - len(idx) % temporal))
+    ts = [i / fps for i in idx]
+    return [(ts[i] + ts[i + temporal - 1]) / 2 for i in range(0, len(ts), temporal)]
+
+
+def qwen3_text(indices: Sequence[int], fps: float, spec: Any) -> str:
+    """What ``Qwen3VLProcessor`` writes for one video (its ``replace_video_token``), with one ``<|video_pad|>`` per
+    temporal group where it writes ``h * w / merge**2`` (the packer repeats each afterwards)::
+
+        <0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.4 seconds><|vision_start|>...
+
+    >>> spec = type("S", (), {"temporal_patch_size": 2, "vision_start": "<s>", "video_token": "<v>",
+    ...                       "vision_end": "</s>"})
+    >>> qwen3_text([0, 5, 10, 19, 24], 10.0, spec)
+    '<0.2 seconds><s><v></s><1.4 seconds><s><v></s><2.4 seconds><s><v></s>'
+    """
+    group = f"{spec.vision_start or ''}{spec.video_token}{spec.vision_end or ''}"
+    return "".join(f"<{t:.1f} seconds>{group}" for t in qwen3_timestamps(indices, fps, spec.temporal_patch_size))
+
+
+def group_runs(input_ids: Any, at: int, grid: Sequence[int], merge: int, stop: int) -> list[tuple[int, int]] | None:
+    """A packed Qwen3-VL video's placeholder runs ``(start, length)``: ``grid[0]`` runs of ``h * w / merge**2``
+    tokens (one per frame group), the first at ``at``, each next one at the next token of the first run's id after
+    the previous run (its timestamp and ``<|vision_end|><|vision_start|>`` between them), all before ``stop`` (the
+    example's end); None when they are not there (runs that touch read as one in ``get_rope_index``).
+
+    >>> group_runs([1, 9, 9, 2, 3, 9, 9, 2], 1, (2, 2, 4), 2, 8)
+    [(1, 2), (5, 2)]
+    """
+    ids = np.asarray(input_ids)
+    per = int(grid[1]) * int(grid[2]) // (merge * merge)
+    out, start = [], int(at)
+    for g in range(int(grid[0])):
+        if per < 1 or start + per > stop:
+            return None
+        out.append((start, per))
+        if g + 1 < int(grid[0]):
+            nxt = np.flatnonzero(ids[start + per:stop] == ids[at])
+            if not len(nxt) or nxt[0] == 0:
+                return None
+            start += per + int(nxt[0])
+    return out
+
+
+def grid_of(spec: Any, frames: int, fps: float, width: int, height: int) -> tuple[tuple[int, int, int], list[int],
+                                                                                 float]:
+    """:meth:`packers.VisionSpec.video_grid`: the video's ``(t, h, w)``, its sampled frame indices and its
+    ``second_per_grid_ts``, by the family's video processor (Qwen2-VL's, or Qwen3-VL's own sampling and resize)."""
+    if spec.video_fps is None:
+        raise PackstreamError("this vision spec packs no videos; pass --video-fps")
+    t = spec.temporal_patch_size
+    if spec.family.value == "qwen3-vl":
+        idx = qwen3_frame_indices(frames, fps, want_fps=spec.video_fps, min_frames=spec.video_min_frames,
+                                  max_frames=spec.video_max_frames)
+        h, w = qwen3_resized(len(idx), width, height, spec)
+    else:
+        idx = frame_indices(frames, fps, want_fps=spec.video_fps, min_frames=spec.video_min_frames,
+                            max_frames=spec.video_max_frames, temporal=t)
+        h, w = spec.video_resized(width, height)
+    grid = (-(-len(idx) // t), h // spec.patch_size, w // spec.patch_size)
+    return grid, idx, sampled_seconds_per_grid(t, len(idx), frames, fps)
+
+
+def measure(spec: Any, source: Any, what: str) -> tuple[tuple[int, int, int], float, str]:
+    """:meth:`packers.VisionSpec.measure_video_text`: grid, ``second_per_grid_ts`` and, for Qwen3-VL, the
+    processor's timestamped text (:func:`qwen3_text`; "" for the others); the file decoded up to its last sampled
+    frame."""
+    info = probe(source, what)
+    grid, indices, seconds = grid_of(spec, info.frames, info.fps, info.width, info.height)
+    if hasattr(source, "seek"):
+        source.seek(0)
+    count_frames(source, indices[-1], what)
+    text = qwen3_text(indices, info.fps, spec) if spec.family.value == "qwen3-vl" else ""
+    return grid, seconds, text
 
 
 def sampled_seconds_per_grid(temporal: int, n_indices: int, total: int, fps: float) -> float:
@@ -217,9 +355,11 @@ def video_patches(frames: np.ndarray, spec: Any) -> tuple[np.ndarray, tuple[int,
     from PIL import Image
 
     n, height, width = frames.shape[:3]
-    h, w = spec.video_resized(width, height)
+    qwen3 = spec.family.value == "qwen3-vl"  # its own resize rule, and mean/std 0.5
+    h, w = qwen3_resized(n, width, height, spec) if qwen3 else spec.video_resized(width, height)
     resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.BICUBIC)) for f in frames])
-    x = (resized.astype(np.float32) / 255.0 - np.float32(CLIP_MEAN)) / np.float32(CLIP_STD)
+    mean, std = ((0.5,) * 3, (0.5,) * 3) if qwen3 else (CLIP_MEAN, CLIP_STD)
+    x = (resized.astype(np.float32) / 255.0 - np.float32(mean)) / np.float32(std)
     x = x.transpose(0, 3, 1, 2)  # [n, C, h, w]
     t, p, m = spec.temporal_patch_size, spec.patch_size, spec.merge_size
     if pad := -n % t:
@@ -246,8 +386,13 @@ MAX_PIXELS = 1 << 30
 """Pixels a video frame may be resized to (as an image: packers._vision's limit)."""
 
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")
-"""The families whose videos packstream packs (Qwen3-VL's timestamped frame groups are not done)."""
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+"""The families whose videos packstream packs."""
+
+DEFAULT_PIXELS = {"qwen3-vl": (128 * 32 * 32, 32 * 32 * 768)}
+"""A family's video pixel limits when --video-min-pixels / --video-max-pixels are not given, where they are not
+Qwen2-VL's (the spec's field defaults): ``Qwen3VLVideoProcessor.size`` (shortest_edge, longest_edge), pixels over all
+the sampled frames (``t_bar * h * w``), not per frame."""
 
 
 def video_spec(spec: Any, fps: float | None, max_frames: int | None, min_pixels: int | None,
@@ -262,8 +407,8 @@ def video_spec(spec: Any, fps: float | None, max_frames: int | None, min_pixels:
         return spec
     name = spec.name or spec.family.value
     if spec.family.value not in VIDEO_FAMILIES:
-        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL and Qwen2.5-VL only, not for the "
-                              f"processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
+        raise PackstreamError(f"--video-fps: packstream packs videos for Qwen2-VL, Qwen2.5-VL and Qwen3-VL only, not "
+                              f"for the processor {name} ({spec.family.value}); drop --video-fps and the records' videos")
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
         raise PackstreamError(f"--video-fps {fps!r} is out of range; give frames per second in (0, 1000] "
                               "(Qwen samples 2)")
@@ -276,11 +421,13 @@ def video_spec(spec: Any, fps: float | None, max_frames: int | None, min_pixels:
     if frames < spec.temporal_patch_size:
         raise PackstreamError(f"--video-max-frames {frames} is under the processor's temporal patch of "
                               f"{spec.temporal_patch_size} frames; give at least {spec.temporal_patch_size}")
-    low = spec.video_min_pixels if min_pixels is None else int(min_pixels)
-    high = spec.video_max_pixels if max_pixels is None else int(max_pixels)
+    low0, high0 = ((DEFAULT_PIXELS.get(spec.family.value) if spec.video_fps is None else None)
+                   or (spec.video_min_pixels, spec.video_max_pixels))
+    low = low0 if min_pixels is None else int(min_pixels)
+    high = high0 if max_pixels is None else int(max_pixels)
     if low > high:
         raise PackstreamError(f"the video pixel limits run from {low:,} to {high:,} (--video-min-pixels / "
-                              "--video-max-pixels, or the processor's defaults 100,352 and 602,112); give a min "
+                              f"--video-max-pixels, or the processor's defaults {low0:,} and {high0:,}); give a min "
                               "under the max")
     return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
                                video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,

@@ -86,7 +86,7 @@ class VisionFamily(str, enum.Enum):
     ``Qwen2VLImageProcessor``) with Qwen3-VL's settings (16-pixel patches, 65,536..16,777,216 pixels), one token
     per merged patch, and image positions the same arithmetic as Qwen2-VL's (``Qwen3VLModel.get_rope_index`` /
     ``get_vision_position_ids``; held equal in ``tests/test_vision_qwen3.py``). Qwen3-VL differs for videos: each
-    frame is its own ``<t seconds>`` timestamp and vision run; videos stay refused, so timestamps never arise."""
+    frame group is its own ``<t seconds>`` timestamp and vision run (:mod:`packers._video`)."""
     LLAVA = "llava"
     """A fixed square resize: every image is the same number of tokens; 1-D positions."""
     INTERNVL = "internvl"
@@ -155,8 +155,8 @@ class VisionSpec:
     tile_tokens: int = 256
     """InternVL: the processor's ``image_seq_length``, placeholder tokens per tile."""
     video_fps: float | None = None
-    """Qwen2-VL / Qwen2.5-VL videos (``--video-fps``): frames sampled per second of video, as the video processor's
-    ``fps``; None: videos are refused. The video fields below are stored only when it is set (:meth:`to_json`)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL videos (``--video-fps``): frames sampled per second of video, as the video
+    processor's ``fps``; None: videos are refused. The video fields below are stored only when it is set (:meth:`to_json`)."""
     video_min_frames: int = 4
     """The fewest frames sampled (``Qwen2VLVideoProcessor.min_frames``)."""
     video_max_frames: int = 768
@@ -165,7 +165,8 @@ class VisionSpec:
     """Pixels a video frame is resized to at least (``--video-min-pixels``; the video processor's
     ``size.shortest_edge``, 100,352 by default)."""
     video_max_pixels: int = 28 * 28 * 768
-    """Pixels a video frame is resized to at most (``--video-max-pixels``; ``size.longest_edge``, 602,112)."""
+    """Pixels a video frame is resized to at most (``--video-max-pixels``; ``size.longest_edge``, 602,112). Qwen3-VL:
+    both limits bound all the sampled frames together, 131,072 and 786,432 by default (its video processor's)."""
     video_token: str = "<|video_pad|>"
     """The placeholder the processor repeats once per video token."""
     tokens_per_second: int = 2
@@ -292,7 +293,7 @@ class VisionSpec:
     def with_video(self, fps: float | None, max_frames: int | None = None, min_pixels: int | None = None,
                    max_pixels: int | None = None) -> VisionSpec:
         """This spec packing videos (``--video-fps``, ``--video-max-frames``, ``--video-min-pixels``,
-        ``--video-max-pixels``): Qwen2-VL and Qwen2.5-VL only. ``fps`` None and no other value: unchanged."""
+        ``--video-max-pixels``): Qwen2-VL, Qwen2.5-VL and Qwen3-VL only. ``fps`` None and no other value: unchanged."""
         from packers._video import video_spec
 
         return video_spec(self, fps, max_frames, min_pixels, max_pixels)
@@ -308,30 +309,24 @@ class VisionSpec:
     def video_grid(self, frames: int, fps: float, width: int, height: int) -> tuple[tuple[int, int, int], list[int],
                                                                                      float]:
         """A video of ``frames`` frames at ``fps`` (its container's count and rate), ``width`` x ``height``: its patch
-        grid ``(t, h, w)`` (``video_grid_thw``), the frame indices sampled, and its ``second_per_grid_ts``."""
-        from packers._video import frame_indices, sampled_seconds_per_grid
+        grid ``(t, h, w)`` (``video_grid_thw``), the frame indices sampled, and its ``second_per_grid_ts``
+        (:func:`packers._video.grid_of`: Qwen2-VL's sampling and resize, or Qwen3-VL's own)."""
+        from packers._video import grid_of
 
-        if self.video_fps is None:
-            raise PackstreamError("this vision spec packs no videos; pass --video-fps")
-        t = self.temporal_patch_size
-        idx = frame_indices(frames, fps, want_fps=self.video_fps, min_frames=self.video_min_frames,
-                            max_frames=self.video_max_frames, temporal=t)
-        h, w = self.video_resized(width, height)
-        grid = (-(-len(idx) // t), h // self.patch_size, w // self.patch_size)
-        return grid, idx, sampled_seconds_per_grid(t, len(idx), frames, fps)
+        return grid_of(self, frames, fps, width, height)
 
     def measure_video(self, source: Any, what: str) -> tuple[tuple[int, int, int], float]:
         """A video file (a path or a seekable binary file object): its ``video_grid_thw`` and ``second_per_grid_ts``
         from its container's frame count, rate and size, its frames decoded once up to the last one sampled (one
         that is not there, or a file PyAV cannot read, is a PackstreamError naming ``what``). Needs PyAV."""
-        from packers._video import count_frames, probe
+        return self.measure_video_text(source, what)[:2]
 
-        info = probe(source, what)
-        grid, indices, seconds = self.video_grid(info.frames, info.fps, info.width, info.height)
-        if hasattr(source, "seek"):
-            source.seek(0)
-        count_frames(source, indices[-1], what)
-        return grid, seconds
+    def measure_video_text(self, source: Any, what: str) -> tuple[tuple[int, int, int], float, str]:
+        """:meth:`measure_video`, and for Qwen3-VL the text its processor writes for the video (a ``<t seconds>``
+        timestamp and one ``<|video_pad|>`` run per temporal group: :func:`packers._video.qwen3_text`); ""."""
+        from packers._video import measure
+
+        return measure(self, source, what)
 
     def to_json(self) -> str:
         """The spec as JSON; InternVL's tile fields only for that family, the video fields only when it packs videos

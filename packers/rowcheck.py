@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packers._tiles import grid_problem
+from packers._video import group_runs
 from packers._vision import VisionFamily
 from packers.manifest import RowChecks
 
@@ -399,14 +400,21 @@ def _check_runs(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, s
             return Failure(row, col, f"{where} cross the end of their example (seq_offsets "
                                           f"{np.asarray(seq_offsets).tolist()[:8]}) or of the row ({n} tokens); the row "
                                           "was packed with another vision spec?")
-        run = np.asarray(input_ids[at:at + count])
-        if (run != run[0]).any() or (image_id is not None and run[0] != image_id):
-            return Failure(row, col, f"{where}: the tokens there are not one placeholder id repeated, the same as "
-                                          f"the first image's ({run[:8].tolist()}...); the row was packed with another "
-                                          "vision spec?")
-        if loss_mask is not None and np.asarray(loss_mask[at:at + count]).any():
-            return Failure(row, col, f"{where} are marked as training targets; a placeholder never is one")
-        image_id, last = run[0], at + count
+        groups = [(at, count)]
+        if what == "video" and spec.family is VisionFamily.QWEN3_VL:  # one run per frame group, timestamps between
+            groups = group_runs(input_ids, at, grid, spec.merge_size, int(seq_offsets[seq + 1]))
+            if groups is None:
+                return Failure(row, col, f"{where}: not {grid[0]} runs of {count // grid[0]} tokens (one per frame "
+                                              "group) in its example; the row was packed with another vision spec?")
+        for a, c in groups:
+            run = np.asarray(input_ids[a:a + c])
+            if (run != run[0]).any() or (image_id is not None and run[0] != image_id):
+                return Failure(row, col, f"{where}: the tokens there are not one placeholder id repeated, the same as "
+                                              f"the first image's ({run[:8].tolist()}...); the row was packed with "
+                                              "another vision spec?")
+            if loss_mask is not None and np.asarray(loss_mask[a:a + c]).any():
+                return Failure(row, col, f"{where} are marked as training targets; a placeholder never is one")
+            image_id, last = run[0], a + c
     if image_id is None:
         return None
     # Every placeholder token is in an image's run: a stray one (or a run longer than its grid says) would be read

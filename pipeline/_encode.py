@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -282,7 +283,22 @@ class Encoder:
     def tokenize(self, p: "_Prepared") -> list:
         """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
         texts = p.texts if self.vision is None else [self.vision.expand(t) for t in p.texts]
+        if self.video_text is not None and any(m.text for ms in p.images.values() for m in ms):
+            texts = self._timestamped(texts, p)
         return self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+
+    def _timestamped(self, texts: list[str], p: "_Prepared") -> list[str]:
+        """Qwen3-VL: each video's placeholder text replaced, before tokenization, by what its processor writes for it
+        (``Image.text``: a ``<t seconds>`` timestamp and one placeholder per temporal group), the videos taken in
+        order through each example's (or side's) segments. A placeholder with no video left stays as written (the
+        placeholder check refuses the example)."""
+        out, left = list(texts), {}
+        for k, (text, owner) in enumerate(zip(texts, p.owner)):
+            if self.video_text in text:
+                videos = [m.text or self.video_text for m in p.images.get(owner, ()) if m.video]
+                it = left.setdefault(owner, iter(videos))
+                out[k] = re.sub(re.escape(self.video_text), lambda _: next(it, self.video_text), text)
+        return out
 
     def finish(self, p: "_Prepared", encs: list) -> Encoded:
         """Masks from segment lengths (numpy), the EOS, target checks, repeats."""
@@ -347,9 +363,10 @@ class Encoder:
         ok = keep[owner]
         rep = np.ones(len(ids), np.int64)
         kept = [img for i in range(n) if keep[i] for img in p.images.get(i, ())]
-        if [img.video for img in kept] != (ids[pos[ok]] == self.video_id).tolist():
+        units = [_units(img) for img in kept]  # placeholders per medium: a Qwen3-VL video's one per frame group
+        if [img.video for img, u in zip(kept, units) for _ in range(u)] != (ids[pos[ok]] == self.video_id).tolist():
             raise InternalError("the image and video placeholder tokens stand in another order than the media")
-        rep[pos[ok]] = np.asarray([img.tokens for img in kept], np.int64)
+        rep[pos[ok]] = np.asarray([img.tokens // u for img, u in zip(kept, units) for _ in range(u)], np.int64)
         new_at = np.cumsum(rep) - rep  # where each old token starts in the expanded arrays
         ids, mask = np.repeat(ids, rep), np.repeat(mask, rep)
         runs = _rows._ranges(new_at[pos[ok]], new_at[pos[ok]] + rep[pos[ok]])
@@ -359,7 +376,9 @@ class Encoder:
         counts = np.where(keep, want, 0)
         index = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=index[1:])
-        images = _rows.Images(index, (new_at[pos[ok]] - starts[owner[ok]]).astype(np.int64),
+        first = pos[ok][np.cumsum([0] + units[:-1]).astype(np.int64)] if kept else pos[ok]  # each medium's first
+        images = _rows.Images(index, (new_at[first] - starts[np.searchsorted(ends, first, side="right")]).astype(
+                              np.int64),
                               np.array([img.grid for img in kept], np.int32).reshape(-1, 3),
                               [(img.path, img.data) for img in kept], np.array([img.video for img in kept], bool),
                               np.array([img.seconds for img in kept], np.float32))
@@ -372,8 +391,8 @@ class Encoder:
         a side refused refuses its pair, once)."""
         n = len(ends)
         media = [p.images.get(i, ()) for i in range(n)]
-        videos = np.array([sum(m.video for m in ms) for ms in media], dtype=np.int64)
-        total = np.array([len(ms) for ms in media], dtype=np.int64)
+        videos = np.array([sum(_units(m) for m in ms if m.video) for ms in media], dtype=np.int64)
+        total = np.array([sum(map(_units, ms)) for ms in media], dtype=np.int64)
         wants = {"image_token": total - videos, "video_token": videos}
         for what, token_id in self.vision_ids.items():
             want = wants.get(what, total)
@@ -473,6 +492,12 @@ class Encoder:
             which = [i for i, t in enumerate(times) if t >= copy]
             parts.append(batch.take(which, suffix=f"~{copy}"))
         return _rows.ExampleBatch.concat(parts), sum(times) - len(times)
+
+
+def _units(img: _media.Image) -> int:
+    """The placeholders a medium's text holds: one per temporal group for a Qwen3-VL video (its timestamped
+    ``Image.text``), else one."""
+    return int(img.grid[0]) if img.text else 1
 
 
 def _pair_images_of(sides: _rows.Images, side_lens: np.ndarray) -> _rows.Images:

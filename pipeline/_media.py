@@ -76,6 +76,9 @@ class Image:
     """A video (``--video-fps``): ``grid`` is its ``video_grid_thw``."""
     seconds: float = 0.0
     """A video's ``second_per_grid_ts`` (float32 as the processor gives it); 0 for an image."""
+    text: str = ""
+    """A Qwen3-VL video: the text its processor writes for it, one ``<t seconds>`` timestamp and one placeholder per
+    temporal group (each group ``tokens / grid[0]`` tokens); "" otherwise (one placeholder run)."""
 
 
 def _short(text: str) -> str:
@@ -395,9 +398,9 @@ def measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageSto
     what = f"{at} ({_short(src.path) if src.path else str(len(data or b'')) + ' bytes'})"
     with source:
         try:
-            grid, seconds = spec.measure_video(source, what)
+            grid, seconds, text = spec.measure_video_text(source, what)
         except ImageSizeError as e:
             raise Rejected(Reason.BAD_IMAGE, f"{what}: {str(e).replace('image', 'video frame', 1)}") from None
         except PackstreamError as e:
             raise Rejected(Reason.BAD_IMAGE, f"{e}; replace the file or drop the record") from None
-    return Image(stored, data, grid, spec.grid_tokens(grid), video=True, seconds=seconds)
+    return Image(stored, data, grid, spec.grid_tokens(grid), video=True, seconds=seconds, text=text)

@@ -40,7 +40,7 @@ from pipeline._report import split_remedy, with_whole_remedy
 
 # Encoding and rows: records -> encoded examples -> packed rows; images (--processor) resolved and embedded.
 from pipeline import _media, _rows
-from packers._video import frame_indices
+from packers._video import frame_indices, qwen3_frame_indices
 from pipeline._encode import Encoder, input_folders
 from pipeline._rows import ExampleBatch, dedupe, example_id, pack_group
 

@@ -162,7 +162,7 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
     assert "corrupt.png" in dead[8]["detail"] and "cannot be read" in dead[8]["detail"]
     assert "1 image placeholders" in dead[9]["detail"] and "2 in 'images'" in dead[9]["detail"]
     assert "never cut" in dead[10]["detail"] and "budget 600" in dead[10]["detail"]
-    assert "videos are packed only for Qwen2-VL and Qwen2.5-VL" in dead[14]["detail"]
+    assert "videos are packed only for Qwen2-VL, Qwen2.5-VL and Qwen3-VL" in dead[14]["detail"]
     assert "aspect ratio 300" in dead[15]["detail"] and "thin.png" in dead[15]["detail"]
     assert c["examples_packed"] == 7
 

@@ -5,7 +5,7 @@ from ``Qwen3VLModel.get_rope_index``, and the whole product path (records -> ``p
 loss equal the example's alone, prepared the way the processor prepares it. What is not verified is refused.
 
 transformers' ``Qwen3VLProcessor.__init__`` builds a video processor, which needs torchvision (not installed here):
-:func:`qwen3_processor` builds the real class without it (videos are refused by packstream anyway) and calls its own
+:func:`qwen3_processor` builds the real class without it (videos: tests/test_vision_qwen3_video.py) and calls its own
 ``__call__``, ``replace_image_token`` and ``_get_num_multimodal_tokens``.
 """
 
@@ -323,7 +323,7 @@ def test_unverified_qwen3_processors_are_refused_in_one_line(tmp_path, config, m
 
 
 def test_video_records_stay_refused_under_qwen3_vl(tmp_path):
-    """Qwen3-VL's videos (timestamped frames) are not counted: a record holding one is a dead letter, the rest pack."""
+    """Without --video-fps a Qwen3-VL record holding a video is a dead letter, the rest pack."""
     PIL.new("RGB", (64, 48)).save(tmp_path / "a.png")
     records = [
         {"id": "img", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},

@@ -11,7 +11,8 @@
   the model's own ``get_rope_index`` (``mm_token_type_ids``, ``second_per_grid_ts``), its placeholder runs expanded
   from transformers' sampling and resize rule. (The pixels are the loader's for both: transformers' video processor
   cannot run here, see above.)
-* A video too long for the budget is dead-lettered ``too_long``; LLaVA / Qwen3-VL with --video-fps are refused.
+* A video too long for the budget is dead-lettered ``too_long``; LLaVA / InternVL with --video-fps are refused
+  (Qwen3-VL videos: ``tests/test_vision_qwen3_video.py``).
 """
 
 from __future__ import annotations
@@ -295,14 +296,14 @@ def test_too_long_video_is_dead_lettered(tmp_path):
     assert "never cut" in rejected[0]["detail"] and "video" in rejected[0]["detail"]
 
 
-@pytest.mark.parametrize("processor", ["llava-1.5", "qwen3-vl"])
+@pytest.mark.parametrize("processor", ["llava-1.5", "internvl3"])
 def test_video_fps_refused_for_other_families(tmp_path, processor):
     (tmp_path / "r.jsonl").write_text('{"text": "x"}\n')
     result = CliRunner().invoke(main, ["pack", str(tmp_path / "r.jsonl"), "--processor", processor, "--video-fps",
                                        "2", "-o", str(tmp_path / "o")])
     assert result.exit_code != 0
     line = [x for x in result.output.splitlines() if "video" in x]
-    assert line and "Qwen2-VL and Qwen2.5-VL only" in line[0], result.output
+    assert line and "Qwen2-VL, Qwen2.5-VL and Qwen3-VL only" in line[0], result.output
 
 
 def test_videos_without_video_fps_are_refused_in_one_line(tmp_path):

@@ -50,7 +50,7 @@ _OPEN, _CLOSE, _SLOT, _VSLOT = "\ue000", "\ue001", "\ue002", "\ue003"
 image is in the column, ``\\ue003`` for one whose video is."""
 _MARKER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 _PRIVATE = re.compile(f"[{_OPEN}{_CLOSE}{_SLOT}{_VSLOT}]")
-NOT_YET = ("videos are packed only for Qwen2-VL and Qwen2.5-VL, with --video-fps (e.g. --video-fps 2)")
+NOT_YET = ("videos are packed only for Qwen2-VL, Qwen2.5-VL and Qwen3-VL, with --video-fps (e.g. --video-fps 2)")
 
 
 @dataclasses.dataclass(frozen=True)

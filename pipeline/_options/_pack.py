@@ -117,19 +117,21 @@ class PackOptions(FormatOptions):
         "processor's min_pixels (LLaMA-Factory's image_min_pixels). Recorded like --image-max-pixels. "
         "[default: the processor's]", metavar="N"))
     video_fps: Optional[float] = dataclasses.field(default=None, metadata=cli(
-        "--video-fps", "With --processor (Qwen2-VL, Qwen2.5-VL): pack videos ({\"type\": \"video\"} parts, a "
-        "'videos' column with <video>), sampling this many frames per second as transformers' Qwen2VLVideoProcessor "
-        "does (2 is Qwen's default). Recorded in the manifest and the shards' vision spec; the loader samples the same "
+        "--video-fps", "With --processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): pack videos ({\"type\": \"video\"} "
+        "parts, a 'videos' column with <video>), sampling this many frames per second as the family's transformers "
+        "video processor does (2 is Qwen's default; Qwen3-VL: a <t seconds> timestamp per frame group, as its "
+        "processor writes it). Recorded in the manifest and the shards' vision spec; the loader samples the same "
         "frames. [default: videos are refused]", metavar="FPS"))
     video_max_frames: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--video-max-frames", "With --video-fps: the most frames sampled from one video (the video processor's "
         "max_frames). [default: 768]", metavar="N"))
     video_max_pixels: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--video-max-pixels", "With --video-fps: the most pixels a video frame is resized to (the video processor's "
-        "size.longest_edge). [default: 602112]", metavar="N"))
+        "size.longest_edge; Qwen3-VL: all sampled frames together). [default: 602112; Qwen3-VL 786432]", metavar="N"))
     video_min_pixels: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--video-min-pixels", "With --video-fps: the fewest pixels a video frame is resized to (the video "
-        "processor's size.shortest_edge). [default: 100352]", metavar="N"))
+        "processor's size.shortest_edge; Qwen3-VL: all sampled frames together). [default: 100352; Qwen3-VL "
+        "131072]", metavar="N"))
     max_per_row: Optional[int] = dataclasses.field(default=None, metadata=cli(
         "--max-per-row", "Cap on examples per row.", metavar="N"))
     refine: bool = dataclasses.field(default=True, metadata=cli(
