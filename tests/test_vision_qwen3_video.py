@@ -13,6 +13,8 @@
   ``get_rope_index`` (``mm_token_type_ids``, 2 on video tokens; ``video_grid_thw`` split per frame group).
   (Pixels are the loader's on both sides: transformers' video processor resizes with torchvision, which cannot run
   here.)
+* Positions: generated rows of text, images and timestamped videos: the Collator's positions equal
+  ``get_rope_index`` on each example alone; rows whose frame groups are not there are refused.
 * A video too long for the budget is dead-lettered ``too_long``; a clip sampled to one frame is refused.
 """
 
@@ -279,16 +281,77 @@ def test_default_pixel_limits_are_qwen3_video_processors():
     assert packers.VisionSpec.from_json(spec.to_json()) == spec
 
 
+def test_collator_positions_equal_get_rope_index_on_generated_rows(tmp_path):
+    """Rows of random text, images and videos laid out as the packer writes them (each frame group after a run of
+    timestamp tokens): the Collator's positions equal ``Qwen3VLModel.get_rope_index`` on each example alone, with
+    ``video_grid_thw`` one (t, h, w) per video and ``mm_token_type_ids`` 2 on video tokens."""
+    spec = packers.VisionSpec.builtin("qwen3-vl").with_video(2, 8, 1024, 16384)
+    files = [str(clip(tmp_path / f"v{k}.mp4", f, r, w, h, seed=k))
+             for k, (f, r, w, h) in enumerate([(6, 4, 48, 32), (9, 2, 32, 64), (3, 1, 40, 40)])]
+    grids = [spec.measure_video(f, "clip")[0] for f in files]
+    model = tiny_qwen3_vl(64, {"image_token_id": 60, "vision_start_token_id": 61, "vision_end_token_id": 62}, "sdpa")
+    rng = np.random.default_rng(7)
+    collate = packers.Collator(vision=spec, decode_images=False)
+    for _ in range(30):
+        ids, v_off, v_grid, refs, offs, img, img_grid = [], [], [], [], [0], [], []
+        for _ in range(int(rng.integers(1, 4))):  # examples
+            for _ in range(int(rng.integers(0, 4))):
+                ids += [5] * int(rng.integers(1, 4))
+                if rng.random() < 0.5:  # an image of grid (1, 2, 2n): n tokens
+                    n = int(rng.integers(1, 4))
+                    img.append(len(ids) + 1)
+                    img_grid.append([1, 2, 2 * n])
+                    ids += [61] + [60] * n + [62]
+                    continue
+                k = int(rng.integers(0, len(files)))
+                t, h, w = grids[k]
+                v_grid.append(grids[k])
+                refs.append({"path": files[k], "bytes": None})
+                for g in range(t):
+                    ids += [7] * int(rng.integers(1, 4)) + [61]
+                    if g == 0:
+                        v_off.append(len(ids))
+                    ids += [63] * (h * w // 4) + [62]
+            ids += [8]
+            offs.append(len(ids))
+        row = {"input_ids": ids, "loss_mask": [1] * len(ids), "seq_offsets": offs, "video_offsets": v_off,
+               "video_grid_thw": np.asarray(v_grid).reshape(-1).tolist(), "videos": refs,
+               "second_per_grid_ts": [1.0] * len(v_off), "image_offsets": img,
+               "image_grid_thw": np.asarray(img_grid).reshape(-1).tolist(),
+               "images": [{"path": None, "bytes": b"x"}] * len(img)}
+        got = _positions(collate, row)
+        for s in range(len(offs) - 1):
+            a, z = offs[s], offs[s + 1]
+            x = torch.tensor([ids[a:z]])
+            vk = [k for k, o in enumerate(v_off) if a <= o < z]
+            ik = [k for k, o in enumerate(img) if a <= o < z]
+            kw = {"video_grid_thw": torch.tensor([v_grid[k] for k in vk]).reshape(-1, 3)} if vk else {}
+            if ik:
+                kw["image_grid_thw"] = torch.tensor([img_grid[k] for k in ik])
+            want, _ = model.model.get_rope_index(x, ((x == 60).int() + 2 * (x == 63).int()), **kw)
+            assert got[:, a:z].tolist() == want[:, 0].tolist()
+
+
+def _positions(collate, row) -> np.ndarray:
+    """The Collator's mRoPE positions (rows 1..3 of ``position_ids``) of one row, its images' pixels not loaded."""
+    from unittest import mock
+
+    with mock.patch.object(type(collate), "_pixels", lambda self, parts, grids: {}):
+        return collate([row])["position_ids"][1:, 0].numpy()
+
+
 def test_rows_whose_frame_groups_are_broken_are_refused():
-    """The Collator finds each video's frame groups from its offset; a row whose groups are not there is refused."""
+    """The Collator finds each video's frame groups from its offset; a row whose groups are not there is refused
+    (the files are never opened: the row checks come first)."""
     spec = packers.VisionSpec.builtin("qwen3-vl").with_video(2)
     v = 9
     good = [1, 2, v, v, 3, 4, 2, v, v, 3, 5]  # two groups of 2 tokens (grid (2, 2, 4)), a timestamp between
     row = {"input_ids": good, "loss_mask": [0] * 10 + [1], "seq_offsets": [0, 11], "video_offsets": [2],
            "video_grid_thw": [2, 2, 4], "videos": [{"path": "x.mp4", "bytes": None}], "second_per_grid_ts": [1.0]}
     collate = packers.Collator(vision=spec, decode_images=False)
-    with pytest.raises(packers.PackstreamError):  # the grids are checked against the file, which is not there
-        collate([row])
-    bad = {**row, "input_ids": [1, 2, v, v, v, v, 3, 4, 2, 3, 5]}  # touching groups read as one
-    with pytest.raises(packers.ContractError, match="one per frame group"):
-        collate([bad])
+    for ids in ([1, 2, v, v, v, v, 3, 4, 2, 3, 5],  # touching groups read as one in get_rope_index
+                [1, 2, v, v, 3, 4, 2, 3, 5, 6, 7],  # the second group is not there
+                [1, 2, v, v, 3, 4, 2, 3, 5, v, v]):  # it runs past the example's end
+        with pytest.raises(packers.ContractError, match="one per frame group"):
+            collate([{**row, "input_ids": ids, "seq_offsets": [0, 11] if ids[-1] != v else [0, 10, 11],
+                      "loss_mask": [0] * 11}])
