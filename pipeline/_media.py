@@ -34,7 +34,7 @@ Videos (``--video-fps``: ``Video`` references among a conversation's images) are
 (:func:`measure_video`): their frame count, rate and size come from the container's header (PyAV, as transformers'
 ``read_video_pyav`` reads them), the frames the processor samples follow from those alone
 (:meth:`packers.VisionSpec.video_grid`), and the file is decoded once up to the last sampled frame, so that a file
-holding fewer frames than its header states is a ``bad_image`` dead letter here, not a crash in the loader.
+holding fewer frames than its header states is a ``bad_video`` dead letter here, not a crash in the loader.
 """
 
 from __future__ import annotations
@@ -407,7 +407,20 @@ def _time_measure(refs: list[tuple[Any, MediaRoot]], spec: VisionSpec, storage: 
 def measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageStorage, at: str) -> Image:
     """One video of an example, resolved under ``root``, stored as ``storage`` says (``--images embed``: its bytes)
     and measured under ``spec``: an :class:`pipeline._media.Image` with ``video=True``, its ``video_grid_thw``, its
-    token count and its ``second_per_grid_ts``; or :class:`Rejected`."""
+    token count and its ``second_per_grid_ts``; or :class:`Rejected`: a video that is missing, unreadable, cut short
+    or of a frame size the processor refuses is ``bad_video`` (the other refusals, ``remote_image`` and
+    ``outside_media_root``, are an image's)."""
+    try:
+        return _measure_video(ref, root, spec, storage, at)
+    except Rejected as r:
+        if r.reason is not Reason.BAD_IMAGE:
+            raise
+        raise Rejected(Reason.BAD_VIDEO, r.detail.replace(f"{at}: image ", f"{at}: video ", 1)
+                       .replace(f"{at}: cannot read image ", f"{at}: cannot read video ", 1)) from None
+
+
+def _measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageStorage, at: str) -> Image:
+    """:func:`measure_video`, its file refusals still ``bad_image``."""
     src = resolve(ref, root, at)
     stored, data = src.path, src.data
     source: IO[bytes]
