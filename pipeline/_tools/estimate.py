@@ -566,7 +566,8 @@ def format_estimate(e: dict[str, Any]) -> str:
                       f"{e['vision']['image_token_share']:.0%} of the tokens; ~{e['vision']['images_per_row']:.2f} "
                       f"per row; {e['vision']['processor']})")] if e.get("vision") else []),
         *([("videos", f"~{e['vision']['videos']:,}  (~{e['vision']['video_tokens']:,} placeholder tokens, "
-                      f"{e['vision']['video_token_share']:.0%} of the tokens)")] if "videos" in e.get("vision", {}) else []),
+                      f"{e['vision']['video_token_share']:.0%} of the tokens)")]
+          if "videos" in e.get("vision", {}) else []),
     ]
     if len(e["splits"]) > 1:
         lines += [(f"  {name}", f"~{s['rows']:,} rows, ~{s['tokens']:,} tokens, {s['shards']} shard(s)")

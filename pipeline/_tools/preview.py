@@ -48,8 +48,8 @@ def preview(options: PackOptions, n: int) -> list[dict]:
     from the tokens; each image's placeholder run as one ``<image NAME: N tokens, grid TxHxW>``, each video's as
     ``<video NAME: N tokens, F frames, grid TxHxW>``), ``tokens`` and ``targets`` (counts); with ``--processor``,
     ``images`` (each image's or video's name under ``image`` or ``video``, ``grid_thw`` and ``tokens``; a video's
-    sampled ``frames``) and ``image_tokens`` (images' and videos') for an example that holds some; with ``--pairs``, ``sides``: the spans of
-    the pair's chosen and rejected sequences. ``format`` is set for refused records
+    sampled ``frames``) and ``image_tokens`` (images' and videos') for an example that holds some; with ``--pairs``,
+    ``sides``: the spans of the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
     from pipeline._encode import Encoder, input_folders
