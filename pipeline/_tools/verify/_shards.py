@@ -24,6 +24,7 @@ from pipeline._tools.verify._base import Report, in_folder, is_remote, short
 
 
 _SHIFT_SHARD, _SHIFT_ROW = 64, 24  # a sequence's place, packed in one int: shard, row, sequence
+_MEDIA_NUMBERS = ("image_offsets", "image_grid_thw", "video_offsets", "video_grid_thw", "second_per_grid_ts")
 _SCHEMA_NAMES = {packers.CONTRACT_VERSION: "SCHEMA", packers.VISION_CONTRACT_VERSION: "VISION_SCHEMA",
                  packers.VIDEO_CONTRACT_VERSION: "VIDEO_SCHEMA"}
 
@@ -309,7 +310,7 @@ def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
     ex_off, exs, n4 = _list_column(table, "example_ids")
     nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
-    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS)
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS + _MEDIA_NUMBERS if c in table.column_names)
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
         return None
