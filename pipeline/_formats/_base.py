@@ -131,7 +131,8 @@ NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns
 
 NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
               "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages",
-              "large_image": "images", "images_placed_first": "images"}
+              "large_image": "images", "images_placed_first": "images", "videos_placed_first": "videos",
+              "image_tags_as_videos": "tags"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape

@@ -28,8 +28,8 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
-from pipeline._formats._images import (IMAGE_COLUMNS, NOT_YET, VIDEO_COLUMNS, column_images, column_videos, place_column,
-                                       refuse_private_use, take_images)
+from pipeline._formats._images import (IMAGE_COLUMNS, NOT_YET, VIDEO_COLUMNS, column_images, column_videos,
+                                       image_tags_as_videos, place_column, refuse_private_use, take_images)
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -173,6 +173,8 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
     if not drafts:
         raise InternalError(f"shape {shape.name!r} read no draft and raised nothing")
     if image_text is not None:
+        if video_text is not None:
+            image_tags_as_videos(drafts, column[1], videos[1], ctx)
         place_column(drafts, *column, ctx)
         if video_text is not None:
             place_column(drafts, *videos, ctx, video=True)
