@@ -410,7 +410,7 @@ def _check_runs(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, s
             run = np.asarray(input_ids[a:a + c])
             if (run != run[0]).any() or (image_id is not None and run[0] != image_id):
                 return Failure(row, col, f"{where}: the tokens there are not one placeholder id repeated, the same as "
-                                              f"the first image's ({run[:8].tolist()}...); the row was packed with "
+                                              f"the first {what}'s ({run[:8].tolist()}...); the row was packed with "
                                               "another vision spec?")
             if loss_mask is not None and np.asarray(loss_mask[a:a + c]).any():
                 return Failure(row, col, f"{where} are marked as training targets; a placeholder never is one")

@@ -34,7 +34,7 @@ Videos (``--video-fps``: ``Video`` references among a conversation's images) are
 (:func:`measure_video`): their frame count, rate and size come from the container's header (PyAV, as transformers'
 ``read_video_pyav`` reads them), the frames the processor samples follow from those alone
 (:meth:`packers.VisionSpec.video_grid`), and the file is decoded once up to the last sampled frame, so that a file
-holding fewer frames than its header states is a ``bad_image`` dead letter here, not a crash in the loader.
+holding fewer frames than its header states is a ``bad_video`` dead letter here, not a crash in the loader.
 """
 
 from __future__ import annotations
@@ -305,22 +305,30 @@ SAMPLED_RECORDS = 128
 SAMPLED_INPUTS = 4
 TIMED_IMAGES = 12
 """Images resolved, read and sized (:func:`measure`) to time one: a few dozen milliseconds in all, usually."""
+TIMED_VIDEOS = 4
+"""Videos resolved, opened and decoded up to their last sampled frame (:func:`measure_video`) to time one."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
     """A ``--processor`` run's work in bytes of text (what ``--workers auto`` and the read tasks are sized by):
-    the input bytes, plus each image's measured time as the text bytes that take as long."""
+    the input bytes, plus each image's and video's measured time as the text bytes that take as long."""
 
     input_bytes: int
     images: int
     """Images the inputs hold, estimated from a sample of records."""
     seconds_per_image: float
     """Wall time of :func:`measure` per sampled image (resolve, open, header, a draft decode)."""
+    videos: int = 0
+    """Videos the inputs hold (``--video-fps``), estimated from the same sample."""
+    seconds_per_video: float = 0.0
+    """Wall time of :func:`measure_video` per sampled video (resolve, open, header, decoding to the last sampled
+    frame)."""
 
     @property
     def bytes(self) -> float:
-        return self.input_bytes + self.images * self.seconds_per_image / TEXT_SECONDS_PER_MIB * 2**20
+        seconds = self.images * self.seconds_per_image + self.videos * self.seconds_per_video
+        return self.input_bytes + seconds / TEXT_SECONDS_PER_MIB * 2**20
 
     @property
     def scale(self) -> float:
@@ -329,18 +337,20 @@ class Work:
 
     def describe(self) -> str:
         """How the summary says it: ``31,204 bytes of records and ~240 images at ~18.0 ms each: the work of ~7.9 MiB
-        of text``."""
-        return (f"{_amount(self.input_bytes)} of records and ~{self.images:,} images at "
-                f"~{self.seconds_per_image * 1e3:,.1f} ms each: the work of ~{_amount(int(self.bytes))} of text")
+        of text`` (and ``, ~12 videos at ~95.0 ms each`` after the images in a run with videos)."""
+        kinds = [(n, kind, s) for n, kind, s in ((self.images, "images", self.seconds_per_image),
+                                                 (self.videos, "videos", self.seconds_per_video))
+                 if n or (kind == "images" and not self.videos)]
+        media = ", ".join(f"~{n:,} {kind} at ~{s * 1e3:,.1f} ms each" for n, kind, s in kinds)
+        return f"{_amount(self.input_bytes)} of records and {media}: the work of ~{_amount(int(self.bytes))} of text"
 
 
 def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Optional[Work]:
     """The image work of a ``--processor`` run over ``files`` (``sizes``: their bytes), from a sample: the images
-    per record of up to :data:`SAMPLED_RECORDS` records of each of the biggest inputs, and the time
-    :func:`measure` takes on up to :data:`TIMED_IMAGES` of them. None for a text-only run, or when the sample holds no
-    image. A record the sample cannot read is skipped (the job dead-letters it)."""
-    import time
-
+    (and videos) per record of up to :data:`SAMPLED_RECORDS` records of each of the biggest inputs, and the time
+    :func:`measure` takes on up to :data:`TIMED_IMAGES` images and :data:`TIMED_VIDEOS` videos of them. None for a
+    text-only run, or when the sample holds no image or video. A record the sample cannot read is skipped (the job
+    dead-letters it)."""
     from pipeline._formats import conversations, pair_conversations
     from pipeline._read import sample
 
@@ -348,8 +358,9 @@ def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Opti
     if spec is None or not files:
         return None
     image_text = spec.placeholder
+    video_text = (spec.vision_start or "") + spec.video_token + (spec.vision_end or "") if spec.videos else None
     formats = [d.format for d in options.datasets()]
-    total, refs = 0.0, []
+    totals, refs = [0.0, 0.0], ([], [])  # images, videos
     biggest = sorted(range(len(files)), key=lambda i: -sizes[i])[:SAMPLED_INPUTS]
     for i in biggest:
         f = files[i]
@@ -358,33 +369,61 @@ def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Opti
         except PackstreamError:
             continue
         root = media_root(options.media_root, os.path.dirname(f.path))
-        found = 0
+        found = [0, 0]
         for _, record in s.items:
             try:
                 convs = (list(pair_conversations(record, formats[f.dataset], image_text))[:1] if options.pairs
-                         else conversations(record, formats[f.dataset], image_text))
+                         else conversations(record, formats[f.dataset], image_text, video_text))
             except (Rejected, PackstreamError):
                 continue
             for conv in convs:
-                found += len(conv.images)
-                refs += [(ref, root) for ref in conv.images[:TIMED_IMAGES - len(refs)]]
-        if s.items:
-            total += found / len(s.items) * s.records
-    if not refs:
+                for ref in conv.images:
+                    kind = int(isinstance(ref, Video))
+                    found[kind] += 1
+                    if len(refs[kind]) < (TIMED_VIDEOS if kind else TIMED_IMAGES):
+                        refs[kind].append((ref, root))
+        for kind in (0, 1):
+            totals[kind] += found[kind] / len(s.items) * s.records if s.items else 0.0
+    if not refs[0] and not refs[1]:
         return None
-    total *= sum(sizes) / max(1, sum(sizes[i] for i in biggest))  # the inputs not sampled: alike, by size
+    share = sum(sizes) / max(1, sum(sizes[i] for i in biggest))  # the inputs not sampled: alike, by size
+    return Work(int(sum(sizes)), int(round(totals[0] * share)), _time_measure(refs[0], spec, options.images),
+                int(round(totals[1] * share)), _time_measure(refs[1], spec, options.images))
+
+
+def _time_measure(refs: list[tuple[Any, MediaRoot]], spec: VisionSpec, storage: ImageStorage) -> float:
+    """Seconds :func:`measure` takes per reference of ``refs`` (0 for none); a bad one costs about as much to find
+    out."""
+    import time
+
+    if not refs:
+        return 0.0
     start = time.perf_counter()
     for ref, root in refs:
         try:
-            measure([ref], root, spec, options.images)
+            measure([ref], root, spec, storage)
         except Rejected:
-            pass  # a bad image costs about as much to find out
-    timed = (time.perf_counter() - start) / len(refs)
-    return Work(int(sum(sizes)), int(round(total)), timed)
+            pass
+    return (time.perf_counter() - start) / len(refs)
+
+
 def measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageStorage, at: str) -> Image:
     """One video of an example, resolved under ``root``, stored as ``storage`` says (``--images embed``: its bytes)
     and measured under ``spec``: an :class:`pipeline._media.Image` with ``video=True``, its ``video_grid_thw``, its
-    token count and its ``second_per_grid_ts``; or :class:`Rejected`."""
+    token count and its ``second_per_grid_ts``; or :class:`Rejected`: a video that is missing, unreadable, cut short
+    or of a frame size the processor refuses is ``bad_video`` (the other refusals, ``remote_image`` and
+    ``outside_media_root``, are an image's)."""
+    try:
+        return _measure_video(ref, root, spec, storage, at)
+    except Rejected as r:
+        if r.reason is not Reason.BAD_IMAGE:
+            raise
+        raise Rejected(Reason.BAD_VIDEO, r.detail.replace(f"{at}: image ", f"{at}: video ", 1)
+                       .replace(f"{at}: cannot read image ", f"{at}: cannot read video ", 1)) from None
+
+
+def _measure_video(ref: Any, root: MediaRoot, spec: VisionSpec, storage: ImageStorage, at: str) -> Image:
+    """:func:`measure_video`, its file refusals still ``bad_image``."""
     src = resolve(ref, root, at)
     stored, data = src.path, src.data
     source: IO[bytes]

@@ -184,6 +184,12 @@ SLOW_CASES = (
     "packers/_attention/",
     "tests/test_bench_dpo_trl.py::test_bench_dpo_trl_runs_both_paths",  # ~18 s: packs, then trains with TRL
     "tests/test_preference_trainers.py::test_example_trains",  # ~11 s each: 10 Trainer steps on CPU
+    # One end-to-end case per vision family stays fast; the rest of each family's cases run in CI.
+    "tests/test_vision.py::test_llava_tokens_equal_the_processors",  # ~8 s: CLIP's processor on many images
+    "tests/test_vision_video.py::test_packed_videos_equal_each_example_alone[qwen2.5-vl-eager]",
+    "tests/test_vision_end_to_end.py::test_llava_records_packed_by_the_job_equal_each_record_alone",
+    "tests/test_vision_qwen3.py::test_packed_records_equal_each_record_prepared_by_transformers[eager-True-3]",
+    "tests/test_vision_qwen3.py::test_packed_records_equal_each_record_prepared_by_transformers[sdpa-True-2]",
 )
 
 

@@ -286,6 +286,7 @@ def test_corpus_is_big_and_covers_every_reason():
         "blank_text",  # plain text only, which a folder of other data does not read: tests/test_tabular_text.py
         "placeholder_mismatch", "bad_image", "remote_image",  # only under --processor: tests/test_vision_pipeline.py
         "outside_media_root",  # only under --processor: tests/test_media_root.py
+        "bad_video",  # only under --video-fps: tests/test_vision_video_tools.py
     }
     assert {r.value for r in Reason} - covered == elsewhere
 

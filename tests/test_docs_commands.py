@@ -135,7 +135,7 @@ def _check_outputs(doc: str, work: Path) -> None:
         assert (work / "out" / "sample" / "manifest.json").exists()
         assert (work / "out" / "dask" / "manifest.json").exists()
         assert json.loads((work / "out" / "pack-log.jsonl").read_text().splitlines()[-1])["event"] == "done"
-        assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 4
+        assert json.loads((work / "out" / "packed-report.json").read_text())["schema_version"] == 5
         assert sorted(os.listdir(work / "out" / "packed-inspect")) == [  # the marker: inspect owns this folder
             ".packstream-inspect.json", "example_lengths.png", "examples_per_row.png", "row_fill.png"]
     if doc == "README.md" and SHARED.is_dir():

@@ -153,7 +153,7 @@ def test_cli_estimate_json_and_table(tmp_path):
     r = runner.invoke(main, ["pack", "--estimate", "--log-format", "json", "--max-tokens", "512", "--sample", "5"])
     assert r.exit_code == 0, r.output
     e = json.loads(r.stdout)
-    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 5
+    assert set(e) == ESTIMATE_KEYS | {"event"} and e["event"] == "estimate" and e["schema_version"] == 6
     # The run time is calibrated by a timed pack of the sample (issue 28): its parts and the error bound are shown.
     assert set(e["timed_sample"]) == TIMED_KEYS and 0 < e["timed_sample"]["records"] <= sum(
         i["sampled"] for i in e["inputs"])

@@ -107,7 +107,7 @@ def test_json_schema_is_stable(packed, tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     _check_types(report)
-    assert report["schema_version"] == SCHEMA_VERSION == 4
+    assert report["schema_version"] == SCHEMA_VERSION == 5
     assert set(report["plots"]) == set(PLOTS)
     # The documented keys (docs/operations.md) are exactly these.
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "operations.md")).read()

@@ -103,3 +103,38 @@ def test_exchange_lists_under_other_keys_are_suggested_and_speaker_keys_are_not(
     assert "one key per speaker (human, bot)" in shown and "--roles hello" not in shown
     fixed = CliRunner().invoke(main, ["preview", str(path), "--no-color", "--messages-field", "dialogs", "-n", "1"])
     assert "dialogs[]: user -> user, assistant -> assistant" in fixed.output and "[[hello" in fixed.output
+
+
+def test_a_video_with_no_place_said_or_marked_with_image_goes_where_its_dataset_means(tmp_path):
+    """A ``videos`` column with no placeholder gets its video before the first user turn's text (never a literal
+    ``<image>`` and a video dropped), and LLaVA-Video's ``video`` + ``<image>`` reads the tag as the video's place;
+    each counted in the summary. An ``<image>`` tag beside a video and an image is still the image's."""
+    pytest.importorskip("av")
+    from tests.test_vision_pipeline import save_tokenizer
+    from tests.test_vision_video import clip
+
+    tok = save_tokenizer(tmp_path / "tok", ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"])
+    clip(tmp_path / "a.mp4", 8, 4.0, 56, 56)
+    PIL.new("RGB", (56, 56), "red").save(tmp_path / "i.png")
+    records = [
+        {"id": "column", "videos": ["a.mp4"], "messages": [{"role": "user", "content": "describe"},
+                                                            {"role": "assistant", "content": "noise"}]},
+        {"id": "llava_video", "video": "a.mp4", "conversations": [{"from": "human", "value": "<image>\ndescribe"},
+                                                                  {"from": "gpt", "value": "noise"}]},
+        {"id": "both", "video": "a.mp4", "image": "i.png", "conversations": [
+            {"from": "human", "value": "<video> then <image>"}, {"from": "gpt", "value": "noise, red"}]},
+    ]
+    path = tmp_path / "v.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["--processor", "qwen2-vl", "--video-fps", "2", "--tokenizer", tok]
+    out = CliRunner().invoke(main, ["pack", str(path), *args, "-o", str(tmp_path / "out")])
+    assert out.exit_code == 0, out.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["counts"]["examples_packed"] == 3 and manifest["counts"]["rejected"] == 0
+    assert "videos placed first" in out.output and "image tags as videos" in out.output
+    shown = CliRunner().invoke(main, ["preview", str(path), *args, "--no-color"]).output
+    for line in ("-- line 1", "-- line 2"):
+        part = shown.split(line)[1].split("-- line")[0]
+        assert part.count("<video ") == 1 and "<image" not in part and "user\n<|vision_start|><video " in part
+    both = shown.split("-- line 3")[1]
+    assert both.index("<video ") < both.index("<image ") and both.count("<video ") == both.count("<image ") == 1

@@ -52,6 +52,7 @@ class Reason(str, enum.Enum):
     BLANK_TEXT = "blank_text"  #: a plain-text document (a line, or a whole file) that holds only whitespace
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"  #: --processor: image placeholders and images differ in number
     BAD_IMAGE = "bad_image"  #: --processor: an image that is missing, unreadable, or of a size the processor refuses
+    BAD_VIDEO = "bad_video"  #: --video-fps: a video that is missing, unreadable, cut short, or of a frame size refused
     REMOTE_IMAGE = "remote_image"  #: --processor: an http(s) image URL (packing is offline)
     OUTSIDE_MEDIA_ROOT = "outside_media_root"  #: --processor: an image file that is not under the media root
     EMPTY_ANSWER = "empty_answer"  #: a CSV/TSV row whose answer cell is empty (an empty cell is a missing field)
@@ -130,7 +131,8 @@ NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns
 
 NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
               "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages",
-              "large_image": "images", "images_placed_first": "images"}
+              "large_image": "images", "images_placed_first": "images", "videos_placed_first": "videos",
+              "image_tags_as_videos": "tags"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape

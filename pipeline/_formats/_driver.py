@@ -28,8 +28,8 @@ from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, 
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
-from pipeline._formats._images import (IMAGE_COLUMNS, VIDEO_COLUMNS, column_images, column_videos, place_column,
-                                       refuse_private_use, take_images)
+from pipeline._formats._images import (IMAGE_COLUMNS, NOT_YET, VIDEO_COLUMNS, column_images, column_videos,
+                                       image_tags_as_videos, place_column, refuse_private_use, take_images)
 from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
@@ -66,6 +66,9 @@ def normalize(record: Any, options: FormatOptions) -> Conversation:
     return conv
 
 
+PAIRS_REFUSE_VIDEOS = "preference pairs (--pairs) are packed with images only, never videos"
+
+
 def pair_conversations(record: Any, options: FormatOptions,
                        image_text: Optional[str] = None) -> tuple[Conversation, Conversation]:
     """A preference record read as a pair (``packstream pack --pairs``): its chosen and its rejected conversation,
@@ -94,9 +97,14 @@ def pair_conversations(record: Any, options: FormatOptions,
                                           f"non_preferred_output; see docs/formats.md), and this record reads as "
                                           f"{shape}; pack it without --pairs")
     shape = REGISTRY[preference.SHAPE.name]
-    chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side), ignored=ignored,
-                                mapping=mapping, image_text=image_text)
-                        for side in (Preference.CHOSEN, Preference.REJECTED))
+    try:
+        chosen, rejected = (read_as(shape, record, dataclasses.replace(options, preference=side), ignored=ignored,
+                                    mapping=mapping, image_text=image_text)
+                            for side in (Preference.CHOSEN, Preference.REJECTED))
+    except Rejected as r:  # a video: pairs never pack one, whatever --video-fps says
+        if r.reason is not Reason.NON_TEXT_CONTENT or NOT_YET not in r.detail:
+            raise
+        raise Rejected(r.reason, r.detail.replace(NOT_YET, PAIRS_REFUSE_VIDEOS)) from None
     if len(chosen) != 1 or len(rejected) != 1:
         raise InternalError(f"the preference shape read {len(chosen)} and {len(rejected)} conversations, not one each")
     return chosen[0], rejected[0]
@@ -165,6 +173,8 @@ def read_as(shape: Shape, record: dict, options: FormatOptions, ignored: Sequenc
     if not drafts:
         raise InternalError(f"shape {shape.name!r} read no draft and raised nothing")
     if image_text is not None:
+        if video_text is not None:
+            image_tags_as_videos(drafts, column[1], videos[1], ctx)
         place_column(drafts, *column, ctx)
         if video_text is not None:
             place_column(drafts, *videos, ctx, video=True)

@@ -177,6 +177,21 @@ def _placeholders(ctx: Ctx, video: bool = False) -> "re.Pattern[str]":
     return re.compile("|".join(map(re.escape, spelled)) + f"|{_SLOT}")
 
 
+def image_tags_as_videos(drafts: list[Draft], images: list, videos: list, ctx: Ctx) -> None:
+    """LLaVA-Video's records (LLaVA-Video-178K: ``video`` beside ``conversations`` whose first turn starts with
+    ``<image>``) mark a video's place with ``<image>``: a record with videos, no image, no video placeholder and as
+    many ``<image>`` tags as videos has each tag read as ``<video>``, counted as ``image_tags_as_videos``."""
+    if images or not videos:
+        return
+    texts = [(t, "content") for d in drafts for t in (d.turns or ())] + [(d, "text") for d in drafts if d.text]
+    tags = sum(getattr(o, attr).count(PLACEHOLDER) for o, attr in texts)
+    if tags != len(videos) or any(_placeholders(ctx, True).search(getattr(o, attr)) for o, attr in texts):
+        return
+    for o, attr in texts:
+        setattr(o, attr, getattr(o, attr).replace(PLACEHOLDER, VIDEO_PLACEHOLDER))
+    ctx.note("image_tags_as_videos", tags)
+
+
 def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx, video: bool = False) -> None:
     """Each placeholder (:func:`_placeholders`) in the drafts' text, in order, becomes the marker of the column's
     next image; their numbers must agree, with or without a column (an ``<image>`` with no image beside it, an
@@ -192,9 +207,9 @@ def place_column(drafts: list[Draft], key: Optional[str], refs: list, ctx: Ctx, 
     if not found and first_user is not None and len(drafts) == 1:
         # No placeholder anywhere (LLaVA/LLaMA-Factory records that leave them out, RLAIF-V, the_cauldron): the
         # images go before the first user turn's text, as TRL's prepare_multimodal_messages puts them; counted.
-        first_user.content = PLACEHOLDER * len(refs) + first_user.content
+        first_user.content = (VIDEO_PLACEHOLDER if video else PLACEHOLDER) * len(refs) + first_user.content
         found = len(refs)
-        ctx.note("images_placed_first", len(refs))
+        ctx.note("videos_placed_first" if video else "images_placed_first", len(refs))
     if found != len(refs):
         kind, tag = ("video", "<video>") if video else ("image", "<image>")
         where = f"{len(refs)} in {key!r}" if key is not None else f"no {kind} beside the text (no '{kind}s' column)"

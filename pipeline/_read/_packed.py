@@ -22,7 +22,7 @@ length in a folder that truncated any; a truncated pair has no such tell, so the
 
 The folder is read as the loader reads it: its complete ``manifest.json`` decides which shards are read, and each
 shard's size, sha256, schema, schema metadata and counts must agree with its entry before a row is read. Local
-folders only for now; rows of images (contract version 4) are refused.
+folders only for now; rows of images (contract version 4) or videos (version 5) are refused.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from packers.files import check_regular, open_checked, show_path
 from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, ShardEntry, escape_source, id_source,
                               load_manifest, missing_manifest, require_complete)
 from packers.shardcheck import check_rows, checked_metadata
-from packers.schema import VISION_CONTRACT_VERSION, Side
+from packers.schema import CONTRACT_VERSION, VIDEO_CONTRACT_VERSION, Side
 
 _NO_IMAGES = "repack of image rows is not supported yet"
+_NO_VIDEOS = "repack of video rows is not supported yet"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,6 +97,9 @@ def _manifest(folder: str) -> Manifest:
     if MANIFEST not in names:
         raise missing_manifest(where, names)
     m = require_complete(load_manifest(os.path.join(folder, MANIFEST), where), where)
+    if m.raw.get("contract_version") == VIDEO_CONTRACT_VERSION:
+        raise PackstreamError(f"{where}: its rows hold videos (packed with --processor --video-fps); "
+                              f"{_NO_VIDEOS}")
     if m.raw.get("vision"):
         raise PackstreamError(f"{where}: its rows hold images (packed with --processor); {_NO_IMAGES}")
     return m
@@ -127,8 +131,10 @@ def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
     except (pa.ArrowException, OSError) as e:
         raise ContractError(f"{at}: not a readable packstream shard ({e}); {RESTORE}") from None
     meta = checked_metadata(at, schema, m, s)  # the loader's checks (packers.shardcheck), in its words
-    if meta["contract_version"] == VISION_CONTRACT_VERSION:
-        raise PackstreamError(f"{at}: contract version {VISION_CONTRACT_VERSION} rows hold images; {_NO_IMAGES}")
+    if meta["contract_version"] != CONTRACT_VERSION:
+        what = "videos" if meta["contract_version"] == VIDEO_CONTRACT_VERSION else "images"
+        raise PackstreamError(f"{at}: contract version {meta['contract_version']} rows hold {what}; "
+                              f"{_NO_VIDEOS if 'videos' in what else _NO_IMAGES}")
     check_rows(at, table, s)
     return table
 

@@ -68,7 +68,7 @@ Other load on the machine moves a real run by about as much."""
 _UNTIMED_STARTUP_S = 2.0
 _UNTIMED_PER_RECORD_S = 30e-6
 _UNTIMED_PER_TOKEN_S = 0.2e-6
-ESTIMATE_SCHEMA_VERSION = 5
+ESTIMATE_SCHEMA_VERSION = 6
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,19 +284,29 @@ def estimate(options: PackOptions, *, sample: int = 1000,
 
 
 def _vision_estimate(encoded: list[_Encoded], vision: Any, tokens: int, rows: int) -> dict[str, Any]:
-    """With ``--processor``: the images packed and their placeholder tokens, projected from the samples; {} else."""
+    """With ``--processor``: the images packed and their placeholder tokens, projected from the samples, and with
+    ``--video-fps`` the videos apart; {} else."""
     if vision is None:
         return {}
 
-    def image_tokens(e: _Encoded) -> float:
-        grids = e.batch.images.grids if e.batch.images is not None else ()
-        return float(sum(vision.grid_tokens(g) for g in grids))
+    def count(video: bool) -> Callable[[_Encoded], float]:
+        return lambda e: float((e.batch.images.video == video).sum()) if e.batch.images is not None else 0.0
 
-    images = int(round(_scaled(encoded, lambda e: len(e.batch.images.refs) if e.batch.images is not None else 0)))
-    image_tok = int(round(_scaled(encoded, image_tokens)))
-    return {"processor": vision.name or vision.family.value, "images": images, "image_tokens": image_tok,
-            "image_token_share": image_tok / tokens if tokens else 0.0,
-            "images_per_row": images / rows if rows else 0.0}
+    def placeholders(video: bool) -> Callable[[_Encoded], float]:
+        def tokens_of(e: _Encoded) -> float:
+            imgs = e.batch.images
+            grids = imgs.grids[imgs.video == video] if imgs is not None else ()
+            return float(sum(vision.grid_tokens(g) for g in grids))
+        return tokens_of
+
+    images, image_tok = (int(round(_scaled(encoded, f(False)))) for f in (count, placeholders))
+    out = {"processor": vision.name or vision.family.value, "images": images, "image_tokens": image_tok,
+           "image_token_share": image_tok / tokens if tokens else 0.0,
+           "images_per_row": images / rows if rows else 0.0}
+    if vision.videos:
+        videos, video_tok = (int(round(_scaled(encoded, f(True)))) for f in (count, placeholders))
+        out.update(videos=videos, video_tokens=video_tok, video_token_share=video_tok / tokens if tokens else 0.0)
+    return out
 
 
 def _scaled(encoded: list[_Encoded], get) -> float:
@@ -555,6 +565,9 @@ def format_estimate(e: dict[str, Any]) -> str:
         *([("images", f"~{e['vision']['images']:,}  (~{e['vision']['image_tokens']:,} placeholder tokens, "
                       f"{e['vision']['image_token_share']:.0%} of the tokens; ~{e['vision']['images_per_row']:.2f} "
                       f"per row; {e['vision']['processor']})")] if e.get("vision") else []),
+        *([("videos", f"~{e['vision']['videos']:,}  (~{e['vision']['video_tokens']:,} placeholder tokens, "
+                      f"{e['vision']['video_token_share']:.0%} of the tokens)")]
+          if "videos" in e.get("vision", {}) else []),
     ]
     if len(e["splits"]) > 1:
         lines += [(f"  {name}", f"~{s['rows']:,} rows, ~{s['tokens']:,} tokens, {s['shards']} shard(s)")

@@ -43,7 +43,7 @@ from packers.manifest import (
 import pipeline._write as _write
 from pipeline._report import one_line
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 PLOTS = ("example_lengths", "row_fill", "examples_per_row")
 
@@ -89,7 +89,11 @@ REPORT_KEYS: dict[str, Any] = {
     "vision": dict,  # {"processor": str, "images": int, "image_tokens": int (placeholder tokens, in "tokens"),
     #                   "image_token_share": float (of tokens), "rows_with_images": int,
     #                   "images_per_row": {"mean", "min", "max"}, "tokens_per_image": {"mean", "p0", ..., "p100"},
-    #                   "embedded_images": int (carried as bytes; the rest by path)}
+    #                   "embedded_images": int (carried as bytes; the rest by path),
+    #                   "videos": {} without videos (--video-fps), else {"videos": int, "video_tokens": int,
+    #                   "video_token_share": float, "rows_with_videos": int, "frames": int (sampled frames),
+    #                   "tokens_per_video": {"mean", "p0", ...}, "frames_per_video": {"mean", "p0", ...},
+    #                   "embedded_videos": int}}
 }
 _SPLIT_KEYS = ("shards", "bytes", "rows", "examples", "examples_packed", "tokens", "target_tokens", "fill")
 
@@ -110,7 +114,7 @@ def load_manifest(folder: str) -> tuple[Manifest, list[str]]:
 class _Shard:
     """What inspect reads of one shard: per-row tokens and sequences, sequence lengths, targets, examples."""
 
-    def __init__(self, folder: str, entry: ShardEntry, vision: bool = False):
+    def __init__(self, folder: str, entry: ShardEntry, vision: str = ""):
         name = entry.name
         path = _write.join(folder, name)
         if "://" not in path:
@@ -121,8 +125,8 @@ class _Shard:
                                      fix="larger than manifest.json says: run packstream verify on the folder")
             source, self.bytes = pa.BufferReader(data), len(data)
         columns = ["num_tokens", "seq_offsets", "loss_mask", "example_ids"]
-        if vision:  # the run wrote image columns (its manifest's contract version)
-            columns += ["image_grid_thw", "images"]
+        if vision:  # the run wrote image columns (its manifest's contract version), and video columns (version 5)
+            columns += ["image_grid_thw", "images"] + (["video_grid_thw", "videos"] if vision == "videos" else [])
         try:
             if name.endswith(".parquet"):
                 import pyarrow.parquet as pq
@@ -132,7 +136,8 @@ class _Shard:
             else:
                 reader = pa.ipc.open_stream(source)
                 self.schema, table = reader.schema, reader.read_all().select(columns)
-            expected = packers.VISION_SCHEMA if "images" in self.schema.names else packers.SCHEMA
+            expected = (packers.VIDEO_SCHEMA if "videos" in self.schema.names else
+                        packers.VISION_SCHEMA if "images" in self.schema.names else packers.SCHEMA)
             if not self.schema.remove_metadata().equals(expected):
                 raise PackstreamError(f"{show_path(path)}: its schema is not the packed-row contract's; run packstream "
                                       "verify on the folder")
@@ -157,15 +162,18 @@ class _Shard:
         self.whole = int(len(ids) - (pc.sum(piece).as_py() or 0))
         # A pair's sides (#chosen, #rejected) are its pieces: one example, the pair.
         self.piece_bases = pc.replace_substring_regex(ids.filter(piece), r"#(\d+|chosen|rejected)$", "")
-        self.grids = np.zeros((0, 3), np.int64)
-        self.images_per_row = np.zeros(len(self.num_tokens), np.int64)
-        self.embedded = 0
-        if "images" in table.column_names:
-            grids = table.column("image_grid_thw").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-            self.grids = grids.astype(np.int64).reshape(-1, 3)
-            images = table.column("images").combine_chunks()
-            self.images_per_row = pc.list_value_length(images).to_numpy(zero_copy_only=False).astype(np.int64)
-            self.embedded = int(pc.sum(pc.is_valid(images.flatten().field("bytes"))).as_py() or 0)
+        self.grids, self.images_per_row, self.embedded = self._media(table, "image")
+        self.video_grids, self.videos_per_row, self.embedded_videos = self._media(table, "video")
+
+    def _media(self, table: pa.Table, kind: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """A kind's (``image`` or ``video``) grids ``(n, 3)``, count per row, and how many are embedded."""
+        if f"{kind}s" not in table.column_names:
+            return np.zeros((0, 3), np.int64), np.zeros(len(self.num_tokens), np.int64), 0
+        grids = table.column(f"{kind}_grid_thw").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        media = table.column(f"{kind}s").combine_chunks()
+        return (grids.astype(np.int64).reshape(-1, 3),
+                pc.list_value_length(media).to_numpy(zero_copy_only=False).astype(np.int64),
+                int(pc.sum(pc.is_valid(media.flatten().field("bytes"))).as_py() or 0))
 
 
 def _percentiles(x: np.ndarray) -> dict[str, Any]:
@@ -234,7 +242,9 @@ def inspect(folder: str, plots_dir: Optional[str] = None) -> dict[str, Any]:
         entries = m.listed()
         if not entries:
             raise PackstreamError(f"{show_path(folder)}: manifest.json lists no shards; the run packed nothing")
-        vision = m.raw.get("contract_version") == packers.VISION_CONTRACT_VERSION
+        version = m.raw.get("contract_version")
+        vision = ("videos" if version == packers.VIDEO_CONTRACT_VERSION else
+                  "images" if version == packers.VISION_CONTRACT_VERSION else "")
         shards = [_Shard(folder, e, vision) for e in entries]
         meta = packers.read_metadata(shards[0].schema)
     except ContractError as e:
@@ -309,7 +319,7 @@ def _pairs(lengths: np.ndarray, per_row: np.ndarray) -> dict[str, Any]:
 
 
 def _vision(meta: dict[str, Any], shards: list[_Shard], tokens: int) -> dict[str, Any]:
-    """What a run with images holds: images, their placeholder tokens, how they spread over rows."""
+    """What a run with images holds: images, their placeholder tokens, how they spread over rows; and its videos."""
     if "vision" not in meta:
         return {}
     spec = packers.VisionSpec.from_json(meta["vision"], what="the shards' vision spec (schema metadata)")
@@ -328,11 +338,32 @@ def _vision(meta: dict[str, Any], shards: list[_Shard], tokens: int) -> dict[str
                            "max": int(per_row.max()) if len(per_row) else 0},
         "tokens_per_image": _percentiles(per_image),
         "embedded_images": sum(s.embedded for s in shards),
+        "videos": _videos(spec, shards, tokens) if spec.videos else {},
     }
 
 
 PLOTS_MARK = ".packstream-inspect.json"
 """The file that marks a plots folder as inspect's, with the sha256 of each PNG it wrote there."""
+
+
+def _videos(spec: packers.VisionSpec, shards: list[_Shard], tokens: int) -> dict[str, Any]:
+    """What a run with videos (``--video-fps``) holds: videos, their placeholder tokens and sampled frames (a grid's
+    ``t`` temporal patches of ``temporal_patch_size`` frames), how they spread over rows."""
+    grids = np.concatenate([s.video_grids for s in shards])
+    per_video = np.array([spec.grid_tokens(g) for g in grids], dtype=np.int64)
+    frames = grids[:, 0] * spec.temporal_patch_size
+    per_row = np.concatenate([s.videos_per_row for s in shards])
+    video_tokens = int(per_video.sum())
+    return {
+        "videos": int(len(grids)),
+        "video_tokens": video_tokens,
+        "video_token_share": video_tokens / tokens if tokens else 0.0,
+        "rows_with_videos": int((per_row > 0).sum()),
+        "frames": int(frames.sum()),
+        "tokens_per_video": _percentiles(per_video),
+        "frames_per_video": _percentiles(frames),
+        "embedded_videos": sum(s.embedded_videos for s in shards),
+    }
 
 
 def _plot_files(out: str) -> dict[str, str]:
@@ -516,6 +547,15 @@ def format_report(r: dict[str, Any]) -> str:
             ("images per row", f"mean {ipr['mean']:.2f}  min {ipr['min']}  max {ipr['max']}"),
             ("tokens per image", f"mean {tpi['mean']:,.0f}  " + pct(tpi)),
         ]
+        if v["videos"]:
+            w, tpv, fpv = v["videos"], v["videos"]["tokens_per_video"], v["videos"]["frames_per_video"]
+            lines += [
+                ("videos", f"{w['videos']:,} in {w['rows_with_videos']:,} rows  ({w['video_tokens']:,} placeholder "
+                           f"tokens, {w['video_token_share']:.1%} of the tokens; {w['frames']:,} sampled frames; "
+                           f"{w['embedded_videos']:,} embedded)"),
+                ("tokens per video", f"mean {tpv['mean']:,.0f}  " + pct(tpv)),
+                ("frames per video", f"mean {fpv['mean']:,.1f}  " + pct(fpv)),
+            ]
     lines += [("WARNING", w) for w in r["warnings"]]
     lines += [(f"plot {k}", v) for k, v in r["plots"].items()]
     return table(lines)

@@ -45,10 +45,11 @@ def preview(options: PackOptions, n: int) -> list[dict]:
 
     Each item: ``source``, ``position``, ``dataset``; then either ``reason`` and ``detail``, or
     ``format``, ``mapping`` (words), ``notes``, ``spans`` (``[(text, is_target), ...]`` decoded
-    from the tokens; each image's placeholder run as one ``<image NAME: N tokens, grid TxHxW>``), ``tokens`` and
-    ``targets`` (counts); with ``--processor``, ``images`` (each image's name, ``grid_thw`` and ``tokens``) and
-    ``image_tokens`` for an example that holds some; with ``--pairs``, ``sides``: the spans of
-    the pair's chosen and rejected sequences. ``format`` is set for refused records
+    from the tokens; each image's placeholder run as one ``<image NAME: N tokens, grid TxHxW>``, each video's as
+    ``<video NAME: N tokens, F frames, grid TxHxW>``), ``tokens`` and ``targets`` (counts); with ``--processor``,
+    ``images`` (each image's or video's name under ``image`` or ``video``, ``grid_thw`` and ``tokens``; a video's
+    sampled ``frames``) and ``image_tokens`` (images' and videos') for an example that holds some; with ``--pairs``,
+    ``sides``: the spans of the pair's chosen and rejected sequences. ``format`` is set for refused records
     too when their shape was recognised.
     """
     from pipeline._encode import Encoder, input_folders
@@ -159,7 +160,11 @@ def _image_marks(batch, i: int, ids: list[int], mask: list[int], vision
         start, grid = int(images.offsets[k]), [int(v) for v in images.grids[k]]
         count = vision.grid_tokens(grid)
         path, data = images.refs[k]
-        item = {"image": path if path else f"<{len(data or b'')} bytes>", "grid_thw": grid, "tokens": count}
+        video = bool(images.video[k])
+        item = {"video" if video else "image": path if path else f"<{len(data or b'')} bytes>", "grid_thw": grid,
+                "tokens": count}
+        if video:
+            item["frames"] = grid[0] * vision.temporal_patch_size
         out += ids[at:start] + [(_IMAGE_MARK, item)]
         out_mask += mask[at:start] + [mask[start]]  # a placeholder run is never a target: one 0 stands for it
         shown.append(item)
@@ -168,17 +173,31 @@ def _image_marks(batch, i: int, ids: list[int], mask: list[int], vision
 
 
 def _decode(tok, run: list[Any]) -> str:
-    """A run of ids as text, each image mark as ``<image NAME: N tokens, grid T x H x W>``."""
+    """A run of ids as text, each image mark as ``<image NAME: N tokens, grid TxHxW>``, each video's as
+    ``<video NAME: N tokens, F frames, grid TxHxW>``."""
     text, plain = [], []
     for t in run:
         if isinstance(t, tuple):
             text.append(tok.decode(plain) if plain else "")
             plain = []
-            im = t[1]
-            text.append(f"<image {im['image']}: {im['tokens']} tokens, grid {'x'.join(map(str, im['grid_thw']))}>")
+            im, grid = t[1], "x".join(map(str, t[1]["grid_thw"]))
+            if "video" in im:
+                text.append(f"<video {im['video']}: {im['tokens']} tokens, {im['frames']} frames, grid {grid}>")
+            else:
+                text.append(f"<image {im['image']}: {im['tokens']} tokens, grid {grid}>")
         else:
             plain.append(t)
     return "".join(text) + (tok.decode(plain) if plain else "")
+
+
+def _media_counts(media: list[dict]) -> str:
+    """`` (N in K images)``, `` (N in K images, M in J videos)`` or `` (M in J videos)``; "" without either."""
+    parts = []
+    for kind in ("image", "video"):
+        mine = [m["tokens"] for m in media if kind in m]
+        if mine:
+            parts.append(f"{sum(mine)} in {len(mine)} {kind}s")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _example_ids(encoded, n: int) -> list:
@@ -230,7 +249,7 @@ def format_preview(items: list[dict], color: bool) -> str:
             out.append(f"   {it['detail']}")
             out.append("")
             continue
-        images = f" ({it['image_tokens']} in {len(it['images'])} images)" if it.get("images") else ""
+        images = _media_counts(it.get("images") or [])
         out.append(f"-- {where}: {shape}  {it['tokens']} tokens{images}, {it['targets']} trained")
         for line in it.get("mapping", []):
             out.append(f"   {line}")

@@ -15,7 +15,8 @@ got). Nothing in the folder is trusted:
   a leftover ``.packstream.lock``. Each shard's size and sha256 must equal the manifest's, and
   every file the manifest lists must exist.
 * **Schema.** Read with pyarrow's IPC or Parquet reader (no pickle anywhere): the schema equals
-  :data:`packers.SCHEMA`, the metadata (:func:`packers.read_metadata`) equals what the manifest
+  :data:`packers.SCHEMA` (``VISION_SCHEMA``, ``VIDEO_SCHEMA`` for contract versions 4 and 5; their image and
+  video runs checked against the tokens), the metadata (:func:`packers.read_metadata`) equals what the manifest
   implies (:func:`packers.manifest.expected_metadata`: the run's, and the shard's own run id, split,
   index and count), and no column holds nulls.
 * **Rows.** :func:`packers.validate_row` (budget, lengths, offsets from 0 to ``len`` and strictly
@@ -35,9 +36,9 @@ got). Nothing in the folder is trusted:
   and format options from ``config``), then the job's packing rules are applied
   (:func:`pipeline._rows.dedupe`, :func:`pipeline._rows.pieces`): each record is then packed with
   the stored tokens and mask (``~k`` copies, ``#k`` pieces, the kept window of a truncated
-  example) and the same images (each one's offset in the example, grid, path and the sha256 of its
-  embedded bytes: a grid with height and width swapped, another path or other bytes is named by
-  row, example and image), or in ``rejected.jsonl`` under the same reason, or not sampled; never
+  example) and the same images and videos (each one's offset in the example, grid, path and the sha256
+  of its embedded bytes, a video's ``second_per_grid_ts``: a grid with height and width swapped,
+  another path or other bytes is named by row, example and image or video), or in ``rejected.jsonl`` under the same reason, or not sampled; never
   two of these.
 
 **Trust.** The tokenizer named in the manifest is loaded only with ``--trust-remote-code`` from the

@@ -196,15 +196,17 @@ def _reread(options: PackOptions, files: list, stored: Stored) -> _Reread:
 
 
 def _example_images(batch: _rows.ExampleBatch, i: int) -> list[tuple[int, PieceImage]]:
-    """Example ``i``'s images as the Encoder gives them (``batch.images``), each ``(offset in the example,
-    PieceImage)`` as :func:`~pipeline._tools.verify._shards.row_images` reads a row's; [] without images."""
+    """Example ``i``'s images and videos as the Encoder gives them (``batch.images``, in token order), each ``(offset
+    in the example, PieceImage)`` as :func:`~pipeline._tools.verify._shards.row_images` reads a row's; [] without
+    images."""
     imgs = batch.images
     if imgs is None or imgs.index[i] == imgs.index[i + 1]:
         return []
     out = []
     for j in range(int(imgs.index[i]), int(imgs.index[i + 1])):
         path, data = imgs.refs[j]
-        out.append((int(imgs.offsets[j]), PieceImage.of(0, imgs.grids[j], path, data)))
+        seconds = float(imgs.seconds[j]) if imgs.video[j] else None
+        out.append((int(imgs.offsets[j]), PieceImage.of(0, imgs.grids[j], path, data, seconds)))
     return out
 
 
@@ -338,10 +340,11 @@ def _explain_images(where: str, kept: list[tuple[int, PieceImage]], images: list
     """The piece's stored images (``(index in the row, image)``) against re-reading its input's: one line per image
     that differs (its offset, grid and token count, path, embedded bytes' sha256). Whether any did."""
     fix = " (the shard was changed after packing: repack, or restore the shard)"
-    if len(kept) != len(images):
-        rows = [k for k, _ in kept]
-        report.add(where, f"check images failed: {len(kept)} images stored (row images {rows[:8]}), re-reading the "
-                          f"input gives {len(images)}{fix}")
+    if [s.kind for _, s in kept] != [w.kind for w in images]:
+        rows = [f"{s.kind} {k}" for k, s in kept]
+        got = sum(w.kind == "video" for w in images)
+        report.add(where, f"check images failed: {len(kept)} images and videos stored ({', '.join(rows[:8])}), "
+                          f"re-reading the input gives {len(images) - got} images and {got} videos{fix}")
         return True
     found = False
     for (k, s), w in zip(kept, images):
@@ -356,8 +359,10 @@ def _explain_images(where: str, kept: list[tuple[int, PieceImage]], images: list
             diffs.append(f"path {s.path!r} stored, re-reading the input gives {w.path!r}")
         if s.sha256 != w.sha256:
             diffs.append(f"embedded bytes {_sha(s.sha256)} stored, re-reading the input gives {_sha(w.sha256)}")
+        if s.seconds != w.seconds:
+            diffs.append(f"second_per_grid_ts {s.seconds} stored, re-reading the input gives {w.seconds}")
         if diffs:
-            report.add(f"{where} image {k}", "; ".join(diffs) + fix)
+            report.add(f"{where} {s.kind} {k}", "; ".join(diffs) + fix)
             found = True
     return found
 

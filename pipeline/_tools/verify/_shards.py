@@ -16,7 +16,7 @@ import packers
 from packers import ContractError
 from packers.manifest import RowChecks, ShardEntry
 from packers.rowcheck import Failure, check_batch, gather
-from packers.schema import PAIR_COLUMNS
+from packers.schema import PAIR_COLUMNS, row_schema
 import pipeline._arrow as _arrow
 import pipeline._rows as _rows
 import pipeline._write as _write
@@ -24,6 +24,9 @@ from pipeline._tools.verify._base import Report, in_folder, is_remote, short
 
 
 _SHIFT_SHARD, _SHIFT_ROW = 64, 24  # a sequence's place, packed in one int: shard, row, sequence
+_MEDIA_NUMBERS = ("image_offsets", "image_grid_thw", "video_offsets", "video_grid_thw", "second_per_grid_ts")
+_SCHEMA_NAMES = {packers.CONTRACT_VERSION: "SCHEMA", packers.VISION_CONTRACT_VERSION: "VISION_SCHEMA",
+                 packers.VIDEO_CONTRACT_VERSION: "VIDEO_SCHEMA"}
 
 
 @dataclasses.dataclass
@@ -74,34 +77,58 @@ class PieceImage:
     path: Optional[str]
     sha256: Optional[str]
     """Of the embedded bytes; None when the row holds none (``--images reference``)."""
+    seconds: Optional[float] = None
+    """A video's ``second_per_grid_ts`` (contract version 5); None for an image."""
 
     @classmethod
-    def of(cls, offset: int, grid: Any, path: Optional[str], data: Any) -> "PieceImage":
-        """``data``: the embedded bytes (any buffer), or None."""
+    def of(cls, offset: int, grid: Any, path: Optional[str], data: Any,
+           seconds: Optional[float] = None) -> "PieceImage":
+        """``data``: the embedded bytes (any buffer), or None; ``seconds``: a video's ``second_per_grid_ts``."""
         return cls(int(offset), tuple(int(g) for g in grid), path,
-                   None if data is None else hashlib.sha256(data).hexdigest())
+                   None if data is None else hashlib.sha256(data).hexdigest(),
+                   None if seconds is None else float(np.float32(seconds)))
+
+    @property
+    def kind(self) -> str:
+        return "image" if self.seconds is None else "video"
 
 
 def piece_digest(input_ids: np.ndarray, loss_mask: np.ndarray, images: Sequence[PieceImage] = ()) -> bytes:
-    """A 16-byte digest of one sequence's tokens and mask, and of its images (offset, grid, path, bytes' sha256):
-    what ``--inputs`` compares. A piece without images digests its tokens and mask alone."""
+    """A 16-byte digest of one sequence's tokens and mask, and of its images and videos (offset, grid, path, bytes'
+    sha256; a video also its ``second_per_grid_ts``), in token order: what ``--inputs`` compares. A piece without
+    images digests its tokens and mask alone."""
     h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes(), digest_size=16)
     h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
     for im in images:
-        h.update(json.dumps([im.offset, list(im.grid), im.path, im.sha256]).encode())
+        fields = [im.offset, list(im.grid), im.path, im.sha256] + ([] if im.seconds is None else ["video", im.seconds])
+        h.update(json.dumps(fields).encode())
     return h.digest()
 
 
 def row_images(table: pa.Table) -> list[list[tuple[int, PieceImage]]]:
-    """Each row's images as ``(row offset, PieceImage with that row offset)``, from its ``image_offsets``,
-    ``image_grid_thw`` and ``images`` columns (embedded bytes hashed chunk by chunk, never copied); [] per row of
-    a table without images. Rows whose image columns disagree in length are :func:`_check_images`' to report."""
+    """Each row's images and videos as ``(row offset, PieceImage with that row offset)``, in token order, from its
+    ``image_offsets``, ``image_grid_thw`` and ``images`` columns and (contract version 5) its ``video_offsets``,
+    ``video_grid_thw``, ``videos`` and ``second_per_grid_ts`` (embedded bytes hashed chunk by chunk, never copied);
+    [] per row of a table without images. Rows whose columns disagree in length are :func:`_check_images`' to
+    report."""
     if "images" not in table.column_names:
         return [[] for _ in range(table.num_rows)]
-    offsets = table.column("image_offsets").to_pylist()
-    grids = table.column("image_grid_thw").to_pylist()
+    out = _media_column(table, "image", None)
+    if "videos" in table.column_names:
+        seconds = table.column("second_per_grid_ts").to_pylist()
+        for row, videos in zip(out, _media_column(table, "video", seconds)):
+            if videos:
+                row.extend(videos)
+                row.sort(key=lambda x: x[0])
+    return out
+
+
+def _media_column(table: pa.Table, kind: str, seconds: Optional[list]) -> list[list[tuple[int, PieceImage]]]:
+    """:func:`row_images` of one kind (``image``, or ``video`` with each row's ``second_per_grid_ts``)."""
+    offsets = table.column(f"{kind}_offsets").to_pylist()
+    grids = table.column(f"{kind}_grid_thw").to_pylist()
     out: list[list[tuple[int, PieceImage]]] = []
-    for chunk in table.column("images").chunks:
+    for chunk in table.column(f"{kind}s").chunks:
         starts = chunk.offsets.to_numpy()
         starts = starts - starts[0]
         paths, data = chunk.flatten().flatten()  # the struct's fields, slices respected
@@ -113,16 +140,23 @@ def row_images(table: pa.Table) -> list[list[tuple[int, PieceImage]]]:
                 if k >= len(offsets[i]) or 3 * k + 3 > len(grids[i]):
                     break
                 b = data[j]
+                sec = None if seconds is None else (seconds[i][k] if k < len(seconds[i]) else float("nan"))
                 row.append((int(offsets[i][k]), PieceImage.of(0, grids[i][3 * k:3 * k + 3], paths[j],
-                                                              b.as_buffer() if b.is_valid else None)))
+                                                              b.as_buffer() if b.is_valid else None, sec)))
             out.append(row)
     return out
 
 
 def images_in(images: Sequence[tuple[int, PieceImage]], start: int, stop: int) -> list[tuple[int, PieceImage]]:
-    """The images of ``images`` (a row's, from :func:`row_images`) that start in tokens ``[start, stop)``, as
-    ``(index in the row, PieceImage with its offset from start)``."""
-    return [(k, dataclasses.replace(im, offset=at - start)) for k, (at, im) in enumerate(images) if start <= at < stop]
+    """The images and videos of ``images`` (a row's, from :func:`row_images`) that start in tokens ``[start, stop)``,
+    as ``(index in the row among its kind, PieceImage with its offset from start)``."""
+    out, seen = [], {"image": 0, "video": 0}
+    for at, im in images:
+        k = seen[im.kind]
+        seen[im.kind] += 1
+        if start <= at < stop:
+            out.append((k, dataclasses.replace(im, offset=at - start)))
+    return out
 
 
 def piece_base(eid: str) -> str:
@@ -247,10 +281,14 @@ def _table(report: Report, shard: OpenShard) -> Optional[pa.Table]:
         report.add(name, f"cannot be read as {name.rsplit('.', 1)[-1]}: {e}")
         return None
     version = shard.expect_meta.get("contract_version", packers.CONTRACT_VERSION)
-    want = packers.VISION_SCHEMA if version == packers.VISION_CONTRACT_VERSION else packers.SCHEMA
+    try:
+        want = row_schema(version)
+    except ContractError as e:
+        report.add(name, f"check schema failed: {e}")
+        return None
     if not schema.remove_metadata().equals(want):
         report.add(name, f"check schema failed: schema is {schema.remove_metadata()!r}, expected "
-                         f"{'packers.VISION_SCHEMA' if want is packers.VISION_SCHEMA else 'packers.SCHEMA'} {want!r}")
+                         f"packers.{_SCHEMA_NAMES[version]} {want!r}")
         return None
     try:
         meta = packers.read_metadata(schema)
@@ -272,7 +310,7 @@ def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
     ex_off, exs, n4 = _list_column(table, "example_ids")
     nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
-    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS)
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS + _MEDIA_NUMBERS if c in table.column_names)
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
         return None
@@ -281,9 +319,10 @@ def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
 
 
 def _check_images(report: Report, name: str, table: pa.Table, c: _Columns, vision: Any) -> np.ndarray:
-    """Each row's images against its tokens (:func:`packers.rowcheck.check_images`): every placeholder run of the
-    length its grid gives, inside one example, one token id, never a target. Returns which rows are broken."""
-    from packers.rowcheck import check_images
+    """Each row's images, and videos in a contract-5 shard, against its tokens (:func:`packers.rowcheck.check_images`,
+    :func:`~packers.rowcheck.check_videos`): every placeholder run of the length its grid gives, inside one example,
+    one token id, never a target; one ``second_per_grid_ts`` per video, positive. Returns which rows are broken."""
+    from packers.rowcheck import check_images, check_videos
 
     bad = np.zeros(table.num_rows, dtype=bool)
     try:
@@ -292,19 +331,35 @@ def _check_images(report: Report, name: str, table: pa.Table, c: _Columns, visio
         report.add(name, f"check images failed: the manifest's vision spec is unreadable ({e})")
         bad[:] = True
         return bad
-    offsets = table.column("image_offsets").to_pylist()
-    grids = table.column("image_grid_thw").to_pylist()
-    counts = pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False)
-    for i in range(table.num_rows):
-        if not len(offsets[i]) and not len(grids[i]) and not counts[i]:
-            continue
-        a, z, m, n = c.tok_off[i], c.tok_off[i + 1], c.seq_off[i], c.seq_off[i + 1]
-        f = check_images(i, c.tok[a:z], c.mask[a:z], np.asarray(c.seq[m:n]), np.asarray(offsets[i]),
-                         np.asarray(grids[i]), int(counts[i]), spec)
-        if f is not None:
-            report.add(f"{name} row {i}", f"check {f.check} failed: {f.detail}")
-            bad[i] = True
+    kinds = [("image", check_images)] + ([("video", check_videos)] if "videos" in table.column_names else [])
+    for kind, check in kinds:
+        offsets = table.column(f"{kind}_offsets").to_pylist()
+        grids = table.column(f"{kind}_grid_thw").to_pylist()
+        counts = pc.list_value_length(table.column(f"{kind}s")).to_numpy(zero_copy_only=False)
+        seconds = table.column("second_per_grid_ts").to_pylist() if kind == "video" else None
+        for i in np.flatnonzero(~bad).tolist():
+            if not len(offsets[i]) and not len(grids[i]) and not counts[i] and not (seconds and seconds[i]):
+                continue
+            a, z, m, n = c.tok_off[i], c.tok_off[i + 1], c.seq_off[i], c.seq_off[i + 1]
+            f = check(i, c.tok[a:z], c.mask[a:z], np.asarray(c.seq[m:n]), np.asarray(offsets[i]),
+                      np.asarray(grids[i]), int(counts[i]), spec)
+            if f is None and seconds is not None:
+                f = _check_seconds(i, seconds[i], len(offsets[i]))
+            if f is not None:
+                report.add(f"{name} row {i}", f"check {f.check} failed: {f.detail}")
+                bad[i] = True
     return bad
+
+
+def _check_seconds(row: int, seconds: list, n_videos: int) -> Optional[Failure]:
+    """A row's ``second_per_grid_ts``: one per video, each positive and finite."""
+    if len(seconds) != n_videos:
+        return Failure(row, "videos", f"{len(seconds)} second_per_grid_ts for {n_videos} video_offsets; one per video")
+    wrong = [k for k, v in enumerate(seconds) if v is None or not 0 < v < float("inf")]
+    if wrong:
+        return Failure(row, "videos", f"video {wrong[0]}: second_per_grid_ts is {seconds[wrong[0]]}; the temporal "
+                                      "patch over the sampled frame rate is a positive number of seconds")
+    return None
 
 
 def _check_rows(report: Report, name: str, c: _Columns, budget: int) -> np.ndarray:
