@@ -328,6 +328,16 @@ class VisionSpec:
 
         return measure(self, source, what)
 
+    def video_runs(self, input_ids: Any, at: int, grid: Any, stop: int) -> list[tuple[int, int]] | None:
+        """Where a packed video's placeholder tokens lie, ``(start, length)`` runs from its offset ``at`` (``stop``: its
+        example's end): one run, or for Qwen3-VL one per temporal group, timestamps between them
+        (:func:`packers._video.group_runs`; None when they are not there)."""
+        if self.family is VisionFamily.QWEN3_VL:
+            from packers._video import group_runs
+
+            return group_runs(input_ids, at, grid, self.merge_size, stop)
+        return [(int(at), self.grid_tokens(grid))]
+
     def to_json(self) -> str:
         """The spec as JSON; InternVL's tile fields only for that family, the video fields only when it packs videos
         (another spec's JSON stays as it was, and reads in older packstreams)."""

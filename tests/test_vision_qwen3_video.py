@@ -273,6 +273,19 @@ def test_too_long_video_is_dead_lettered(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1
 
 
+def test_preview_marks_each_frame_group_after_its_timestamp(tmp_path):
+    tok_dir = save_tokenizer(tmp_path / "tok", TOKENS)
+    clip(tmp_path / "v.mp4", 20, 4, 64, 64)
+    (tmp_path / "r.jsonl").write_text(json.dumps({"id": "x", "messages": [
+        {"role": "user", "content": [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "ok"}]}) + "\n")
+    shown = CliRunner().invoke(main, ["preview", str(tmp_path / "r.jsonl"), "--tokenizer", tok_dir, "--processor",
+                                      "qwen3-vl", "--video-fps", "2", *VIDEO_LIMITS, "--no-color"]).output
+    groups = shown.count("<|vision_start|><video ")
+    assert groups >= 2 and "frame group 2 of" in shown and f"frame group {groups} of {groups}>" in shown
+    assert "<|video_pad|>" not in shown and shown.count("seconds><|vision_start|>") == groups
+
+
 def test_default_pixel_limits_are_qwen3_video_processors():
     spec = packers.VisionSpec.builtin("qwen3-vl").with_video(2)
     vp = _hf_module().Qwen3VLVideoProcessor

@@ -163,12 +163,16 @@ def _image_marks(batch, i: int, ids: list[int], mask: list[int], vision
         video = bool(images.video[k])
         item = {"video" if video else "image": path if path else f"<{len(data or b'')} bytes>", "grid_thw": grid,
                 "tokens": count}
+        runs = [(start, count)]
         if video:
             item["frames"] = grid[0] * vision.temporal_patch_size
-        out += ids[at:start] + [(_IMAGE_MARK, item)]
-        out_mask += mask[at:start] + [mask[start]]  # a placeholder run is never a target: one 0 stands for it
+            runs = vision.video_runs(ids, start, grid, len(ids)) or runs  # Qwen3-VL: a run per frame group
+        for g, (a, n) in enumerate(runs):
+            mark = item if g == 0 else {**item, "group": (g + 1, len(runs)), "tokens": n}
+            out += ids[at:a] + [(_IMAGE_MARK, mark)]
+            out_mask += mask[at:a] + [mask[a]]  # a placeholder run is never a target: one 0 stands for it
+            at = a + n
         shown.append(item)
-        at = start + count
     return out + ids[at:], out_mask + mask[at:], shown
 
 
@@ -181,7 +185,9 @@ def _decode(tok, run: list[Any]) -> str:
             text.append(tok.decode(plain) if plain else "")
             plain = []
             im, grid = t[1], "x".join(map(str, t[1]["grid_thw"]))
-            if "video" in im:
+            if "group" in im:  # a Qwen3-VL video's later frame group
+                text.append(f"<video {im['video']}: frame group {im['group'][0]} of {im['group'][1]}>")
+            elif "video" in im:
                 text.append(f"<video {im['video']}: {im['tokens']} tokens, {im['frames']} frames, grid {grid}>")
             else:
                 text.append(f"<image {im['image']}: {im['tokens']} tokens, grid {grid}>")
