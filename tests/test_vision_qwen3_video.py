@@ -37,7 +37,7 @@ from pipeline.cli import main
 from tests._internals import qwen3_frame_indices
 from tests.test_vision_pipeline import save_tokenizer
 from tests.test_vision_qwen3 import LIMITS, image_processor, tiny_qwen3_vl
-from tests.test_vision_video import TOKENS, _records, clip
+from tests.test_vision_video import TOKENS, _hf_video_module, _records, clip
 
 av = pytest.importorskip("av")
 PIL = pytest.importorskip("PIL.Image")
@@ -46,21 +46,8 @@ VIDEO_LIMITS = ["--video-min-pixels", "2048", "--video-max-pixels", "16384"]
 
 
 def _hf_module():
-    """transformers' qwen3_vl video processing module, imported with a stand-in for torchvision's functional API
-    (unused by ``sample_frames`` and ``smart_resize``)."""
-    name = "transformers.models.qwen3_vl.video_processing_qwen3_vl"
-    if name in sys.modules:
-        return sys.modules[name]
-    stubs = {}
-    for mod in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                "torchvision.transforms.v2.functional"):
-        if mod not in sys.modules:
-            stubs[mod] = sys.modules[mod] = types.ModuleType(mod)
-    try:
-        return importlib.import_module(name)
-    finally:
-        for mod in stubs:
-            sys.modules.pop(mod, None)
+    """transformers' qwen3_vl video processing module (torchvision stood in for, as in tests/test_vision_video.py)."""
+    return _hf_video_module("transformers.models.qwen3_vl.video_processing_qwen3_vl")
 
 
 def _hf_indices(total: int, fps: float, want_fps: float, max_frames: int) -> list[int]:

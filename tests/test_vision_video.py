@@ -55,10 +55,9 @@ def clip(path: Path, frames: int, fps: float, width: int, height: int, seed: int
     return path
 
 
-def _hf_video_module():
-    """transformers' qwen2_vl video processing module, imported with a stand-in for torchvision's functional API
-    (unused by ``sample_frames`` and ``smart_resize``)."""
-    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+def _hf_video_module(name: str = "transformers.models.qwen2_vl.video_processing_qwen2_vl"):
+    """A transformers video processing module (Qwen2-VL's by default), imported with a stand-in for torchvision's
+    functional API (unused by ``sample_frames`` and ``smart_resize``): its wheel does not load beside a CPU torch."""
     if name in sys.modules:
         return sys.modules[name]
     stubs = {}
