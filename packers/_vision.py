@@ -604,6 +604,19 @@ def _from_config(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
         f"{sorted(_BUILTIN)}")
 
 
+def _square(got: Mapping[str, _Got], where: str, fix: str, side: str, square: str) -> _Got:
+    """A config's ``size.height``, which must be there and equal ``size.width`` (the vision tower's square
+    ``image_size``); else one line naming the file, what ``side`` is and that ``square`` was expected."""
+    for key in ("size.height", "size.width"):
+        if got[key].value is _NEEDED:
+            raise PackstreamError(f"{where}: {key} is missing, expected {side}; {fix}")
+    height, width = got["size.height"], got["size.width"]
+    if height.value != width.value:
+        raise PackstreamError(f"{height.what}: {height.named('', height.what)} and {width.named('', height.what)} "
+                              f"differ, expected {square} (the vision tower's image_size); {fix}")
+    return height
+
+
 def _internvl_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where: str) -> VisionSpec:
     """InternVL's tiles from a GotOcr2 image processor config of ``InternVLProcessor``. ``InternVLProcessor`` always
     crops to tiles (it passes ``crop_to_patches=True`` whatever the image processor's own ``crop_to_patches``, which
@@ -611,14 +624,8 @@ def _internvl_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where:
     max_patches``, and the pixel settings InternVL3-hf's (:data:`packers._tiles.FIXED`); anything else is refused."""
     fix = "fix the value or pass a shipped spec: --processor internvl3"
     got = {key.path: _get(config, key, fix) for key in _INTERNVL_KEYS}
-    for key in ("size.height", "size.width"):
-        if got[key].value is _NEEDED:
-            raise PackstreamError(f"{where}: {key} is missing, expected the tile side (InternVL3: size {{\"height\": "
-                                  f"448, \"width\": 448}}); {fix}")
-    height, width, low, high = (got[k] for k in ("size.height", "size.width", "min_patches", "max_patches"))
-    if height.value != width.value:
-        raise PackstreamError(f"{height.what}: {height.named('', height.what)} and {width.named('', height.what)} "
-                              f"differ, expected square tiles (the vision tower's image_size); {fix}")
+    height = _square(got, where, fix, 'the tile side (InternVL3: size {"height": 448, "width": 448})', "square tiles")
+    low, high = got["min_patches"], got["max_patches"]
     if low.value > high.value:
         at = low.what or high.what
         raise PackstreamError(f"{at}: {low.named('min_patches', at)} is over {high.named('max_patches', at)}, "
@@ -635,14 +642,9 @@ def _gemma3_spec(config: Mapping[str, tuple[Any, str, str]], name: str, where: s
     whose side divides it, pan-and-scan off, Gemma 3's pixel settings (:func:`packers._gemma.check_fixed`)."""
     fix = "fix the value or pass a shipped spec: --processor gemma3"
     got = {key.path: _get(config, key, fix) for key in _GEMMA3_KEYS}
-    for key in ("size.height", "size.width"):
-        if got[key].value is _NEEDED:
-            raise PackstreamError(f"{where}: {key} is missing, expected the square images are resized to (Gemma 3: "
-                                  f"size {{\"height\": 896, \"width\": 896}}); {fix}")
-    height, width, seq = got["size.height"], got["size.width"], got["image_seq_length"]
-    if height.value != width.value:
-        raise PackstreamError(f"{height.what}: {height.named('', height.what)} and {width.named('', height.what)} "
-                              f"differ, expected a square (the vision tower's image_size); {fix}")
+    height = _square(got, where, fix, 'the square images are resized to (Gemma 3: size {"height": 896, "width": 896})',
+                     "a square")
+    seq = got["image_seq_length"]
     side = _gemma.square_side(seq.value)
     if not side or height.value % side:
         raise PackstreamError(f"{seq.what or where}: {seq.named('image_seq_length', seq.what or where)} is not a "
