@@ -432,3 +432,35 @@ def video_spec(spec: Any, fps: float | None, max_frames: int | None, min_pixels:
     return dataclasses.replace(spec, video_fps=float(fps), video_max_frames=frames,
                                video_min_frames=min(spec.video_min_frames, frames), video_min_pixels=low,
                                video_max_pixels=high)
+
+
+def folder_settings(processor: str) -> dict[str, int]:
+    """The video settings a model folder's ``video_preprocessor_config.json`` writes (transformers' video processor
+    reads them when loaded from that folder): ``min_pixels`` / ``max_pixels`` (top-level keys, else ``size.
+    shortest_edge`` / ``size.longest_edge``) and ``max_frames``, each read through the typed reader; {} when
+    ``processor`` is no folder or has no such file. ``--video-min-pixels`` / ``--video-max-pixels`` /
+    ``--video-max-frames`` win over them."""
+    import os
+
+    from packers._keys import Key, read
+    from packers.files import load_json, read_checked
+
+    path = os.path.join(processor, "video_preprocessor_config.json")
+    if not os.path.isdir(processor) or not os.path.isfile(path):
+        return {}
+    what = f"--processor {path}"
+    fix = "fix the value, or give --video-min-pixels / --video-max-pixels / --video-max-frames"
+    loaded = load_json(read_checked(path, what=what, limit=1 << 20), what=what, fix=fix)
+    if not isinstance(loaded, dict):
+        raise PackstreamError(f"{what}: a JSON object was expected; {fix}")
+    values = {k: (v, what, "") for k, v in loaded.items()}
+    out = {}
+    for name, keys in (("min_pixels", ("min_pixels", "size.shortest_edge")),
+                       ("max_pixels", ("max_pixels", "size.longest_edge")), ("max_frames", ("max_frames",))):
+        for key in keys:
+            top = 1 << 20 if name == "max_frames" else MAX_PIXELS
+            value = read(values, Key(key, int, 1, top, default=None, nullable=True), fix, what)
+            if value is not None:
+                out[name] = value
+                break
+    return out

@@ -328,6 +328,15 @@ class VisionSpec:
 
         return measure(self, source, what)
 
+    @staticmethod
+    def folder_video_settings(processor: str) -> dict[str, int]:
+        """A model folder's own video settings (its ``video_preprocessor_config.json``: ``min_pixels``,
+        ``max_pixels``, ``max_frames``; {} without one), what ``--video-*`` flags left out default to
+        (:func:`packers._video.folder_settings`)."""
+        from packers._video import folder_settings
+
+        return folder_settings(processor)
+
     def video_runs(self, input_ids: Any, at: int, grid: Any, stop: int) -> list[tuple[int, int]] | None:
         """Where a packed video's placeholder tokens lie, ``(start, length)`` runs from its offset ``at`` (``stop``: its
         example's end): one run, or for Qwen3-VL one per temporal group, timestamps between them

@@ -326,3 +326,26 @@ def test_spec_json_round_trips_and_image_only_specs_read_as_before():
     assert "video_fps" not in plain.to_json() and packers.VisionSpec.from_json(plain.to_json()) == plain
     with pytest.raises(packers.PackstreamError, match="video_fps"):
         packers.VisionSpec.from_json(json.dumps({**json.loads(spec.to_json()), "video_fps": "fast"}))
+
+
+def test_a_model_folders_video_settings_are_the_defaults_and_flags_win(tmp_path):
+    """A --processor folder's video_preprocessor_config.json (what transformers' video processor loads from it) sets
+    the video pixel limits and frame cap when the --video-* flags leave them out; a flag wins; a bad value is one
+    line naming the file."""
+    from pipeline import PackOptions
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": 3136, "longest_edge": 50176}, "max_frames": 6}))
+    base = dict(inputs=("x.jsonl",), processor=str(tmp_path), video_fps=2.0, output=str(tmp_path / "o"))
+    spec = PackOptions(**base).vision()
+    assert (spec.video_min_pixels, spec.video_max_pixels, spec.video_max_frames) == (3136, 50176, 6)
+    spec = PackOptions(**base, video_max_pixels=100352, video_max_frames=8).vision()
+    assert (spec.video_min_pixels, spec.video_max_pixels, spec.video_max_frames) == (3136, 100352, 8)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "preprocessor_config.json").write_text((tmp_path / "preprocessor_config.json").read_text())
+    (bad / "video_preprocessor_config.json").write_text(json.dumps({"max_frames": "many"}))
+    with pytest.raises(packers.PackstreamError, match="video_preprocessor_config.json: max_frames is \"many\""):
+        PackOptions(**{**base, "processor": str(bad)}).vision()

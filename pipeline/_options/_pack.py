@@ -346,5 +346,8 @@ class PackOptions(FormatOptions):
 def _vision_spec(processor: str, min_pixels: Optional[int], max_pixels: Optional[int], fps: Optional[float] = None,
                  max_frames: Optional[int] = None, video_min: Optional[int] = None,
                  video_max: Optional[int] = None) -> VisionSpec:
+    folder = VisionSpec.folder_video_settings(processor) if fps is not None else {}  # the model's own settings
     return VisionSpec.from_processor(processor).with_pixel_limits(min_pixels, max_pixels).with_video(
-        fps, max_frames, video_min, video_max)
+        fps, max_frames if max_frames is not None else folder.get("max_frames"),
+        video_min if video_min is not None else folder.get("min_pixels"),
+        video_max if video_max is not None else folder.get("max_pixels"))
