@@ -31,6 +31,7 @@ from packers import Collator, PackstreamError, PixelLoader, VisionSpec
 from pipeline.cli import main
 from tests._internals import VisionFamily, gemma_token_type_ids
 from tests.test_vision_exact import assert_same_gradients, gradients, png
+from tests.test_vision_end_to_end import _records as _shared_records
 from tests.test_vision_pipeline import save_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
@@ -222,22 +223,7 @@ SIDE, PATCH, PER_IMAGE, WINDOW = 28, 7, 4, 8  # 4 x 4 patches pooled 2 x 2: 4 so
 
 
 def _records(root: Path, n: int, seed: int) -> Path:
-    rng = np.random.default_rng(seed)
-    lines = []
-    for r in range(n):
-        parts = []
-        for k in range(int(rng.integers(0, 3))):
-            w, h = int(rng.integers(4, 120)), int(rng.integers(4, 120))
-            PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"r{r}_{k}.png")
-            parts.append({"type": "image_url", "image_url": {"url": f"r{r}_{k}.png"}})
-        parts.insert(int(rng.integers(0, len(parts) + 1)),
-                     {"type": "text", "text": " ".join(rng.choice(WORDS, int(rng.integers(1, 10))))})
-        lines.append({"id": f"r{r}", "messages": [
-            {"role": "user", "content": parts},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS, int(rng.integers(1, 8))))}]})
-    path = root / "records.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
+    return _shared_records(root, n, seed, sides=(4, 120))
 
 
 def tiny_gemma3(vocab: int, ids: dict[str, int], attn: str) -> torch.nn.Module:
