@@ -445,11 +445,7 @@ class Collator:
         if f is not None:
             raise ContractError(f"row {i}{', ' if f.detail.startswith('image ') else ': '}{f.detail}")
         grids = grids.reshape(-1, 3)
-        ids_of = row.get("example_ids")
-        for k, at in enumerate(starts.tolist()):
-            seq = int(np.searchsorted(offs, at, side="right")) - 1
-            name = f"row {i} image {k}"
-            parts.image_names.append(name if ids_of is None else f"{name} (example {list(ids_of)[seq]!r})")
+        parts.image_names += _media_names(i, "image", starts, offs, row.get("example_ids"))
         parts.image_offsets.append(starts + parts.at)
         parts.image_grids.append(grids)
         parts.images += refs
@@ -469,11 +465,7 @@ class Collator:
             f = Failure(i, "videos", f"{seconds.shape[0]} second_per_grid_ts for {starts.shape[0]} videos; one each")
         if f is not None:
             raise ContractError(f"row {i}{', ' if f.detail.startswith('video ') else ': '}{f.detail}")
-        ids_of = row.get("example_ids")
-        for k, at in enumerate(starts.tolist()):
-            seq = int(np.searchsorted(offs, at, side="right")) - 1
-            name = f"row {i} video {k}"
-            parts.video_names.append(name if ids_of is None else f"{name} (example {list(ids_of)[seq]!r})")
+        parts.video_names += _media_names(i, "video", starts, offs, row.get("example_ids"))
         parts.video_offsets.append(starts + parts.at)
         parts.video_grids.append(grids.reshape(-1, 3))
         if self.vision.family is VisionFamily.QWEN3_VL:  # the frame groups check_videos found
@@ -496,6 +488,18 @@ def _cat(arrays: list[np.ndarray], dtype: Any, width: int = 0) -> np.ndarray:
     if arrays:
         return np.concatenate(arrays).astype(dtype)
     return np.zeros((0, width) if width else 0, dtype)
+
+
+def _media_names(i: int, what: str, starts: np.ndarray, offs: np.ndarray, ids_of: Any) -> list[str]:
+    """How messages name row ``i``'s images (or videos) starting at ``starts``: ``row 3 image 1``, and the example
+    that holds each when the row carries its ``example_ids``."""
+    ids = None if ids_of is None else list(ids_of)
+    names = []
+    for k, at in enumerate(starts.tolist()):
+        name = f"row {i} {what} {k}"
+        names.append(name if ids is None else
+                     f"{name} (example {ids[int(np.searchsorted(offs, at, side='right')) - 1]!r})")
+    return names
 
 
 def _has_images(row: Mapping[str, Any]) -> bool:

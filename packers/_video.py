@@ -139,12 +139,11 @@ def qwen3_text(indices: Sequence[int], fps: float, spec: Any) -> str:
 
         <0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.4 seconds><|vision_start|>...
 
-    >>> spec = type("S", (), {"temporal_patch_size": 2, "vision_start": "<s>", "video_token": "<v>",
-    ...                       "vision_end": "</s>"})
+    >>> spec = type("S", (), {"temporal_patch_size": 2, "video_placeholder": "<s><v></s>"})
     >>> qwen3_text([0, 5, 10, 19, 24], 10.0, spec)
     '<0.2 seconds><s><v></s><1.4 seconds><s><v></s><2.4 seconds><s><v></s>'
     """
-    group = f"{spec.vision_start or ''}{spec.video_token}{spec.vision_end or ''}"
+    group = spec.video_placeholder
     return "".join(f"<{t:.1f} seconds>{group}" for t in qwen3_timestamps(indices, fps, spec.temporal_patch_size))
 
 

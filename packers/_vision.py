@@ -242,6 +242,12 @@ class VisionSpec:
             return self.vision_start or ""
         return (self.vision_start or "") + self.image_token + (self.vision_end or "")
 
+    @property
+    def video_placeholder(self) -> str:
+        """The text one video (for Qwen3-VL, one of its frame groups) becomes in a record's messages:
+        ``<|vision_start|><|video_pad|><|vision_end|>``."""
+        return (self.vision_start or "") + self.video_token + (self.vision_end or "")
+
     def expand(self, text: str) -> str:
         """Rendered text as the processor hands it to the tokenizer: unchanged, except for Gemma 3, whose processor
         wraps each ``<start_of_image>`` in blank lines and ``<end_of_image>`` (:func:`packers._gemma.expand`)."""

@@ -135,7 +135,7 @@ class Encoder:
             v = self.vision
             self.image_text = v.placeholder  # Gemma 3: <start_of_image>, expanded as its processor does (tokenize)
             if v.videos:
-                self.video_text = (v.vision_start or "") + v.video_token + (v.vision_end or "")
+                self.video_text = v.video_placeholder
                 self.video_id = self.vision_ids["video_token"]
         self._folders = dict(folders or {})
         self._roots: dict[str, _media.MediaRoot] = {}

@@ -358,7 +358,7 @@ def image_work(options: Any, files: Sequence[Any], sizes: Sequence[int]) -> Opti
     if spec is None or not files:
         return None
     image_text = spec.placeholder
-    video_text = (spec.vision_start or "") + spec.video_token + (spec.vision_end or "") if spec.videos else None
+    video_text = spec.video_placeholder if spec.videos else None
     formats = [d.format for d in options.datasets()]
     totals, refs = [0.0, 0.0], ([], [])  # images, videos
     biggest = sorted(range(len(files)), key=lambda i: -sizes[i])[:SAMPLED_INPUTS]

@@ -191,7 +191,6 @@ SLOW_CASES = (
     "tests/test_vision_qwen3.py::test_packed_records_equal_each_record_prepared_by_transformers[eager-True-3]",
     "tests/test_vision_qwen3.py::test_packed_records_equal_each_record_prepared_by_transformers[sdpa-True-2]",
     "tests/test_vision_qwen3_video.py::test_packed_videos_equal_each_example_prepared_by_transformers[eager-6]",
-    "tests/test_vision_qwen3_video.py::test_too_long_video_is_dead_lettered",  # Qwen2-VL's stays fast
     "tests/test_loader_trust.py::test_flipped_token_is_caught_by_verify",  # ~5 s; verify's clean case stays fast
     "tests/test_preference.py::test_named_fields_of_any_json_pack_or_are_rejected_with_a_reason",  # ~4 s property
     "tests/test_broken_streams.py::test_truncated_csv_packs_the_rows_before_the_break_and_one_corrupt_input[csv.xz]",

@@ -191,23 +191,6 @@ def test_pixel_limits_are_refused_for_gemma3():
         VisionSpec.builtin("gemma3").with_pixel_limits(max_pixels=768 * 768)
 
 
-def test_a_video_part_is_refused_under_gemma3(tmp_path, tok_folder):
-    (tmp_path / "a.png").write_bytes(png(60, 30, 1))
-    records = [{"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"},
-                                                          {"type": "text", "text": "what?"}]},
-                             {"role": "assistant", "content": "a clip"}]},
-               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
-                                                          {"type": "text", "text": "what?"}]},
-                             {"role": "assistant", "content": "a square"}]}]
-    data = tmp_path / "r.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tok_folder, "--processor", "gemma3",
-                                       "--max-tokens", "4096", "-o", str(tmp_path / "out"), "-q"])
-    assert result.exit_code == 0, result.output
-    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
-    assert counts["examples_packed"] == 1 and counts["rejected"] == 1
-
-
 def test_image_pixel_limit_options_are_refused_for_gemma3(tmp_path, tok_folder):
     data = tmp_path / "r.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

@@ -193,25 +193,6 @@ def test_unverified_settings_are_refused_in_one_line(tmp_path, change, seq, mess
     assert "\n" not in text and ("--processor internvl3" in text or "Shipped" in text), text
 
 
-def test_a_video_part_is_refused_under_internvl(tmp_path, tok_folder):
-    """Videos are not packed (InternVL's video frames are not counted here): such a record is a dead letter, the
-    rest packs."""
-    (tmp_path / "a.png").write_bytes(png(60, 30, 1))
-    records = [{"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"},
-                                                          {"type": "text", "text": "what?"}]},
-                             {"role": "assistant", "content": "a clip"}]},
-               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
-                                                          {"type": "text", "text": "what?"}]},
-                             {"role": "assistant", "content": "a square"}]}]
-    data = tmp_path / "r.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tok_folder, "--processor", "internvl3",
-                                       "--max-tokens", "8192", "-o", str(tmp_path / "out"), "-q"])
-    assert result.exit_code == 0, result.output
-    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
-    assert counts["examples_packed"] == 1 and counts["rejected"] == 1
-
-
 def test_a_row_whose_grid_is_no_tile_grid_is_refused():
     """(tiles, rows, cols) must be a canvas the limits allow, with its thumbnail: a row edited to (4, 2, 2) (the
     thumbnail dropped, the same 4 x 256 tokens as a 1 x 3 canvas + thumbnail) is refused before any pixel."""

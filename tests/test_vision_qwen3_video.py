@@ -242,24 +242,6 @@ def test_packed_videos_equal_each_example_prepared_by_transformers(tmp_path, att
     print(f"qwen3-vl video {attn}: max logit diff {worst:.2e} over {len(examples)} examples, {groups} frame groups")
 
 
-def test_too_long_video_is_dead_lettered(tmp_path):
-    tok_dir = save_tokenizer(tmp_path / "tok", TOKENS)
-    clip(tmp_path / "long.mp4", 40, 4, 64, 64)
-    (tmp_path / "r.jsonl").write_text(json.dumps({"id": "x", "messages": [
-        {"role": "user", "content": [{"type": "video", "video": "long.mp4"}, {"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": "ok"}]}) + "\n" + json.dumps({"id": "y", "messages": [
-            {"role": "user", "content": "hello"}, {"role": "assistant", "content": "ok"}]}) + "\n")
-    out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["pack", str(tmp_path / "r.jsonl"), "--tokenizer", tok_dir, "--processor",
-                                       "qwen3-vl", "--video-fps", "2", "--video-max-pixels", "200000",
-                                       "--max-tokens", "64", "--long", "split", "-o", str(out), "-q"])
-    assert result.exit_code == 0, result.output
-    rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
-    assert [r["reason"] for r in rejected] == ["too_long"]
-    assert "never cut" in rejected[0]["detail"] and "video" in rejected[0]["detail"]
-    assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1
-
-
 def test_preview_marks_each_frame_group_after_its_timestamp(tmp_path):
     tok_dir = save_tokenizer(tmp_path / "tok", TOKENS)
     clip(tmp_path / "v.mp4", 20, 4, 64, 64)

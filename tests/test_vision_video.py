@@ -277,7 +277,11 @@ def test_packed_videos_equal_each_example_alone(tmp_path, family, attn):
     print(f"{family} {attn}: max logit diff {worst:.2e} over {len(examples)} examples")
 
 
-def test_too_long_video_is_dead_lettered(tmp_path):
+@pytest.mark.parametrize("processor, limits", [
+    ("qwen2-vl", ["--video-max-pixels", "12544", "--video-min-pixels", "784"]),
+    pytest.param("qwen3-vl", ["--video-max-pixels", "200000"], marks=pytest.mark.slow),
+])
+def test_too_long_video_is_dead_lettered(tmp_path, processor, limits):
     tok_dir = save_tokenizer(tmp_path / "tok", TOKENS)
     clip(tmp_path / "long.mp4", 40, 4, 64, 64)
     (tmp_path / "r.jsonl").write_text(json.dumps({"id": "x", "messages": [
@@ -286,13 +290,13 @@ def test_too_long_video_is_dead_lettered(tmp_path):
             {"role": "user", "content": "hello"}, {"role": "assistant", "content": "ok"}]}) + "\n")
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["pack", str(tmp_path / "r.jsonl"), "--tokenizer", tok_dir, "--processor",
-                                       "qwen2-vl", "--video-fps", "2", "--video-max-pixels", "12544",
-                                       "--video-min-pixels", "784", "--max-tokens", "64", "--long", "split",
-                                       "-o", str(out), "-q"])
+                                       processor, "--video-fps", "2", *limits, "--max-tokens", "64", "--long",
+                                       "split", "-o", str(out), "-q"])
     assert result.exit_code == 0, result.output
     rejected = [json.loads(x) for x in (out / "rejected.jsonl").read_text().splitlines()]
     assert [r["reason"] for r in rejected] == ["too_long"]
     assert "never cut" in rejected[0]["detail"] and "video" in rejected[0]["detail"]
+    assert json.loads((out / "manifest.json").read_text())["counts"]["examples_packed"] == 1
 
 
 @pytest.mark.parametrize("processor", ["llava-1.5", "internvl3"])
@@ -349,3 +353,29 @@ def test_a_model_folders_video_settings_are_the_defaults_and_flags_win(tmp_path)
     (bad / "video_preprocessor_config.json").write_text(json.dumps({"max_frames": "many"}))
     with pytest.raises(packers.PackstreamError, match="video_preprocessor_config.json: max_frames is \"many\""):
         PackOptions(**{**base, "processor": str(bad)}).vision()
+
+
+@pytest.mark.parametrize("processor, tokens, budget", [
+    ("gemma3", ["<start_of_image>", "<image_soft_token>", "<end_of_image>"], "4096"),
+    ("internvl3", ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"], "8192"),
+])
+def test_a_video_part_is_refused_under_a_family_that_packs_no_videos(tmp_path, processor, tokens, budget):
+    """Videos are packed for the Qwen family only (Gemma 3's and InternVL's video frames are not counted here): such
+    a record is a dead letter, the rest packs."""
+    from tests.test_vision_exact import png
+
+    tok = save_tokenizer(tmp_path / "tok", tokens)
+    (tmp_path / "a.png").write_bytes(png(60, 30, 1))
+    records = [{"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"},
+                                                          {"type": "text", "text": "what?"}]},
+                             {"role": "assistant", "content": "a clip"}]},
+               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                                                          {"type": "text", "text": "what?"}]},
+                             {"role": "assistant", "content": "a square"}]}]
+    data = tmp_path / "r.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = CliRunner().invoke(main, ["pack", str(data), "--tokenizer", tok, "--processor", processor,
+                                       "--max-tokens", budget, "-o", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 0, result.output
+    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
+    assert counts["examples_packed"] == 1 and counts["rejected"] == 1
