@@ -452,7 +452,7 @@ class Collator:
 
 
     def _add_videos(self, parts: _Parts, i: int, row: Mapping[str, Any], ids: np.ndarray, offs: np.ndarray) -> None:
-        """Row ``i``'s videos (contract version 5), checked as its images are (their own placeholder id)."""
+        """Row ``i``'s videos (contract version 8), checked as its images are (their own placeholder id)."""
         if self.vision is None or not self.vision.videos:
             raise PackstreamError(f"row {i} holds videos and the Collator's vision spec packs none: pass the spec the "
                                   "rows were packed with, Collator(vision=PackedDataset(folder).vision)")

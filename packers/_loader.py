@@ -373,7 +373,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             self._add_videos(indices, table, rows, check=check)
 
     def _add_videos(self, indices: np.ndarray, table: pa.Table, rows: list[dict[str, Any]], *, check: bool) -> None:
-        """Each row's video columns (contract version 5), checked against its tokens as its images are."""
+        """Each row's video columns (contract version 8), checked against its tokens as its images are."""
         cols = {c: table.column(c).to_pylist() for c in ("video_offsets", "video_grid_thw", "videos",
                                                           "second_per_grid_ts")}
         for i, row in enumerate(rows):

@@ -21,7 +21,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
 
     status           "complete" | "failed"
     error            why a failed run failed (failed only)
-    contract_version the packed-row contract version: 3, or 4 with images (then also "vision", "media_roots")
+    contract_version 6, 7 with images, 8 with videos (then also "vision", "media_roots"); 3-5 are refused: "repack"
     run_id           16 hex digits: a digest of what decides the run's bytes (options but the output
                      folder, inputs, tokenizer); every shard carries it in its schema metadata
     shards           [{"name", "split", "rows", "examples", "tokens", "target_tokens", "bytes", "sha256"}]
@@ -41,15 +41,14 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
     config, counts, inputs   the run's options and counts (see docs/operations.md)
 
 **One typed reader.** :func:`load_manifest` reads ``manifest.json`` through the checked open
-(:func:`packers.files.read_checked`: a regular file, at most :data:`MAX_MANIFEST_BYTES`, JSON at most
-512 levels deep) and :func:`parse_manifest` turns it into a frozen :class:`Manifest`: every key a
-reader uses has its type and range checked, and the manifest must agree with itself
-(:func:`inconsistencies`): counts equal the sums of the shard entries and reconcile, each split's
-shards are named ``-of-N`` with N its number of shards and indexes 0..N-1 once each, names are unique,
-split labels match the names, ``files`` lists exactly the run's files. ``verify``, ``inspect``, the
-loader and ``pack --overwrite`` all read it this way, and refuse a manifest that fails in one line:
-nothing a reader does later meets an unexpected type. Each shard's own schema metadata (run id,
-split, index, count: :func:`expected_metadata`) is then held against its entry.
+(:func:`packers.files.read_checked`: a regular file, at most :data:`MAX_MANIFEST_BYTES`, JSON at most 512 levels
+deep) and :func:`parse_manifest` turns it into a frozen :class:`Manifest`: every key a reader uses has its type and
+range checked, and the manifest must agree with itself (:func:`inconsistencies`): counts equal the sums of the shard
+entries and reconcile, each split's shards are named ``-of-N`` with N its number of shards and indexes 0..N-1 once
+each, names are unique, split labels match the names, ``files`` lists exactly the run's files. ``verify``,
+``inspect``, the loader and ``pack --overwrite`` all read it this way, and refuse a manifest that fails in one line:
+nothing a reader does later meets an unexpected type. Each shard's own schema metadata (run id, split, index,
+count: :func:`expected_metadata`) is then held against its entry.
 
 >>> m = parse_manifest(b'{"status": "failed", "error": "disk full", "files": ["README.md"]}', "out")
 >>> (m.status.value, m.error, m.files, m.shards)
@@ -59,8 +58,7 @@ Traceback (most recent call last):
 ...
 packers.errors.ContractError: out: manifest.json files[0] is '../../.bashrc', expected a file name packstream writes (a shard name, rejected.jsonl or README.md); the manifest was edited or damaged, or not written by packstream: restore the folder or re-run packstream pack
 
-A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
-has no leading underscore; users reach the same names through :mod:`packers`.
+A shared contract module (the pipeline and the loader use it): users reach its names through :mod:`packers`.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
 from packers.errors import ContractError, PackstreamError, is_int, is_weight, short
 from packers.files import MiB, load_json, read_checked, show_path
-from packers.schema import CONTRACT_VERSION, READABLE_VERSIONS
+from packers.schema import CONTRACT_VERSION, READABLE_VERSIONS, mask_rule_refusal
 
 MANIFEST = "manifest.json"
 LOCK = ".packstream.lock"
@@ -422,6 +420,8 @@ def _decode(data: bytes, where: str, files_only: bool = False) -> Manifest:
 
 def _check_version_and_run_id(r: _Reader, raw: Mapping[str, Any]) -> None:
     version = raw.get("contract_version", _MISSING)
+    if (old := mask_rule_refusal(MANIFEST, version)) is not None:
+        raise ContractError(f"{r.where}: {old}")
     if not is_int(version) or version not in READABLE_VERSIONS:
         raise ContractError(f"{r.where}: {MANIFEST} contract_version is {'missing' if version is _MISSING else _short(version)}"
                             f", expected one of {READABLE_VERSIONS}; repack the data or install a matching packstream")

@@ -334,12 +334,12 @@ def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | No
 
 
 
-# -- rows with images (contract version 4) ---------------------------------------------------------------------------
+# -- rows with images (contract version 7) ---------------------------------------------------------------------------
 
 
 def check_videos(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, seq_offsets: np.ndarray,
                  video_offsets: Any, video_grid_thw: Any, n_videos: int, spec: Any) -> Failure | None:
-    """:func:`check_images` for a row's video columns (contract version 5)."""
+    """:func:`check_images` for a row's video columns (contract version 8)."""
     return _check_runs(row, input_ids, loss_mask, seq_offsets, (video_offsets, video_grid_thw, n_videos), spec, "video")
 
 
@@ -355,7 +355,7 @@ def check_images(row: int, input_ids: np.ndarray, loss_mask: np.ndarray | None, 
     its images' runs (as many as their grids give). The one definition: the loader, the Collator and
     ``packstream verify`` run it (the Collator with ``loss_mask=None``: it trains what the mask says, as for text
     rows). A failure's detail starts with ``image K:`` when one image breaks a rule. :func:`check_videos`: the same rules
-    for a row's video columns (``video_offsets``, ``video_grid_thw``, ``videos``: contract version 5), each video's run
+    for a row's video columns (``video_offsets``, ``video_grid_thw``, ``videos``: contract version 8), each video's run
     ``t * h * w / merge**2`` tokens of its own placeholder id."""
     return _check_runs(row, input_ids, loss_mask, seq_offsets, (image_offsets, image_grid_thw, n_images), spec, "image")
 

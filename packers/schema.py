@@ -1,4 +1,4 @@
-"""The packed-row contract (version 3): one Arrow schema, written by the pipeline and read by the loader.
+"""The packed-row contract (version 6): one Arrow schema, written by the pipeline and read by the loader.
 
 A packed row holds several tokenized examples back to back, with no padding stored. Here is
 one row of budget 16 holding three examples (``T`` is a target token, ``.`` is not)::
@@ -68,8 +68,12 @@ the shard belongs: the ``run_id`` of the run that wrote it (``manifest.json`` ha
 against the manifest's entry for the file, so a shard listed twice, renamed, moved to another
 split or taken from another run is refused without reading a row (:mod:`packers.manifest`).
 
-Version history: 1, the first five columns; 2, ``num_targets`` and the pair columns; 3 (this),
-``desirable``; 4, :data:`VISION_SCHEMA` (images); 5, :data:`VIDEO_SCHEMA` (videos, ``--video-fps``). An older folder is refused with "repack" (:func:`read_metadata`).
+Version history: 1, the first five columns; 2, ``num_targets`` and the pair columns; 3, ``desirable``; 4,
+:data:`VISION_SCHEMA` (images); 5, :data:`VIDEO_SCHEMA` (videos, ``--video-fps``); 6 (this), the same schema as 3 under
+TRL's mask rule (:data:`MASK_RULE_CHANGE`: the prompt of a prompt-completion, KTO or preference record is context
+whatever roles it holds, a conversation keeps the chat template's ending, a string prompt/completion record is raw
+text with EOS appended); 7 and 8, the same rule with :data:`VISION_SCHEMA` and :data:`VIDEO_SCHEMA`. An older folder
+is refused with "repack" (:func:`read_metadata`); one of version 3, 4 or 5 in words that say what changed.
 
 >>> import pyarrow as pa
 >>> row = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
@@ -104,8 +108,20 @@ import pyarrow as pa
 
 from packers.errors import ContractError
 
-CONTRACT_VERSION = 3
-"""Bump on any incompatible change to :data:`SCHEMA` or its metadata keys (see the version history above)."""
+CONTRACT_VERSION = 6
+"""Bump on any incompatible change to :data:`SCHEMA`, its metadata keys, or what its rows mean (the tokens and masks a
+record becomes; see the version history above)."""
+
+MASK_RULE_CHANGE = ("packed before packstream's TRL mask rule: prompt-completion, KTO and preference prompts are "
+                    "context whatever roles they hold, conversations keep the chat template's ending, string "
+                    "prompt/completion records are raw text")
+"""What versions 6, 7 and 8 changed from 3, 4 and 5 (the same three schemas): the words of the refusal of an older
+folder (:func:`mask_rule_refusal`) and of the docs."""
+
+MASK_RULE_VERSIONS = (3, 4, 5)
+"""The text, image and video versions before the TRL mask rule: same schemas, other masks and tokens. Refused."""
+
+REPACK = "repack it with this packstream (re-run packstream pack on its inputs)"
 
 MAX_TOKENS_LIMIT = 1 << 24
 """The largest row budget: offsets are int32, and best-fit keeps a bucket per capacity (O(budget) memory).
@@ -131,9 +147,9 @@ IMAGE_TYPE = pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.bina
 """One image as a row carries it: a path or URI (resolved when packed), or the encoded bytes (Hugging Face datasets'
 ``Image`` encoding)."""
 
-VISION_CONTRACT_VERSION = 4
-"""The contract version of a run with images: :data:`VISION_SCHEMA`. A reader that knows only version 3 refuses it,
-so no older packstream trains the image placeholders as text."""
+VISION_CONTRACT_VERSION = 7
+"""The contract version of a run with images: :data:`VISION_SCHEMA`. A reader that knows only version 6 refuses it,
+so no older packstream trains the image placeholders as text. (4 before the TRL mask rule.)"""
 
 VISION_SCHEMA = pa.schema(
     list(SCHEMA)
@@ -151,9 +167,10 @@ never a target. Empty lists in a row without images."""
 
 VISION_COLUMNS = ("image_offsets", "image_grid_thw", "images")
 
-VIDEO_CONTRACT_VERSION = 5
+VIDEO_CONTRACT_VERSION = 8
 """The contract version of a run that packs videos (``--video-fps``): :data:`VIDEO_SCHEMA`. A reader that knows only
-versions 3 and 4 refuses it, so no older packstream trains the video placeholders as text."""
+versions 6 and 7 refuses it, so no older packstream trains the video placeholders as text. (5 before the TRL mask
+rule.)"""
 
 VIDEO_SCHEMA = pa.schema(
     list(VISION_SCHEMA)
@@ -175,9 +192,25 @@ VIDEO_COLUMNS = ("video_offsets", "video_grid_thw", "videos", "second_per_grid_t
 READABLE_VERSIONS = (CONTRACT_VERSION, VISION_CONTRACT_VERSION, VIDEO_CONTRACT_VERSION)
 
 
+def mask_rule_refusal(what: str, version: Any) -> str | None:
+    """The one-line refusal of a ``what`` (``shard``, ``manifest.json``) of contract ``version`` when that version
+    is one of :data:`MASK_RULE_VERSIONS` (packed before the TRL mask rule); None for any other version.
+
+    >>> print(mask_rule_refusal("shard", 3))  # doctest: +NORMALIZE_WHITESPACE
+    shard has contract version 3 (packed before packstream's TRL mask rule: prompt-completion, KTO and preference
+    prompts are context whatever roles they hold, conversations keep the chat template's ending, string
+    prompt/completion records are raw text); repack it with this packstream (re-run packstream pack on its inputs)
+    >>> mask_rule_refusal("shard", 6) is None
+    True
+    """
+    if type(version) is int and version in MASK_RULE_VERSIONS:
+        return f"{what} has contract version {version} ({MASK_RULE_CHANGE}); {REPACK}"
+    return None
+
+
 def vision_version(vision: str | None) -> int:
     """The contract version of a run whose vision spec is ``vision`` (:meth:`packers.VisionSpec.to_json`; None: text):
-    3, 4 with images, 5 when the spec packs videos (its ``video_fps`` is set)."""
+    6, 7 with images, 8 when the spec packs videos (its ``video_fps`` is set)."""
     if vision is None:
         return CONTRACT_VERSION
     try:
@@ -195,6 +228,9 @@ def row_schema(contract_version: int) -> pa.Schema:
         return VIDEO_SCHEMA
     if contract_version == CONTRACT_VERSION:
         return SCHEMA
+    old = mask_rule_refusal("data", contract_version)
+    if old is not None:
+        raise ContractError(old)
     raise ContractError(f"contract version {contract_version!r} is not one this packstream reads "
                         f"({', '.join(map(str, READABLE_VERSIONS))}); repack the data or install a matching packstream")
 
@@ -236,7 +272,7 @@ def schema_metadata(
     vision: str | None = None,
 ) -> dict[bytes, bytes]:
     """The metadata every shard of one run carries; :func:`place_metadata` adds the shard's own place.
-    ``vision``: the run's :meth:`packers.VisionSpec.to_json` when it packs images (contract version 4)."""
+    ``vision``: the run's :meth:`packers.VisionSpec.to_json` when it packs images (contract version 7, 8 with videos)."""
     values = {
         "contract_version": vision_version(vision),
         "budget": budget,
@@ -276,6 +312,9 @@ def read_metadata(schema: pa.Schema) -> dict[str, Any]:
             raise ContractError(f"schema metadata {key} is not JSON ({str(e)[:80]})") from None
     if "contract_version" not in out:
         raise ContractError("not a packstream shard: schema metadata has no packstream.contract_version")
+    old = mask_rule_refusal("shard", out["contract_version"])
+    if old is not None:
+        raise ContractError(old)
     if out["contract_version"] not in READABLE_VERSIONS:
         raise ContractError(
             f"shard has contract version {out['contract_version']}, this packstream reads versions "

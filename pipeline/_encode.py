@@ -44,8 +44,8 @@ import numpy as np
 from packers import InternalError
 from pipeline import _media, _rows
 from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
-from pipeline._options import FormatOptions, Ids, PackOptions, TrainOn
-from pipeline._render import Renderer
+from pipeline._options import Eos, FormatOptions, Ids, PackOptions, TrainOn
+from pipeline._render import Renderer, Split
 
 Item = tuple[int, str, int, Any]
 """``(dataset index, source, position, record or Rejected)``: what the readers emit."""
@@ -81,8 +81,30 @@ class _Prepared:
     """``--pairs``: ``owner`` names a side, ``2 * k`` (chosen) or ``2 * k + 1`` (rejected) of ``meta[k]``."""
     images: dict[int, list[_media.Image]] = dataclasses.field(default_factory=dict)
     """``--processor`` runs: index in ``meta`` -> its example's images, measured, in order."""
+    prompts: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    """TRL-format examples (:class:`~pipeline._render.Split`): ``(owner, prompt text)``, tokenized after the
+    segments; the owner's tokens in common with its prompt's are context (TRL's ``common_prefix_length``)."""
+    special: set[int] = dataclasses.field(default_factory=set)
+    """Owners whose text (and prompt) is tokenized with the tokenizer's special tokens (raw text, as
+    ``tokenizer(text)``)."""
+    spans: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    """Owners whose one segment is a whole ``messages`` conversation: its target character spans (tokenized with
+    offsets; a token overlapping a span is a target)."""
+    merged: set[int] = dataclasses.field(default_factory=set)
+    """Pairs (index in ``meta``) whose prompt shares no token with a side: it merges with the answer's first tokens."""
     rejected: list[dict] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add_split(self, split: Split, owner: int) -> None:
+        """A TRL-format example (or side), owned by ``owner``: its whole text one target segment, its prompt
+        tokenized beside it (:meth:`Encoder.finish` masks the tokens they share)."""
+        self.add_segments([(split.whole, True)], owner)
+        if split.prompt is not None:
+            self.prompts.append((owner, split.prompt))
+        if split.special:
+            self.special.add(owner)
+        if split.spans is not None:
+            self.spans[owner] = split.spans
 
     def add_segments(self, segments: list[tuple[str, bool]], owner: int) -> None:
         """The ``(text, is_target)`` segments of one example (or side), owned by ``owner``."""
@@ -208,8 +230,12 @@ class Encoder:
                         images = _media.measure(refs, self._media_root(source), self.vision, self.options.images,
                                                 notes)
                         p.images[2 * len(p.meta)] = p.images[2 * len(p.meta) + 1] = images
-                    for k, segs in enumerate(sides):
-                        p.add_segments(segs, 2 * len(p.meta) + k)
+                    for k, side in enumerate(sides):
+                        if isinstance(side, Split):  # TRL's layouts, as DPOTrainer tokenizes them
+                            p.add_split(side, 2 * len(p.meta) + k)
+                            p.no_eos.add(2 * len(p.meta) + k)
+                        else:
+                            p.add_segments(side, 2 * len(p.meta) + k)
                     add_counts(p.counts, notes)
                     p.meta.append((eid, source, position, dataset))
                     continue
@@ -227,9 +253,12 @@ class Encoder:
                                                                self.options.images, conv.notes)
                     if conv.tokens is not None:
                         p.direct[len(p.meta)] = self._pretokenized(conv, dataset)
+                    elif (split := self.renderer.split(conv, fmt)) is not None:  # TRL's formats, as TRL
+                        p.add_split(split, len(p.meta))
+                        p.no_eos.add(len(p.meta))
                     else:
                         segs = self.renderer.segments(conv, fmt)
-                        if not self.renderer.appends_eos(conv):  # labelled segments: trained exactly as labelled
+                        if not self.renderer.appends_eos(conv, fmt):  # labelled segments, TRL's conversations
                             p.no_eos.add(len(p.meta))
                         p.add_segments(segs, len(p.meta))
                     add_counts(p.counts, conv.notes)
@@ -249,6 +278,11 @@ class Encoder:
         if c.tools != r.tools:
             raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the two sides carry different tool definitions; a pair shares "
                                                         "its prompt")
+        notes = {k: max(c.notes.get(k, 0), r.notes.get(k, 0)) for k in c.notes.keys() | r.notes.keys()
+                 if k != "other_side_not_trained"}
+        trl = self._trl_pair(c, r, fmt)
+        if trl is not None:
+            return trl, notes, list(c.images)
         n = 0
         while n < min(len(c.messages), len(r.messages)) and c.messages[n] == r.messages[n]:
             n += 1
@@ -276,16 +310,49 @@ class Encoder:
             # The completion is everything after the prompt: tool results between answer turns included (TRL's
             # prompt/completion split), so a side's log-prob covers all it adds to the prompt.
             sides.append([(t, i >= first) for i, (t, _) in enumerate(segs)])
-        notes = {k: max(c.notes.get(k, 0), r.notes.get(k, 0)) for k in c.notes.keys() | r.notes.keys()
-                 if k != "other_side_not_trained"}
         return (sides[0], sides[1]), notes, list(c.images)
 
+    def _trl_pair(self, c: Conversation, r: Conversation, fmt: FormatOptions) -> Optional[tuple[Split, Split]]:
+        """A pair in TRL's layouts (an explicit ``prompt``, or whole conversations sharing their first turns), as
+        ``DPOTrainer`` tokenizes it: each side's whole text and the one prompt (:meth:`Renderer.split`); None for
+        the other layouts (and under ``--eos always`` or ``--mask-reasoning``)."""
+        if c.raw is not None and r.raw is not None:
+            if c.raw[0] != r.raw[0]:
+                raise InternalError("the two sides of a raw preference record hold different prompts")
+        elif not c.prompt or not r.prompt or fmt.eos is not Eos.TRL or fmt.mask_reasoning:
+            return None  # no shared prompt at all: the general path refuses it (the sides differ before their answers)
+        elif c.prompt != r.prompt or c.messages[:c.prompt] != r.messages[:r.prompt]:
+            raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the two sides' prompts differ after reading; a pair shares its "
+                                                        "prompt")
+        if c.images or r.images:
+            _pair_images(c, r, c.prompt or 0, self.image_text)
+        sides = tuple(self.renderer.split(conv, fmt) for conv in (c, r))
+        if sides[0].prompt != sides[1].prompt:
+            raise Rejected(Reason.PAIR_PROMPT_MISMATCH, "the chat template renders the pair's prompt differently on "
+                                                        "its two sides; a pair shares its prompt")
+        return sides
+
     def tokenize(self, p: "_Prepared") -> list:
-        """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads)."""
+        """The Rust half: one batch call over every segment (releases the GIL, uses the tokenizer's threads), then
+        the prompts of TRL-format examples after them; raw text (``p.special``) in a call with special tokens."""
         texts = p.texts if self.vision is None else [self.vision.expand(t) for t in p.texts]
         if self.video_text is not None and any(m.text for ms in p.images.values() for m in ms):
             texts = self._timestamped(texts, p)
-        return self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+        prompts = [text if self.vision is None else self.vision.expand(text) for _, text in p.prompts]
+        texts = texts + prompts
+        owners = p.owner + [owner for owner, _ in p.prompts]
+        if not p.special and not p.spans:
+            return self._backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+        out: list = [None] * len(texts)
+        for special in (False, True):
+            for offsets in (False, True):  # whole conversations: with character offsets (slower: only those)
+                which = [i for i, owner in enumerate(owners)
+                         if (owner in p.special) is special and (i < len(p.texts) and owner in p.spans) is offsets]
+                if which:
+                    encode = self._backend.encode_batch if offsets else self._backend.encode_batch_fast
+                    for i, e in zip(which, encode([texts[i] for i in which], add_special_tokens=special)):
+                        out[i] = e
+        return out
 
     def _timestamped(self, texts: list[str], p: "_Prepared") -> list[str]:
         """Qwen3-VL: each video's placeholder text replaced, before tokenization, by what its processor writes for it
@@ -306,8 +373,11 @@ class Encoder:
             return self._finish_pairs(p, encs)
         rejected, counts, kept_meta, direct = p.rejected, p.counts, p.meta, p.direct
         n = len(kept_meta)
+        encs, prompt_encs = encs[:len(p.texts)], encs[len(p.texts):]
         ids, mask, seg_lens = p.token_arrays(encs)
         rec_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=n).astype(np.int64)
+        self._mask_prompts(ids, mask, rec_lens, p, prompt_encs)
+        self._mask_spans(mask, rec_lens, p, encs)
         if direct:  # splice pre-tokenized examples in at their place
             ids, mask, rec_lens = _splice(ids, mask, rec_lens, direct)
         ids, mask, rec_lens = self._append_eos(ids, mask, rec_lens, set(direct) | p.no_eos)
@@ -415,9 +485,11 @@ class Encoder:
         example per pair (chosen tokens, then rejected; ``cuts``)."""
         rejected, meta = p.rejected, p.meta
         n = len(meta)
+        encs, prompt_encs = encs[:len(p.texts)], encs[len(p.texts):]
         ids, mask, seg_lens = p.token_arrays(encs)
         side_lens = np.bincount(np.asarray(p.owner, dtype=np.int64), weights=seg_lens, minlength=2 * n).astype(np.int64)
-        ids, mask, side_lens = self._append_eos(ids, mask, side_lens, set())
+        self._mask_prompts(ids, mask, side_lens, p, prompt_encs, pairs=True)
+        ids, mask, side_lens = self._append_eos(ids, mask, side_lens, p.no_eos)
         images = None
         if self.vision is not None:
             kept_sides = np.ones(2 * n, dtype=bool)
@@ -434,6 +506,11 @@ class Encoder:
             why = None
             if not c_mask.any() or not r_mask.any():
                 why = (Reason.NO_TARGET_TOKENS, "an answer of the pair tokenizes to no tokens")
+            elif k in p.merged:
+                why = (Reason.PAIR_PROMPT_MISMATCH, (
+                    f"the prompt's tokens merge with an answer's first tokens ({self._decode(ids[a0:a0 + 4])!r} vs "
+                    f"{self._decode(ids[a1:a1 + 4])!r}), so the two sides share no prompt token; end the prompt on "
+                    "a token boundary (raw answers usually start with a space), or pass --strings chat"))
             else:
                 pc, pr = int(c_mask.argmax()), int(r_mask.argmax())
                 cp, rp = ids[a0:a0 + pc], ids[a1:a1 + pr]
@@ -460,6 +537,64 @@ class Encoder:
         if copies:
             p.counts["repeated_copies"] = p.counts.get("repeated_copies", 0) + copies
         return Encoded(batch, rejected, p.counts)
+
+    def _mask_prompts(self, ids: np.ndarray, mask: np.ndarray, lens: np.ndarray, p: "_Prepared", encs: list,
+                      pairs: bool = False) -> None:
+        """TRL's completion mask of each TRL-format example (``p.prompts``; ``lens``: tokens per owner, in owner
+        order): its tokens in common with its prompt's tokens are context, the rest is the completion
+        (``trl.data_utils.common_prefix_length``; a pair's two sides share the shorter common prefix, as
+        ``DPOTrainer`` takes it). A prompt whose tokens are not all a prefix of the whole is counted
+        (``prompt_not_prefix``), as TRL warns. ``--train-on all`` trains every token all the same."""
+        if not p.prompts:
+            return
+        starts = np.cumsum(lens) - lens
+        common: dict[int, tuple[int, bool]] = {}
+        for (owner, _), enc in zip(p.prompts, encs):
+            a = int(starts[owner])
+            whole = ids[a:a + int(lens[owner])]
+            prompt = np.asarray(enc.ids, dtype=np.int32)
+            k = min(len(prompt), len(whole))
+            differ = np.flatnonzero(whole[:k] != prompt[:k])
+            common[owner] = (int(differ[0]) if len(differ) else k, len(differ) > 0 or k < len(prompt))
+        if pairs:  # both sides of a pair start their completion at the shorter common prefix
+            for owner in list(common):
+                other = owner ^ 1
+                if other in common:
+                    common[owner] = (min(common[owner][0], common[other][0]), common[owner][1] or common[other][1])
+        short = 0
+        for owner, (length, cut) in common.items():
+            if self._train_all(p, owner, pairs):
+                continue
+            a = int(starts[owner])
+            # at least the first token is context: nothing comes before it to predict it, so training is the same
+            # (TRL's labels shift it out), and the row contract's completions start after a prompt token
+            mask[a:a + max(length, 1)] = 0
+            short += cut and not (pairs and owner % 2)  # a pair is counted once
+            if pairs and not length:
+                p.merged.add(owner // 2)
+        if short:
+            p.counts["prompt_not_prefix"] = p.counts.get("prompt_not_prefix", 0) + short
+
+    @staticmethod
+    def _mask_spans(mask: np.ndarray, lens: np.ndarray, p: "_Prepared", encs: list) -> None:
+        """The mask of each whole ``messages`` conversation (``p.spans``): 1 on every token that overlaps a target
+        character span, as transformers' ``assistant_masks`` (each such owner holds one segment, ``encs[k]``)."""
+        if not p.spans:
+            return
+        starts = np.cumsum(lens) - lens
+        for k, owner in enumerate(p.owner):
+            spans = p.spans.get(owner)
+            if spans is None:
+                continue
+            offsets = np.asarray(encs[k].offsets, dtype=np.int64).reshape(-1, 2)
+            hit = np.zeros(len(offsets), dtype=bool)
+            for a, b in spans:
+                hit |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+            mask[int(starts[owner]):int(starts[owner]) + len(offsets)] = hit
+
+    def _train_all(self, p: "_Prepared", owner: int, pairs: bool) -> bool:
+        """``--train-on all`` for the data set of ``owner`` (never for pairs: their prompt is context)."""
+        return not pairs and self.datasets[p.meta[owner][3]].format.train_on is TrainOn.ALL
 
     def _decode(self, ids: np.ndarray) -> str:
         return self.renderer.tok.decode(ids.tolist())

@@ -38,6 +38,7 @@ templates that rewrite earlier turns are refused with a clear reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -48,8 +49,8 @@ from importlib import resources
 from typing import Any, Optional
 
 from packers import PackstreamError
-from pipeline._formats import Conversation, Reason, Rejected, target_flags
-from pipeline._options import FormatOptions, PackOptions, TrainOn
+from pipeline._formats import TRL_CONVERSATIONS, Conversation, Reason, Rejected, target_flags
+from pipeline._options import Eos, FormatOptions, PackOptions, TrainOn
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
 
@@ -201,6 +202,7 @@ def compile_template(source: str):
 
 
 _PROBE_USER = {"role": "user", "content": "packstream probe question"}
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers finds the blocks
 
 
 class JinjaTemplate:
@@ -210,6 +212,8 @@ class JinjaTemplate:
         self.source = source
         self.kwargs = dict(special_tokens)
         self.compiled = compile_template(source)
+        self.generation = _GENERATION.search(source) is not None
+        """The template marks the assistant's text with ``{% generation %}`` blocks (TRL's ``assistant_only_loss``)."""
         self._check_ends()
         self.reasoning = self._renders("zq7reasoning", [_PROBE_USER, {
             "role": "assistant", "content": "answer", "reasoning_content": "zq7reasoning", "thinking": "zq7reasoning"}])
@@ -242,8 +246,17 @@ class JinjaTemplate:
         except (Rejected, TemplateTimeout):
             return True
 
-    def render(self, messages: list, tools: Optional[list], gen: bool, cap: int) -> str:
+    def render_generation(self, messages: list, tools: Optional[list], cap: int) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering of ``messages`` and the ``[start, end)`` character spans of its ``{% generation %}``
+        blocks, tracked as transformers tracks them (its ``AssistantTracker``)."""
         out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        with self.compiled.environment.activate_tracker(out, spans):
+            self.render(messages, tools, False, cap, out=out)
+        return "".join(out), spans
+
+    def render(self, messages: list, tools: Optional[list], gen: bool, cap: int, out: Optional[list] = None) -> str:
+        out = [] if out is None else out
         size = 0
         try:
             for chunk in self.compiled.generate(messages=messages, tools=tools, documents=None,
@@ -391,6 +404,82 @@ def template_segments(tpl: JinjaTemplate, conv: Conversation, targets: list[bool
     return segs
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A TRL-format example as TRL tokenizes it (:meth:`Renderer.split`): the ``whole`` text, tokenized as one; the
+    ``prompt`` text (None: nothing is context), tokenized alone, whose tokens in common with the whole are context;
+    ``special``: both are tokenized with the tokenizer's special tokens (BOS), as ``tokenizer(text)`` does for raw
+    text (a chat template writes its own)."""
+
+    prompt: Optional[str]
+    whole: str
+    special: bool
+    spans: Optional[tuple[tuple[int, int], ...]] = None
+    """TRL's conversational language modeling (``messages``): the ``[start, end)`` character ranges of ``whole``
+    that are targets; a token that overlaps one is a target, as transformers' ``assistant_masks`` marks them (the
+    whole text tokenized as one, so no token is cut where a turn starts). None: every token after the prompt's."""
+
+
+TEMPLATE_ENDED = TRL_CONVERSATIONS
+"""Shapes of TRL's conversational language-modeling format (:meth:`Renderer.ends_as_rendered`)."""
+
+
+def _char_spans(segs: Segments) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` character ranges of the target segments of ``segs``, in the text they join into.
+
+    >>> _char_spans([("ab", False), ("cd", True), ("e", False), ("f", True)])
+    ((2, 4), (5, 6))
+    """
+    out, at = [], 0
+    for text, target in segs:
+        if target and text:
+            out.append((at, at + len(text)))
+        at += len(text)
+    return tuple(out)
+
+
+def chatml_text(conv: Conversation, upto: int, gen: bool) -> str:
+    """The built-in ChatML's rendering of ``conv.messages[:upto]`` (with the generation prompt when ``gen``): what
+    ``templates/chatml.jinja`` renders for them."""
+    part = dataclasses.replace(conv, messages=conv.messages[:upto], train=None)
+    text = "".join(t for t, _ in chatml_segments(part, [False] * upto)) if upto or conv.tools else ""
+    return text + ("<|im_start|>assistant\n" if gen else "")
+
+
+def _cap(msgs: list[dict], tools: Optional[list]) -> int:
+    """The bound on one rendering of ``msgs``: :data:`TEMPLATE_MAX_CHARS` plus 8 characters per character of text."""
+    size = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in msgs)
+    size += len(json.dumps([m.get("tool_calls") for m in msgs], ensure_ascii=False))
+    size += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+    return TEMPLATE_MAX_CHARS + 8 * size
+
+
+def generation_segments(tpl: JinjaTemplate, conv: Conversation) -> Segments:
+    """A conversation rendered whole, its ``{% generation %}`` blocks the targets and the rest context: the spans
+    transformers' ``return_assistant_tokens_mask`` (TRL's ``assistant_only_loss``) trains."""
+    msgs, _, tools = _inline(conv, tpl)
+    whole, spans = tpl.render_generation(msgs, tools, _cap(msgs, tools))
+    _check_rendered(whole, msgs, tools)
+    segs: Segments = []
+    at = 0
+    for a, b in spans:
+        a = max(a, at)
+        segs += [(whole[at:a], False), (whole[a:b], True)]
+        at = max(at, b)
+    return merge_runs(segs + [(whole[at:], False)])
+
+
+def template_split(tpl: JinjaTemplate, conv: Conversation) -> Split:
+    """:meth:`Renderer.split` of a conversation with a prompt, under a Jinja chat template: the prompt rendered with
+    the generation prompt and the whole as the template writes it, nothing the record holds left out."""
+    msgs, _, tools = _inline(conv, tpl)
+    k = conv.prompt + len(msgs) - len(conv.messages)  # tool definitions may have become a system turn of their own
+    cap = _cap(msgs, tools)
+    whole = tpl.render(msgs, tools, False, cap)
+    _check_rendered(whole, msgs, tools)
+    return Split(tpl.render(msgs[:k], tools, True, cap), whole, False)
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -434,6 +523,12 @@ class Renderer:
         self.eos_text = self.tok.eos_token
         self.eos_id = self.tok.eos_token_id
 
+    def ends_as_rendered(self, conv: Conversation, fmt: FormatOptions) -> bool:
+        """Whether the example ends as the template renders it, with no EOS appended and no trailing whitespace
+        dropped: TRL's conversational language-modeling formats (``messages``, and ShareGPT's ``conversations``,
+        which TRL converts to messages) under ``--eos trl``, as TRL's SFTTrainer tokenizes them."""
+        return fmt.eos is Eos.TRL and conv.shape in TEMPLATE_ENDED and not conv.raw and conv.text is None
+
     def segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         """The conversation as ``[(text, is_target), ...]``; every target flag follows ``fmt``.
 
@@ -443,19 +538,79 @@ class Renderer:
             segs = list(conv.segments)
         else:
             segs = self._rendered(conv, fmt)
-            # Drop trailing whitespace after the last turn (or the text); it carries nothing to learn.
-            while segs and not segs[-1][0].strip():
-                segs.pop()
-            if segs:
-                text, target = segs[-1]
-                segs[-1] = (text.rstrip(), target)
+            if not self.ends_as_rendered(conv, fmt):
+                # Drop trailing whitespace after the last turn (or the text); the EOS follows it.
+                while segs and not segs[-1][0].strip():
+                    segs.pop()
+                if segs:
+                    text, target = segs[-1]
+                    segs[-1] = (text.rstrip(), target)
         if fmt.train_on is TrainOn.ALL:
             segs = [(t, True) for t, _ in segs]
         return merge_runs(segs)
 
+    def split(self, conv: Conversation, fmt: FormatOptions) -> Optional[Split]:
+        """TRL's tokenization of a TRL-format example (:class:`Split`), or None for every other conversation (its
+        :meth:`segments` are tokenized one by one).
+
+        * ``text`` (``--eos trl``): the text, the EOS appended when it does not end with it, every token trained,
+          tokenized with the tokenizer's special tokens (``tokenizer(text)``, SFTTrainer's language modeling);
+        * a raw string prompt and completion (``--strings raw``): ``prompt + completion``, the EOS appended to a
+          completion that lacks it, the prompt context; both tokenized with the special tokens;
+        * a conversation with a prompt (:attr:`Conversation.prompt`; ``--eos trl`` and no ``--mask-reasoning``):
+          the prompt rendered with the generation prompt, and the whole conversation rendered as the template
+          writes it (no EOS appended, its ending kept), both tokenized without special tokens (the template writes
+          them), as ``apply_chat_template(tokenize=True)``.
+
+        The encoder takes the completion to start where the two token lists part, as TRL does
+        (``common_prefix_length``): a prompt whose tokens are not a prefix of the whole is counted
+        (``prompt_not_prefix``)."""
+        eos = self.eos_text or ""
+        if conv.raw is not None:
+            prompt, completion = conv.raw
+            return Split(prompt, prompt + (completion if completion.endswith(eos) else completion + eos), True)
+        if fmt.eos is not Eos.TRL:
+            return None
+        if conv.text is not None and conv.shape == "text" and conv.text.strip():  # a blank one: empty_after_render
+            return Split(None, conv.text if conv.text.endswith(eos) else conv.text + eos, True)
+        if self.ends_as_rendered(conv, fmt) and not conv.images:
+            segs = self._lm_segments(conv, fmt)
+            return Split(None, "".join(t for t, _ in segs), False, _char_spans(segs))
+        if conv.prompt is None or fmt.mask_reasoning:
+            return None
+        try:
+            with time_limit(TEMPLATE_SECONDS):
+                if self.jinja is None:
+                    return Split(chatml_text(conv, conv.prompt, True), chatml_text(conv, len(conv.messages), False),
+                                 False)
+                return template_split(self.jinja, conv)
+        except TemplateTimeout:
+            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
+                                                  "record; a chat template should only lay out the turns (use "
+                                                  "--chat-template FILE with one that does)") from None
+
+    def _lm_segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
+        """A ``messages`` conversation's segments, as TRL's ``assistant_only_loss`` marks them: a template with
+        ``{% generation %}`` blocks says itself which text is the assistant's (used when the record sets no turn
+        flags and nothing else is asked: ``--train-on all``, ``--mask-reasoning``); otherwise each target turn is
+        found by rendering prefixes (:func:`template_segments`)."""
+        plain = conv.train is None and fmt.train_on is TrainOn.ASSISTANT and not fmt.mask_reasoning
+        if self.jinja is None or not self.jinja.generation or not plain:
+            return self.segments(conv, fmt)
+        try:
+            with time_limit(TEMPLATE_SECONDS):
+                return generation_segments(self.jinja, conv)
+        except TemplateTimeout:
+            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
+                                                  "record; a chat template should only lay out the turns (use "
+                                                  "--chat-template FILE with one that does)") from None
+
     def _rendered(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         if conv.text is not None:
             return [(conv.text, True)]
+        if conv.raw is not None:  # --strings raw read it; a caller asking for segments gets them the same way
+            split = self.split(conv, fmt)
+            return [(split.prompt, False), (split.whole[len(split.prompt):], True)]
         targets = target_flags(conv, fmt.train_on)
         if self.jinja is None:
             return chatml_segments(conv, targets, fmt.mask_reasoning)
@@ -467,14 +622,21 @@ class Renderer:
                                                   "record; a chat template should only lay out the turns (use "
                                                   "--chat-template FILE with one that does)") from None
 
-    def appends_eos(self, conv: Conversation) -> bool:
-        """Every example ends with the tokenizer's EOS, except labelled segments (trained exactly as labelled)
-        and pre-tokenized records (packed as they are)."""
-        return conv.segments is None and conv.tokens is None and self.eos_text is not None
+    def appends_eos(self, conv: Conversation, fmt: Optional[FormatOptions] = None) -> bool:
+        """Whether the encoder appends the tokenizer's EOS to the example's segments: every rendered example, except
+        labelled segments (trained exactly as labelled), pre-tokenized records (packed as they are) and, under
+        ``--eos trl``, TRL's conversational formats (:meth:`ends_as_rendered`; a :meth:`split` writes its EOS as
+        text)."""
+        fmt = fmt or FormatOptions()
+        return (conv.segments is None and conv.tokens is None and self.eos_text is not None
+                and not self.ends_as_rendered(conv, fmt))
 
     def render_text(self, conv: Conversation, fmt: FormatOptions) -> str:
         """The full example as text, EOS included: what decoding the stored tokens gives back."""
+        split = self.split(conv, fmt)
+        if split is not None:
+            return split.whole
         text = "".join(t for t, _ in self.segments(conv, fmt))
-        if self.appends_eos(conv) and text and not text.endswith(self.eos_text):
+        if self.appends_eos(conv, fmt) and text and not text.endswith(self.eos_text):
             text += self.eos_text
         return text

@@ -190,6 +190,23 @@ def _text_split_lines(manifest: dict) -> list[tuple[str, str]]:
     return out
 
 
+def rule_lines(config: dict, notes: dict) -> list[tuple[str, str]]:
+    """Which rule made the masks (``--strings``, ``--eos``; per data set of a ``--config`` mix), and the examples
+    whose prompt tokens were not a prefix of the whole (TRL warns of them the same way)."""
+    specs = config.get("config") or [config]
+    rules = sorted({(str(s.get("strings") or "raw"), str(s.get("eos") or "trl")) for s in specs})
+    said = "; ".join(f"--strings {a} ({'raw text, as TRL' if a == 'raw' else 'in the chat template'}), --eos {b} "
+                     f"({'as TRL' if b == 'trl' else 'always appended'})" for a, b in rules)
+    lines = [("masks", f"prompts are context, completions trained; {printable(said)}")]
+    short = notes.get("prompt_not_prefix", 0)
+    if short:
+        lines.append(("prompt not a prefix", f"{short:,} examples: the prompt alone tokenizes otherwise than at the "
+                                             "start of the whole (the chat template renders it differently, or tokens "
+                                             "merge across the boundary); their completion starts where the two part, "
+                                             "as TRL's"))
+    return lines
+
+
 def _media_roots(manifest: dict) -> list[tuple[str, str]]:
     """A run with images: the folders (absolute) its image files were read under."""
     roots = manifest.get("media_roots") or []
@@ -227,7 +244,10 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
     notes = c.get("normalization", {})
     ignored = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("ignored_field:")}
     as_text = {k.split(":", 1)[1]: v for k, v in notes.items() if k.startswith("tool_calls_as_text:")}
+    lines += rule_lines(manifest["config"], notes)
     for k, v in notes.items():
+        if k == "prompt_not_prefix":
+            continue  # rule_lines says it, with what it means
         if not k.startswith(FIELD_NOTES):
             unit = NOTE_UNITS.get(k, "")  # each note counts things (turns, tokens), not records
             lines.append((f"  {k.replace('_', ' ')}", f"{v:,}" + (f" {unit}" if unit else "")))

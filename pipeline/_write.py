@@ -363,7 +363,7 @@ def _yaml_features(schema: pa.Schema) -> str:
 
 
 def _vision_columns(manifest: dict[str, Any]) -> str:
-    """The card's words on the image columns of a run with images (contract version 4); "" otherwise."""
+    """The card's words on the image columns of a run with images (contract version 7, 8 with videos); "" otherwise."""
     if "vision" not in manifest:
         return ""
     return ("\nImages (packed for the processor in `manifest.json`'s `vision`): `image_offsets` (list<int32>, each "

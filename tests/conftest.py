@@ -115,7 +115,7 @@ def clone(tmp_path_factory) -> Path:
 def small_run(tmp_path_factory) -> Path:
     """One real ``pack`` output, packed once per session for the tests that edit or abuse a folder
     (tests/test_folder_trust.py, tests/test_manifest_fuzz.py; copy it before changing it): the bundled
-    sample plus three bad records (a record with no user turn, a broken line, one too long), budget 512,
+    sample plus three bad records (a record with no assistant turn, a broken line, one too long), budget 512,
     two train and two validation shards, three dead letters."""
     import json
     import shutil
@@ -126,7 +126,7 @@ def small_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("small-run")
     data, out = root / "in", root / "out"
     shutil.copytree(bundled_sample(), data)
-    (data / "bad.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n{broken\n'
+    (data / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{broken\n'
                                     + json.dumps({"text": " ".join(f"w{i}" for i in range(900))}) + "\n")
     run(PackOptions(inputs=(str(data),), output=str(out), max_tokens=512, num_shards=2, group_size=8,
                     validation_fraction=0.25))
@@ -146,9 +146,11 @@ SLOW_MODULES = {
     "tests/test_interrupt.py", "tests/test_loss.py", "tests/test_pack_real.py", "tests/test_packaging.py",
     "tests/test_pipeline.py", "tests/test_preference_ddp.py", "tests/test_preference_resume.py",
     "tests/test_preference_trainers.py", "tests/test_preference_trainers_models.py", "tests/test_safety.py",
-    "tests/test_scale.py", "tests/test_verify.py",
+    "tests/test_scale.py", "tests/test_verify.py", "tests/test_trl_formats.py",
 }
 FAST_CASES = (
+    "tests/test_trl_formats.py::test_tokens_and_masks_equal_trls[think-pc-conv]",  # TRL's own tokenization, one case
+    "tests/test_trl_formats.py::test_a_prompt_assistant_turn_is_context_only_the_completion_trains",
     "tests/test_pipeline.py::test_bundled_sample_round_trip",
     "tests/test_cli.py::test_output_folder_is_owned_and_overwrite_replaces_only_its_files",
     "tests/test_verify.py::test_clean_output_verifies",

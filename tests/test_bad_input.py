@@ -49,6 +49,12 @@ def turns(*pairs) -> dict:
     return {"messages": [{"role": r, "content": c} for r, c in pairs]}
 
 
+def chat(*pairs) -> dict:
+    """lmsys-chat's ``conversation``: a shape TRL does not read, so packstream's hygiene applies (TRL's ``messages``
+    and ``conversations`` keep their turns as written: --turns written)."""
+    return {"conversation": [{"role": r, "content": c} for r, c in pairs]}
+
+
 def sharegpt(*pairs, **extra) -> dict:
     return {"conversations": [{"from": f, "value": v} for f, v in pairs], **extra}
 
@@ -164,9 +170,9 @@ CASES = [
     Case("empty_sharegpt", jsonl({"conversations": []}), {1: "empty_conversation"}),
     Case("only_system", jsonl(turns(("system", "Be brief."))), {1: ("no_assistant_turn", "only a system turn")}),
     Case("no_assistant_turn", jsonl(turns(("user", "hi"))), {1: "no_assistant_turn"}),
-    # An empty assistant turn is dropped like any empty turn, which leaves nothing to train on.
-    Case("empty_assistant_turn", jsonl(turns(("user", "hi"), ("assistant", ""))),
-         {1: ("no_assistant_turn", "1 empty assistant turn dropped")}),
+    # An empty assistant turn: kept as written (TRL's messages), its end of turn trained, as TRL trains it; under
+    # --turns cleaned it is dropped like any empty turn, which leaves nothing to train on (tests/test_formats.py).
+    Case("empty_assistant_turn", jsonl(turns(("user", "hi"), ("assistant", ""))), {}),
     # `bot` is a built-in alias of assistant (bot_is_an_alias below); `critic` is no role packstream knows.
     Case("unknown_role", jsonl(turns(("user", "a"), ("critic", "b"))), {1: ("unknown_role", "'critic'")}),
     Case("sharegpt_unknown_speaker", jsonl(sharegpt(("human", "a"), ("narrator", "b"))), {1: ("unknown_role", "'narrator'")}),
@@ -224,21 +230,21 @@ CASES = [
                                   {"prompt": "2+2?", "completion": 4}), {}, notes={"number_as_text": 4}),
     Case("bot_is_an_alias", jsonl(turns(("user", "a"), ("bot", "b"))), {}),
     # A first assistant turn answers nothing: dropped and counted (--leading-assistant keep/reject otherwise).
-    Case("starts_with_assistant", jsonl(turns(("assistant", "hi"), ("user", "x"), ("assistant", "y"))), {},
+    Case("starts_with_assistant", jsonl(chat(("assistant", "hi"), ("user", "x"), ("assistant", "y"))), {},
          notes={"leading_assistant_dropped": 1}),
-    Case("sharegpt_starts_with_gpt", jsonl(sharegpt(("gpt", "hi"), ("human", "yo"), ("gpt", "x"))), {},
+    Case("chat_starts_with_gpt", jsonl(chat(("gpt", "hi"), ("human", "yo"), ("gpt", "x"))), {},
          notes={"leading_assistant_dropped": 1}),
     # Consecutive turns of one role are joined with a blank line (--same-role reject refuses them).
-    Case("consecutive_user", jsonl(turns(("user", "a"), ("user", "b"), ("assistant", "c"))), {}, notes={"turns_merged": 1}),
-    Case("consecutive_assistant", jsonl(turns(("user", "a"), ("assistant", "b"), ("assistant", "c"))), {},
+    Case("consecutive_user", jsonl(chat(("user", "a"), ("user", "b"), ("assistant", "c"))), {}, notes={"turns_merged": 1}),
+    Case("consecutive_assistant", jsonl(chat(("user", "a"), ("assistant", "b"), ("assistant", "c"))), {},
          notes={"turns_merged": 1}),
     # A later system turn is kept where it is, as context: nothing dropped, nothing to note.
     Case("misplaced_system", jsonl(turns(("user", "a"), ("assistant", "b"), ("system", "c"), ("user", "d"), ("assistant", "e"))),
          {}),
-    Case("empty_user_turn", jsonl(turns(("user", "a"), ("user", " \n"), ("assistant", "b"))), {},
+    Case("empty_user_turn", jsonl(chat(("user", "a"), ("user", " \n"), ("assistant", "b"))), {},
          notes={"empty_turns_dropped": 1}),
     # Every example ends on a trained turn: a last user turn would be context for nothing.
-    Case("ends_with_user", jsonl(turns(("user", "a"), ("assistant", "b"), ("user", "c"))), {},
+    Case("ends_with_user", jsonl(chat(("user", "a"), ("assistant", "b"), ("user", "c"))), {},
          notes={"trailing_turns_trimmed": 1}),
     # The turns hold their own system turn, so the `system` column is not used: counted as ignored.
     # both system texts are kept (the column's first): a field the format defines is never dropped

@@ -27,8 +27,8 @@ import pytest
 from pipeline import PackOptions
 from packers import PackstreamError
 from tests._internals import (
-    KEY, ROLE, Conversation, Encoder, Fix, FormatOptions, Reason, Rejected, conversations, detect, normalize,
-    parse_path, resolve,
+    KEY, ROLE, Conversation, Encoder, Fix, FormatOptions as _FormatOptions, Reason, Rejected, conversations, detect,
+    normalize, parse_path, resolve,
 )
 
 SHAPES_DIR = Path(__file__).parent / "shapes"
@@ -173,8 +173,8 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
         3: ([U("Suggest a name for a bakery run by two sisters."),
              A('"Two Sisters Crumb": warm, simple and easy to remember.')], None,
             {**PREF, "ignored_field:score_chosen": 1, "ignored_field:score_rejected": 1}),
-        4: ([U("Can I freeze cooked rice?"),
-             A("Yes. Cool it within an hour, freeze it flat in a bag, and use it within a month."),
+        4: ([U("Can I freeze cooked rice?"),  # TRL's implicit prompt: the shared turns, context whatever their roles
+             A("Yes. Cool it within an hour, freeze it flat in a bag, and use it within a month.", train=False),
              U("How do I reheat it?"),
              A("Microwave it from frozen with a splash of water, covered, until steaming hot all the way through.")],
             None, PREF),
@@ -295,12 +295,22 @@ SHAPES: dict[str, tuple[str, dict, dict]] = {
 }
 
 
-def fmt_options(opts: dict) -> FormatOptions:
+CLEANED = {"turns": "cleaned", "eos": "always", "strings": "chat"}
+"""The fixtures below hold packstream's hygiene and rendering (every turn cleaned, the EOS after the last turn, string
+prompts in the template): what --turns cleaned --eos always --strings chat do. TRL's rules, the defaults, are held
+against TRL itself (tests/test_trl_formats.py) and in test_trl_rules_by_default below."""
+
+
+def FormatOptions(**opts) -> _FormatOptions:  # noqa: N802 - the options every test here reads records under
+    return _FormatOptions(**{**CLEANED, **opts})
+
+
+def fmt_options(opts: dict) -> _FormatOptions:
     return FormatOptions(**opts)
 
 
 def pack_options(opts: dict) -> PackOptions:
-    return PackOptions(inputs=("-",), **opts)
+    return PackOptions(inputs=("-",), **{**CLEANED, **opts})
 
 
 UNKNOWN_SHAPES = ("parallel_answers.jsonl", "model_completions.jsonl", "capitalised_fields.jsonl",
@@ -526,6 +536,9 @@ def test_self_instruct_instances_and_dolly_context():
 def test_hygiene_options():
     turns = [("assistant", "Hello!"), ("user", "a"), ("user", "b"), ("assistant", "c"), ("user", "bye")]
     rec = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    # TRL's messages are taken as written by default (--turns written): no turn dropped, merged or trimmed
+    conv = normalize(rec, FormatOptions(**{**CLEANED, "turns": "written"}))
+    assert [(m["role"], m["content"]) for m in conv.messages] == turns and conv.notes == {}
     conv = normalize(rec, FormatOptions())
     assert [(m["role"], m["content"]) for m in conv.messages] == [("user", "a\n\nb"), ("assistant", "c")]
     assert conv.notes == {"leading_assistant_dropped": 1, "turns_merged": 1, "trailing_turns_trimmed": 1}
@@ -822,3 +835,39 @@ def test_axolotl_weight_flags():
     rec = {"conversations": [{"from": "system", "value": "s", "weight": None}, {"from": "human", "value": "q", "weight": 0},
                              {"from": "gpt", "value": "a", "weight": 1}]}
     assert normalize(rec, FormatOptions()).train == [None, False, True]
+
+
+def test_trl_rules_by_default():
+    """The defaults follow TRL (tests/test_trl_formats.py holds them against TRL's own tokenization); each rule has
+    its option: --strings chat, --eos always, --turns cleaned."""
+    eos = "<｜end▁of▁sentence｜>"
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                         {"role": "user", "content": ""}]}
+    recs = [chat, {"prompt": "The sky is", "completion": " blue."}, {"text": "plain"},
+            {"instruction": "Add 2 and 3.", "output": "5"},
+            {"prompt": [{"role": "user", "content": "A color?"}, {"role": "assistant", "content": "Blue."},
+                        {"role": "user", "content": "Another?"}], "completion": [{"role": "assistant", "content": "Red."}],
+             "label": False}]
+
+    def packed(**opts):
+        enc = Encoder(PackOptions(inputs=("-",), **opts))
+        out = enc.encode([(0, "-", i, r) for i, r in enumerate(recs)])
+        assert not out.rejected, out.rejected
+        tok, b = enc.renderer.tok, out.batch
+        spans = [(int(b.offsets[i]), int(b.offsets[i + 1])) for i in range(len(b))]
+        return [(tok.decode(b.input_ids[a:z].tolist()),
+                 tok.decode([t for t, m in zip(b.input_ids[a:z].tolist(), b.loss_mask[a:z].tolist()) if m]))
+                for a, z in spans]
+
+    assert packed() == [
+        (f"{IM_S}user\nHi{IM_E}\n{IM_S}assistant\nHello{IM_E}\n{IM_S}user\n{IM_E}\n", f"Hello{IM_E}\n"),  # as written
+        (f"The sky is blue.{eos}", f" blue.{eos}"),  # raw text, the EOS appended to the completion
+        (f"plain{eos}", f"plain{eos}"),
+        (f"{IM_S}user\nAdd 2 and 3.{IM_E}\n{IM_S}assistant\n5{IM_E}{eos}", f"5{IM_E}{eos}"),  # not TRL's: as before
+        (f"{IM_S}user\nA color?{IM_E}\n{IM_S}assistant\nBlue.{IM_E}\n{IM_S}user\nAnother?{IM_E}\n{IM_S}assistant\n"
+         f"Red.{IM_E}\n", f"Red.{IM_E}\n"),  # the prompt's assistant turn is context
+    ]
+    old = packed(**CLEANED)
+    assert old[0] == (f"{IM_S}user\nHi{IM_E}\n{IM_S}assistant\nHello{IM_E}{eos}", f"Hello{IM_E}{eos}")
+    assert old[1] == (f"{IM_S}user\nThe sky is{IM_E}\n{IM_S}assistant\n blue.{IM_E}{eos}", f" blue.{IM_E}{eos}")
+    assert old[4][1] == f"Red.{IM_E}{eos}"  # the prompt is context under every option

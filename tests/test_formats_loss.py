@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests._internals import Encoder, FormatOptions, Reason, Rejected, _fast, _normalize, normalize
-from tests.test_formats import _examples, pack_options
+from tests._internals import Encoder, Reason, Rejected, _fast, _normalize, normalize
+from tests.test_formats import FormatOptions, _examples, pack_options  # packstream's hygiene (--turns cleaned)
 
 
 def turns(conv) -> list[tuple[str, str]]:

@@ -69,7 +69,7 @@ def test_each_outcome_ends_with_its_exit_code(quiet, tmp_path, monkeypatch):
     bad_tok = _pack(str(src), "-o", str(tmp_path / "tok"), "--tokenizer", str(tmp_path / "no-such-tokenizer"), *quiet)
     _ends(bad_tok, 2, "no-such-tokenizer")
 
-    rejected = _pack(str(_data(tmp_path / "rej", [{"messages": [{"role": "assistant", "content": "x"}]}])),
+    rejected = _pack(str(_data(tmp_path / "rej", [{"messages": [{"role": "user", "content": "x"}]}])),
                      "-o", str(tmp_path / "rej" / "out"), *quiet)
     _ends(rejected, 3, "no example was packed")
 

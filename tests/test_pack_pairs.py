@@ -10,6 +10,7 @@ completions); decoding a side's completion gives its answer; verify --inputs re-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -31,8 +32,8 @@ def layouts(rng: random.Random, i: int) -> tuple[dict, str, str, str]:
     """A pair in one of the layouts: (record, question, chosen answer, rejected answer)."""
     q, c, r = _text(rng, rng.randint(1, 12)), _text(rng, rng.randint(1, 30)), _text(rng, rng.randint(1, 30))
     kind = i % 5
-    if kind == 0:
-        rec = {"prompt": q, "chosen": c, "rejected": r}
+    if kind == 0:  # TRL's standard strings: raw text, so the answers start with their space
+        rec = {"prompt": q, "chosen": " " + c, "rejected": " " + r}
     elif kind == 1:
         rec = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": c}],
                "rejected": [{"role": "assistant", "content": r}]}
@@ -86,9 +87,10 @@ def test_pack_pairs_round_trip(tmp_path, long):
             seen.add(pid.rsplit(":", 1)[1])
             if pid.endswith(":long"):
                 continue
-            completion = tok.decode(ids[spans[2 * j]:spans[2 * j + 1]])
+            completion = tok.decode(ids[spans[2 * j]:spans[2 * j + 1]]).lstrip()
             want = answers[pid.rsplit(":", 1)[1]][j % 2]
-            assert completion.startswith(want) and completion.endswith(eos), (completion, want)
+            # a conversation ends as the template renders it (TRL); a raw string completion with the EOS
+            assert completion.startswith(want) and completion.endswith((eos, "<|im_end|>\n")), (completion, want)
     assert seen == set(answers) | ({"long"} if long == "truncate" else set())
 
     report = verify(options.output, inputs=(), announce=lambda _: None)
@@ -100,7 +102,7 @@ def test_prompts_that_tokenize_differently_are_dead_lettered(monkeypatch):
     the messages alone (a date from strftime_now, read at each call) could give the two sides different prompts."""
     from tests._internals import Encoder
 
-    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
+    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256, strings="chat", eos="always"))
     real = encoder.renderer.segments
     calls = []
 
@@ -116,23 +118,40 @@ def test_prompts_that_tokenize_differently_are_dead_lettered(monkeypatch):
     monkeypatch.setattr(encoder.renderer, "segments", real)
     enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "q", "chosen": "yes", "rejected": "no"})])
     assert len(enc.batch) == 1 and not enc.rejected
+    # TRL's rule (the default): each side's rendering of the prompt is compared before the tokens are
+    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256, strings="chat"))
+    split, calls = encoder.renderer.split, []
+
+    def dated_split(conv, fmt):
+        s = split(conv, fmt)
+        calls.append(1)
+        return dataclasses.replace(s, prompt="Today: 2 Jan\n" + s.prompt) if len(calls) % 2 == 0 else s
+
+    monkeypatch.setattr(encoder.renderer, "split", dated_split)
+    enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "q", "chosen": "yes", "rejected": "no"})])
+    assert not len(enc.batch) and [r["reason"] for r in enc.rejected] == ["pair_prompt_mismatch"]
+    assert "renders the pair's prompt differently" in enc.rejected[0]["detail"]
 
 
 def test_encoder_pair_example():
     """One pair becomes one example: chosen tokens then rejected, the completion (answer, end of turn, EOS) the target."""
     from tests._internals import Encoder
 
-    encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256))
-    tok = encoder.renderer.tok
-    enc = encoder.encode([(0, "pairs.jsonl", 1, {"prompt": "Name a prime.", "chosen": "97", "rejected": "91, no: 7 x 13"})])
-    b = enc.batch
-    cut = int(b.cuts[0])
-    sides = [(b.input_ids[:cut], b.loss_mask[:cut]), (b.input_ids[cut:], b.loss_mask[cut:])]
-    prompt = "<|im_start|>user\nName a prime.<|im_end|>\n<|im_start|>assistant\n"
-    for (ids, mask), answer in zip(sides, ("97", "91, no: 7 x 13")):
-        assert tok.decode(ids[mask == 0]) == prompt
-        assert tok.decode(ids[mask == 1]) == answer + "<|im_end|>" + tok.eos_token
-        assert mask.tolist() == sorted(mask.tolist())  # prompt, then completion: one span
+    record = {"prompt": "Name a prime.", "chosen": "97", "rejected": "91, no: 7 x 13"}
+    chatml = "<|im_start|>user\nName a prime.<|im_end|>\n<|im_start|>assistant\n"
+    for opts, prompt, end in (({}, "Name a prime.", ""),  # TRL's standard strings: raw text, the EOS appended
+                              ({"strings": "chat"}, chatml, "<|im_end|>\n"),  # the template's own ending
+                              ({"strings": "chat", "eos": "always"}, chatml, "<|im_end|>{eos}")):
+        encoder = Encoder(PackOptions(inputs=("x.jsonl",), pairs=True, max_tokens=256, **opts))
+        tok = encoder.renderer.tok
+        b = encoder.encode([(0, "pairs.jsonl", 1, record)]).batch
+        cut = int(b.cuts[0])
+        sides = [(b.input_ids[:cut], b.loss_mask[:cut]), (b.input_ids[cut:], b.loss_mask[cut:])]
+        for (ids, mask), answer in zip(sides, ("97", "91, no: 7 x 13")):
+            assert tok.decode(ids[mask == 0]) == prompt, opts
+            want = (answer if opts else " " + answer if False else answer) + end.format(eos=tok.eos_token)
+            assert tok.decode(ids[mask == 1]) == (want if opts else answer + tok.eos_token), opts
+            assert mask.tolist() == sorted(mask.tolist())  # prompt, then completion: one span
 
 
 def test_preview_shows_both_sides():
@@ -234,7 +253,8 @@ def test_public_pair_schemas_pack_and_their_logps_equal_the_unpacked(name):
         a, z, cut = int(b.offsets[i]), int(b.offsets[i + 1]), int(b.cuts[i])
         for (x, y), answer in (((a, a + cut), A), ((a + cut, z), B)):
             ids, mask = b.input_ids[x:y], b.loss_mask[x:y]
-            assert Q in tok.decode(ids[mask == 0]) and tok.decode(ids[mask == 1]).startswith(answer), (name, i)
+            # (a raw transcript prompt's answer keeps the space after "Assistant:", as TRL trains it)
+            assert Q in tok.decode(ids[mask == 0]) and tok.decode(ids[mask == 1]).lstrip().startswith(answer), (name, i)
     rows = pa.Table.from_batches([_rows.pack_group(b, options, encoder.eos_id).batch]).to_pylist()
     # token ids folded into the tiny model's vocabulary (97): ids seen, most frequent first
     fold = compact_vocab([Example("all", [t for r in rows for t in r["input_ids"]], [])], 97)

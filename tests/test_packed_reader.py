@@ -21,7 +21,8 @@ _WORDS = st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta", "seven", "
                   min_size=1, max_size=12).map(" ".join)
 _SFT = st.fixed_dictionaries({"instruction": _WORDS, "output": _WORDS})
 _KTO = st.fixed_dictionaries({"prompt": _WORDS, "completion": _WORDS, "label": st.booleans()})
-_PAIR = st.fixed_dictionaries({"prompt": _WORDS, "chosen": _WORDS, "rejected": _WORDS})
+_SPACED = _WORDS.map(lambda w: " " + w)  # TRL's raw strings: an answer starts with its space
+_PAIR = st.fixed_dictionaries({"prompt": _WORDS, "chosen": _SPACED, "rejected": _SPACED})
 
 
 def _encoded(options: PackOptions) -> dict[str, tuple]:
@@ -70,7 +71,7 @@ def test_plain_and_kto_examples_read_back_as_encoded(tmp_path, records, budget, 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(records=st.lists(_PAIR, min_size=1, max_size=10), budget=st.sampled_from([128, 256]))
 def test_pairs_read_back_whole_chosen_then_rejected(tmp_path, records, budget):
-    _round_trip(tmp_path, [{"prompt": "hi", "chosen": "ok", "rejected": "no"}, *records], budget, pairs=True)
+    _round_trip(tmp_path, [{"prompt": "hi", "chosen": " ok", "rejected": " no"}, *records], budget, pairs=True)
 
 
 def test_pieces_are_marked(tmp_path):

@@ -94,9 +94,7 @@ def _expected_chatml(rec: dict, options: PackOptions):
                                                        ("system", "user", "assistant") and set(m) <= {"role", "content"}
                                                        for m in rec["messages"]):
         turns = [(m["role"], m["content"]) for m in rec["messages"]]
-    elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-        turns = [("user", rec["prompt"]), ("assistant", rec["completion"])]
-    else:
+    else:  # string prompt/completion: raw text, as TRL (tests/test_trl_formats.py holds them against TRL)
         return None
     if any(not c.strip() for _, c in turns) or turns[-1][0] != "assistant":
         return None
@@ -108,7 +106,9 @@ def _expected_chatml(rec: dict, options: PackOptions):
             target += content + "<|im_end|>\n"
         else:
             full += content + "<|im_end|>\n"
-    return full.rstrip(), target.rstrip()
+    if "messages" in rec and options.eos.value == "trl":  # TRL's messages end as the template renders them
+        return full, target, ""
+    return full.rstrip(), target.rstrip(), None
 
 
 def check_output(folder: str, options: PackOptions, sample: int = 200) -> dict:
@@ -161,14 +161,15 @@ def check_output(folder: str, options: PackOptions, sample: int = 200) -> dict:
         expected = _expected_chatml(rec, options)
         if expected is None:
             continue
-        full, target = expected
+        full, target, end = expected
+        ending = eos if end is None else end
         text = tok.decode(ids)
         if len(ids) == options.max_tokens and options.long is packers.LongPolicy.TRUNCATE:
-            keep = (full + eos).startswith if options.truncate_side.value == "right" else (full + eos).endswith
+            keep = (full + ending).startswith if options.truncate_side.value == "right" else (full + ending).endswith
             assert keep(text), eid
             continue
-        assert text == full + eos, eid
-        assert tok.decode(ids[mask]) == target + eos, eid
+        assert text == full + ending, eid
+        assert tok.decode(ids[mask]) == target + ending, eid
         checked += 1
     assert checked > 0 or sample == 0
     return manifest

@@ -20,13 +20,14 @@ from pipeline import PackOptions
 from pipeline.cli import main
 from tests._internals import FormatOptions, detect, format_preview, inputs, preview
 from tests.conftest import GSM8K_FIELDS, shared_data
-from tests.test_formats import SHAPES, SHAPES_DIR, chatml, load
+from tests.test_formats import CLEANED, SHAPES, SHAPES_DIR, chatml, load
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def options(path: Path, opts: dict) -> PackOptions:
-    return PackOptions(inputs=(str(path),), **opts)
+    """The fixtures' expectations hold packstream's hygiene and EOS (tests/test_formats.py: CLEANED)."""
+    return PackOptions(inputs=(str(path),), **{**CLEANED, **opts})
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -64,6 +65,8 @@ def test_preview_text_brackets_and_colour():
     items = preview(options(SHAPES_DIR / "messages.jsonl", {}), n=2)
     plain = format_preview(items, color=False)
     assert "<|im_start|>assistant\n[[Run `ss -ltnp 'sport = :8080'` (or `lsof -i :8080`).<|im_end|><｜end▁of▁sentence｜>]]" in plain
+    trl = format_preview(preview(PackOptions(inputs=(str(SHAPES_DIR / "messages.jsonl"),)), n=2), color=False)
+    assert "<|im_start|>assistant\n[[Run `ss -ltnp 'sport = :8080'` (or `lsof -i :8080`).<|im_end|>\n]]" in trl
     assert "[[<think>\n221 = 13 × 17, since 13 × 17 = 221.\n</think>\n\nNo: 221 = 13 × 17.<|im_end|>" in plain
     coloured = format_preview(items, color=True)
     assert "\x1b[32m" in coloured and "[[" not in coloured
@@ -142,3 +145,20 @@ def test_shared_data_previews():
     (item,) = [i for i in preview(PackOptions(inputs=(str(data / "gsm8k" / "train.jsonl"),)), n=1)]
     assert item["reason"] == "unknown_format"
     assert item["detail"].endswith("read it with --field question=user --field answer=assistant")
+
+
+def test_preview_shows_a_prompts_assistant_turn_as_context_and_the_rule(tmp_path):
+    """TRL's prompt-completion (issue 51): the prompt's earlier assistant turn is context, only the completion is
+    between [[ ]]; a string record says it is raw text (--strings raw), and --strings chat wraps it."""
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Name a color."},
+                                           {"role": "assistant", "content": "Blue is a color."},
+                                           {"role": "user", "content": "Another one?"}],
+                                "completion": [{"role": "assistant", "content": "Red."}]}) + "\n"
+                    + json.dumps({"prompt": "The sky is", "completion": " blue."}) + "\n")
+    out = format_preview(preview(PackOptions(inputs=(str(path),)), n=2), color=False)
+    assert ("<|im_start|>assistant\nBlue is a color.<|im_end|>\n<|im_start|>user\nAnother one?<|im_end|>\n"
+            "<|im_start|>assistant\n[[Red.<|im_end|>\n]]") in out
+    assert "The sky is[[ blue.<｜end▁of▁sentence｜>]]" in out and "raw text, as TRL (--strings raw)" in out
+    chat = format_preview(preview(PackOptions(inputs=(str(path),), strings="chat"), n=2), color=False)
+    assert "<|im_start|>user\nThe sky is<|im_end|>\n<|im_start|>assistant\n[[ blue.<|im_end|>\n]]" in chat

@@ -225,9 +225,15 @@ def test_llama3_like_template_gets_reasoning_and_tools_in_its_text():
 
 @pytest.mark.parametrize("template", ["qwen", "llama3"])
 def test_template_decode_check_on_real_tokens(template):
-    """Through the Encoder: decoded tokens == the template's rendering + EOS; targets == assistant turns + EOS."""
+    """Through the Encoder: decoded tokens == the template's rendering (+ EOS with --eos always); targets ==
+    assistant turns (+ EOS). By default (TRL's rule) a ``messages`` example ends as the template renders it."""
     source = QWEN_LIKE if template == "qwen" else LLAMA3_LIKE
-    enc = Encoder(PackOptions(inputs=("-",), chat_template=source))
+    for eos_rule in ("trl", "always"):
+        _decode_check(template, source, eos_rule)
+
+
+def _decode_check(template: str, source: str, eos_rule: str) -> None:
+    enc = Encoder(PackOptions(inputs=("-",), chat_template=source, eos=eos_rule))
     tok = enc.renderer.tok
     rec = {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "2+2?"},
                         {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
@@ -247,6 +253,16 @@ def test_template_decode_check_on_real_tokens(template):
         text = (f"{tok.bos_token}{h('system')}Answer briefly.<|eot_id|>{h('user')}2+2?<|eot_id|>{h('assistant')}"
                 f"<think>\nAdd them.\n</think>\n\n4<|eot_id|>{h('user')}3+3?<|eot_id|>{h('assistant')}6<|eot_id|>")
         targets = "<think>\nAdd them.\n</think>\n\n4<|eot_id|>6<|eot_id|>"
+    if eos_rule == "trl":  # the template's own ending: Qwen's newline after the last <|im_end|>, no EOS
+        end = "\n" if template == "qwen" else ""
+        assert tok.decode(ids) == text + end
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        if template == "qwen":
+            assert trained == targets.replace("4<|im_end|>6", "4<|im_end|>\n6") + end
+        else:  # the whole text is tokenized as one: a token across a turn's end (this vocabulary has no <|eot_id|>
+            # token: "><" of "<|eot_id|><|start_header_id|>") is a target, as transformers' assistant_masks marks it
+            assert trained.startswith(targets.split("4<|eot_id|>")[0] + "4<|eot_id|>") and trained.endswith("6<|eot_id|>")
+        return
     assert tok.decode(ids) == text + eos
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == targets + eos
 

@@ -192,7 +192,8 @@ def test_ids_that_repeat_by_design_pack_with_ids_position(tmp_path):
     r = pack(str(SHAPES / "completions.jsonl"), "-o", str(out), "--ids", "position")
     assert r.exit_code == 0, r.output
     c = reconciled(out)
-    assert c["examples_packed"] == 4 and c["rejected"] == 0 and not c.get("normalization")  # id: metadata, not ignored
+    # id: metadata, not ignored; the raw strings (TRL's rule) join with no space, so each prompt's last token merges
+    assert c["examples_packed"] == 4 and c["rejected"] == 0 and c.get("normalization") == {"prompt_not_prefix": 4}
     ids = sorted(eid for row in read_rows(out) for eid in row["example_ids"])
     assert ids == [f"completions.jsonl@{n}" for n in range(1, 5)]
     assert all(w in texts(out) for w in ("Hello there!", "Good morning, everyone.", "Hi, nice to meet you."))

@@ -50,7 +50,7 @@ def packed(tmp_path_factory) -> tuple[Path, Path]:
     data = root / "in"
     shutil.copytree(bundled_sample(), data)
     (data / "bad.jsonl").write_text(
-        '{"messages": [{"role": "assistant", "content": "hi"}]}\n{broken\n'
+        '{"messages": [{"role": "user", "content": "hi"}]}\n{broken\n'
         + json.dumps({"text": " ".join(f"w{i}" for i in range(900))}) + "\n"  # too long for 512
     )
     out = root / "out"

@@ -31,7 +31,10 @@ A record of no known shape is refused with a suggestion computed from its own ke
 options would fix carries them as data (:class:`Fix`): its detail is rendered from them, and they are
 tried on the record first (values that do not read it whole become holes, ``--content-key KEY``).
 
-Conversation hygiene, the same for every conversational shape and run once by the driver
+TRL's conversational shapes (``messages``, ShareGPT's ``conversations``, conversational ``prompt`` + ``completion``)
+keep their turns as the record writes them, as TRL renders them (``--turns written``, the default); a prompt is
+context whatever roles it holds. Conversation hygiene, the same for every other conversational shape (and for those
+under ``--turns cleaned``) and run once by the driver
 (:mod:`pipeline._formats._hygiene`), each step counted in ``notes``: empty turns are dropped;
 consecutive same-role turns with the same train flag are merged (``--same-role``; turns whose
 flags differ stay apart); a first assistant turn that answers nothing is dropped, kept as
@@ -58,10 +61,14 @@ per shape.
 >>> c = normalize({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, FormatOptions())
 >>> c.shape, c.messages
 ('alpaca', [{'role': 'user', 'content': 'Add 2 and 3.'}, {'role': 'assistant', 'content': '5'}])
->>> c = normalize({"conversations": [{"from": "gpt", "value": "Hi! Ask me anything."},
-...                                  {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}, FormatOptions())
+>>> c = normalize({"conversation": [{"from": "gpt", "value": "Hi! Ask me anything."},
+...                                 {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}, FormatOptions())
 >>> [m["role"] for m in c.messages], c.notes
 (['user', 'assistant'], {'leading_assistant_dropped': 1})
+>>> c = normalize({"conversations": [{"from": "gpt", "value": "Hi! Ask me anything."},
+...                                  {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}, FormatOptions())
+>>> [m["role"] for m in c.messages], c.notes  # TRL's shapes keep their turns as written (--turns written)
+(['assistant', 'user', 'assistant'], {})
 >>> fmt = FormatOptions(fields=(("turns", "user"), ("choices[0].turns", "assistant")))
 >>> c = normalize({"turns": ["Hi", "2+2?"], "choices": [{"turns": ["Hello", "4"]}], "category": "math"}, fmt)
 >>> [(m["role"], m["content"]) for m in c.messages], c.notes
@@ -74,7 +81,7 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 
 from __future__ import annotations
 
-from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, Conversation, Reason, Rejected, Row
+from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, TRL_CONVERSATIONS, Conversation, Reason, Rejected, Row
 from pipeline._formats._labels import NOTE as KTO_NOTE, TEXT_NOTE as KTO_TEXT_NOTE
 from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
 from pipeline._formats._fix import Fix, Hole
@@ -93,6 +100,6 @@ own rather than as a normalization count."""
 __all__ = [
     "FIELD_NOTES", "KTO_NOTE", "KTO_TEXT_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
     "PreferenceTurns", "Reason", "Rejected", "Row", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
-    "preference_turns", "resolve", "suggest", "target_flags", "Video",
+    "preference_turns", "resolve", "suggest", "target_flags", "TRL_CONVERSATIONS", "Video",
     "_fast", "_normalize",
 ]

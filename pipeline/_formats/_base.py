@@ -117,6 +117,15 @@ class Conversation:
     desirable: Optional[bool] = None
     """KTO data: whether the record's answer is desirable (its boolean ``label``/``kto_tag``, or ``--kto-label``);
     None when it carries no such label (pipeline._formats._labels)."""
+    prompt: Optional[int] = None
+    """TRL's prompt/completion records (``prompt`` + ``completion``, a KTO ``label`` or not; a preference record's
+    explicit or implicit prompt): how many leading ``messages`` are the prompt. The renderer then follows TRL: the
+    prompt rendered with the generation prompt is context, the completion is what the whole rendering adds after the
+    tokens the two have in common (:mod:`pipeline._render`). None: any other conversation."""
+    raw: Optional[tuple[str, str]] = None
+    """TRL's standard (string) prompt and completion, kept as raw text (``--strings raw``): ``messages`` is then
+    empty, and the example is ``prompt + completion`` (EOS appended to a completion that lacks it), the prompt
+    context."""
     images: list[Any] = dataclasses.field(default_factory=list)
     """``--processor`` runs: the record's image references (a path or URI string, ``{"bytes", "path"}``, bytes), in the
     order their placeholder text (``image_text``) stands in the messages or text (pipeline._formats._images)."""
@@ -132,8 +141,13 @@ NOTE_KEYS = ("leading_assistant_dropped", "trailing_turns_trimmed", "empty_turns
 NOTE_UNITS = {**dict.fromkeys(NOTE_KEYS, "turns"), "number_as_text": "values", "padding_tokens_removed": "tokens",
               "other_side_not_trained": "records", "tree_paths_kept": "paths", "tree_messages_off_path": "messages",
               "large_image": "images", "images_placed_first": "images", "videos_placed_first": "videos",
-              "image_tags_as_videos": "tags"}
+              "image_tags_as_videos": "tags", "prompt_not_prefix": "examples"}
 """Every note normalization keeps (besides ``ignored_field:*``), with what it counts."""
+
+TRL_CONVERSATIONS = frozenset({"messages", "sharegpt"})
+"""Shapes of TRL's conversational language-modeling format (``messages``; ShareGPT's ``conversations``, which TRL
+converts to messages): under ``--turns written`` their turns are taken as written, and under ``--eos trl`` they
+end as the chat template renders them."""
 
 ID_KEYS = ("id",)  # the example id (pipeline._rows.example_id): part of every shape
 
@@ -281,6 +295,12 @@ class Draft:
     tokens: Optional[Any] = None
     tools: Optional[Any] = None
     """Tool definitions found somewhere other than the record's ``tools`` column (raw, as the record holds them)."""
+    prompt: Optional[int] = None
+    """TRL's prompt/completion split of ``turns``: the first ``prompt`` turns are the record's prompt, context whatever
+    their roles; the rest is the completion, trained whole. The turns are then taken as the record writes them (no
+    hygiene), as TRL renders them. None: a conversation of any other shape."""
+    raw: Optional[tuple[str, str]] = None
+    """TRL's standard (string) prompt and completion under ``--strings raw``: raw text, no chat template."""
 
 
 # ------------------------------------------------------------------------------------------------

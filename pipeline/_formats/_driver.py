@@ -24,17 +24,18 @@ import re
 from typing import Any, Optional, Sequence
 
 from packers import InternalError, PackstreamError
-from pipeline._formats._base import Conversation, Ctx, Draft, Reason, Rejected, Shape, _blank, _kind, text_size
+from pipeline._formats._base import (TRL_CONVERSATIONS, Conversation, Ctx, Draft, Reason, Rejected, Shape, Turn, _blank,
+                                     _kind, text_size)
 from pipeline._formats._fix import under
 from pipeline._formats._labels import labelled
 from pipeline._formats.fields import marked_roles
 from pipeline._formats._images import (IMAGE_COLUMNS, NOT_YET, VIDEO_COLUMNS, column_images, column_videos,
                                        image_tags_as_videos, place_column, refuse_private_use, take_images)
-from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _renderable
+from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _no_assistant, _renderable
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
 from pipeline._formats.detect import ORDER, REGISTRY, detect
-from pipeline._options import Format, FormatOptions
+from pipeline._options import Format, FormatOptions, Strings
 
 
 def conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None,
@@ -88,6 +89,8 @@ def pair_conversations(record: Any, options: FormatOptions,
     if options.maps_pairs():  # --pair-sides/--pair-winner/--pair-ranked/--pair-prompt: the record as a layout
         mapped = preference.mapped_pair(record, options)
         record, ignored, mapping = mapped.record, mapped.ignored, mapped.mapping
+        # not TRL's own layout (its fields are named by options): its strings are turns of the chat template
+        options = dataclasses.replace(options, strings=Strings.CHAT)
     if not isinstance(record, dict) or preference.layout(record) is None:
         try:
             shape = detect(record, options) if isinstance(record, dict) else f"a JSON {_kind(record)}"
@@ -254,6 +257,40 @@ def looks_like_tool_calls(text: str) -> bool:
     return bool(calls) and all(call(c) for c in calls)
 
 
+def as_written(shape: str, o: FormatOptions) -> bool:
+    """Whether a record of ``shape`` keeps its turns as written (``--turns written``, TRL's conversational shapes),
+    rather than packstream's hygiene. ``--leading-assistant keep|reject`` and ``--same-role reject`` are hygiene the
+    user asked for by name: they take it."""
+    return shape in TRL_CONVERSATIONS and _written(o)
+
+
+def _written(o: FormatOptions) -> bool:
+    from pipeline._options import LeadingAssistant, SameRole, Turns
+
+    return o.turns is Turns.WRITTEN and o.leading_assistant is LeadingAssistant.DROP and o.same_role is SameRole.MERGE
+
+
+def _as_written(turns: list, completion: int, ctx: Ctx) -> list:
+    """The turns of a TRL prompt/completion record (the last ``completion`` of them its completion) as TRL renders
+    them: no hygiene (no turn dropped, merged or trimmed; an empty completion is trained as the template writes it),
+    reasoning left in the text as written. Only what the user asked for applies: ``--system-prompt`` before a
+    prompt without a system turn, and with ``--mask-reasoning`` the completion's inline ``<think>`` blocks become its
+    reasoning (so that they can be masked)."""
+    if not turns:
+        raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns" if not completion else
+                       "the prompt and the completion are both empty lists")
+    ctx.turns_read = turns
+    turns = list(turns)
+    if ctx.o.system_prompt is not None and turns[0].role != "system":
+        turns.insert(0, Turn("system", ctx.o.system_prompt, "--system-prompt"))
+        ctx.mapping.append("--system-prompt -> system")
+    if ctx.o.mask_reasoning:
+        _inline_reasoning(turns[len(turns) - completion:])
+    if not completion and not any(t.role == "assistant" for t in turns):  # messages: nothing the rule would train
+        raise _no_assistant(ctx)
+    return turns
+
+
 def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Conversation:
     conv = Conversation(shape=shape.name)
     if draft.turns is None:  # text, segments, tokens: the columns a conversation would read are not read
@@ -266,12 +303,30 @@ def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Convers
         conv.segments = draft.segments
     elif draft.text is not None:
         conv.text = draft.text
+    elif draft.raw is not None:
+        conv.raw = draft.raw
     else:
         turns = draft.turns
+        completion = turns[draft.prompt:] if draft.prompt is not None else ()
         if "system" in shape.common:
             _system_column(record, turns, ctx)
-        _inline_reasoning(turns)
-        turns = _hygiene(turns, ctx)
+        if draft.prompt is not None:  # TRL's prompt/completion: the prompt is context whatever its roles
+            prompt = len(turns) - len(completion)
+            for i, t in enumerate(turns):  # the completion is trained whole
+                t.train = i >= prompt
+            if _written(ctx.o):  # the turns as the record writes them, as TRL renders them
+                turns = _as_written(turns, len(completion), ctx)
+            else:  # --turns cleaned: hygiene, the flags kept (a prompt turn is never merged into the completion)
+                _inline_reasoning(turns)
+                turns = _hygiene(turns, ctx)
+            conv.prompt = next((i for i, t in enumerate(turns) if t.train), len(turns))
+        elif as_written(shape.name, ctx.o):  # TRL's messages: the turns as TRL renders them
+            turns = _as_written(turns, 0, ctx)
+            if ctx.o.mask_reasoning:
+                _inline_reasoning(turns)
+        else:
+            _inline_reasoning(turns)
+            turns = _hygiene(turns, ctx)
         conv.messages = [t.message() for t in turns]
         flags = [t.train for t in turns]
         if any(t.reasoning or t.tool_calls or t.train is not None for t in turns):

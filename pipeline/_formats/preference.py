@@ -51,6 +51,7 @@ from pipeline._formats._fix import MARKER, ROLE, Fix
 from pipeline._formats._turns import (ROLE_KEYS, _content, _count_unread, _system_column, _turn, _turn_list)
 from pipeline._formats.alpaca import history_turns
 from pipeline._formats.fields import _transcript
+from pipeline._formats.prompt_completion import raw_strings
 from pipeline._options import FormatOptions, Preference
 
 SIDES = {"openai-dpo": ("preferred_output", "non_preferred_output")}
@@ -454,14 +455,21 @@ def read(record: dict, ctx: Ctx) -> list[Draft]:
         raise Rejected(Reason.PREFERENCE_PAIR, f"the record is a preference pair ({kind} layout: {a} and {b}); train the "
                                                "chosen answer as SFT with ", Fix.of(preference=Preference.CHOSEN),
                        ", or pack both sides as pairs with --pairs")
-    pair = preference_turns(record, ctx.o, ctx)
-    ctx.note("other_side_not_trained")
-    answer = pair.chosen if side is Preference.CHOSEN else pair.rejected
     keys = SIDES.get(kind, ("chosen", "rejected"))
     used, left = (keys if side is Preference.CHOSEN else keys[::-1])
+    ctx.note("other_side_not_trained")
+    if kind == "prompt" and "prompt" in record and raw_strings(record, ctx, ("prompt", "chosen", "rejected")):
+        ctx.mapping.append(f"a preference pair (prompt layout, strings): the prompt (context) and {used}, raw text as "
+                           f"TRL (--strings raw); {left} is not trained")
+        return [Draft(raw=(record["prompt"], record[used]))]
+    pair = preference_turns(record, ctx.o, ctx)
+    answer = pair.chosen if side is Preference.CHOSEN else pair.rejected
     ctx.mapping.insert(0, f"a preference pair ({kind} layout): the prompt and {used} (--preference {side.value}); "
                           f"{left} is not trained")
-    return [Draft(turns=pair.prompt + answer, tools=pair.tools)]
+    # TRL's layouts (an explicit prompt, or the shared turns of whole conversations): the prompt is context whatever
+    # roles it holds, and the turns are rendered as written, as TRL renders them
+    trl = kind == "implicit" or kind == "prompt" and "prompt" in record
+    return [Draft(turns=pair.prompt + answer, tools=pair.tools, prompt=len(pair.prompt) if trl else None)]
 
 
 SHAPE = Shape(

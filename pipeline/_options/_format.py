@@ -8,7 +8,7 @@ from typing import Any, Optional
 from packers import PackstreamError
 from pipeline._options._fields import cli, flag_of, jsonable, option_enum, parse_pairs
 from pipeline._options._modes import (
-    DEFAULT_TOKENIZER, ROLES, Format, Ids, LeadingAssistant, PairBest, Preference, SameRole, TextSplit, TrainOn, TreePaths,
+    DEFAULT_TOKENIZER, ROLES, Eos, Format, Ids, LeadingAssistant, PairBest, Preference, SameRole, Strings, TextSplit, TrainOn, Turns, TreePaths,
     parse_path, winner_test,
 )
 
@@ -95,6 +95,22 @@ class FormatOptions:
     train_on: TrainOn = dataclasses.field(default=TrainOn.ASSISTANT, metadata=cli(
         "--train-on", "Training targets: assistant turns with their end-of-turn token and the final EOS, or all "
         "tokens. A turn's own loss_weight/train/training flag overrides it for that turn."))
+    strings: Strings = dataclasses.field(default=Strings.RAW, metadata=cli(
+        "--strings", "TRL's standard (string) records, prompt+completion (with a KTO label or not) and prompt+chosen+"
+        "rejected: raw, as TRL trains them (the text as it stands, no chat template, the EOS appended to a completion "
+        "that lacks it, tokenized with the tokenizer's special tokens), or chat (the prompt a user turn and the "
+        "completion an assistant turn of the chat template). Either way the prompt is context."))
+    eos: Eos = dataclasses.field(default=Eos.TRL, metadata=cli(
+        "--eos", "How an example ends: trl (as TRL: text, messages, prompt+completion and preference conversations "
+        "end as the chat template renders them, text and string completions get the EOS when they lack it; other "
+        "shapes get the EOS after their last turn) or always (every rendered example ends with the tokenizer's EOS "
+        "after its last turn, trailing whitespace dropped; for templates that write no end of turn)."))
+    turns: Turns = dataclasses.field(default=Turns.WRITTEN, metadata=cli(
+        "--turns", "TRL's conversational records (messages, ShareGPT conversations): written, as TRL renders them (no "
+        "turn dropped, merged or trimmed; every assistant turn trained, the rest context), or cleaned by packstream's "
+        "hygiene as every other shape is (empty turns dropped, same-role turns merged, see --leading-assistant and "
+        "--same-role; each counted). Use cleaned for a template that refuses what the data holds (roles that do not "
+        "alternate)."))
     mask_reasoning: bool = dataclasses.field(default=False, metadata=cli(
         "--mask-reasoning", "Train on the answers but not on the reasoning (thinking) blocks of assistant turns "
         "(reasoning_content/thinking fields, reasoning parts, a leading <think>...</think>, or the text before a lone </think>).",
@@ -132,7 +148,8 @@ class FormatOptions:
                                       f"{_EXAMPLES.get(name, 'NAME')}, or omit {flag} for the default")
         for enum_name, cls in (("format", Format), ("train_on", TrainOn), ("leading_assistant", LeadingAssistant),
                                ("same_role", SameRole), ("tree_paths", TreePaths), ("pair_best", PairBest),
-                               ("text_split", TextSplit), ("ids", Ids)):
+                               ("text_split", TextSplit), ("ids", Ids), ("strings", Strings),
+                               ("eos", Eos), ("turns", Turns)):
             object.__setattr__(self, enum_name, option_enum(cls, getattr(self, enum_name), enum_name))
         if self.preference is not None:
             object.__setattr__(self, "preference", option_enum(Preference, self.preference, "preference"))
@@ -250,7 +267,7 @@ class FormatOptions:
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(FormatOptions)}
 
 
-LATER_DEFAULTS = {"text_split": "line", "ids": "auto"}
+LATER_DEFAULTS = {"text_split": "line", "ids": "auto", "strings": "raw", "eos": "trl", "turns": "written"}
 """Options added after runs were made, at their defaults: left out of a run's id (:func:`pipeline._write.run_digest`),
 so a run that does not use them keeps the id, and so the shard bytes, it had before they existed
 (``bench/same_output.py``). The manifest's ``config`` records them all the same."""

@@ -70,6 +70,29 @@ class TrainOn(str, enum.Enum):
     ALL = "all"  #: every token
 
 
+class Eos(str, enum.Enum):
+    """How an example ends (``--eos``)."""
+
+    TRL = "trl"  #: as TRL: TRL's formats end as the chat template renders them (a conversation) or with the EOS appended when the text lacks it (``text``, a string completion); other shapes get the EOS after their last turn
+    ALWAYS = "always"  #: every rendered example ends with the tokenizer's EOS after its last turn, trailing whitespace dropped (packstream before contract 6)
+
+
+class Strings(str, enum.Enum):
+    """How TRL's standard (string) ``prompt``/``completion`` records (and string preference and KTO records) are
+    rendered (``--strings``)."""
+
+    RAW = "raw"  #: as TRL: the text as it stands, no chat template; the EOS is appended to a completion that lacks it
+    CHAT = "chat"  #: wrapped in the chat template: the prompt a user turn, the completion an assistant turn
+
+
+class Turns(str, enum.Enum):
+    """How the turns of TRL's conversational language-modeling records (``messages``, ShareGPT's ``conversations``)
+    are taken (``--turns``)."""
+
+    WRITTEN = "written"  #: as TRL: as the record writes them, none dropped, merged or trimmed; inline reasoning left in the text
+    CLEANED = "cleaned"  #: packstream's hygiene, as every other shape gets it: empty turns dropped, same-role turns merged, a leading assistant turn and trailing untrained turns handled by --leading-assistant and trimmed (each counted)
+
+
 class LeadingAssistant(str, enum.Enum):
     """A conversation whose first non-system turn is an assistant's (it answers nothing)."""
 

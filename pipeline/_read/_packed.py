@@ -22,7 +22,7 @@ length in a folder that truncated any; a truncated pair has no such tell, so the
 
 The folder is read as the loader reads it: its complete ``manifest.json`` decides which shards are read, and each
 shard's size, sha256, schema, schema metadata and counts must agree with its entry before a row is read. Local
-folders only for now; rows of images (contract version 4) or videos (version 5) are refused.
+folders only for now; rows of images (contract version 7) or videos (version 8) are refused.
 """
 
 from __future__ import annotations
