@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
     collate = FoldThenCollate(VocabFold(ds, args.vocab), Collator())
     policy = tiny_llama(args.vocab, ds.budget, args.attn).train()
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # the frozen starting point
-    install_packing_guard(policy)
-    install_packing_guard(reference)
+    install_packing_guard(policy, max_length=ds.budget)
+    install_packing_guard(reference, max_length=ds.budget)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     print(f"{len(ds.rows)} rows, {int(ds.num_examples.sum())} pairs, {len(ds)} steps/epoch of "
           f"~{args.pairs_per_step} pairs; loss {args.loss}")

@@ -68,7 +68,7 @@ def main(argv=None) -> float:
                        batching=Batching(batch_by="examples", batch_size=args.examples_per_micro_step))
     collate = FoldThenCollate(VocabFold(ds, args.vocab), Collator())
     model = tiny_llama(args.vocab, ds.budget)
-    install_packing_guard(model)
+    install_packing_guard(model, max_length=ds.budget)  # probes once, at the folder's row length
 
     class PackedTrainer(Trainer):
         def get_train_dataloader(self):

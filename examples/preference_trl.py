@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     ref = None if args.precompute else copy.deepcopy(policy).eval().requires_grad_(False)
     for m in (policy, ref):
         if m is not None:
-            install_packing_guard(m)
+            install_packing_guard(m, max_length=ds.budget)
     trainer = trainer_cls(policy, config, ds, ref_model=ref, collator=collate)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]

@@ -116,7 +116,7 @@ def main(argv=None) -> float:
     fold = VocabFold(ds, args.vocab)
     collate = Collator()
     model = tiny_llama(args.vocab, ds.budget, args.attn).train()
-    install_packing_guard(model)  # refuses a batch that would let examples attend to each other
+    install_packing_guard(model, max_length=ds.budget)  # refuses a batch that would let examples attend to each other
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     print(f"{len(ds.rows)} rows, {int(ds.num_examples.sum())} examples, {len(ds)} steps/epoch of "
           f"~{args.examples_per_step} examples")

@@ -154,7 +154,7 @@ def main(argv=None) -> float:
                "vision_end_token_id": int(fold.table[end])}
         collate = Collator(vision=ds.vision)
         model = tiny_qwen2_vl(args.vocab, ids, args.attn).train()
-        install_packing_guard(model)  # refuses a batch that would let examples attend to each other
+        install_packing_guard(model, max_length=ds.budget)  # refuses a batch that would let examples attend to each other
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         images = sum(len(r) for r in ds.rows.data.table.column("images").to_pylist())
         print(f"{len(ds.rows)} rows, {int(ds.num_examples.sum())} examples, {images} images, budget {ds.budget}; "

@@ -72,7 +72,7 @@ def main(argv=None) -> float:
     rows_per_step = max(1, round(args.examples_per_step / float(ds.num_examples.mean())))
 
     model = tiny_llama(args.vocab, ds.budget)
-    install_packing_guard(model)  # TRL's batches pass it: no attention_mask, use_cache=False
+    install_packing_guard(model, max_length=ds.budget)  # TRL's batches pass it: no attention_mask, use_cache=False
     config = SFTConfig(
         output_dir=args.output_dir,
         padding_free=True,

@@ -239,7 +239,6 @@ class PackedDataset(torch.utils.data.IterableDataset):
             if "vision" in self.metadata else None)
         """The run's vision processor spec when its rows carry images (``packstream pack --processor``): pass it
         to ``packers.Collator(vision=...)``."""
-        _note_budget(self.budget)
         if batching.batch_by is BatchBy.TOKENS and batching.batch_size < self.budget:
             raise PackstreamError(f"batch_size={batching.batch_size} tokens < row budget {self.budget}: a row would "
                                   f"not fit; use at least {self.budget}")
@@ -592,11 +591,3 @@ class PackedLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
-
-
-def _note_budget(budget: int) -> None:
-    """The packing guard probes rows as long as this folder's (every rank opens the same folder, so every rank
-    probes at the same length): a backend or a position bias that goes wrong only late in a long row is caught."""
-    from packers._attention import note_budget
-
-    note_budget(budget)

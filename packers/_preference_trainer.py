@@ -171,6 +171,11 @@ class _Shared:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.args.device).eval().requires_grad_(False)
+        from packers._attention import guard_max_length
+
+        for m in (model, ref_model):  # a packing guard on either probes at the folder's budget, every rank alike
+            if m is not None:
+                guard_max_length(m, train_dataset.budget)
         if args.disable_dropout:
             from trl.trainer.utils import disable_dropout_in_model
 

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 from packers import PackstreamError
 from pipeline._formats import TRL_CONVERSATIONS, Conversation, Reason, Rejected, target_flags
-from pipeline._options import Eos, FormatOptions, PackOptions, TrainOn
+from pipeline._options import Eos, FormatOptions, PackOptions, TrainOn, Turns
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
 
@@ -576,8 +576,8 @@ class Renderer:
         if self.ends_as_rendered(conv, fmt) and not conv.images:
             segs = self._lm_segments(conv, fmt)
             return Split(None, "".join(t for t, _ in segs), False, _char_spans(segs))
-        if conv.prompt is None or fmt.mask_reasoning:
-            return None
+        if conv.prompt is None or fmt.mask_reasoning or any(type(i).__name__ == "Video" for i in conv.images):
+            return None  # a video's placeholder text is timestamped per example later: the turns are split instead
         try:
             with time_limit(TEMPLATE_SECONDS):
                 if self.jinja is None:
@@ -590,6 +590,15 @@ class Renderer:
                                                   "--chat-template FILE with one that does)") from None
 
     def _lm_segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
+        try:
+            return self._lm_spans(conv, fmt)
+        except Rejected as r:  # a template that refuses the turns as written (roles that do not alternate, ...)
+            if r.reason is not Reason.TEMPLATE_ERROR or fmt.turns is not Turns.WRITTEN:
+                raise
+            raise Rejected(r.reason, r.detail + "; the turns are taken as written (TRL's rule): --turns cleaned "
+                                                "merges same-role turns and drops empty ones first") from None
+
+    def _lm_spans(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         """A ``messages`` conversation's segments, as TRL's ``assistant_only_loss`` marks them: a template with
         ``{% generation %}`` blocks says itself which text is the assistant's (used when the record sets no turn
         flags and nothing else is asked: ``--train-on all``, ``--mask-reasoning``); otherwise each target turn is

@@ -33,16 +33,6 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture(autouse=True)
-def _fresh_guard_budget():
-    """Each test starts with no folder budget noted by the packing guard (a PackedDataset notes its folder's, for
-    the rest of the process): one test's 4,096-token folder must not lengthen another test's probes."""
-    yield
-    guard = sys.modules.get("packers._attention._guard")
-    if guard is not None:
-        guard.GUARD.budget = 0
-
-
 # -- signals: a suite started under nohup or as a background job ----------------------------------------------------
 # `nohup pytest &` (or `pytest &` from a script) starts the suite with SIGINT and SIGHUP ignored, and every process
 # it spawns inherits that: packstream rightly leaves an ignored signal ignored (pipeline._workers.signals), so the

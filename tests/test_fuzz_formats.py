@@ -43,46 +43,64 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 # becomes.
 
 
-def expected(turns: list[tuple[str, str]], fmt: FormatOptions, mapped: bool = False):
+def expected(turns: list[tuple[str, str]], fmt: FormatOptions, mapped: bool = False, shape: str = "",
+             prompt: int | None = None):
     """(messages as (role, content), notes) or the reason the record is refused. ``mapped``: every turn is a
-    ``--field``'s, which hygiene never cuts (the record is refused as ``mapped_field_cut`` instead)."""
+    ``--field``'s, which hygiene never cuts (the record is refused as ``mapped_field_cut`` instead). ``shape``: TRL's
+    shapes keep their turns as written under ``--turns written`` (with the default --leading-assistant and
+    --same-role). ``prompt``: TRL's prompt/completion, the first ``prompt`` turns are its prompt (context: never
+    merged with a completion turn, and trimmed when they end the conversation)."""
     notes = Counter()
     if not turns:
         return Reason.EMPTY_CONVERSATION
-    kept = [(r, c) for r, c in turns if r == "tool" or c.strip()]
+    written = (fmt.turns.value == "written" and fmt.leading_assistant.value == "drop" and fmt.same_role.value == "merge")
+    if shape in ("messages", "sharegpt", "prompt_completion") and written:
+        if prompt is None and not any(r == "assistant" for r, _ in turns):
+            return Reason.NO_ASSISTANT_TURN
+        return list(turns), {}
+    flags = [None if prompt is None else i >= prompt for i in range(len(turns))]
+    kept = [(r, c, f) for (r, c), f in zip(turns, flags) if r == "tool" or c.strip()]
     notes["empty_turns_dropped"] = len(turns) - len(kept)
     if not kept:
         return Reason.EMPTY_CONVERSATION
     merged: list[list] = []
-    for r, c in kept:
+    for r, c, f in kept:
         if merged and merged[-1][0] == r and r != "tool":
             if fmt.same_role.value == "reject":
                 return Reason.CONSECUTIVE_SAME_ROLE
+            if merged[-1][2] != f:  # a prompt turn and a completion turn stay apart, each with its flag
+                merged.append([r, c, f])
+                continue
             merged[-1][1] = merged[-1][1] + "\n\n" + c
             notes["turns_merged"] += 1
         else:
-            merged.append([r, c])
-    first = next((i for i, (r, _) in enumerate(merged) if r != "system"), None)
-    trained_off = set()
+            merged.append([r, c, f])
+    first = next((i for i, (r, _, _) in enumerate(merged) if r != "system"), None)
     if first is not None and merged[first][0] == "assistant":
         if fmt.leading_assistant.value == "reject":
             return Reason.STARTS_WITH_ASSISTANT
         if fmt.leading_assistant.value == "drop":
             if mapped:
                 return Reason.MAPPED_FIELD_CUT
-            del merged[first]
-            notes["leading_assistant_dropped"] += 1
+            end = first
+            while end < len(merged) and merged[end][0] == "assistant":
+                end += 1
+            notes["leading_assistant_dropped"] += end - first
+            del merged[first:end]
         else:
-            trained_off.add(id(merged[first]))
+            end = first
+            while end < len(merged) and merged[end][0] == "assistant":
+                merged[end][2] = False
+                end += 1
     n = len(merged)
-    while merged and (merged[-1][0] != "assistant" or id(merged[-1]) in trained_off):
+    while merged and (merged[-1][0] != "assistant" or merged[-1][2] is False):
         merged.pop()
     if mapped and merged and len(merged) < n:
         return Reason.MAPPED_FIELD_CUT
     notes["trailing_turns_trimmed"] = n - len(merged)
-    if not any(r == "assistant" for r, _ in merged):
+    if not any(r == "assistant" for r, _, _ in merged):
         return Reason.NO_ASSISTANT_TURN
-    return [tuple(m) for m in merged], {k: v for k, v in notes.items() if v}
+    return [(r, c) for r, c, _ in merged], {k: v for k, v in notes.items() if v}
 
 
 def record_for(shape: str, turns: list[tuple[str, str]]):
@@ -103,15 +121,15 @@ def record_for(shape: str, turns: list[tuple[str, str]]):
 
 TURN_SHAPES = ["messages", "sharegpt", "dialogue", "prompt_completion"]
 HYGIENE = st.builds(dict, leading_assistant=st.sampled_from(["drop", "keep", "reject"]),
-                    same_role=st.sampled_from(["merge", "reject"]))
+                    same_role=st.sampled_from(["merge", "reject"]), turns=st.sampled_from(["written", "cleaned"]))
 
 
 def check(record, opts: dict, roles: list[tuple[str, str]], raw_turns: int, strip: bool = False,
-          mapped: bool = False):
+          mapped: bool = False, shape: str = "", prompt: int | None = None):
     fmt = FormatOptions(**opts)
     if strip:
         roles = [(r, c.strip()) for r, c in roles]
-    want = expected(roles, fmt, mapped)
+    want = expected(roles, fmt, mapped, shape, prompt)
     try:
         conv = normalize(record, fmt)
     except Rejected as e:
@@ -129,7 +147,8 @@ def check(record, opts: dict, roles: list[tuple[str, str]], raw_turns: int, stri
 @given(shape=st.sampled_from(TURN_SHAPES), turns=turn_lists, hygiene=HYGIENE)
 def test_turn_lists_keep_every_turn_or_count_it(shape, turns, hygiene):
     record, opts, roles = record_for(shape, turns)
-    check(record, {**opts, **hygiene}, roles, len(turns))
+    check(record, {**opts, **hygiene}, roles, len(turns), shape=shape,
+          prompt=len(turns) // 2 if shape == "prompt_completion" else None)
 
 
 @settings(max_examples=150, **SETTINGS)

@@ -234,7 +234,7 @@ def test_special_lengths_come_from_the_config():
 
 def test_a_backend_leaking_above_n_tokens_is_refused_when_the_config_names_no_length():
     """A plain Llama names no window, chunk or rope length, so no probe crosses N from the config alone; the probe
-    at the folder's budget (``max_length``; a PackedDataset notes its folder's) reaches past N and refuses it."""
+    at the folder's budget (``max_length=PackedDataset(...).budget``) reaches past N and refuses it."""
     n = 40
     model = tiny_model("llama", leaky_above(n), max_position_embeddings=256).train()
     assert special_lengths(model, None) == {}
@@ -281,17 +281,16 @@ def test_falcon_alibi_over_the_row_is_refused_at_the_budget(attn):
         model(**batch)
 
 
-def test_the_guard_probes_at_the_budget_of_the_folder_a_packed_dataset_opened(tmp_path):
-    """PackedDataset notes its folder's row budget (from the manifest): the next probe reaches that far."""
+def test_the_guard_probes_at_the_budget_of_the_folder_it_is_given(tmp_path):
+    """The folder's row budget (from the manifest), passed as ``max_length``: the probe reaches that far. Opening the
+    folder alone lengthens no probe (issue 55; tests/test_guard_budget.py)."""
     from packers import PackedDataset
-    from tests._internals import GUARD
     from tests._shards import random_examples, write_shards, pack_first_fit
 
     write_shards(tmp_path, pack_first_fit(random_examples(20, seed=3, max_len=60), 128), budget=128)
-    PackedDataset(tmp_path)
-    assert GUARD.budget == 128
+    ds = PackedDataset(tmp_path)
     model = tiny_model("llama", "sdpa", max_position_embeddings=256).train()
-    check_packing_safe(model, Collator()(rows_of([[5, 7]])))
+    check_packing_safe(model, Collator()(rows_of([[5, 7]])), max_length=ds.budget)
     assert cached_verdict(model, Collator()(rows_of([[5, 7]]))).reach == 128
 
 

@@ -181,7 +181,7 @@ def test_rejected_is_counted_like_packs_summary_and_parquet(tmp_path):
         json.dumps({"instruction": "hi", "output": "hello"}) + "\n"
         + "{not json\n"
         + json.dumps({"text": long_text}) + "\n"
-        + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
     )
     out = tmp_path / "o"
     run(PackOptions(inputs=(str(src),), output=str(out), max_tokens=64, output_format=OutputFormat.PARQUET))

@@ -94,7 +94,12 @@ def _expected_chatml(rec: dict, options: PackOptions):
                                                        ("system", "user", "assistant") and set(m) <= {"role", "content"}
                                                        for m in rec["messages"]):
         turns = [(m["role"], m["content"]) for m in rec["messages"]]
-    else:  # string prompt/completion: raw text, as TRL (tests/test_trl_formats.py holds them against TRL)
+    elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str) and not (
+            rec.get("system") or rec.get("tools")) and options.strings.value == "raw":
+        # TRL's standard strings: raw text, the EOS appended; trained from where the tokens part from the prompt's
+        # (within its last word when the two merge: tests/test_trl_formats.py holds the exact split against TRL)
+        return rec["prompt"] + rec["completion"], rec["completion"], "raw"
+    else:
         return None
     if any(not c.strip() for _, c in turns) or turns[-1][0] != "assistant":
         return None
@@ -162,6 +167,14 @@ def check_output(folder: str, options: PackOptions, sample: int = 200) -> dict:
         if expected is None:
             continue
         full, target, end = expected
+        if end == "raw":
+            whole = full if full.endswith(eos) else full + eos
+            trained = tok.decode(ids[mask])
+            keep = whole.startswith if options.truncate_side.value == "right" else whole.endswith
+            assert tok.decode(ids) == whole or len(ids) == options.max_tokens and keep(tok.decode(ids)), eid
+            assert whole.endswith(trained) and (trained.endswith(target + eos) or len(ids) == options.max_tokens), eid
+            checked += 1
+            continue
         ending = eos if end is None else end
         text = tok.decode(ids)
         if len(ids) == options.max_tokens and options.long is packers.LongPolicy.TRUNCATE:

@@ -35,7 +35,10 @@ Two layers of defence, both raising :class:`~packers.PackstreamError` with the f
   the probe must then prove the result exact); otherwise the model is refused.
 
 :func:`check_packing_safe` runs both for one batch; :func:`install_packing_guard` runs them before
-every forward of a model (:mod:`._guard`, which caches the verdicts). :func:`register_varlen_attention` adds the
+every forward of a model (:mod:`._guard`, which caches the verdicts); both take ``max_length``, the longest batch
+the probe must cover (a folder's budget), and :func:`guard_max_length` gives one model that length for every later
+probe (the packed trainers pass their folder's budget). Opening a folder changes no model's probe: the old
+process-wide ``note_budget`` raises, naming these. :func:`register_varlen_attention` adds the
 ``packstream_varlen`` backend (:mod:`._varlen`): PyTorch's own FlashAttention kernel
 (``torch.nn.attention.varlen.varlen_attn``, PyTorch >= 2.10, CUDA only), for FA2-speed packed training where the
 flash-attn package cannot be installed.
@@ -45,7 +48,8 @@ entry points and the verdict cache, ``_fixes`` the fixes to transformers (mask f
 ``_model`` what they read from a model, ``_blocks`` Gemma 3's image blocks.
 """
 
-from packers._attention._guard import GuardHandle, cached_verdict, check_packing_safe, install_packing_guard, note_budget
+from packers._attention._guard import (GuardHandle, cached_verdict, check_packing_safe, guard_max_length,
+                                      install_packing_guard, note_budget)
 from packers._attention._varlen import VARLEN_NAME, register_varlen_attention, varlen_attention_forward
 
 __all__ = [
@@ -53,8 +57,8 @@ __all__ = [
     "GuardHandle",
     "cached_verdict",
     "check_packing_safe",
+    "guard_max_length",
     "install_packing_guard",
-    "note_budget",
     "register_varlen_attention",
     "varlen_attention_forward",
 ]

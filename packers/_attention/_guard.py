@@ -39,9 +39,9 @@ class Guard:
         self.verdicts: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Verdict]] = weakref.WeakKeyDictionary()
         self.kept = kept
         self._local = threading.local()
-        self.budget = 0
-        """The longest row budget of the folders opened in this process (:class:`packers.PackedDataset` records
-        it): every probe reaches at least that far, on every rank alike (they open the same folder)."""
+        self.lengths: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        """Per model: the longest batch it will be fed, as told by :func:`guard_max_length` (the packed trainers
+        pass their folder's budget). Its probes reach at least that far; no other model's do."""
 
     @property
     def probing(self) -> bool:
@@ -78,9 +78,31 @@ class Guard:
 GUARD = Guard()
 
 
+def guard_max_length(model: torch.nn.Module, max_length: int) -> None:
+    """``model`` will be fed batches up to ``max_length`` tokens: its probes (under :func:`install_packing_guard` or
+    :func:`check_packing_safe`) reach at least that far, and under torch.distributed agree on their length without
+    an all_reduce per step (every rank makes the same call). Per model, never raised by another model's call or by
+    opening a folder; it only grows. :class:`packers.PackedDPOTrainer` and :class:`packers.PackedKTOTrainer` call it
+    for their model and reference model with their folder's budget. A module holding no transformers model has no
+    guard to tell: nothing happens."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise PackstreamError(f"max_length={max_length!r}: give the longest batch in tokens, an int >= 1 "
+                              "(e.g. PackedDataset(...).budget)")
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is not None:
+        GUARD.lengths[hf] = max(GUARD.lengths.get(hf, 0), max_length)
+
+
 def note_budget(budget: int) -> None:
-    """A folder of rows up to ``budget`` tokens will be fed here: every probe from now on reaches that far."""
-    GUARD.budget = max(GUARD.budget, int(budget))
+    """Removed (issue 55): it raised the probe length of every model in the process. Raises, naming the new
+    spelling."""
+    raise PackstreamError(
+        f"note_budget({budget!r}) is gone: it lengthened the probes of every model in the process. The probe length "
+        f"belongs to the model: install_packing_guard(model, max_length={budget!r}) or check_packing_safe(model, "
+        f"batch, max_length={budget!r}) (a folder's budget is PackedDataset(...).budget; PackedDPOTrainer and "
+        "PackedKTOTrainer pass theirs)")
 
 
 def _config_fingerprint(config: Any) -> tuple:
@@ -122,13 +144,13 @@ def cached_verdict(model: torch.nn.Module, batch: Mapping[str, Any]) -> Verdict 
 
 
 def _reach(hf: torch.nn.Module, batch: Mapping[str, Any], max_length: int | None) -> int:
-    """How far the probe must reach for ``batch``: its length, the caller's ``max_length`` and the budget of the
-    folders opened here, whichever is longest (:func:`reach_for` rounds it up). Under torch.distributed with none
-    of the two given, the ranks agree on the longest batch (one all_reduce of an int per step), so that every rank
-    probes at the same step and the same length."""
+    """How far the probe must reach for ``batch``: its length, the caller's ``max_length`` and the length given for
+    this model (:func:`guard_max_length`), whichever is longest (:func:`reach_for` rounds it up). Under
+    torch.distributed with neither of the two given, the ranks agree on the longest batch (one all_reduce of an int
+    per step), so that every rank probes at the same step and the same length; with one, every rank knows it."""
     ids = batch.get("input_ids", batch.get("position_ids"))
     tokens = int(ids.shape[-1]) if torch.is_tensor(ids) else 0
-    known = max(max_length or 0, GUARD.budget)
+    known = max(max_length or 0, GUARD.lengths.get(hf, 0))
     if not known:
         tokens = agree_max(tokens, input_device(hf))
     return reach_for(hf, max(tokens, known))
@@ -167,10 +189,12 @@ def check_packing_safe(model: torch.nn.Module, batch: Mapping[str, Any], *, max_
     Per step it reads the config and the batch's keys and shapes (one small device sync without
     ``cu_seq_lens_q``); see :mod:`packers._attention`'s table. The first call for a model class,
     configuration, backend, mode, dtype and batch layout also runs the packing probe: one forward of
-    12 packed tokens and two of 5 and 7 alone, then one row as long as the batch (or ``max_length``, or the budget
-    of the folders a :class:`packers.PackedDataset` opened here, rounded up to a power of two) with a sequence
-    starting late, and its sequences alone, under ``no_grad`` (cached afterwards; a longer batch probes again). Under
-    torch.distributed the probe agrees across ranks: call this on every rank, as you would a forward.
+    12 packed tokens and two of 5 and 7 alone, then one row as long as the batch or ``max_length`` (pass the folder's
+    ``PackedDataset(...).budget``; or the length :func:`guard_max_length` gave this model), whichever is longest,
+    rounded up to a power of two, with a sequence starting late, and its sequences alone, under ``no_grad`` (cached
+    afterwards; a longer batch probes again). Opening a folder changes no model's probe. Under torch.distributed the
+    probe agrees across ranks: call this on every rank, as you would a forward (with no length given, the ranks agree
+    on the longest batch by one all_reduce of an int per call).
     A batch holding one sequence always passes.
     """
     hf = hf_model(model)
@@ -209,8 +233,10 @@ def install_packing_guard(model: torch.nn.Module, *, max_length: int | None = No
     Before the first packed forward, and whenever the attention implementation, train/eval mode,
     dtype, device, autocast or batch layout changes, the model runs the packing probe (cost: one
     forward of 12 tokens and two of 5 and 7, then about two forwards of the longest row it covers -- the batch's
-    length, ``max_length`` or the budget of the folders opened here, rounded up to a power of two -- under
-    ``no_grad``, once per model class and configuration; every rank together under DDP/FSDP). A model found to build its masks without
+    length, or ``max_length`` (pass the folder's ``PackedDataset(...).budget``: no per-step all_reduce under
+    DDP/FSDP) or the length :func:`guard_max_length` gave this model when longer, rounded up to a power of two --
+    under ``no_grad``, once per model class and configuration; every rank together under DDP/FSDP). Opening a folder
+    changes no model's probe. A model found to build its masks without
     ``position_ids`` gets them from the guard when that makes the probe exact; any other mismatch
     raises PackstreamError naming the model, the backend and the fix. Catches what a trainer or a
     wrapper adds to the batch after the collator (an ``attention_mask``, a cache): the hook sits on

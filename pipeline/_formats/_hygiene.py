@@ -169,6 +169,8 @@ def _renderable(conv: Conversation) -> Conversation:
     caller. Tool definitions and calls from Parquet/Arrow inputs may hold values JSON cannot render.
     """
     parts: list[tuple[str, Any]] = [("text", conv.text)] if conv.text is not None else []
+    if conv.raw is not None:
+        parts += [("prompt", conv.raw[0]), ("completion", conv.raw[1])]
     for i, m in enumerate(conv.messages):
         for key in ("content", "reasoning", "tool_calls", "name", "tool_call_id"):
             if key in m:

@@ -106,8 +106,9 @@ class FormatOptions:
         "shapes get the EOS after their last turn) or always (every rendered example ends with the tokenizer's EOS "
         "after its last turn, trailing whitespace dropped; for templates that write no end of turn)."))
     turns: Turns = dataclasses.field(default=Turns.WRITTEN, metadata=cli(
-        "--turns", "TRL's conversational records (messages, ShareGPT conversations): written, as TRL renders them (no "
-        "turn dropped, merged or trimmed; every assistant turn trained, the rest context), or cleaned by packstream's "
+        "--turns", "TRL's conversational records (messages, ShareGPT conversations, prompt+completion as messages): "
+        "written, as TRL renders them (no turn dropped, merged or trimmed; every assistant turn trained, the rest "
+        "context; a prompt is context whatever its roles), or cleaned by packstream's "
         "hygiene as every other shape is (empty turns dropped, same-role turns merged, see --leading-assistant and "
         "--same-role; each counted). Use cleaned for a template that refuses what the data holds (roles that do not "
         "alternate)."))
