@@ -12,6 +12,11 @@ its row was packed for: a file replaced since
 packing, or a processor set differently from the spec, would otherwise shift every placeholder token after it
 onto the wrong features.
 
+Every image is decoded by :func:`packers.images.decode_rgb` (the upright image, any transparency composited onto
+white, as transformers' image processors make it RGB) and sized by :func:`packers.images.upright_size`, here and
+when packing (:mod:`pipeline._media`), so the grid a row was packed for is the one the processor gives the decoded
+image.
+
 PIL and transformers are imported on first use (``import packers`` needs neither).
 """
 
@@ -30,6 +35,7 @@ import numpy as np
 from packers._tiles import IMAGENET_MEAN, IMAGENET_STD
 from packers._vision import VisionFamily, VisionSpec
 from packers.files import open_checked, real_folder, within
+from packers.images import decode_rgb, upright_size
 from packers.errors import ContractError, PackstreamError
 
 
@@ -92,7 +98,9 @@ class PixelLoader:
 
     @cached_property
     def image_processor(self) -> Any:
-        """The processor in use: ``processor``, or transformers' PIL Qwen2-VL (LLaVA) processor set from ``vision``."""
+        """The processor in use: ``processor``, or transformers' PIL Qwen2-VL (LLaVA) processor set from ``vision``.
+        Either is given the images :func:`packers.images.decode_rgb` makes (RGB already: its own RGB conversion
+        leaves them as they are)."""
         if self.processor is not None:
             return self.processor
         v = self.vision
@@ -155,15 +163,17 @@ class PixelLoader:
                 source.close()
 
     def open(self, image: Mapping[str, Any], where: str = "image") -> Any:
-        """One reference as an RGB PIL image; PackstreamError naming the path (or the bytes) when unreadable."""
+        """One reference as an RGB PIL image (:func:`packers.images.decode_rgb`: upright, transparency on white);
+        PackstreamError naming the path (or the bytes) when unreadable."""
         with self._pil(image, where) as im:
-            return im.convert("RGB")
+            return decode_rgb(im)
 
     def grid_of(self, image: Mapping[str, Any], where: str = "image") -> tuple[int, int, int]:
-        """The patch grid ``vision`` gives one reference, from its size in the file's header alone (no pixel decoded:
-        as the packer measured it). PackstreamError when unreadable, or of a size the processor refuses."""
+        """The patch grid ``vision`` gives one reference, from its upright size (:func:`packers.images.upright_size`:
+        the file's header and its EXIF orientation, no pixel decoded where the header settles it: as the packer
+        measured it). PackstreamError when unreadable, or of a size the processor refuses."""
         with self._pil(image, where) as im:
-            width, height = im.size
+            width, height = upright_size(im)
         try:
             return self.vision.image_grid(width, height)
         except PackstreamError as e:  # ImageSizeError: no area, or too thin

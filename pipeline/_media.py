@@ -18,8 +18,9 @@ file is then opened component by component from the root without following links
 followed out either. ``--media-root /`` is how a user says images may lie anywhere.
 
 and becomes an :class:`Image`: ``{path, bytes}`` as the row's ``images`` column stores it, its size read
-from the file's header with PIL (and the image decoded once, cheaply, to catch a file cut short), its patch
-grid and its token count from the run's :class:`packers.VisionSpec`. ``--images`` decides what a local path
+from the file's header with PIL (and the image decoded once, cheaply, to catch a file cut short), upright (its EXIF
+orientation applied, as the loader decodes it), its patch grid and its token count from the run's
+:class:`packers.VisionSpec`. ``--images`` decides what a local path
 becomes (bytes the record holds are stored as bytes either way, with the name the record gave)::
 
     --images reference  {"path": "/data/photos/cat.jpg", "bytes": None}       the absolute path; the loader reads it
@@ -219,13 +220,17 @@ def _open(src: Source, root: MediaRoot, at: str):
 
 
 def image_size(source: IO[bytes], what: str, at: str, notes: Optional[dict] = None) -> tuple[int, int]:
-    """``(width, height)`` of an image that decodes: the size from its header, then the whole image read once (a
-    JPEG at 1/8 scale, PIL's draft mode, so the check costs little), so that a file cut short or corrupt past its
-    header is a dead letter here, not a crash in the training loader. Any failure of PIL's (it raises OSError,
+    """``(width, height)`` of an image that decodes, upright: the size from its header, then the whole image read
+    once (a JPEG at 1/8 scale, PIL's draft mode, so the check costs little), so that a file cut short or corrupt past
+    its header is a dead letter here, not a crash in the training loader; width and height swapped when its EXIF
+    orientation turns it a quarter (:func:`packers.images.upright_size`: the size of what the loader's
+    :func:`packers.images.decode_rgb` gives the processor). Any failure of PIL's (it raises OSError,
     ValueError, SyntaxError, struct.error, DecompressionBombError, ... on bad files) is one. PIL's
     DecompressionBombWarning (an image over ``Image.MAX_IMAGE_PIXELS``) is counted in ``notes`` as
     ``large_image``, shown in the run's summary, never printed."""
     from PIL import Image as PILImage
+
+    from packers.images import QUARTER_TURNS, exif_orientation
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -234,6 +239,8 @@ def image_size(source: IO[bytes], what: str, at: str, notes: Optional[dict] = No
                 size = im.size
                 im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
                 im.load()
+                if exif_orientation(im) in QUARTER_TURNS:  # decoded: read as exif_transpose reads it
+                    size = (size[1], size[0])
         if notes is not None and any(issubclass(w.category, PILImage.DecompressionBombWarning) for w in caught):
             notes["large_image"] = notes.get("large_image", 0) + 1
         return size

@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 from packers import PackstreamError
 from pipeline._formats import TRL_CONVERSATIONS, Conversation, Reason, Rejected, target_flags
+from pipeline._image_parts import ImageParts, content_text as _content_text
 from pipeline._options import Eos, FormatOptions, PackOptions, TrainOn, Turns
 
 Segments = list[tuple[str, bool]]  # (text, is_target)
@@ -212,6 +213,8 @@ class JinjaTemplate:
         self.source = source
         self.kwargs = dict(special_tokens)
         self.compiled = compile_template(source)
+        self.images: Optional[ImageParts] = None
+        """Set by the renderer of a ``--processor`` run whose template writes image parts (:func:`image_parts`)."""
         self.generation = _GENERATION.search(source) is not None
         """The template marks the assistant's text with ``{% generation %}`` blocks (TRL's ``assistant_only_loss``)."""
         self._check_ends()
@@ -253,7 +256,7 @@ class JinjaTemplate:
         spans: list[tuple[int, int]] = []
         with self.compiled.environment.activate_tracker(out, spans):
             self.render(messages, tools, False, cap, out=out)
-        return "".join(out), spans
+        return "".join(out), spans  # as written (its spans index it): generation_segments processes each segment
 
     def render(self, messages: list, tools: Optional[list], gen: bool, cap: int, out: Optional[list] = None) -> str:
         out = [] if out is None else out
@@ -271,7 +274,20 @@ class JinjaTemplate:
         except Exception as e:  # jinja2 errors, raise_exception() from inside the template, type errors
             msg = str(e).splitlines()[0][:300] if str(e) else ""
             raise Rejected(Reason.TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {msg}") from None
-        return "".join(out)
+        text = "".join(out)
+        return text if self.images is None else self.images.processed(text)
+
+
+def image_parts(tpl: "JinjaTemplate", spec: Any) -> Optional[ImageParts]:
+    """:class:`~pipeline._image_parts.ImageParts` of a template that writes image parts with the processor's image
+    token, found by rendering one probe message (None: packstream writes each image's placeholder text)."""
+    if spec is None:
+        return None
+    try:
+        with time_limit(TEMPLATE_SECONDS):
+            return ImageParts.probed(tpl.render(ImageParts.PROBE, None, False, TEMPLATE_MAX_CHARS), spec)
+    except (Rejected, TemplateTimeout):
+        return None
 
 
 def _inline(conv: Conversation, tpl: JinjaTemplate) -> tuple[list[dict], list[Optional[dict]], Optional[list]]:
@@ -298,6 +314,8 @@ def _inline(conv: Conversation, tpl: JinjaTemplate) -> tuple[list[dict], list[Op
                 out["reasoning_content"] = out["thinking"] = m["reasoning"]
             else:
                 out["content"] = think_block(m["reasoning"]) + out["content"]
+        if tpl.images is not None and tpl.images.placeholder in out["content"]:  # the template writes the images
+            out["content"] = tpl.images.parts(out["content"])
         msgs.append(out)
     tools = conv.tools
     if tools and not tpl.tools:
@@ -334,7 +352,7 @@ def _check_rendered(final: str, msgs: list[dict], tools: Optional[list]) -> None
         return text in final or json.dumps(text, ensure_ascii=False)[1:-1] in final or json.dumps(text)[1:-1] in final
 
     for i, m in enumerate(msgs):
-        text = m["content"].strip()
+        text = _content_text(m["content"]).strip()
         if text and not shown(text):
             raise missing(f"messages[{i}] (role {m['role']})", f"{len(text):,} characters of text")
         reasoning = (m.get("reasoning_content") or "").strip()
@@ -466,7 +484,10 @@ def generation_segments(tpl: JinjaTemplate, conv: Conversation) -> Segments:
         a = max(a, at)
         segs += [(whole[at:a], False), (whole[a:b], True)]
         at = max(at, b)
-    return merge_runs(segs + [(whole[at:], False)])
+    segs.append((whole[at:], False))
+    if tpl.images is not None:  # the processor's rewriting of each image the template wrote (within one segment)
+        segs = [(tpl.images.processed(t), y) for t, y in segs]
+    return merge_runs(segs)
 
 
 def template_split(tpl: JinjaTemplate, conv: Conversation) -> Split:
@@ -520,6 +541,7 @@ class Renderer:
                 raise
             except Exception as e:  # a template that does not even compile: every record would fail alike
                 raise PackstreamError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
+            self.jinja.images = image_parts(self.jinja, options.vision())
         self.eos_text = self.tok.eos_token
         self.eos_id = self.tok.eos_token_id
 
