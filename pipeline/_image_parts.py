@@ -23,16 +23,20 @@ class ImageParts:
     PROBE = [{"role": "user", "content": [{"type": "text", "text": "zq7a"}, {"type": "image"},
                                           {"type": "text", "text": "zq7b"}]}]
     """The probe conversation: an image part between two marked text parts."""
+    PLAIN = [{"role": "user", "content": [{"type": "text", "text": "zq7a"}, {"type": "text", "text": "zq7b"}]}]
+    """The same without its image part."""
 
     @classmethod
-    def probed(cls, rendered: str, spec: Any) -> Optional["ImageParts"]:
-        """From the template's rendering of :data:`PROBE`: the parts rule, or None when the template writes no image
-        part holding the processor's image token once (it drops image parts, or renders the list as text)."""
-        a, b = rendered.find("zq7a"), rendered.find("zq7b")
-        written = rendered[a + 4:b] if 0 <= a < b else ""
+    def probed(cls, rendered: str, plain: str, spec: Any) -> Optional["ImageParts"]:
+        """From the template's renderings of :data:`PROBE` and :data:`PLAIN`: the parts rule when the image part
+        adds the processor's image token once (wherever the template puts it: between the texts, or first as
+        LLaVA's template puts images), or None (it drops image parts, or renders the list as text)."""
         token = spec.image_token
-        if written.count(token) != 1 or "type" in written or "zq7" in written:
+        if ("zq7a" not in plain or "'type'" in rendered or
+                rendered.count(token) != plain.count(token) + 1):
             return None
+        a, b = rendered.find("zq7a"), rendered.find("zq7b")
+        written = rendered[a + 4:b] if 0 <= a < b and token in rendered[a:b] else token
         from packers import VisionFamily
 
         wrapped = spec.placeholder if spec.family is VisionFamily.INTERNVL else token  # InternVLProcessor: <img>..</img>

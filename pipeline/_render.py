@@ -285,7 +285,8 @@ def image_parts(tpl: "JinjaTemplate", spec: Any) -> Optional[ImageParts]:
         return None
     try:
         with time_limit(TEMPLATE_SECONDS):
-            return ImageParts.probed(tpl.render(ImageParts.PROBE, None, False, TEMPLATE_MAX_CHARS), spec)
+            return ImageParts.probed(tpl.render(ImageParts.PROBE, None, False, TEMPLATE_MAX_CHARS),
+                                     tpl.render(ImageParts.PLAIN, None, False, TEMPLATE_MAX_CHARS), spec)
     except (Rejected, TemplateTimeout):
         return None
 
@@ -533,6 +534,7 @@ class Renderer:
         if isinstance(source, dict):  # tokenizers with named templates
             source = source.get("default") or next(iter(source.values()))
         self.template: Optional[str] = source
+        self.vision = options.vision()
         self.jinja: Optional[JinjaTemplate] = None
         if source is not None:
             try:
@@ -541,7 +543,7 @@ class Renderer:
                 raise
             except Exception as e:  # a template that does not even compile: every record would fail alike
                 raise PackstreamError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
-            self.jinja.images = image_parts(self.jinja, options.vision())
+            self.jinja.images = image_parts(self.jinja, self.vision)
         self.eos_text = self.tok.eos_token
         self.eos_id = self.tok.eos_token_id
 
@@ -595,10 +597,16 @@ class Renderer:
             return None
         if conv.text is not None and conv.shape == "text" and conv.text.strip():  # a blank one: empty_after_render
             return Split(None, conv.text if conv.text.endswith(eos) else conv.text + eos, True)
-        if self.ends_as_rendered(conv, fmt) and not conv.images:
+        videos = any(type(i).__name__ == "Video" for i in conv.images)
+        if self.ends_as_rendered(conv, fmt) and not videos:
             segs = self._lm_segments(conv, fmt)
-            return Split(None, "".join(t for t, _ in segs), False, _char_spans(segs))
-        if conv.prompt is None or fmt.mask_reasoning or any(type(i).__name__ == "Video" for i in conv.images):
+            whole = "".join(t for t, _ in segs)
+            # tokenized whole, its spans found by character offsets: unless the processor rewrites the text around
+            # its images first (Gemma 3's blank lines), which would move them; then the turns are tokenized one by one
+            if not conv.images or self.vision is None or self.vision.expand(whole) == whole:
+                return Split(None, whole, False, _char_spans(segs))
+            return None
+        if conv.prompt is None or fmt.mask_reasoning or videos:
             return None  # a video's placeholder text is timestamped per example later: the turns are split instead
         try:
             with time_limit(TEMPLATE_SECONDS):

@@ -84,3 +84,44 @@ def test_a_template_that_does_not_write_image_parts_keeps_packstreams_placeholde
     folder = processor_folder(tmp_path / "proc", preprocessor(SIDE, 1, 2), PER_TILE)
     enc = Encoder(PackOptions(inputs=("x.jsonl",), tokenizer=tok_folder, processor=str(folder), chat_template=plain))
     assert enc.renderer.jinja.images is None
+
+
+LLAVA_FIRST = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}{% if message['content'] is string %}"
+               "{{ message['content'] }}{% else %}{% for c in message['content'] | selectattr('type', 'equalto', 'image') %}"
+               "{{ '<image>\\n' }}{% endfor %}{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}"
+               "{{ c['text'] }}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ 'ASSISTANT: ' }}{% endif %}")
+"""LLaVA-1.5-hf's way: a message's images first, each ``<image>`` and a newline, then its text."""
+
+
+def test_a_template_that_puts_images_first_is_followed(tmp_path):
+    """The template, not the record, decides where an image goes: LLaVA's writes every image before the text, and
+    the packed tokens equal its rendering with LlavaProcessor's expansion of ``<image>``."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+
+    from tests.test_vision_pipeline import save_tokenizer
+
+    tok_dir = save_tokenizer(tmp_path / "tok", ["<image>"])
+    data = _records(tmp_path, 8, 3, sides=(4, 120))
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    enc = Encoder(PackOptions(inputs=(str(data),), tokenizer=tok_dir, processor="llava-1.5", chat_template=LLAVA_FIRST),
+                  {"records.jsonl": str(tmp_path)})
+    assert enc.renderer.jinja.images is not None
+    out = enc.encode([(0, "records.jsonl", i + 1, r) for i, r in enumerate(records)])
+    assert not out.rejected, out.rejected
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    hf.chat_template = LLAVA_FIRST
+    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 336},
+                                                             crop_size={"height": 336, "width": 336}),
+                          tokenizer=hf, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+                          num_additional_image_tokens=1)
+    b, moved = out.batch, 0
+    for i, record in enumerate(records):
+        msgs, images = _as_template_sees(record, tmp_path)
+        text = hf.apply_chat_template(msgs, tokenize=False)
+        want = list(proc(text=[text], images=images or None)["input_ids"][0])
+        got = b.input_ids[b.offsets[i]:b.offsets[i + 1]].tolist()
+        assert got == want, (i, hf.decode(got)[:200], hf.decode(want)[:200])
+        parts = record["messages"][0]["content"]
+        moved += bool(images) and parts[0]["type"] == "text"  # an image after text in the record, first in the tokens
+    assert moved >= 1  # the case under test occurs
