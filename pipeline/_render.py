@@ -522,6 +522,18 @@ def merge_runs(segs: Segments) -> Segments:
     return out
 
 
+@contextlib.contextmanager
+def _record_time_limit():
+    """One record's rendering, bounded by :data:`TEMPLATE_SECONDS`: past it, the record is ``template_limit``."""
+    try:
+        with time_limit(TEMPLATE_SECONDS):
+            yield
+    except TemplateTimeout:
+        raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
+                                              "record; a chat template should only lay out the turns (use "
+                                              "--chat-template FILE with one that does)") from None
+
+
 class Renderer:
     """Renders conversations with one tokenizer and template (loaded once per process)."""
 
@@ -608,16 +620,10 @@ class Renderer:
             return None
         if conv.prompt is None or fmt.mask_reasoning or videos:
             return None  # a video's placeholder text is timestamped per example later: the turns are split instead
-        try:
-            with time_limit(TEMPLATE_SECONDS):
-                if self.jinja is None:
-                    return Split(chatml_text(conv, conv.prompt, True), chatml_text(conv, len(conv.messages), False),
-                                 False)
-                return template_split(self.jinja, conv)
-        except TemplateTimeout:
-            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
-                                                  "record; a chat template should only lay out the turns (use "
-                                                  "--chat-template FILE with one that does)") from None
+        if self.jinja is None:
+            return Split(chatml_text(conv, conv.prompt, True), chatml_text(conv, len(conv.messages), False), False)
+        with _record_time_limit():
+            return template_split(self.jinja, conv)
 
     def _lm_segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         try:
@@ -636,13 +642,8 @@ class Renderer:
         plain = conv.train is None and fmt.train_on is TrainOn.ASSISTANT and not fmt.mask_reasoning
         if self.jinja is None or not self.jinja.generation or not plain:
             return self.segments(conv, fmt)
-        try:
-            with time_limit(TEMPLATE_SECONDS):
-                return generation_segments(self.jinja, conv)
-        except TemplateTimeout:
-            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
-                                                  "record; a chat template should only lay out the turns (use "
-                                                  "--chat-template FILE with one that does)") from None
+        with _record_time_limit():
+            return generation_segments(self.jinja, conv)
 
     def _rendered(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         if conv.text is not None:
@@ -653,13 +654,8 @@ class Renderer:
         targets = target_flags(conv, fmt.train_on)
         if self.jinja is None:
             return chatml_segments(conv, targets, fmt.mask_reasoning)
-        try:
-            with time_limit(TEMPLATE_SECONDS):
-                return template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
-        except TemplateTimeout:
-            raise Rejected(Reason.TEMPLATE_LIMIT, f"the chat template ran longer than {TEMPLATE_SECONDS:g} s on this "
-                                                  "record; a chat template should only lay out the turns (use "
-                                                  "--chat-template FILE with one that does)") from None
+        with _record_time_limit():
+            return template_segments(self.jinja, conv, targets, fmt.mask_reasoning)
 
     def appends_eos(self, conv: Conversation, fmt: Optional[FormatOptions] = None) -> bool:
         """Whether the encoder appends the tokenizer's EOS to the example's segments: every rendered example, except

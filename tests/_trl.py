@@ -33,17 +33,20 @@ class Template:
     """The template marks assistant turns with ``{% generation %}`` (TRL's ``assistant_only_loss`` needs it)."""
 
 
-CHATML = Template(
-    "chatml", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
-    # Qwen2.5 style: a default system turn, and the assistant's content and <|im_end|> inside {% generation %}.
-    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
+_CHATML_TURNS = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + '\\n' }}"
     "{%- if message.role == 'assistant' %}{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}"
     "{{- '\\n' }}"
     "{%- else %}{{- message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
+    "{%- endfor %}")
+"""ChatML's turns, the assistant's content and <|im_end|> inside {% generation %} (the ChatML and think templates)."""
+
+CHATML = Template(
+    "chatml", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+    # Qwen2.5 style: a default system turn, then ChatML's turns.
+    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}" + _CHATML_TURNS +
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
     bos_post_processor=False, generation=True)
 
@@ -66,12 +69,7 @@ THINK = Template(
     # Qwen3 (enable_thinking=False) / Gemma 4 style: the generation prompt ends with an empty thought block that a
     # completed assistant turn does not render, so the prompt rendered alone is NOT a prefix of the whole.
     # (<think> and </think> are tokens of the deepseek vocabulary already.)
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' }}"
-    "{%- if message.role == 'assistant' %}{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}{{- message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
+    _CHATML_TURNS +
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
     bos_post_processor=False, generation=True)
 

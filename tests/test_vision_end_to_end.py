@@ -64,6 +64,21 @@ def _records(root: Path, n: int, seed: int, sides: tuple[int, int] = (8, 400)) -
     return path
 
 
+def folded_qwen2_vl(rows: list[dict], tokenizer: str, attn: str) -> tuple[torch.nn.Module, np.ndarray, int]:
+    """A tiny Qwen2-VL over the ids ``rows`` use, the 129k vocabulary folded onto them (the same computation): the
+    model, the fold (old id -> new) and the image pad token's old id."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    used = sorted({int(t) for r in rows for t in r["input_ids"]} | {start, pad, end})
+    fold = np.zeros(max(used) + 1, np.int64)
+    fold[used] = np.arange(len(used))
+    model = _tiny_qwen2_vl(len(used) + 1, {"image_token_id": int(fold[pad]), "vision_start_token_id": int(fold[start]),
+                                           "vision_end_token_id": int(fold[end])}, attn).eval()
+    return model, fold, pad
+
+
 def _tiny_qwen2_vl(vocab: int, ids: dict[str, int], attn: str) -> torch.nn.Module:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -99,7 +114,6 @@ def _reference(tokens: list[int], mask: list[int], images: list[dict], pad: int,
                                         pytest.param("sdpa", 2, marks=pytest.mark.slow),
                                         pytest.param("eager", 3, marks=pytest.mark.slow)])
 def test_packed_records_equal_each_record_prepared_by_transformers(tmp_path, tokenizer, attn, seed):
-    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     data = _records(tmp_path, 14, seed)
@@ -112,16 +126,9 @@ def test_packed_records_equal_each_record_prepared_by_transformers(tmp_path, tok
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["examples_packed"] == 14 and manifest["counts"]["rejected"] == 0
 
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    start, pad, end = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
     ds = packers.PackedDataset(out)
     rows = ds.fetch(range(len(ds.rows)))
-    # Fold the 129k vocabulary onto the ids these rows use: a tiny model, the same computation.
-    used = sorted({int(t) for r in rows for t in r["input_ids"]} | {start, pad, end})
-    fold = np.zeros(max(used) + 1, np.int64)
-    fold[used] = np.arange(len(used))
-    model = _tiny_qwen2_vl(len(used) + 1, {"image_token_id": int(fold[pad]), "vision_start_token_id": int(fold[start]),
-                                           "vision_end_token_id": int(fold[end])}, attn).eval()
+    model, fold, pad = folded_qwen2_vl(rows, tokenizer, attn)
     processor = Qwen2VLImageProcessorPil(size={"shortest_edge": ds.vision.min_pixels,
                                                "longest_edge": ds.vision.max_pixels})
 

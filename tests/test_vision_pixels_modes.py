@@ -389,10 +389,9 @@ def test_packed_examples_in_every_mode_equal_each_example_alone(tmp_path, family
 def test_dpo_pairs_with_images_in_every_mode_equal_each_side_alone(tmp_path, tokenizer):  # noqa: F811
     """Image pairs packed by the job (``--pairs --processor``; RGBA, palette, LA, CMYK and EXIF-turned prompts): each
     side's completion log-probability from the packed batch equals that side alone through the processor."""
-    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from tests.test_vision_end_to_end import _processor_folder, _reference, _tiny_qwen2_vl
+    from tests.test_vision_end_to_end import _processor_folder, _reference, folded_qwen2_vl
     from tests.test_vision_pairs import _side_logp
 
     write_images(tmp_path, 5, turn=8)
@@ -409,15 +408,9 @@ def test_dpo_pairs_with_images_in_every_mode_equal_each_side_alone(tmp_path, tok
     assert result.exit_code == 0, result.output
     assert json.loads((out / "manifest.json").read_text())["counts"]["rejected"] == 0
 
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    start, pad, end = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
     ds = packers.PackedDataset(out)
     rows = ds.fetch(range(len(ds.rows)))
-    used = sorted({int(t) for r in rows for t in r["input_ids"]} | {start, pad, end})
-    fold = np.zeros(max(used) + 1, np.int64)
-    fold[used] = np.arange(len(used))
-    model = _tiny_qwen2_vl(len(used) + 1, {"image_token_id": int(fold[pad]), "vision_start_token_id": int(fold[start]),
-                                           "vision_end_token_id": int(fold[end])}, "sdpa").eval()
+    model, fold, pad = folded_qwen2_vl(rows, tokenizer, "sdpa")
     processor = Qwen2VLImageProcessorPil(size={"shortest_edge": ds.vision.min_pixels,
                                                "longest_edge": ds.vision.max_pixels})
     batch = Collator(vision=ds.vision)([{**r, "input_ids": fold[r["input_ids"]]} for r in rows])
