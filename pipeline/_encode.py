@@ -586,11 +586,16 @@ class Encoder:
             spans = p.spans.get(owner)
             if spans is None:
                 continue
-            offsets = np.asarray(encs[k].offsets, dtype=np.int64).reshape(-1, 2)
-            hit = np.zeros(len(offsets), dtype=bool)
-            for a, b in spans:
-                hit |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
-            mask[int(starts[owner]):int(starts[owner]) + len(offsets)] = hit
+            enc, at = encs[k], int(starts[owner])
+            hit = np.zeros(len(enc.ids), dtype=bool)
+            for a, b in spans:  # the tokens holding the span's first and last characters, and those between
+                first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
+                if first is None or last is None:  # a character no token holds: every token's offsets, then
+                    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                    hit |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+                else:
+                    hit[first:last + 1] = True
+            mask[at:at + len(hit)] = hit
 
     def _train_all(self, p: "_Prepared", owner: int, pairs: bool) -> bool:
         """``--train-on all`` for the data set of ``owner`` (never for pairs: their prompt is context)."""
