@@ -49,7 +49,7 @@ from importlib import resources
 from typing import Any, Optional
 
 from packers import PackstreamError
-from pipeline._formats import TRL_CONVERSATIONS, Conversation, Reason, Rejected, target_flags
+from pipeline._formats import TRL_CONVERSATIONS, Conversation, Reason, Rejected, Video, target_flags
 from pipeline._image_parts import ImageParts, content_text as _content_text
 from pipeline._options import Eos, FormatOptions, PackOptions, TrainOn, Turns
 
@@ -376,11 +376,7 @@ def template_segments(tpl: JinjaTemplate, conv: Conversation, targets: list[bool
     everything = all(targets)
     if len(msgs) != len(conv.messages):  # tool definitions became a system turn of their own
         targets = [False] + targets
-    size = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in msgs)  # the record's text
-    size += len(json.dumps([m.get("tool_calls") for m in msgs], ensure_ascii=False)) if conv.tools or any(
-        m.get("tool_calls") for m in msgs) else 0
-    size += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
-    cap = TEMPLATE_MAX_CHARS + 8 * size
+    cap = _cap(conv, msgs, tools)
 
     def render(upto: int, gen: bool, last: Optional[dict] = None) -> str:
         part = msgs[:upto] if last is None else msgs[:upto] + [last]
@@ -439,10 +435,6 @@ class Split:
     whole text tokenized as one, so no token is cut where a turn starts). None: every token after the prompt's."""
 
 
-TEMPLATE_ENDED = TRL_CONVERSATIONS
-"""Shapes of TRL's conversational language-modeling format (:meth:`Renderer.ends_as_rendered`)."""
-
-
 def _char_spans(segs: Segments) -> tuple[tuple[int, int], ...]:
     """The ``[start, end)`` character ranges of the target segments of ``segs``, in the text they join into.
 
@@ -465,10 +457,12 @@ def chatml_text(conv: Conversation, upto: int, gen: bool) -> str:
     return text + ("<|im_start|>assistant\n" if gen else "")
 
 
-def _cap(msgs: list[dict], tools: Optional[list]) -> int:
-    """The bound on one rendering of ``msgs``: :data:`TEMPLATE_MAX_CHARS` plus 8 characters per character of text."""
-    size = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in msgs)
-    size += len(json.dumps([m.get("tool_calls") for m in msgs], ensure_ascii=False))
+def _cap(conv: Conversation, msgs: list[dict], tools: Optional[list]) -> int:
+    """The bound on one rendering of ``msgs`` (``conv`` as the template sees it, :func:`_inline`):
+    :data:`TEMPLATE_MAX_CHARS` plus 8 characters per character of the record's text, tool calls and definitions."""
+    size = sum(len(_content_text(m["content"])) + len(m.get("reasoning_content", "")) for m in msgs)
+    size += len(json.dumps([m.get("tool_calls") for m in msgs], ensure_ascii=False)) if conv.tools or any(
+        m.get("tool_calls") for m in msgs) else 0
     size += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
     return TEMPLATE_MAX_CHARS + 8 * size
 
@@ -477,7 +471,7 @@ def generation_segments(tpl: JinjaTemplate, conv: Conversation) -> Segments:
     """A conversation rendered whole, its ``{% generation %}`` blocks the targets and the rest context: the spans
     transformers' ``return_assistant_tokens_mask`` (TRL's ``assistant_only_loss``) trains."""
     msgs, _, tools = _inline(conv, tpl)
-    whole, spans = tpl.render_generation(msgs, tools, _cap(msgs, tools))
+    whole, spans = tpl.render_generation(msgs, tools, _cap(conv, msgs, tools))
     _check_rendered(whole, msgs, tools)
     segs: Segments = []
     at = 0
@@ -496,7 +490,7 @@ def template_split(tpl: JinjaTemplate, conv: Conversation) -> Split:
     the generation prompt and the whole as the template writes it, nothing the record holds left out."""
     msgs, _, tools = _inline(conv, tpl)
     k = conv.prompt + len(msgs) - len(conv.messages)  # tool definitions may have become a system turn of their own
-    cap = _cap(msgs, tools)
+    cap = _cap(conv, msgs, tools)
     whole = tpl.render(msgs, tools, False, cap)
     _check_rendered(whole, msgs, tools)
     return Split(tpl.render(msgs[:k], tools, True, cap), whole, False)
@@ -547,6 +541,9 @@ class Renderer:
             source = source.get("default") or next(iter(source.values()))
         self.template: Optional[str] = source
         self.vision = options.vision()
+        self._rewrites_images = self.vision is not None and self.vision.expand(self.vision.placeholder) != \
+            self.vision.placeholder
+        """The processor rewrites the text around each image before tokenizing it (Gemma 3: :meth:`VisionSpec.expand`)."""
         self.jinja: Optional[JinjaTemplate] = None
         if source is not None:
             try:
@@ -563,7 +560,7 @@ class Renderer:
         """Whether the example ends as the template renders it, with no EOS appended and no trailing whitespace
         dropped: TRL's conversational language-modeling formats (``messages``, and ShareGPT's ``conversations``,
         which TRL converts to messages) under ``--eos trl``, as TRL's SFTTrainer tokenizes them."""
-        return fmt.eos is Eos.TRL and conv.shape in TEMPLATE_ENDED and not conv.raw and conv.text is None
+        return fmt.eos is Eos.TRL and conv.shape in TRL_CONVERSATIONS and not conv.raw and conv.text is None
 
     def segments(self, conv: Conversation, fmt: FormatOptions) -> Segments:
         """The conversation as ``[(text, is_target), ...]``; every target flag follows ``fmt``.
@@ -609,15 +606,13 @@ class Renderer:
             return None
         if conv.text is not None and conv.shape == "text" and conv.text.strip():  # a blank one: empty_after_render
             return Split(None, conv.text if conv.text.endswith(eos) else conv.text + eos, True)
-        videos = any(type(i).__name__ == "Video" for i in conv.images)
-        if self.ends_as_rendered(conv, fmt) and not videos:
+        videos = any(isinstance(i, Video) for i in conv.images)
+        # a messages conversation is tokenized whole, its spans found by character offsets: unless the processor
+        # rewrites the text around its images first (Gemma 3's blank lines), which would move them; then its turns
+        # are tokenized one by one (:meth:`segments`)
+        if self.ends_as_rendered(conv, fmt) and not videos and not (conv.images and self._rewrites_images):
             segs = self._lm_segments(conv, fmt)
-            whole = "".join(t for t, _ in segs)
-            # tokenized whole, its spans found by character offsets: unless the processor rewrites the text around
-            # its images first (Gemma 3's blank lines), which would move them; then the turns are tokenized one by one
-            if not conv.images or self.vision is None or self.vision.expand(whole) == whole:
-                return Split(None, whole, False, _char_spans(segs))
-            return None
+            return Split(None, "".join(t for t, _ in segs), False, _char_spans(segs))
         if conv.prompt is None or fmt.mask_reasoning or videos:
             return None  # a video's placeholder text is timestamped per example later: the turns are split instead
         if self.jinja is None:

@@ -35,7 +35,7 @@ from pipeline._formats._hygiene import _hygiene, _inline_reasoning, _no_assistan
 from pipeline._formats._paths import resolve, unused_beside_paths
 from pipeline._formats._turns import MEDIA_KEYS, _system_column, _tools
 from pipeline._formats.detect import ORDER, REGISTRY, detect
-from pipeline._options import Format, FormatOptions, Strings
+from pipeline._options import Format, FormatOptions, LeadingAssistant, SameRole, Strings, Turns
 
 
 def conversations(record: Any, options: FormatOptions, image_text: Optional[str] = None,
@@ -265,19 +265,18 @@ def as_written(shape: str, o: FormatOptions) -> bool:
 
 
 def _written(o: FormatOptions) -> bool:
-    from pipeline._options import LeadingAssistant, SameRole, Turns
-
     return o.turns is Turns.WRITTEN and o.leading_assistant is LeadingAssistant.DROP and o.same_role is SameRole.MERGE
 
 
-def _as_written(turns: list, completion: int, ctx: Ctx) -> list:
-    """The turns of a TRL prompt/completion record (the last ``completion`` of them its completion) as TRL renders
-    them: no hygiene (no turn dropped, merged or trimmed; an empty completion is trained as the template writes it),
-    reasoning left in the text as written. Only what the user asked for applies: ``--system-prompt`` before a
-    prompt without a system turn, and with ``--mask-reasoning`` the completion's inline ``<think>`` blocks become its
-    reasoning (so that they can be masked)."""
+def _as_written(turns: list, completion: Optional[int], ctx: Ctx) -> list:
+    """The turns of a TRL record as TRL renders them: a prompt/completion record's (the last ``completion`` of them
+    its completion), or a ``messages`` conversation's (``completion`` None: every turn). No hygiene (no turn dropped,
+    merged or trimmed; an empty completion is trained as the template writes it), reasoning left in the text as
+    written. Only what the user asked for applies: ``--system-prompt`` before a prompt without a system turn, and
+    with ``--mask-reasoning`` the trained turns' inline ``<think>`` blocks become their reasoning (so that they can
+    be masked). A conversation without an assistant turn has nothing to train."""
     if not turns:
-        raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns" if not completion else
+        raise Rejected(Reason.EMPTY_CONVERSATION, "the conversation has no turns" if completion is None else
                        "the prompt and the completion are both empty lists")
     ctx.turns_read = turns
     turns = list(turns)
@@ -285,8 +284,8 @@ def _as_written(turns: list, completion: int, ctx: Ctx) -> list:
         turns.insert(0, Turn("system", ctx.o.system_prompt, "--system-prompt"))
         ctx.mapping.append("--system-prompt -> system")
     if ctx.o.mask_reasoning:
-        _inline_reasoning(turns[len(turns) - completion:])
-    if not completion and not any(t.role == "assistant" for t in turns):  # messages: nothing the rule would train
+        _inline_reasoning(turns if completion is None else turns[len(turns) - completion:])
+    if completion is None and not any(t.role == "assistant" for t in turns):
         raise _no_assistant(ctx)
     return turns
 
@@ -321,9 +320,7 @@ def _conversation(record: dict, shape: Shape, draft: Draft, ctx: Ctx) -> Convers
                 turns = _hygiene(turns, ctx)
             conv.prompt = next((i for i, t in enumerate(turns) if t.train), len(turns))
         elif as_written(shape.name, ctx.o):  # TRL's messages: the turns as TRL renders them
-            turns = _as_written(turns, 0, ctx)
-            if ctx.o.mask_reasoning:
-                _inline_reasoning(turns)
+            turns = _as_written(turns, None, ctx)
         else:
             _inline_reasoning(turns)
             turns = _hygiene(turns, ctx)
