@@ -37,9 +37,13 @@ SIDE, TOKENS = 896, 256
 (config.json ``mm_tokens_per_image`` 256, SigLIP ``image_size`` 896 in 14-pixel patches: 64 x 64, average-pooled 4 x 4 to 16 x 16)."""
 
 # Image processor settings that change the pixels (never the token count) and that packstream's loader reproduces
-# only at Gemma 3's values: the key and the value it must have. A key absent or null takes Gemma3ImageProcessor's
-# class default, which is that value (transformers 5.25: bilinear, IMAGENET_STANDARD mean/std 0.5, rgb, rescale
-# 1/255); google's preprocessor_config.json writes do_convert_rgb and the pan-and-scan keys as null.
+# only at Gemma 3's values: the key and the value it must have. A key absent takes Gemma3ImageProcessor's class
+# default, which is that value (transformers 5.25: bilinear, IMAGENET_STANDARD mean/std 0.5, do_convert_rgb true,
+# rescale 1/255). google's preprocessor_config.json writes do_convert_rgb and the pan-and-scan keys as null, and a null
+# is NOT the class default there: transformers 5.25 keeps do_convert_rgb None, so its processor converts nothing
+# (an RGB image comes out the same; a grayscale or RGBA one fails in its normalize, mean and channels disagreeing).
+# packstream's loader converts every image to RGB first (packers.images.decode_rgb), so it accepts null: the pixels
+# agree wherever transformers' own processor gives any.
 FIXED: tuple[Fixed, ...] = (
     Fixed("do_resize", True), Fixed("do_rescale", True), Fixed("do_normalize", True), Fixed("do_convert_rgb", True),
     Fixed("rescale_factor", 1 / 255), Fixed("resample", 2),  # PIL bilinear
@@ -96,12 +100,11 @@ def check_fixed(config: Mapping[str, tuple[Any, str, str]], where: str, fix: str
     _check_fixed(config, FIXED, where, "Gemma 3", fix)
 
 
-def check_model(config: Any, what: str, side: int, tokens: int) -> None:
-    """A Gemma 3 folder's ``config.json``: its ``mm_tokens_per_image`` and vision ``image_size``, when written, must be
-    the processor's ``image_seq_length`` and ``size`` (else the model's image features and the placeholder tokens, or
-    its patches and the pixels, would not match: transformers fails on the example alone)."""
-    if not isinstance(config, dict):
-        return
+def check_model(config: Mapping[str, Any], what: str, side: int, tokens: int) -> None:
+    """A Gemma 3 folder's ``config.json`` (a JSON object, read by :func:`packers._processor_folder.read_json`): its
+    ``mm_tokens_per_image`` and vision ``image_size``, when written, must be the processor's ``image_seq_length`` and
+    ``size`` (else the model's image features and the placeholder tokens, or its patches and the pixels, would not
+    match: transformers fails on the example alone)."""
     vision = config.get("vision_config")
     for key, value, want in (("mm_tokens_per_image", config.get("mm_tokens_per_image"), tokens),
                              ("vision_config.image_size", vision.get("image_size") if isinstance(vision, dict) else None,

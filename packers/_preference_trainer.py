@@ -12,9 +12,10 @@ read a :class:`packers.PackedDataset` instead and compute what TRL computes, per
                          divided by gradient_accumulation_steps by the Trainer, as TRL's is
 
 and log TRL's metric names with TRL's definitions (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``
-(DPO), ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``kl`` (KTO)), each the mean of its micro-batch
-values since the last log. TRL's ``entropy``, ``logits/*``, ``mean_token_accuracy`` and ``num_tokens`` are not logged
-(they need TRL's fused LM head).
+(DPO), ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``kl`` (KTO), ``aux_loss`` (MoE models, whose
+``router_aux_loss_coef x aux_loss`` joins the loss as in TRL)), each the mean of its micro-batch values since the last
+log. TRL's ``entropy``, ``logits/*``, ``mean_token_accuracy`` and ``num_tokens`` are not logged (they need TRL's fused
+LM head). Every other field of TRL's configs is honoured or refused by the table of :mod:`packers._trainer_settings`.
 
 KTO's reference point (TRL's ``kl``): each example's prompt followed by the completion of the example before it in
 the micro-batch (the first takes the last one's: TRL rotates completions by one within each batch), packed as a
@@ -105,6 +106,9 @@ def _per_pair(name: str, ls: float, tau: float) -> Callable[..., torch.Tensor] |
     return losses.get(name)
 
 
+_F_DIVERGENCE_LOSSES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
+"""TRL 1.16's loss types that take an f_divergence_type other than reverse_kl (the others it refuses)."""
+
 _NOT_PER_PAIR = {
     "aot": "it sorts the log-ratios across the batch, so a pair's loss depends on the others packed with it",
     "aot_unpaired": "it sorts the log-ratios across the batch, so a pair's loss depends on the others packed with it",
@@ -142,13 +146,15 @@ class _Shared:
         if not isinstance(train_dataset, PackedDataset):
             raise PackstreamError(f"{name} trains on a packers.PackedDataset of a packed folder; got "
                                   f"{type(train_dataset).__name__}")
+        from packers._trainer_settings import check
+
+        check(name, args, train_dataset)  # every field TRL's config has: honoured, or refused in one line
+        _check_targets(name, train_dataset)
         if ref_model is None and not args.precompute_ref_log_probs:
             raise PackstreamError(f"{name} needs ref_model=... or {self._config}(precompute_ref_log_probs=True) (the "
                                   "policy before training is then the reference)")
         if ref_model is model:
             raise PackstreamError(f"{name}: model and ref_model are the same object; pass a frozen copy")
-        if args.sync_ref_model:
-            raise PackstreamError(f"{name}: sync_ref_model=True is not supported on packed rows; leave it off")
         accum = train_dataset.batching.grad_accum
         if accum != args.gradient_accumulation_steps:
             raise PackstreamError(f"PackedDataset(batching=Batching(grad_accum={accum})) but gradient_accumulation_steps"
@@ -159,12 +165,13 @@ class _Shared:
                                   f"{'pairs' if self._config == 'DPOConfig' else 'examples'}; "
                                   "Batching(loss_weighting='source') weights SFT tokens by data set and is not "
                                   "applied here: leave the default, or weight data sets by sampling (--config weight)")
-        self._check_args(args)
-        args.remove_unused_columns = False  # keep the packed columns
         if train_dataset.vision is not None and self._config != "DPOConfig":
             raise PackstreamError(f"{name}: the rows carry images ({train_dataset.vision.name or 'a vision spec'}), and "
                                   "KTO's KL term pairs each prompt with another example's completion, which is not "
                                   "built for image rows yet; train KTO on text rows, or DPO (--pairs) on image rows")
+        self._check_args(args)
+        self._check_data(train_dataset)
+        args.remove_unused_columns = False  # keep the packed columns
         self.collator = collator if collator is not None else Collator(vision=train_dataset.vision)
         super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=self.collator, **kwargs)
         self.model_accepts_loss_kwargs = False  # transformers < 5.19 reads this instead of loss_is_scaled_for_ga
@@ -184,14 +191,47 @@ class _Shared:
                     disable_dropout_in_model(m)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._precomputed: dict[Any, Any] | None = None  # filled by _reference_table() when first needed
+        self._aux_coef = self._router_aux_loss_coef(model, args)
 
     def _check_args(self, args: Any) -> None:
         raise NotImplementedError
 
+    def _check_data(self, ds: PackedDataset) -> None:
+        """The folder's rows fit this trainer's loss (KTO: every example labelled)."""
+
+    def _router_aux_loss_coef(self, model: torch.nn.Module, args: Any) -> float | None:
+        """TRL 1.16's MoE load-balancing loss (``aux_loss_enabled``): on for a model whose config has
+        ``output_router_logits``, with ``router_aux_loss_coef`` (None: the config's own), unless that is 0. None: off.
+
+        The model's ``load_balancing_loss_func`` averages the router statistics over the batch's tokens, TRL's over its
+        padded batch with the attention mask (pads left out): the same tokens as a packed micro-batch of the same
+        examples, which holds no padding. ``Collator(fixed_shape=True)`` pads, and packed rows pass no attention mask,
+        so the pads would count: refused (tests/test_trainer_settings.py measures the packed aux loss against TRL's)."""
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        coef = args.router_aux_loss_coef
+        moe = hasattr(text, "output_router_logits")
+        if coef and not moe:
+            raise PackstreamError(f"{type(self).__name__}: router_aux_loss_coef={coef} but {type(model).__name__} is not "
+                                  "a Mixture-of-Experts model that returns its router logits (its config has no "
+                                  "output_router_logits): there is no auxiliary loss to weight; leave it unset")
+        value = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+        if not moe or not value:
+            return None
+        if getattr(self.collator, "fixed_shape", False):
+            raise PackstreamError(f"{type(self).__name__}: the MoE auxiliary loss (router_aux_loss_coef={value}) would "
+                                  "count Collator(fixed_shape=True)'s padding tokens, which TRL leaves out; use "
+                                  "Collator() (no padding), or router_aux_loss_coef=0.0 to train without it")
+        return float(value)
+
     def get_train_dataloader(self):
         # Not through accelerator.prepare: PackedDataset is rank-aware and already batched (examples/hf_trainer.py).
+        extra = {k: v for k, v in (("prefetch_factor", self.args.dataloader_prefetch_factor),
+                                   ("multiprocessing_context", self.args.dataloader_multiprocessing_context))
+                 if v is not None}
         return self.train_dataset.dataloader(collate_fn=self.collator, num_workers=self.args.dataloader_num_workers,
-                                             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available())
+                                             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+                                             **extra)
 
     # -- checkpoint and resume: the loader's position and the reference table go into each checkpoint folder -----
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
@@ -217,7 +257,8 @@ class _Shared:
             ds.load_state_dict(_read_json(path, LOADER_STATE, 1 << 20))  # refuses other data or options, naming them
         path = os.path.join(checkpoint, REF_LOGPS)
         if self.args.precompute_ref_log_probs and os.path.isfile(path):
-            self._precomputed = _read_json(path, REF_LOGPS, 1 << 34)
+            self._precomputed = self._checked_table(_read_json(path, REF_LOGPS, 1 << 34), path,
+                                                    f"delete {path} and resume: the table is then recomputed")
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -265,17 +306,54 @@ class _Shared:
             torch.distributed.all_gather_object(parts, table)
             for part in parts:
                 table.update(part)
+        return self._checked_table(table, "the precomputed reference log-probs",
+                                   "the reference model gives them: check its weights and dtype")
+
+    def _checked_table(self, table: Any, where: str, fix: str) -> dict[Any, Any]:
+        """``table`` (example id -> reference values) as ``_reference_entries`` makes it: one entry for each example
+        of the dataset and no other, each of this trainer's arity, every log-prob a finite number (KTO: the mismatched
+        completion a list of token ids, or None without the KL term). Else one line naming ``where``, the example,
+        the value and ``fix``."""
+        if not isinstance(table, dict):
+            raise PackstreamError(f"{where}: a {type(table).__name__}, not a table of example id -> reference "
+                                  f"log-probs; {fix}")
+        import pyarrow.compute as pc
+
+        ids = set(pc.list_flatten(self.train_dataset.rows.data.column("example_ids")).to_pylist())
+        for eid, entry in table.items():
+            problem = _entry_problem(entry, self._arity, getattr(self, "_with_kl", False))
+            if eid not in ids:
+                problem = "is not an example of the dataset (the table was computed over other data)"
+            if problem:
+                raise PackstreamError(f"{where}: example {_short(eid)}: {_short(entry)} {problem}; {fix}")
+        missing = sorted(ids - set(table))
+        if missing:
+            raise PackstreamError(f"{where}: no entry for {len(missing)} examples of the dataset (e.g. "
+                                  f"{_short(missing[0])}): it was computed over other data; {fix}")
         return table
 
     def _reference_entries(self, ref: torch.nn.Module, batch: Mapping[str, Any]) -> dict[Any, Any]:
         raise NotImplementedError
 
     def _logps(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> SequenceLogps:
-        lp = sequence_logps(model(**_model_inputs(batch)).logits, batch)
+        return self._forward(model, batch, aux=False)[0]
+
+    def _forward(self, model: torch.nn.Module, batch: Mapping[str, Any], aux: bool) -> tuple[SequenceLogps, Any]:
+        """The log-probs of ``model`` on ``batch`` and, with ``aux`` and the MoE loss on, its ``aux_loss``."""
+        aux = aux and self._aux_coef is not None
+        out = model(**_model_inputs(batch), **({"output_router_logits": True} if aux else {}))
+        lp = sequence_logps(out.logits, batch)
         if lp.ids is None:
             raise PackstreamError("the rows carry no example_ids; the preference trainers look examples up by id: pack "
                                   "with packstream pack")
-        return lp
+        return lp, (out.aux_loss if aux else None)
+
+    def _with_aux(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """TRL's ``loss + router_aux_loss_coef * aux_loss``, ``aux_loss`` logged as the mean over processes."""
+        if aux is None:
+            return loss
+        self._metrics["aux_loss"].append(self._gathered_mean(aux.reshape(1)))
+        return loss + self._aux_coef * aux
 
     def _looked_up(self, ids: tuple[Any, ...], key: int, device: torch.device) -> torch.Tensor:
         missing = [i for i in ids if i not in self._precomputed]
@@ -308,10 +386,12 @@ class _DPO(_Shared):
     ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down``, ``discopop``, ``sigmoid_norm``, and ``sft``, a token mean
     over the micro-batch's chosen sides), combined by ``loss_weights``; ``beta``, ``label_smoothing``,
     ``f_divergence_type``, ``f_alpha_divergence_coef`` and ``discopop_tau`` as in TRL. Refused by name: ``aot`` and
-    ``aot_unpaired``, ``use_weighting`` and ``ld_alpha`` (they need per-token values TRL's fused head gives).
+    ``aot_unpaired``, ``use_weighting`` and ``ld_alpha`` (they need per-token values TRL's fused head gives). Every
+    other field: packers._trainer_settings.
     """
 
     _config = "DPOConfig"
+    _arity = 1
 
     def _check_args(self, args: Any) -> None:
         for name in args.loss_type:
@@ -320,11 +400,10 @@ class _DPO(_Shared):
             if name != "sft" and _per_pair(name, 0.0, 1.0) is None:
                 raise PackstreamError(f"loss_type={name!r} is not supported on packed rows: not a loss of TRL 1.16's "
                                       "DPOTrainer")
-        for option, value, why in (("use_weighting", args.use_weighting, False),
-                                   ("ld_alpha", args.ld_alpha, None)):
-            if value is not why:
-                raise PackstreamError(f"{option}={value!r} is not supported on packed rows: it needs per-token values "
-                                      "of TRL's fused LM head; leave it unset")
+        kind = getattr(args.f_divergence_type, "value", args.f_divergence_type)
+        if kind != "reverse_kl" and not set(args.loss_type) <= _F_DIVERGENCE_LOSSES:  # as TRL 1.16 refuses it
+            raise PackstreamError(f"f_divergence_type={kind!r} with loss_type={args.loss_type}: TRL allows it only with "
+                                  f"{', '.join(sorted(_F_DIVERGENCE_LOSSES))}; use f_divergence_type='reverse_kl'")
         if "robust" in args.loss_type and not 0.0 <= args.label_smoothing < 0.5:
             raise PackstreamError(f"label_smoothing={args.label_smoothing} with loss_type='robust': use [0, 0.5)")
         if "exo_pair" in args.loss_type and args.label_smoothing == 0.0:
@@ -332,11 +411,11 @@ class _DPO(_Shared):
 
     def _reference_entries(self, ref: torch.nn.Module, batch: Mapping[str, Any]) -> dict[Any, Any]:
         lp = self._logps(ref, batch)
-        return {i: (float(s),) for i, s in zip(lp.ids, lp.sum.double().tolist())}
+        return {i: [float(s)] for i, s in zip(lp.ids, lp.sum.double().tolist())}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        lp = self._logps(model, inputs)
+        lp, aux = self._forward(model, inputs, aux=True)
         if lp.pair_index is None:
             raise PackstreamError("this batch holds no preference pairs: pack the folder with packstream pack --pairs")
         pairs = lp.pair_index
@@ -362,7 +441,7 @@ class _DPO(_Shared):
                            ("rewards/accuracies", (chosen > rejected).double()), ("rewards/margins", chosen - rejected),
                            ("logps/chosen", pc), ("logps/rejected", pr)):
             self._metrics[key].append(self._gathered_mean(value))
-        loss = loss.float()
+        loss = self._with_aux(loss, aux).float()
         return (loss, {"chosen_logps": pc, "rejected_logps": pr}) if return_outputs else loss
 
 
@@ -374,6 +453,22 @@ class _KTO(_Shared):
     """
 
     _config = "KTOConfig"
+    _arity = 3
+
+    def _check_data(self, ds: PackedDataset) -> None:
+        """Every example of the folder labelled: TRL's KTO data has a label per record, and an unlabelled example
+        (desirable -1) would be refused by kto_loss mid-run or scored as undesirable by apo_zero_unpaired."""
+        import pyarrow.compute as pc
+
+        table = ds.rows.data
+        total = int(ds.num_examples.sum())
+        labelled = 0
+        if "desirable" in table.column_names:
+            labelled = int(pc.sum(pc.greater_equal(pc.list_flatten(table.column("desirable")), 0)).as_py() or 0)
+        if labelled < total:
+            raise PackstreamError(f"{type(self).__name__}: {total - labelled} of the folder's {total} examples carry no "
+                                  "KTO label (desirable -1), and KTO scores labelled examples only; pack KTO data where "
+                                  "every record has a label (a boolean label, kto_tag or --kto-label field)")
 
     def _check_args(self, args: Any) -> None:
         if args.loss_type not in ("kto", "apo_zero_unpaired"):
@@ -417,7 +512,7 @@ class _KTO(_Shared):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        lp = self._logps(model, inputs)
+        lp, aux = self._forward(model, inputs, aux=True)
         if lp.desirable is None:
             raise PackstreamError("this batch carries no KTO labels: pack KTO data (a boolean label, kto_tag or "
                                   "--kto-label field) with packstream pack")
@@ -432,12 +527,15 @@ class _KTO(_Shared):
             loss = kto_loss(policy64, replace(lp, sum=ref), kl.to(ref.device), beta=args.beta,
                             desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight)
         else:  # TRL's unpaired APO-zero
+            if bool((lp.desirable < 0).any()):
+                raise PackstreamError(f"{int((lp.desirable < 0).sum())} of the batch's examples carry no KTO label; "
+                                      "pack KTO data where every record has a label")
             ratio, good = policy64.sum - ref, lp.desirable.to(ref.device) == 1
             loss = torch.where(good, args.desirable_weight * (1 - torch.sigmoid(args.beta * ratio)),
                                args.undesirable_weight * torch.sigmoid(args.beta * ratio)).mean()
         self._kto_metrics(policy64.sum.detach(), args.beta * (policy64.sum.detach() - ref),
                           lp.desirable.to(ref.device) == 1, kl)
-        loss = loss.float()
+        loss = self._with_aux(loss, aux).float()
         return (loss, {"logps": lp.sum}) if return_outputs else loss
 
     def _kto_metrics(self, logps: torch.Tensor, rewards: torch.Tensor, good: torch.Tensor, kl: torch.Tensor) -> None:
@@ -481,6 +579,50 @@ def _mismatched(prompts: list[list[int]], completions: list[list[int]], ids: tup
     rows = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c), "seq_offsets": [0, len(p) + len(c)],
              "example_ids": [f"{i}#kl"]} for p, c, i in zip(prompts, completions, ids)]
     return Collator()(rows)
+
+
+def _check_targets(name: str, ds: PackedDataset) -> None:
+    """The folder's targets are each example's completion, what TRL scores: not packed with ``--train-on all`` (the
+    prompt among the targets) nor ``--mask-reasoning`` (the completion's reasoning left out), read from the run's
+    options in the manifest (``PackOptions.to_dict()``; with ``--config``, each data set's)."""
+    config = ds.manifest.config or {}
+    specs = [d for d in config.get("config") or () if isinstance(d, dict)] or [config]
+    for spec in specs:
+        where = f" (data set {spec.get('name')!r})" if spec is not config else ""
+        if spec.get("train_on", "assistant") != "assistant":
+            raise PackstreamError(f"{name}: the folder was packed with --train-on {spec.get('train_on')}{where}, so its "
+                                  "targets hold the prompt, and TRL scores the completion only; repack with the "
+                                  "default --train-on assistant")
+        if spec.get("mask_reasoning"):
+            raise PackstreamError(f"{name}: the folder was packed with --mask-reasoning{where}, so the completions' "
+                                  "reasoning is not among the targets, and TRL scores the whole completion; repack "
+                                  "without --mask-reasoning")
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _entry_problem(entry: Any, arity: int, kl: bool) -> str:
+    """What is wrong with one reference entry (DPO: ``[logp]``; KTO: ``[logp, mismatched completion ids (None
+    without the KL term, ``kl``), its logp]``), or ""."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != arity:
+        return f"is not a list of {arity} value{'s' if arity > 1 else ''}"
+    if not _real(entry[0]):
+        return "holds a reference log-prob that is not a finite number"
+    if arity == 3:
+        comp = entry[1]
+        if (comp is not None or kl) and not (isinstance(comp, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                    and t >= 0 for t in comp)):
+            return "holds a mismatched completion that is not a list of token ids"
+        if not _real(entry[2]):
+            return "holds a KL reference log-prob that is not a finite number"
+    return ""
+
+
+def _short(value: Any, most: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def _read_json(path: str, what: str, limit: int) -> Any:

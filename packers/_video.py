@@ -40,6 +40,7 @@ import numpy as np
 
 from packers.errors import PackstreamError
 from packers._keys import integral
+from packers.files import show_path
 
 MAX_VIDEO_FRAMES = 1 << 20
 """The most frames a container may state (a million: 9 hours at 30 fps); more is a damaged header."""
@@ -316,10 +317,23 @@ class VideoLoader:
         grid, indices, _ = self.pixels.vision.video_grid(info.frames, info.fps, info.width, info.height)
         return grid, indices
 
+    def source(self, ref: Any) -> str:
+        """How a message names the file a video reference reads: its path as the row stores it, and where that
+        resolves (``root``, ``remap``) when it differs; a video stored in the row, by its size."""
+        data, path = (ref.get("bytes"), ref.get("path")) if isinstance(ref, dict) else (None, None)
+        if data is not None:
+            return f"the video stored in the row ({len(data)} bytes)"
+        resolved = str(self.pixels.resolve(path))
+        return f"video file {show_path(path)}" + (f" (read as {show_path(resolved)})" if resolved != path else "")
+
     def check_grids(self, refs: Sequence[Any], grids: Any, names: Sequence[str]) -> None:
-        """ContractError naming the first video whose header gives another grid than its packed one."""
+        """ContractError naming the first video (its example and its file) whose header gives another grid than its
+        packed one."""
         got = np.array([self.grid_of(r, names[i])[0] for i, r in enumerate(refs)], np.int64).reshape(-1, 3)
-        _compare(refs, got, grids, names, "its header gives video grid")
+        _compare(refs, got, grids, self._named(refs, names), "its header gives video grid")
+
+    def _named(self, refs: Sequence[Any], names: Sequence[str]) -> list[str]:
+        return [f"{name}, {self.source(ref)}" for ref, name in zip(refs, names)]
 
     def __call__(self, refs: Sequence[Any], grids: Any, names: Sequence[str]) -> tuple[Any, Any]:
         """``(pixel_values_videos, video_grid_thw)`` of ``refs``, each checked against its packed grid."""
@@ -334,7 +348,7 @@ class VideoLoader:
         v = self.pixels.vision
         done = [video_patches(f, v) for f in frames]
         got = torch.tensor([g for _, g in done], dtype=torch.int64).reshape(-1, 3)
-        _compare(refs, got.numpy(), grids, names, "decodes to video grid")
+        _compare(refs, got.numpy(), grids, self._named(refs, names), "decodes to video grid")
         return torch.from_numpy(np.concatenate([p for p, _ in done])), got
 
 
@@ -376,9 +390,9 @@ def _compare(refs: Sequence[Any], got: np.ndarray, grids: Any, names: Sequence[s
         raise ContractError(f"{len(refs)} videos, {want.shape[0]} packed video grids; one grid per video")
     for i in np.flatnonzero((got != want).any(axis=1)):
         raise ContractError(f"{names[i]}: {how} {tuple(got[i].tolist())}, the row was packed for "
-                            f"{tuple(want[i].tolist())}: the video or the row's video_grid_thw changed since packing, or "
-                            "the video settings differ from the spec the rows were packed with; repack, or load with "
-                            "that spec")
+                            f"{tuple(want[i].tolist())}: the video file or the row's video_grid_thw changed since "
+                            "packing, or the video settings differ from the spec the rows were packed with; put the "
+                            "video back as it was packed or repack, or load with that spec")
 
 
 MAX_PIXELS = 1 << 30
@@ -437,21 +451,21 @@ def folder_settings(processor: str) -> dict[str, int]:
     """The video settings a model folder's ``video_preprocessor_config.json`` writes (transformers' video processor
     reads them when loaded from that folder): ``min_pixels`` / ``max_pixels`` (top-level keys, else ``size.
     shortest_edge`` / ``size.longest_edge``) and ``max_frames``, each read through the typed reader; {} when
-    ``processor`` is no folder or has no such file. ``--video-min-pixels`` / ``--video-max-pixels`` /
+    ``processor`` is no folder or has no such entry (one that is there but unreadable, a FIFO or a dangling link, is
+    refused: :func:`packers._processor_folder.read_json`). ``--video-min-pixels`` / ``--video-max-pixels`` /
     ``--video-max-frames`` win over them."""
     import os
 
     from packers._keys import Key, read
-    from packers.files import load_json, read_checked
+    from packers._processor_folder import read_json
 
-    path = os.path.join(processor, "video_preprocessor_config.json")
-    if not os.path.isdir(processor) or not os.path.isfile(path):
+    if not os.path.isdir(processor):
         return {}
-    what = f"--processor {path}"
     fix = "fix the value, or give --video-min-pixels / --video-max-pixels / --video-max-frames"
-    loaded = load_json(read_checked(path, what=what, limit=1 << 20), what=what, fix=fix)
-    if not isinstance(loaded, dict):
-        raise PackstreamError(f"{what}: a JSON object was expected; {fix}")
+    loaded = read_json(processor, "video_preprocessor_config.json", fix=fix)
+    if loaded is None:
+        return {}
+    what = f"--processor {os.path.join(processor, 'video_preprocessor_config.json')}"
     values = {k: (v, what, "") for k, v in loaded.items()}
     out = {}
     for name, keys in (("min_pixels", ("min_pixels", "size.shortest_edge")),

@@ -36,18 +36,18 @@ import dataclasses
 import enum
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from packers import _gemma, _tiles
+from packers import _gemma, _processor_folder as _folder, _tiles
 from packers.errors import PackstreamError
 from packers._keys import (NEEDED as _NEEDED, Fixed, Got as _Got, Key as _Key, check_fixed, get as _get,
                            integral as _integral, read as _read, shown as _shown)
 from packers._video import CLIP_MEAN, CLIP_STD
-from packers.files import load_json, read_checked
+from packers.files import load_json
 
-_MAX_CONFIG_BYTES = 1 << 20
-"""A processor config is a few hundred bytes; a file over 1 MiB is not one."""
+_PRE, _PROC = "preprocessor_config.json", "processor_config.json"
 
 _MAX_RATIO = 200
 """Qwen2-VL's processor refuses an image whose long side is over 200 times its short side."""
@@ -397,60 +397,46 @@ class VisionSpec:
 
         Each key read is declared once (``_QWEN_KEYS``, ``_LLAVA_KEYS``, ``_INTERNVL_KEYS``: type, range, default); a
         value of the wrong type, out of range or missing is one PackstreamError line naming the file it is in, the
-        key, the value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer."""
-        p = Path(path)
-        if not p.exists():
-            if str(path).strip().lower() in _BUILTIN:
-                return cls.builtin(str(path))
-            raise PackstreamError(f"--processor {path}: no such file or folder; give the model's folder (with "
-                                  f"preprocessor_config.json) or one of {sorted(_BUILTIN)}")
+        key, the value as written and the fix. Integers may be written ``14.0``; ``true`` is no integer. Every file is
+        read through :func:`packers._processor_folder.read_json` (a FIFO, a folder or a dangling link where a file
+        should be is refused, never skipped), and a ``config.json`` beside them must name a model type verified for
+        the family (:func:`packers._processor_folder.check_model_type`)."""
+        text = os.fspath(path)
+        if not os.path.exists(text):
+            if text.strip().lower() in _BUILTIN:
+                return cls.builtin(text)
+            if not os.path.lexists(text):
+                raise PackstreamError(f"--processor {path}: no such file or folder; give the model's folder (with "
+                                      f"preprocessor_config.json) or one of {sorted(_BUILTIN)}")
+        if os.path.isdir(text):
+            folder = text
+            files = [(os.path.join(folder, name), _folder.read_json(folder, name)) for name in (_PRE, _PROC)]
+        else:  # one file (a dangling link or a FIFO named here is refused as a folder's would be)
+            folder = os.path.dirname(text) or "."
+            files = [(text, _folder.read_file(text))]
+        present = [f for f, loaded in files if loaded is not None]
         config: dict[str, tuple[Any, str, str]] = {}  # key -> (value, the file it came from, its key prefix)
-        files = [p] if p.is_file() else [p / "preprocessor_config.json", p / "processor_config.json"]
-        for f in files:
-            if f.is_file():
-                what = f"--processor {f}"
-                loaded = load_json(read_checked(str(f), what=what, limit=_MAX_CONFIG_BYTES),
-                                   what=what, fix="pass the model's processor folder")
-                if not isinstance(loaded, dict):
-                    raise PackstreamError(f"{what}: a JSON object was expected")
-                # processor_config.json may nest the image processor's settings; its own keys win.
-                nested = loaded.get("image_processor")
-                if isinstance(nested, dict):
-                    config.update({k: (v, what, "image_processor.") for k, v in nested.items()})
-                config.update({k: (v, what, "") for k, v in loaded.items() if k != "image_processor"})
+        for f, loaded in files:
+            if loaded is None:
+                continue
+            what = f"--processor {f}"
+            # processor_config.json may nest the image processor's settings; its own keys win.
+            nested = loaded.get("image_processor")
+            if isinstance(nested, dict):
+                config.update({k: (v, what, "image_processor.") for k, v in nested.items()})
+            config.update({k: (v, what, "") for k, v in loaded.items() if k != "image_processor"})
         if not config:
-            found = [str(f) for f in files if f.is_file()]
-            raise PackstreamError(f"--processor {found[0]}: an empty JSON object, no image processor settings; pass the "
-                                  "model's processor folder" if found else
+            raise PackstreamError(f"--processor {present[0]}: an empty JSON object, no image processor settings; pass "
+                                  "the model's processor folder" if present else
                                   f"--processor {path}: no preprocessor_config.json there")
-        first = next(f for f in files if f.is_file())
-        spec = _from_config(config, name=str(path), where=f"--processor {first}")
-        model = first.parent / "config.json"
-        if spec.family is VisionFamily.QWEN3_VL and model.is_file():
-            _check_qwen3_model(model)
-        if spec.family is VisionFamily.GEMMA3 and model.is_file():
-            _gemma.check_model(_model_config(model), f"--processor {model}", spec.image_size,
-                               spec.image_tokens(1, 1))
+        spec = _from_config(config, name=str(path), where=f"--processor {present[0]}")
+        model = _folder.read_json(folder, "config.json")
+        if model is not None:  # absent: the spec stands on the processor files alone, as it always has
+            where = f"--processor {os.path.join(folder, 'config.json')}"
+            _folder.check_model_type(spec.family.value, model, where)
+            if spec.family is VisionFamily.GEMMA3:
+                _gemma.check_model(model, where, spec.image_size, spec.image_tokens(1, 1))
         return spec
-
-
-def _model_config(path: Path) -> Any:
-    """A processor folder's ``config.json`` (the model's), read as the processor configs are."""
-    what = f"--processor {path}"
-    return load_json(read_checked(str(path), what=what, limit=_MAX_CONFIG_BYTES), what=what,
-                     fix="pass the model's processor folder")
-
-
-def _check_qwen3_model(path: Path) -> None:
-    """A Qwen3VLProcessor folder's ``config.json`` must be a verified model type (Qwen3-VL or Qwen3-VL-MoE):
-    transformers gives the same processor to Qwen3.5, whose packed batches are not verified."""
-    what = f"--processor {path}"
-    loaded = _model_config(path)
-    kind = loaded.get("model_type") if isinstance(loaded, dict) else None
-    if kind not in _QWEN3_MODEL_TYPES:
-        raise PackstreamError(f"{what}: model_type {_shown(kind)} uses Qwen3VLProcessor, but packstream has verified "
-                              f"its packed batches only for model_type {' and '.join(_QWEN3_MODEL_TYPES)}; pack for "
-                              "a Qwen3-VL model, or pass --processor qwen3-vl knowing the model is not verified")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -480,9 +466,6 @@ _CLIP_PROCESSORS = {"CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImagePr
                     "LlavaImageProcessorFast", "LlavaImageProcessorPil"}
 _QWEN_MODELS = {"": VisionFamily.QWEN2_VL, "Qwen2VLProcessor": VisionFamily.QWEN2_VL,
                 "Qwen2_5_VLProcessor": VisionFamily.QWEN2_5_VL, "Qwen3VLProcessor": VisionFamily.QWEN3_VL}
-# The model types (a folder's config.json) whose packed batches are verified for Qwen3VLProcessor: transformers 5.x
-# also gives it to Qwen3.5 (qwen3_5, qwen3_5_moe: linear-attention layers), whose packed batches are not verified.
-_QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 _LLAVA_MODELS = {"", "LlavaProcessor"}
 _GOT_OCR2_PROCESSORS = {"GotOcr2ImageProcessor", "GotOcr2ImageProcessorFast", "GotOcr2ImageProcessorPil"}
 _INTERNVL_MODELS = {"InternVLProcessor"}

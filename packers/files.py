@@ -310,3 +310,29 @@ def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
         level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)
                  if isinstance(c, (dict, list, tuple))]
     return depth
+
+
+def not_a_file(path: str) -> Optional[str]:
+    """What the local entry ``path`` is when it is there but no regular file can be read from it, as a message
+    says it: ``"a FIFO (named pipe)"``, ``"a folder"``, ``"a socket"``, ``"a device"``, ``"a link to X, which does
+    not exist"``, ``"a link loop"``; None for a regular file (links followed). No entry at all (not even a dangling
+    link: ``os.lstat`` finds nothing) raises FileNotFoundError, so that a caller can tell "absent" from "broken".
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     os.symlink("gone.json", os.path.join(d, "config.json"))
+    ...     not_a_file(os.path.join(d, "config.json")), not_a_file(d)
+    ('a link to gone.json, which does not exist', 'a folder')
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "a link loop (links that lead back to themselves)"
+            target = show_path(os.readlink(path))
+            if e.errno == errno.ENOENT:
+                return f"a link to {target}, which does not exist"
+            return f"a link to {target}, which cannot be followed ({e.strerror or e})"
+    return None if stat.S_ISREG(st.st_mode) else _what(st.st_mode)

@@ -43,7 +43,7 @@ import numpy as np
 
 from packers import InternalError
 from pipeline import _media, _rows
-from pipeline._formats import Conversation, Reason, Rejected, conversations, pair_conversations
+from pipeline._formats import ANSWER_IMAGE, Conversation, Reason, Rejected, conversations, pair_conversations
 from pipeline._options import Eos, FormatOptions, Ids, PackOptions, TrainOn
 from pipeline._render import Renderer, Split
 
@@ -657,8 +657,7 @@ def _pair_images(c: Conversation, r: Conversation, n: int, image_text: Optional[
         return
     for side, conv in (("chosen", c), ("rejected", r)):
         if any(image_text in str(m.get("content")) for m in conv.messages[n:]):
-            raise Rejected(Reason.NON_TEXT_CONTENT, f"the {side} answer holds an image; pairs are packed with images "
-                                                    "in their shared prompt only: move the image to the prompt")
+            raise Rejected(Reason.NON_TEXT_CONTENT, ANSWER_IMAGE.format(side=side))
     if c.images != r.images:
         raise Rejected(Reason.PAIR_PROMPT_MISMATCH, f"the two sides' prompts hold different images ({len(c.images)} "
                                                     f"and {len(r.images)}, or other files); a pair shares its prompt")

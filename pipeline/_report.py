@@ -106,9 +106,15 @@ def with_whole_remedy(detail: str, limit: int = 160) -> str:
 
 
 def kto_text_fix(field: str, n: int) -> str:
-    """What to do about a ``label``/``kto_tag`` field that holds true/false as text (``kto_label_text:`` notes)."""
-    return (f"{field} holds true/false as text in {n:,} records (a CSV cell cannot hold a boolean), so they were "
-            f"packed as plain SFT, unlabelled; --kto-label {field} keeps them as KTO labels")
+    """What to do about a label not read as one (``kto_label_text:`` notes): a ``label``/``kto_tag`` field that
+    holds true/false as text, or a label under another spelling (``Label``, ``KTO_TAG``)."""
+    from pipeline._formats import LABEL_KEYS, shell_word
+
+    held = ("true/false as text" if field in LABEL_KEYS else
+            f"a label under a name not read as one by itself ({' or '.join(LABEL_KEYS)}, as TRL)")
+    why = " (a CSV cell cannot hold a boolean)" if field in LABEL_KEYS else ""
+    return (f"{field} holds {held} in {n:,} records{why}, so they were packed as plain SFT, unlabelled; "
+            f"--kto-label {shell_word(field)} keeps them as KTO labels")
 
 
 def first_case(f: "dict | None") -> str:
@@ -234,7 +240,10 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
     ]
     if c.get("not_sampled"):
         lines.append(("not sampled (weight < 1)", f"{c['not_sampled']:,}"))
-    lines += [("rejected", f"{c['rejected']:,}"), *rejected_lines(c["rejected_by_reason"], first)]
+    limit = manifest["config"].get("max_reject_fraction")
+    fails = (f"  (the run fails above {limit:.0%} rejected or dropped: --max-reject-fraction)"
+             if isinstance(limit, (int, float)) and limit < 1 else "")
+    lines += [("rejected", f"{c['rejected']:,}{fails}"), *rejected_lines(c["rejected_by_reason"], first)]
     lines += _media_roots(manifest)
     lines.append((f"dropped (> {manifest['config']['max_tokens']} tokens)", f"{c['dropped_too_long']:,}"))
     if c["dropped_too_long"] and case("too_long"):

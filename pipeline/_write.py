@@ -32,6 +32,14 @@ SHARD_TOKENS = 64 * 2**20
 """Budget tokens per output shard when ``--num-shards`` is 0 (automatic)."""
 INPUT_BYTES_PER_TOKEN = 4
 """About how many bytes of input text make one token: sizes shards before anything is tokenized."""
+SHARD_RECORDS = 1000
+"""The fewest records an explicit ``--num-shards`` gives each shard, or ``--group-size`` when that is smaller (but
+never under :data:`MIN_SHARD_RECORDS`): shards past that make packing groups of a few records, which pack badly
+(30,000 one-record groups filled 5% of their rows)."""
+MIN_SHARD_RECORDS = 8
+"""The fewest records a shard is expected to hold, whatever ``--group-size``: a shard expected to hold k records
+(hashed by id) is empty with probability about e^-k, so at 8 about one shard in 3,000 is (shards of one expected record
+each were a third empty), while a small input can still be cut into a few shards for a test or a demo."""
 
 
 def auto_shards(input_bytes: float) -> int:
@@ -46,8 +54,8 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
 
     In grouped mode shard ``s`` packs the groups ``g`` with ``g % shards == s``: an explicit
     ``--num-shards`` gets at least a group per shard (smaller groups), an automatic count never
-    exceeds the groups. Either is at most one shard per record the split expects: a shard past that
-    could only be empty, and 99,999 of them take minutes to write (see :func:`shard_cap_notes`).
+    exceeds the groups. Either is at most one shard per :func:`shard_records` records the split expects, so
+    that every shard gets rows: 30,000 records asked for 50,000 shards make 30 (see :func:`shard_cap_notes`).
     """
     from pipeline._options import PackMode
 
@@ -56,7 +64,7 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
     for split, frac in fractions.items():
         groups[split] = 1 if options.mode is PackMode.GLOBAL else max(1, math.ceil(records * frac / options.group_size))
         auto = auto_shards(input_bytes * frac)
-        asked = min(options.num_shards, max(1, math.ceil(records * frac)))
+        asked = min(options.num_shards, max(1, math.ceil(records * frac / shard_records(options))))
         if options.mode is PackMode.GROUPED:
             shards[split] = asked or min(auto, groups[split])
             groups[split] = max(groups[split], shards[split])
@@ -65,17 +73,26 @@ def shard_layout(options, records: float, input_bytes: float) -> tuple[dict[str,
     return groups, shards
 
 
+def shard_records(options) -> int:
+    """The fewest records the split expects per shard of an explicit ``--num-shards``: :data:`SHARD_RECORDS`, or
+    ``--group-size`` when smaller (the user's own bound on a packing group), at least :data:`MIN_SHARD_RECORDS`."""
+    return min(SHARD_RECORDS, max(MIN_SHARD_RECORDS, options.group_size))
+
+
 def shard_cap_notes(options, shards: dict[str, int]) -> list[str]:
-    """One line per split whose ``--num-shards`` :func:`shard_layout` capped at the records the split expects:
-    the manifest's ``notes``, which pack's summary shows.
+    """One line per split whose ``--num-shards`` :func:`shard_layout` capped at one shard per :func:`shard_records`
+    records the split expects: the manifest's ``notes``, which pack's summary shows.
 
     >>> from pipeline._options import PackOptions
-    >>> shard_cap_notes(PackOptions(inputs=("in.jsonl",), num_shards=99999), {"train": 34, "validation": 1})
-    ['--num-shards 99999 capped to 34 train shards, one per record (more could only be empty); pass --num-shards 34 or fewer']
+    >>> shard_cap_notes(PackOptions(inputs=("in.jsonl",), num_shards=50000), {"train": 30, "validation": 1})
+    ['--num-shards 50000 capped to 30 train shards, one per 1,000 records (fewer records per shard pack worse and leave shards empty); pass --num-shards 30 or fewer, or a smaller --group-size (down to 8 records per shard)']
     """
     splits = ("train", "validation") if options.validation_fraction > 0 else ("train",)
-    return [f"--num-shards {options.num_shards} capped to {shards[s]} {s} shards, one per record (more could only "
-            f"be empty); pass --num-shards {shards[s]} or fewer" for s in splits if shards[s] < options.num_shards]
+    each = shard_records(options)
+    smaller = f", or a smaller --group-size (down to {MIN_SHARD_RECORDS} records per shard)" if each > MIN_SHARD_RECORDS else ""
+    return [f"--num-shards {options.num_shards} capped to {shards[s]} {s} shards, one per {each:,} records (fewer "
+            f"records per shard pack worse and leave shards empty); pass --num-shards {shards[s]} or fewer{smaller}"
+            for s in splits if shards[s] < options.num_shards]
 
 
 def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:
@@ -88,13 +105,19 @@ def run_digest(config: dict, inputs: list[dict], tokenizer: dict) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+EXIT_ONLY = {"max_reject_fraction": 1.0}
+"""Options that decide how a run ends, never its bytes: entered in the run's id at the value every run had before the
+default changed, so the same rows keep the same id (and shard bytes) whatever the threshold."""
+
+
 def _recipe(config: dict) -> dict:
     """``config`` as it enters the run's id: without the output folder, and without the options added later at their
     defaults (:data:`pipeline._options.LATER_DEFAULTS`), in the data sets of a ``--config`` too."""
     from pipeline._options import LATER_DEFAULTS
 
     def kept(d: dict) -> dict:
-        return {k: v for k, v in d.items() if k != "output" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}
+        out = {k: v for k, v in d.items() if k != "output" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}
+        return {**out, **{k: v for k, v in EXIT_ONLY.items() if k in out}}
 
     out = kept(config)
     if isinstance(out.get("config"), list):

@@ -64,6 +64,7 @@ from packers._pairs import truncate_pairs
 from packers._schedule import Rows, Schedule, ranks, schedule_epoch, step_denominators
 from packers._vision import VisionFamily, smart_resize
 from packers._gemma import token_type_ids as gemma_token_type_ids
+from packers import _trainer_settings  # every DPOConfig/KTOConfig field and what the packed trainers do with it
 
 # Loaded on first use: name -> (module, attribute; None for the module itself).
 _LAZY = {
@@ -92,6 +93,7 @@ _LAZY = {
     **{name: ("packers._attention._probe", name) for name in ("batch_rope", "run_probe", "special_lengths")},
     # The per-sequence float64 completion sums that packers.sequence_logps returns per example (tests/test_dpo.py).
     "sequence_sums": ("packers._logps", "_sequence_sums"),
+    **{name: ("packers._preference_trainer", name) for name in ("LOADER_STATE", "REF_LOGPS")},
 }
 
 

@@ -43,7 +43,9 @@ def test_output_folder_is_owned_and_overwrite_replaces_only_its_files(tmp_path, 
     assert "error: --output" in refused.output and "packstream did not write" in refused.output
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     out = tmp_path / "out2"
-    first = cli("pack", str(src), "-o", str(out), "-q", "--num-shards", "3")
+    many = tmp_path / "many.jsonl"  # 3 shards need 96 records (a shard holds at least 32)
+    many.write_text(src.read_text() * 24)
+    first = cli("pack", str(many), "-o", str(out), "-q", "--num-shards", "3", "--group-size", "1", "--ids", "position")
     assert first.exit_code == 0, first.output
     assert len(list(out.glob("train-*-of-00003.arrow"))) == 3
     (out / "notes.txt").write_text("mine")
@@ -69,24 +71,45 @@ def test_output_that_is_a_file(tmp_path, src):
 
 def test_more_shards_than_records_are_capped_at_one_per_record(tmp_path):
     """The bundled sample holds 34 records; --num-shards 99999 would write 99,999 shards, all but a few empty,
-    and take minutes. The launch caps it at 34 (one per record; a shard past that could only be empty) and the
+    and take minutes. The launch caps it at one shard per 1,000 records (or per --group-size records, if smaller,
+    down to 8: a shard expected to hold k records is empty with probability about e^-k), so 5 shards here, and the
     summary and the manifest say so in one line. The output verifies."""
     out = tmp_path / "out"
-    r = cli("pack", "-o", str(out), "--num-shards", "99999")
+    r = cli("pack", "-o", str(out), "--num-shards", "99999", "--group-size", "1")
     assert r.exit_code == 0, r.output
-    note = ("--num-shards 99999 capped to 34 train shards, one per record (more could only be empty); "
-            "pass --num-shards 34 or fewer")
+    note = ("--num-shards 99999 capped to 5 train shards, one per 8 records (fewer records per shard pack worse and "
+            "leave shards empty); pass --num-shards 5 or fewer")
     assert [line.split(None, 1)[1] for line in r.output.splitlines() if line.startswith("  note")] == [note]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["notes"] == [note] and manifest["config"]["num_shards"] == 99999  # the config says what was asked
-    assert len(manifest["shards"]) == len(list(out.glob("train-*-of-00034.arrow"))) == 34
+    assert len(manifest["shards"]) == len(list(out.glob("train-*-of-00005.arrow"))) == 5
+    assert all(s["rows"] > 0 for s in manifest["shards"])
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("train-")) == [
         "README.md", "manifest.json", "rejected.jsonl"]
     ok = cli("verify", str(out))
     assert ok.exit_code == 0 and ok.output.rstrip().endswith("OK"), ok.output
-    # Asked for no more shards than records, a run has no note.
-    again = cli("pack", "-o", str(tmp_path / "out2"), "-q", "--num-shards", "34")
+    # Asked for no more shards than that, a run has no note.
+    again = cli("pack", "-o", str(tmp_path / "out2"), "-q", "--num-shards", "5", "--group-size", "1")
     assert again.exit_code == 0 and json.loads((tmp_path / "out2" / "manifest.json").read_text()).get("notes") is None  # nothing capped: no notes key, the manifest as before
+
+
+def test_num_shards_far_above_the_rows_ends_fast_with_every_shard_holding_rows(tmp_path):
+    """30,000 short records asked for 50,000 shards: each shard is a packing group of at least 1,000 records, so the
+    run writes 30 shards, every one holding rows, and packs as well as without --num-shards (it took a minute and
+    filled 5% of 19,045 rows when every record was a group of its own)."""
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"q{i} what is {i}?", "completion": f"it is {i}."}) + "\n"
+                           for i in range(30_000)))
+    out = tmp_path / "out"
+    r = cli("pack", str(src), "-o", str(out), "--num-shards", "50000", "--max-tokens", "512")
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = [s["rows"] for s in manifest["shards"]]
+    assert len(rows) == 30 and min(rows) > 0 and sum(rows) == manifest["counts"]["rows"], rows
+    assert manifest["counts"]["rows"] < 1.05 * manifest["counts"]["lower_bound"], manifest["counts"]
+    assert manifest["notes"] == ["--num-shards 50000 capped to 30 train shards, one per 1,000 records (fewer records "
+                                 "per shard pack worse and leave shards empty); pass --num-shards 30 or fewer, or a "
+                                 "smaller --group-size (down to 8 records per shard)"]
 
 
 BAD_OPTIONS = {

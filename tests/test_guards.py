@@ -85,6 +85,7 @@ WRITES_ELSEWHERE = {
     "pipeline/_tools/estimate.py": "the timed sample pack's inputs, in a temporary folder (not a run's output)",
     "packers/_folder.py": "the loader's cache of a remote folder's shards, under cache_dir",
     "packers/_preference_trainer.py": "the loader state and reference table, in the Trainer's checkpoint folder",
+    "packers/_trainer_settings.py": "the generated trainer settings table, into the project's docs/loader.md",
 }
 
 

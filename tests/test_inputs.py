@@ -660,6 +660,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("pipeline/_tools/estimate.py", "_timed_pack"): "a writer: the timed sample pack's inputs, in its temporary folder",
     ("packers/_preference_trainer.py", "_write_json"): "a writer: the loader state and reference table in a "
                                                         "Trainer checkpoint folder",
+    ("packers/_trainer_settings.py", "main"): "a writer: the trainer settings table into docs/loader.md (a "
+                                             "maintainer's command, python -m packers._trainer_settings)",
     ("pipeline/_tools/inspect.py", "_file_sha256"): "the plots inspect wrote itself, in the folder its marker owns",
     # Output folders (manifests, shards, dead letters, locks): issue 16's folder side (16B, 16C)
     # moves these behind packers.files; each one leaves this list when it does.

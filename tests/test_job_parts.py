@@ -22,8 +22,9 @@ TOKENIZER = {"name": "tok", "vocab_sha256": "0" * 64, "pad_token_id": 0, "eos_to
 @pytest.fixture
 def ctx(tmp_path):
     src = tmp_path / "in.jsonl"
-    src.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n{"text": "d"}\n')  # 2 a split: 2 shards each
-    options = PackOptions(inputs=(str(src),), output=str(tmp_path / "out"), num_shards=2, validation_fraction=0.5)
+    src.write_text("".join(f'{{"text": "t{i}"}}\n' for i in range(128)))  # 64 a split: 2 shards of 32 each
+    options = PackOptions(inputs=(str(src),), output=str(tmp_path / "out"), num_shards=2, validation_fraction=0.5,
+                          group_size=1)
     files = (_read.InputFile(str(src), "in.jsonl", "jsonl"),)
     return decide(options, Inputs(files, (), TOKENIZER, src.stat().st_size), "0123456789ab")
 

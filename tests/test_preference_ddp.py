@@ -74,6 +74,7 @@ def _train(folder: str, kind: str, precompute: bool, world: int, out: str) -> di
     common = _common(Path(out).parent / f"trainer-{world}", num_train_epochs=1, max_length=None,
                      precompute_ref_log_probs=precompute)
     common.update(max_steps=-1, gradient_accumulation_steps=accum)  # one epoch
+    common.pop("per_device_train_batch_size")  # rows of uneven pair counts: the dataset's Batching decides
     if kind.startswith("dpo"):
         base, args = PackedDPOTrainer, trl.DPOConfig(**common, loss_type=["sigmoid"], beta=0.5)
     else:

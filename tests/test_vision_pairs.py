@@ -161,7 +161,7 @@ def _trainer_loss_is_the_pairs_mean(tmp_path, out, policy, reference, fold, want
     def folded(rows):  # the tiny model's vocabulary: the same computation on fewer ids
         return vision([{**r, "input_ids": fold[np.asarray(r["input_ids"])]} for r in rows])
 
-    config = trl.DPOConfig(output_dir=str(tmp_path / "t"), per_device_train_batch_size=1, max_steps=1,
+    config = trl.DPOConfig(output_dir=str(tmp_path / "t"), max_steps=1,
                            learning_rate=0.0, optim="sgd", logging_steps=1, save_strategy="no", report_to="none",
                            use_cpu=True, beta=BETA, loss_type=["sigmoid"], max_length=None, disable_dropout=True,
                            dataloader_num_workers=0)
@@ -193,7 +193,7 @@ def test_images_in_an_answer_or_differing_between_sides_are_refused(tmp_path, to
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     result = CliRunner().invoke(main, ["pack", str(data), "--pairs", "--processor", "qwen2-vl", "--tokenizer",
-                                       tokenizer, "-o", str(tmp_path / "o"), "-q"])
+                                       tokenizer, "-o", str(tmp_path / "o"), "-q", "--max-reject-fraction", "1"])
     assert result.exit_code == 0, result.output
     dead = {json.loads(x)["example_id"].split(":")[-1]: json.loads(x)
             for x in (tmp_path / "o" / "rejected.jsonl").read_text().splitlines()}

@@ -147,6 +147,7 @@ def test_mixed_shapes_pack_with_exact_budgets_and_dead_letters(tmp_path, tokeniz
     # Relative paths resolve against the input's folder unless --media-root says otherwise: here, tmp_path.
     out = tmp_path / "out"
     r = _pack(str(src), "-o", str(out), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "--max-tokens", "600",
+              "--max-reject-fraction", "1",
               "--media-root", str(tmp_path))
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
@@ -444,7 +445,7 @@ def test_images_that_do_not_decode_are_dead_letters_not_loader_crashes(tmp_path,
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(_user_image(str(p))) + "\n" for p in (good, cut, bomb)))
     out = tmp_path / "out"
-    _pack(str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out))
+    _pack(str(data), "--tokenizer", tokenizer, "--processor", "qwen2-vl", "-o", str(out), "--max-reject-fraction", "1")
     dead = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert [d["reason"] for d in dead] == ["bad_image", "bad_image"]
     assert "cut.jpg" in dead[0]["detail"] and "truncated" in dead[0]["detail"]

@@ -82,9 +82,9 @@ pipeline._formats.Rejected: unknown_format: keys [answer, question] match no for
 from __future__ import annotations
 
 from pipeline._formats._base import NOTE_KEYS, NOTE_UNITS, TRL_CONVERSATIONS, Conversation, Reason, Rejected, Row
-from pipeline._formats._labels import NOTE as KTO_NOTE, TEXT_NOTE as KTO_TEXT_NOTE
-from pipeline._formats._driver import TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
-from pipeline._formats._fix import Fix, Hole
+from pipeline._formats._labels import AUTO_KEYS as LABEL_KEYS, NOTE as KTO_NOTE, TEXT_NOTE as KTO_TEXT_NOTE
+from pipeline._formats._driver import ANSWER_IMAGE, TOOL_TEXT_NOTE, TRANSCRIPT_NOTE, _fast, _normalize, conversations, normalize, pair_conversations
+from pipeline._formats._fix import Fix, Hole, _quoted as shell_word
 from pipeline._formats._hygiene import target_flags
 from pipeline._formats._images import Video
 from pipeline._formats._paths import resolve
@@ -98,8 +98,8 @@ FIELD_NOTES = ("ignored_field:", TOOL_TEXT_NOTE, KTO_NOTE, KTO_TEXT_NOTE, TRANSC
 own rather than as a normalization count."""
 
 __all__ = [
-    "FIELD_NOTES", "KTO_NOTE", "KTO_TEXT_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
+    "ANSWER_IMAGE", "FIELD_NOTES", "KTO_NOTE", "LABEL_KEYS", "KTO_TEXT_NOTE", "NOTE_KEYS", "NOTE_UNITS", "ORDER", "TOOL_TEXT_NOTE", "TRANSCRIPT_NOTE", "REGISTRY", "ROLE_ALIASES", "Conversation", "Fix", "FormatOptions", "Hole",
     "PreferenceTurns", "Reason", "Rejected", "Row", "conversations", "detect", "normalize", "pair_conversations", "parse_path",
-    "preference_turns", "resolve", "suggest", "target_flags", "TRL_CONVERSATIONS", "Video",
+    "preference_turns", "resolve", "suggest", "shell_word", "target_flags", "TRL_CONVERSATIONS", "Video",
     "_fast", "_normalize",
 ]

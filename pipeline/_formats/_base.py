@@ -56,6 +56,7 @@ class Reason(str, enum.Enum):
     REMOTE_IMAGE = "remote_image"  #: --processor: an http(s) image URL (packing is offline)
     OUTSIDE_MEDIA_ROOT = "outside_media_root"  #: --processor: an image file that is not under the media root
     EMPTY_ANSWER = "empty_answer"  #: a CSV/TSV row whose answer cell is empty (an empty cell is a missing field)
+    LABEL_CONFLICT = "label_conflict"  #: KTO labels in two fields (label, kto_tag) that disagree
 
 
 class Row(dict):

@@ -105,12 +105,36 @@ def pair_conversations(record: Any, options: FormatOptions,
                                     mapping=mapping, image_text=image_text)
                             for side in (Preference.CHOSEN, Preference.REJECTED))
     except Rejected as r:  # a video: pairs never pack one, whatever --video-fps says
+        side = _answer_image(record, options, image_text) if r.reason is Reason.PLACEHOLDER_MISMATCH else None
+        if side is not None:  # an image column whose placeholders stand in an answer: that is the cause, not the count
+            raise Rejected(Reason.NON_TEXT_CONTENT, ANSWER_IMAGE.format(side=side)) from None
         if r.reason is not Reason.NON_TEXT_CONTENT or NOT_YET not in r.detail:
             raise
         raise Rejected(r.reason, r.detail.replace(NOT_YET, PAIRS_REFUSE_VIDEOS)) from None
     if len(chosen) != 1 or len(rejected) != 1:
         raise InternalError(f"the preference shape read {len(chosen)} and {len(rejected)} conversations, not one each")
     return chosen[0], rejected[0]
+
+
+ANSWER_IMAGE = "the {side} answer holds an image; pairs are packed with images in their shared prompt only: move the image to the prompt"
+"""The refusal of a pair with an image in an answer (``non_text_content``), wherever the image stands."""
+
+
+def _answer_image(record: Any, options: FormatOptions, image_text: Optional[str]) -> Optional[str]:
+    """The side ("chosen", "rejected") whose answer turns hold an image placeholder or image part, or None."""
+    from pipeline._formats import preference
+    from pipeline._formats._images import _placeholders
+
+    if image_text is None or not isinstance(record, dict):
+        return None
+    ctx = Ctx(options, image_text)
+    try:
+        pair = preference.preference_turns(record, options, ctx)
+    except (Rejected, PackstreamError):
+        return None
+    pattern = _placeholders(ctx)
+    return next((side for side, turns in (("chosen", pair.chosen), ("rejected", pair.rejected))
+                 if any(pattern.search(str(t.content)) for t in turns)), None)
 
 
 def _normalize(record: Any, options: FormatOptions) -> Conversation:
@@ -432,7 +456,10 @@ def _validated(r: Rejected, record: Any, options: FormatOptions) -> Rejected:
     read = pair_conversations if fix.pack().get("pairs") else _conversations  # a --pairs fix: the pair reader
     for alternative in (False, True) if fix.alternative is not None else (False,):
         try:
-            convs = list(read(record, fix.applied(options, alternative)))
+            tried = fix.applied(options, alternative)
+            convs = list(read(record, tried))
+            if read is _conversations and convs:
+                labelled(record, tried, convs)  # a --kto-label the fix names reads its field
         except (Rejected, PackstreamError, ValueError, TypeError):
             return r.with_fix(fix.holes(options))
         ignored = sorted({n.split(":", 1)[1] for c in convs for n in c.notes if n.startswith("ignored_field:")})

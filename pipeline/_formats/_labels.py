@@ -22,6 +22,8 @@ label dropped, the undesirable answers would be trained like the others; kept, t
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Optional, Sequence
 
 from pipeline._formats._base import Conversation, Reason, Rejected, _kind
@@ -46,21 +48,66 @@ _LIKELY = ("true", "false", "1", "0", "yes", "no")
 """Text that reads as a desirability without doubt; ``positive``/``negative`` are as often a sentiment class."""
 
 
+def label_spelling(key: Any) -> bool:
+    """Whether a top-level key names a KTO label in any spelling: ``label``, ``Label``, ``KTO_TAG``, ``kto-tag``."""
+    return isinstance(key, str) and re.sub(r"[\s\-]+", "_", key.strip().lower()) in AUTO_KEYS
+
+
+def label_like(value: Any) -> bool:
+    """Whether a value reads as a desirability: a JSON boolean, 0/1, or true/false-like text."""
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return value in (0, 1)
+    return isinstance(value, str) and value.strip().lower() in _LIKELY
+
+
 def label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optional[str]]:
     """The record's desirability and the field it came from, or ``(None, None)``; :class:`Rejected` when
-    ``--kto-label`` names a field the record holds no label in."""
+    ``--kto-label`` names a field the record holds no label in, or (``label_conflict``) when the label read and
+    another field of a label's name (``label``, ``kto_tag``, in any spelling) holding a desirability disagree: the
+    label is read once, never one of two picked.
+
+    >>> label_of({"messages": [], "label": True, "kto_tag": True}, FormatOptions())
+    (True, 'label')
+    >>> label_of({"messages": [], "label": True, "kto_tag": False}, FormatOptions())
+    Traceback (most recent call last):
+    ...
+    pipeline._formats.Rejected: label_conflict: label is true but kto_tag is false: two desirabilities for one answer; keep one field, or read one with --kto-label FIELD
+    """
+    value, key = _label_of(record, options)
+    if value is not None:
+        for k, v in record.items():
+            if k != key and label_spelling(k) and label_like(v) and _desirability(v) is not value:
+                raise Rejected(Reason.LABEL_CONFLICT, f"{key} is {_said(record[key])} but {k} is {_said(v)}: two "
+                                                      "desirabilities for one answer; keep one field, or read one "
+                                                      "with --kto-label FIELD")
+    return value, key
+
+
+def _desirability(value: Any) -> Optional[bool]:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TEXT:
+        return _TEXT[value.strip().lower()]
+    return None
+
+
+def _said(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)[:40]
+
+
+def _label_of(record: Any, options: FormatOptions) -> tuple[Optional[bool], Optional[str]]:
     if not isinstance(record, dict):
         return None, None
     if options.kto_label is None:
         key = next((k for k in AUTO_KEYS if isinstance(record.get(k), bool)), None)
         return (record[key], key) if key is not None else (None, None)
     value = resolve(record, options.kto_label)
-    if isinstance(value, bool):
-        return value, options.kto_label
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value), options.kto_label
-    if isinstance(value, str) and value.strip().lower() in _TEXT:
-        return _TEXT[value.strip().lower()], options.kto_label
+    if _desirability(value) is not None:
+        return _desirability(value), options.kto_label
     shown = "missing" if value is None else f"{_kind(value)} {str(value)[:40]!r}"
     raise Rejected(Reason.MISSING_FIELD, f"--kto-label {options.kto_label}: the record's value is {shown}, not "
                                          "true/false, 1/0 or yes/no (also correct/incorrect, good/bad); a KTO "
@@ -72,14 +119,18 @@ def labelled(record: Any, options: FormatOptions, convs: Sequence[Conversation])
     first conversation, where the record's notes are."""
     value, key = label_of(record, options)
     if value is None:
-        key = next((k for k in AUTO_KEYS if options.kto_label is None and isinstance(record, dict)
-                    and str(record.get(k, "")).strip().lower() in _LIKELY), None)
+        # A label not read as one: true/false as text (a CSV cell), or a JSON boolean under another spelling
+        # (Label, KTO_TAG): packed unlabelled, and the summary names --kto-label FIELD.
+        key = next((k for k in record if options.kto_label is None and label_spelling(k)
+                    and label_like(record[k])), None) if isinstance(record, dict) else None
         if key is not None and convs:
             note = f"{TEXT_NOTE}{key}"
             convs[0].notes[note] = convs[0].notes.get(note, 0) + 1
         return
     first = convs[0]
-    first.notes.pop(f"ignored_field:{key}", None)
+    agreeing = [k for k, v in record.items() if label_spelling(k) and label_like(v)]
+    for k in {key, *agreeing}:  # every label field agrees (label_of refuses two that disagree): all are read
+        first.notes.pop(f"ignored_field:{k}", None)
     note = f"{NOTE}{'desirable' if value else 'undesirable'}"
     first.notes[note] = first.notes.get(note, 0) + 1
     for conv in convs:

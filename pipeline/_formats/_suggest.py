@@ -26,11 +26,13 @@ turns (or a ``turn_1``, ``turn_2``... dict) under any key; alternatives; a trans
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
 from pipeline._formats._base import ID_KEYS, text_size
 from pipeline._formats._fix import NAME, ROLE, Fix, Hole
+from pipeline._formats._labels import label_like, label_spelling
 from pipeline._formats.preference import score_value
 from pipeline._formats.tree import REPLY_KEYS
 from pipeline._formats._turns import CONTENT_KEYS, EXCHANGES, ROLE_ALIASES, ROLE_KEYS, _looks_like_calls, numbered, speaker_name
@@ -88,7 +90,25 @@ def _number(x: Any) -> bool:
 
 def suggest(record: dict) -> tuple[Optional[Fix], str]:
     """Options that would read a record of unknown shape and the words after them; or no options, and words that
-    say what is ambiguous (see the module docstring)."""
+    say what is ambiguous (see the module docstring). A KTO label in any spelling (``Label``, ``KTO_TAG``, holding
+    true/false, 1/0 or their text) is never taken for a turn: the fix reads it with ``--kto-label``, so no suggestion
+    packs a labelled answer as plain SFT.
+
+    >>> fix, words = suggest({"Prompt": "2+2?", "Completion": "5", "Label": "false"})
+    >>> fix.text()
+    '--field Prompt=user --field Completion=assistant --kto-label Label'
+    """
+    label = next((k for k in record if label_spelling(k) and label_like(record[k])), None)
+    rest = record if label is None else {k: v for k, v in record.items() if k != label}
+    fix, words = _suggested(rest)
+    if label is None:
+        return fix, words
+    if fix is None:
+        return None, words + f"; {label} is a KTO label: read it with --kto-label {label}"
+    return dataclasses.replace(fix, options=fix.options + (("kto_label", label),)), words
+
+
+def _suggested(record: dict) -> tuple[Optional[Fix], str]:
     for step in (_pair_sides, _tree, _turn_lists, _alternatives, _transcript, _by_role, _parallel, _one_string):
         found = step(record)
         if found is not None:

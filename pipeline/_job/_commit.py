@@ -220,6 +220,8 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         manifest["inputs_skipped"] = [e._asdict() for e in ctx.skipped]
     if ctx.notes:  # what the run decided for the user (a capped --num-shards); absent when nothing was
         manifest["notes"] = list(ctx.notes)
+    if ctx.inputs_from:  # relative INPUT paths: where they were resolved from; absent when none is (byte-identical)
+        manifest["inputs_from"] = ctx.inputs_from
     if ctx.parallelism:  # a local run: the workers x threads it ran with and why (issue 28); absent on a cluster
         manifest["run"] = dict(ctx.parallelism)
     if not verdict.complete:

@@ -9,6 +9,7 @@ inputs; nothing in it changes while the job runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Sequence
 
 from pipeline import _read, _rows, _spill, _write
@@ -65,6 +66,9 @@ class RunContext:
     """A local run watched for progress: the folder its workers count into (:mod:`pipeline._progress`)."""
     outcome: Optional[str] = None
     """A local run: the file where the commit leaves its outcome when the manifest cannot be written."""
+    inputs_from: Optional[str] = None
+    """The working folder the INPUT paths were resolved from, when one is a relative local path (the manifest's
+    ``inputs_from``: ``verify --inputs`` finds them from any folder); None when every one is absolute or remote."""
     parallelism: Optional[dict] = None
     """A local run: its worker processes, tokenizer threads and why (:meth:`pipeline._workers.parallel.Parallelism.
     to_dict`), the manifest's ``run``; None on a cluster, whose runner owns the processes."""
@@ -131,5 +135,6 @@ def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = 
     return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, skipped=inputs.skipped,
                       tokenizer=inputs.tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
-                      notes=tuple(_write.shard_cap_notes(options, shards)),
-                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes)
+                      notes=tuple(_write.shard_cap_notes(options, shards)) + _read.index_notes(inputs.files),
+                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes,
+                      inputs_from=os.getcwd() if any(_read.relative_input(p) for p in options.inputs) else None)

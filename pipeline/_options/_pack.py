@@ -148,15 +148,17 @@ class PackOptions(FormatOptions):
         "--validation-fraction", "Hold out this fraction of examples (by a stable hash of the id) into "
         "validation-*.arrow shards, the 'validation' split of load_dataset(DIR).", metavar="F"))
     num_shards: int = dataclasses.field(default=0, metadata=cli(
-        "--num-shards", "Output shards per split (0: about one per 64M tokens of input); at most one per record.", metavar="N",
+        "--num-shards", "Output shards per split (0: about one per 64M tokens of input); at most one per 1,000 records "
+        "(or per --group-size, if smaller, down to 8).", metavar="N",
         commands=("pack", "estimate")))
     output_format: OutputFormat = dataclasses.field(default=OutputFormat.ARROW, metadata=cli(
         "--output-format", "arrow (zero-copy loading) or parquet.", commands=("pack", "estimate")))
     max_record_bytes: int = dataclasses.field(default=16 * 2**20, metadata=cli(
         "--max-record-bytes", "Records larger than this are dead-lettered before parsing.", metavar="N"))
-    max_reject_fraction: float = dataclasses.field(default=1.0, metadata=cli(
-        "--max-reject-fraction", "Fail (exit 3, no complete manifest) when more than this fraction of records is "
-        "rejected or dropped.", metavar="F", commands=("pack",)))
+    max_reject_fraction: float = dataclasses.field(default=0.5, metadata=cli(
+        "--max-reject-fraction", "Fail (exit 3, no complete manifest; the counts and rejected.jsonl still written) "
+        "when more than this fraction of records is rejected or dropped; 1 never fails.", metavar="F",
+        commands=("pack",)))
     trust_remote_code: bool = dataclasses.field(default=False, metadata=cli(
         "--trust-remote-code", "Allow tokenizers with custom code (off by default).", kind="switch"))
     overwrite: bool = dataclasses.field(default=False, metadata=cli(

@@ -10,6 +10,10 @@ decoded here cell by cell, so a cell that is not UTF-8 costs its row alone. The 
     9,,4                                  row 4 -> {"id": "9", "output": "4"}: an empty cell is a missing field
     10,only two                           row 5 -> a malformed_row dead letter (2 cells, the header has 3)
 
+    ,prompt,completion                    a first column with no name (DataFrame.to_csv's index): read under
+    0,hi,there                            "Unnamed: 0", as pandas and datasets key it, an ignored field (counted),
+                                          and the run's notes say so; any other unnamed column is refused
+
 Positions are row numbers as a spreadsheet shows them: the header is row 1, a quoted multi-line cell
 is one row, blank lines are no rows. A ``.tsv`` follows the same rules with a tab between cells
 (quotes included, as HF ``datasets`` reads it). pyarrow numbers the rows it refuses (wrong cell
@@ -28,6 +32,8 @@ from pipeline._formats import Reason, Rejected, Row
 from pipeline._read._files import CorruptStream, InputFile, file_kind, open_bytes
 
 _MIN_BLOCK = 1 << 20
+INDEX = "Unnamed: 0"
+"""The key of an unnamed first column (the index ``DataFrame.to_csv()`` writes), as pandas and ``datasets`` key it."""
 
 
 def _options(path: str, max_bytes: int, refused: "list | None", names: "list[str] | None" = None):
@@ -86,6 +92,8 @@ def csv_header(f: InputFile, max_bytes: int) -> list[str]:
         raise PackstreamError(f"input {where}: cannot read its header row ({str(e).splitlines()[0]}); the first row of "
                               "a CSV/TSV file names its columns") from None
     for i, n in enumerate(names):
+        if not n.strip() and i == 0 and len(names) > 1 and INDEX not in names:
+            continue  # an index (DataFrame.to_csv's): the records key it INDEX, a field no format reads
         if not n.strip():
             raise PackstreamError(f"input {where}: column {i + 1} of the header row has no name; name every column "
                                   f"(the header is {names[:8]})")
@@ -95,6 +103,19 @@ def csv_header(f: InputFile, max_bytes: int) -> list[str]:
     return names
 
 
+def index_note(f: InputFile, max_bytes: int) -> "str | None":
+    """The run's note on a CSV/TSV input whose first column has no name, or None: the column is read as the
+    index ``DataFrame.to_csv()`` writes by default, keyed ``Unnamed: 0`` as pandas and ``datasets`` key it, and
+    counted as an ignored field of every record (the summary's ``fields ignored``)."""
+    if file_kind(f.path) not in ("csv", "tsv"):
+        return None
+    names = csv_header(f, max_bytes)
+    if names and not names[0].strip():
+        return (f"{show_path(f.path)}: its first column has no name, read as an index (what DataFrame.to_csv() "
+                f"writes) under the key {INDEX!r} and not packed; name the column to have it read")
+    return None
+
+
 def _record(row: dict, number: int, max_bytes: int) -> Any:
     """One row's cells (bytes) -> the record (empty cells left out), or a Rejected."""
     size = sum(len(v) for v in row.values())
@@ -102,6 +123,7 @@ def _record(row: dict, number: int, max_bytes: int) -> Any:
         return Rejected(Reason.RECORD_TOO_LARGE, f"row {number}: {size} bytes > --max-record-bytes {max_bytes}")
     out, empty = {}, []
     for name, value in row.items():
+        name = name if name.strip() else INDEX  # only a first column may have no name (csv_header)
         if not value:
             empty.append(name)
             continue

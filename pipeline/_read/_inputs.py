@@ -53,6 +53,12 @@ def _sniff(path: str, kind: str, text_split: str = "") -> None:
         raise PackstreamError(f"input {path} has extension .parquet but is not a Parquet file (starts with {head[:8]!r})")
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
         raise PackstreamError(f"input {path} has extension .arrow but is not an Arrow IPC file (starts with {head[:8]!r})")
+    if kind in ("jsonl", "json", "csv", "tsv", "text"):
+        foreign = foreign_encoding(head)
+        if foreign is not None:
+            name, why, iconv = foreign
+            raise PackstreamError(f"input {show_path(path)} is {name} ({why}), not UTF-8, which is what packstream reads: "
+                                  f"convert it (iconv -f {iconv} -t UTF-8 FILE > COPY) and pack the copy")
     # Under --text-split file the whole file is one document: a blank one is its blank_text dead letter (docs/formats.md)
     blank_is_a_record = kind == "text" and text_split == "file"
     if kind in ("csv", "tsv", "text") and not head.lstrip(b"\xef\xbb\xbf \t\r\n") and not blank_is_a_record:
@@ -88,6 +94,40 @@ def _sniff(path: str, kind: str, text_split: str = "") -> None:
                 f"input {path} holds one JSON array on a single line, not JSON Lines (one object per line): its "
                 "records would be one rejected line; rename it to .json"
             )
+
+
+_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32 BE text", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32 LE text", "UTF-32"),
+         (b"\xff\xfe", "UTF-16 LE text", "UTF-16"), (b"\xfe\xff", "UTF-16 BE text", "UTF-16"))
+"""Byte-order marks of the encodings a text input is refused in, with the encoding's name and iconv's."""
+
+
+def foreign_encoding(head: bytes) -> "tuple[str, str, str] | None":
+    r"""(what the file is, how it shows, iconv's name for it) when the first bytes of a text input say it is not
+    UTF-8: a UTF-16/32 byte-order mark, or NUL bytes, which UTF-8 text never holds and JSON and CSV cannot, in more
+    than a tenth of them (UTF-16 without a mark: every other byte, on the odd side for little-endian). None for
+    UTF-8 (its own mark included): a stray NUL or a line of Latin-1 is that line's ``invalid_utf8`` dead letter.
+    Read as UTF-8, such a file is mojibake or a dead letter per line; it is refused whole, at launch.
+
+    >>> foreign_encoding("a,b\n".encode("utf-16"))
+    ('UTF-16 LE text', 'a byte-order mark FF FE', 'UTF-16')
+    >>> foreign_encoding("hello".encode("utf-16-be"))
+    ('UTF-16 BE text', 'no byte-order mark; NUL bytes in 5 of 10', 'UTF-16BE')
+    >>> foreign_encoding("h\u00e9llo".encode()) is None
+    True
+    """
+    for mark, name, iconv in _BOMS:
+        if head.startswith(mark):
+            return name, f"a byte-order mark {mark.hex(' ').upper()}", iconv
+    nuls = head.count(0)
+    if not head or nuls * 10 <= len(head):
+        return None
+    odd = head[1::2].count(0)
+    said = f"NUL bytes in {nuls} of {len(head)}"
+    if odd * 10 >= nuls * 9:
+        return "UTF-16 LE text", f"no byte-order mark; {said}", "UTF-16LE"
+    if (nuls - odd) * 10 >= nuls * 9:
+        return "UTF-16 BE text", f"no byte-order mark; {said}", "UTF-16BE"
+    return "binary data or UTF-32 text", f"{said}", "ENCODING"
 
 
 def _one_line(path: str) -> bool:
@@ -321,3 +361,8 @@ def _hf_splits(path: str, source: str, dataset: int = 0, split: "str | None" = N
     if names:
         return [InputFile(path, f"{source}[{name}]", "hf_disk", name, dataset) for name in names]
     return [InputFile(path, source, "hf_disk", "", dataset)]
+
+
+def relative_input(path: str) -> bool:
+    """Whether an INPUT is a local path relative to the working folder (not absolute, not ``gs://``...)."""
+    return "://" not in path and not os.path.isabs(os.path.expanduser(path))

@@ -20,8 +20,10 @@ record's id, with no suffix, and the manifest only counts them (``counts.truncat
 example is exactly ``budget`` tokens long, so :attr:`PackedExample.maybe_truncated` flags every example of that
 length in a folder that truncated any; a truncated pair has no such tell, so there every pair is flagged.
 
-The folder is read as the loader reads it: its complete ``manifest.json`` decides which shards are read, and each
-shard's size, sha256, schema, schema metadata and counts must agree with its entry before a row is read. Local
+The folder is read as the loader reads it: its complete ``manifest.json`` decides which shards are read, each
+shard's size, sha256, schema, schema metadata and counts must agree with its entry, and every row must pass the
+loader's row checks (:func:`packers.rowcheck.check_batch`: the contract and the manifest's ``row_checks``) before an
+example is cut from it. Local
 folders only for now; rows of images (contract version 7) or videos (version 8) are refused.
 """
 
@@ -37,8 +39,9 @@ import pyarrow as pa
 
 from packers.errors import ContractError, PackstreamError
 from packers.files import check_regular, open_checked, show_path
-from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, ShardEntry, escape_source, id_source,
+from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, RowChecks, ShardEntry, escape_source, id_source,
                               load_manifest, missing_manifest, require_complete)
+from packers.rowcheck import Batch, Failure, check_batch, gather
 from packers.shardcheck import check_rows, checked_metadata
 from packers.schema import CONTRACT_VERSION, VIDEO_CONTRACT_VERSION, Side
 
@@ -77,7 +80,8 @@ def packed_examples(folder: str, *, split: Optional[str] = None) -> Iterator[Pac
     """The examples of the finished packed ``folder`` (its ``split``, or both), row by row in shard-name order.
 
     PackstreamError (or ContractError) in one line when the folder is not a complete packstream run, a shard
-    differs from its manifest entry, or its rows hold images."""
+    differs from its manifest entry, a row breaks the row contract (naming the shard, the row and the check), or its
+    rows hold images."""
     if split is not None and split not in SPLITS:
         raise PackstreamError(f"split={split!r}; use one of {list(SPLITS)}")
     m = _manifest(folder)
@@ -136,7 +140,29 @@ def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
         raise PackstreamError(f"{at}: contract version {meta['contract_version']} rows hold {what}; "
                               f"{_NO_VIDEOS if 'videos' in what else _NO_IMAGES}")
     check_rows(at, table, s)
+    _check_contract(at, table, m.row_checks)
     return table
+
+
+_CHUNK = 1024
+"""Rows per call of the loader's vectorized row checks."""
+
+
+def _check_contract(at: str, table: pa.Table, checks: RowChecks) -> None:
+    """Every row against the packed-row contract and the manifest's ``row_checks``, by the checks the loader runs on
+    every batch it yields (:func:`packers.rowcheck.check_batch`): a row whose ``seq_offsets`` run backwards or past
+    its tokens, whose mask is not 0/1, whose pairs are not whole, ... is one ContractError naming the shard, the row
+    (and the sequence) and the broken check, never examples cut from it."""
+    for start in range(0, table.num_rows, _CHUNK):
+        b = gather(table.slice(start, _CHUNK), check=True)
+        f = b if isinstance(b, Failure) else check_batch(b, checks)
+        if f is None:
+            continue
+        where = f"{at} row {start + f.row}"
+        if f.sequence is not None and isinstance(b, Batch):
+            where += f" sequence {f.sequence} ({b.example_ids[f.row][f.sequence].as_py()})"
+        raise ContractError(f"{where}: check {f.check} failed: {f.detail}; the shard is not what packstream pack "
+                            f"wrote: {RESTORE}")
 
 
 def _examples(table: pa.Table, split: str, sources: dict[str, str], budget: Optional[int]) -> Iterator[PackedExample]:

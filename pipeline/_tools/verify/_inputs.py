@@ -54,6 +54,24 @@ def options_from_config(config: dict, inputs: Sequence[str], output: str,
                               "it was written by another packstream version: verify with that version") from None
 
 
+def recorded_inputs(m: Manifest) -> tuple[str, ...]:
+    """The run's INPUT paths as it resolved them, so ``verify --inputs`` finds them from any folder: a relative
+    one joined to the folder the run was started in (the manifest's ``inputs_from``; for a manifest from before
+    it, the folder that a recorded input's path ends in this one under). () for a ``--config`` run (its data
+    sets' paths are absolute, resolved from the config file)."""
+    given = tuple(m.config.get("inputs") or ()) if isinstance(m.config, dict) else ()
+    if m.config.get("config"):
+        return ()
+    base = m.raw.get("inputs_from")
+    if not isinstance(base, str):
+        base = next((p[: len(p) - len(rel)] for s in given if _read.relative_input(s) and not any(c in s for c in "*?[")
+                     for rel in [os.path.normpath(s)] for p in (i.path for i in m.inputs)
+                     if isinstance(p, str) and p.endswith(os.sep + rel)), None)
+    if base is None:
+        return given
+    return tuple(os.path.join(base, os.path.expanduser(s)) if _read.relative_input(s) else s for s in given)
+
+
 @dataclasses.dataclass
 class InputCheck:
     """The run's options, rebuilt from its manifest, and its inputs as they resolve now."""
@@ -68,7 +86,7 @@ def prepare_inputs(folder: str, m: Manifest, inputs: Sequence[str], trust_remote
     tokenizer that cannot be loaded fails at once). None, with a problem, when the inputs differ."""
     from pipeline._tokenizer import tokenizer_identity
 
-    options = options_from_config(m.config, inputs, folder, trust_remote_code)
+    options = options_from_config(m.config, inputs or recorded_inputs(m), folder, trust_remote_code)
     files = _read.expand_datasets(options.datasets())[0]  # PackstreamError: the inputs cannot be read
     want = sorted({i.source for i in m.inputs})
     got = sorted({f.source for f in files})
