@@ -212,6 +212,9 @@ CASES = [
     # Labelled segments are trained exactly as labelled, with no EOS added: all false is no target at all.
     Case("segments_all_unlabelled", jsonl({"segments": [{"text": "Q: 2+2? A: 4", "label": False}]}, GOOD),
          {1: ("no_target_tokens", "no token is a training target")}),
+    # --- labels: two label fields that disagree are one answer with two desirabilities, never one of them picked
+    Case("label_conflict", jsonl({"prompt": "2+2?", "completion": "4", "label": True, "kto_tag": False}, GOOD),
+         {1: ("label_conflict", "two desirabilities")}),
     # --- ids: own ids read back as `source:id`; the second record with one is dropped, naming the first
     Case("duplicate_id", jsonl({"id": "q1", **GOOD}, {"id": "q1", **turns(("user", "Yo"), ("assistant", "Hey"))}),
          {2: ("duplicate_id", "id 'duplicate_id.jsonl:q1' already used by duplicate_id.jsonl at 1")}),
@@ -415,7 +418,7 @@ def test_max_reject_fraction_fails_the_job(tmp_path):
 WHOLE_INPUT = {
     # name: (files to create {relative path: bytes}, the input argument, words of the error)
     "text_in_jsonl": ({"a.jsonl": b"just some text\n"}, "a.jsonl", "does not start with a JSON object"),
-    "png_in_jsonl": ({"a.jsonl": b"\x89PNG\r\n\x1a\n\x00\x00"}, "a.jsonl", "does not start with a JSON object"),
+    "png_in_jsonl": ({"a.jsonl": b"\x89PNG\r\n\x1a\n\x00\x00"}, "a.jsonl", "is a PNG image"),
     "json_array_in_jsonl": ({"a.jsonl": b'[\n  {"text": "a"}\n]\n'}, "a.jsonl", "rename it to .json"),
     "json_in_parquet": ({"a.parquet": b'{"text": "a"}\n'}, "a.parquet", "not a Parquet file"),
     "text_in_arrow": ({"a.arrow": b"hello"}, "a.arrow", "not an Arrow IPC file"),

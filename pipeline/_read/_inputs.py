@@ -54,6 +54,10 @@ def _sniff(path: str, kind: str, text_split: str = "") -> None:
     if kind == "arrow" and not (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
         raise PackstreamError(f"input {path} has extension .arrow but is not an Arrow IPC file (starts with {head[:8]!r})")
     if kind in ("jsonl", "json", "csv", "tsv", "text"):
+        binary = next((what for magic, what in _MAGIC if head.startswith(magic)), None)
+        if binary is not None:
+            raise PackstreamError(f"input {show_path(path)} has extension .{kind} but is {binary} (starts with "
+                                  f"{head[:8]!r}); give the file its own extension, or pack a text file of records")
         foreign = foreign_encoding(head)
         if foreign is not None:
             name, why, iconv = foreign
@@ -95,6 +99,11 @@ def _sniff(path: str, kind: str, text_split: str = "") -> None:
                 "records would be one rejected line; rename it to .json"
             )
 
+
+_MAGIC = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+          (b"%PDF-", "a PDF document"), (b"PK\x03\x04", "a zip archive"), (b"\x1f\x8b", "gzip-compressed (name it .gz)"),
+          (b"PAR1", "a Parquet file (name it .parquet)"), (b"ARROW1", "an Arrow IPC file (name it .arrow)"))
+"""First bytes of binary formats that a text input named by a text extension is sometimes by mistake."""
 
 _BOMS = ((b"\x00\x00\xfe\xff", "UTF-32 BE text", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32 LE text", "UTF-32"),
          (b"\xff\xfe", "UTF-16 LE text", "UTF-16"), (b"\xfe\xff", "UTF-16 BE text", "UTF-16"))
