@@ -233,7 +233,6 @@ def test_a_toy_plan_runs_on_the_local_runner_in_process():
     assert got == {"status": "complete", "reports": EXPECTED}  # "d": named by every, joined with no words
 
 
-@pytest.mark.slow
 def test_a_toy_plan_runs_on_local_workers():
     """Worker processes get the context and the plan once, then a stage's index and an element."""
     workers = _local.Workers(2)
@@ -244,7 +243,6 @@ def test_a_toy_plan_runs_on_local_workers():
     assert got["reports"] == EXPECTED
 
 
-@pytest.mark.slow
 def test_a_toy_plan_gives_its_finish_the_same_reports_on_beam(tmp_path):
     beam = pytest.importorskip("apache_beam")
     from tests._internals import _graph
@@ -257,7 +255,6 @@ def test_a_toy_plan_gives_its_finish_the_same_reports_on_beam(tmp_path):
 
 # --- the real pack, on both runners ---------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_the_pack_plan_gives_byte_identical_shards_on_both_runners(tmp_path):
     """The bundled sample (copied to one place, so both runs read the same paths) packed on the local runner and
     on Beam's DirectRunner: every file the same bytes; the manifests differ only in the local run's ``run``."""

@@ -9,7 +9,8 @@ Both runners walk a plan and know nothing else about the job: the local runner
     stage     a step class of pipeline._job._steps, built from the RunContext; its input is the source's
               elements (the first stage) or the last stage's carried values grouped by key: (key, [part, ...]),
               every key of the last stage's ``every`` present, with an empty list where nothing carried it
-              (Beam's GroupByKey and the local runner's dict give the step the same list, None-free)
+              (Beam's GroupByKey and the local runner's dict give the step the same parts, None-free, in no
+              promised order: a step sorts them)
     carries   the type of the values a stage hands to the next (its ``key`` makes each one a (key, part));
               every other value the stage emits is a report (:func:`pipeline._job._outputs.reports`)
     finish    finish(ctx, reports): every stage's reports, in one place (pack: the commit, finalize())
@@ -19,12 +20,18 @@ Both runners walk a plan and know nothing else about the job: the local runner
 write (a shard's pieces -> the shard file); then :func:`~pipeline._job._commit.finalize`.
 
 A second command declares its own plan from the same steps, and both runners run it unchanged. A ``repack``,
-whose source is a packed folder's examples in place of read/render/encode, would be::
+whose source is a packed folder's examples in place of read/render/encode, keeps pack and write as they are and
+puts one new step first, one that spills the folder's examples per packing group as encode does::
 
-    REPACK = Plan(source=Source(inputs=packed_folder_parts, cut=examples_by_group, key=by_group),
-                  stages=(PACK.stages[1], PACK.stages[2]), finish=finalize)
+    REPACK = Plan(
+        source=Source(inputs=packed_shards, cut=example_batches, key=batch_name),
+        stages=(Stage("respill", RespillExamples, StageLabels("RespillExamples", carried="Slices",
+                                                               grouped="ByGroup", reports="Reports"),
+                      carries=Spilled),
+                *PACK.stages[1:]),
+        finish=finalize,
+    )
 
-with a step that re-spills a folder's examples as its first stage where the pack steps need spill files.
 Everything in a plan is a module-level function or class, never a lambda, so a stage pickles by reference
 (the local runner's workers may be started with ``spawn``, Beam ships the steps to its workers).
 """
