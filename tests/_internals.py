@@ -71,9 +71,16 @@ _LAZY = {
     # The job (imports apache_beam): its steps' typed outputs, the commit, the runner's flags, the launcher.
     "_job": ("pipeline._job", None),
     "_local": ("pipeline._job._local", None),
+    "_graph": ("pipeline._job._graph", None),  # imports apache_beam itself
+    # The job's plan (pipeline._job._plan): what both runners walk.
+    "_plan": ("pipeline._job._plan", None),
+    **{name: ("pipeline._job._plan", name) for name in (
+        "PACK", "Plan", "Source", "Stage", "StageLabels", "task_weight")},
     "pipeline_options": ("pipeline._job", "pipeline_options"),
     "Reports": ("pipeline._job._commit", "Reports"),
     "Verdict": ("pipeline._job._commit", "Verdict"),
+    "finalize": ("pipeline._job._commit", "finalize"),
+    **{name: ("pipeline._job._steps", name) for name in ("EncodeTasks", "PackGroups", "WriteShards")},
     "Inputs": ("pipeline._job._context", "Inputs"),
     "decide": ("pipeline._job._context", "decide"),
     "interrupted_message": ("pipeline._job._launch", "interrupted_message"),

@@ -208,18 +208,21 @@ def test_a_failing_worker_fails_the_run_and_leaves_no_worker(tmp_path):
 
 def test_read_tasks_are_dealt_biggest_first(tmp_path):
     """The local runner deals a JSONL file's tasks by their bytes, the last (shorter, open-ended) one last, so the
-    workers finish close together; a task whose size is unknown (rows of a table) goes first."""
-    from tests._internals import _local
+    workers finish close together; a task whose size is unknown (rows of a table) goes first. The order is the
+    pack plan's source's (pipeline._job._plan.PACK.source.order)."""
+    from tests._internals import PACK, task_weight
+
+    assert PACK.source.order is task_weight
 
     path = tmp_path / "x.jsonl"
     path.write_text("".join(json.dumps({"instruction": "q" * (i % 50), "output": "a"}) + "\n" for i in range(3000)))
     f = _read.InputFile(str(path), "x.jsonl", "jsonl")
     tasks = _read.cut_tasks(f, 8000)
-    weights = [_local._weight(t) for t in tasks]
+    weights = [task_weight(t) for t in tasks]
     assert sum(weights) == path.stat().st_size and len(tasks) > 5
     assert min(weights) == weights[-1] < max(weights)  # the open-ended last task is the shortest here
     rows = _read.ReadTask(_read.InputFile(str(tmp_path / "t.parquet"), "t.parquet", "parquet"), 0, 65536)
-    assert _local._weight(rows) == float("inf")
+    assert task_weight(rows) == float("inf")
 
 
 def test_a_worker_that_dies_on_its_own_fails_the_run_in_one_line(tmp_path):

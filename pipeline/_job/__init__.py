@@ -1,10 +1,13 @@
-"""The job behind ``packstream pack``: thin steps around the stages' pure functions, two runners, the launcher.
+"""The job behind ``packstream pack``: thin steps around the stages' pure functions, one plan, two runners, the
+launcher.
 
-Locally the steps run on packstream's own runner (:mod:`~pipeline._job._local`: forked workers, no Beam);
-with ``--runner`` they run as the Beam graph below (:mod:`~pipeline._job._graph`), on Dataflow, Dask, Flink
-or Spark. The graph and the local runner call the same step objects, so their outputs are byte-identical.
-
-::
+The job's shape is declared once, as data: :data:`pipeline._job._plan.PACK`, a :class:`~pipeline._job._plan.Plan`
+of a source (the inputs cut into read tasks), its stages in order (encode, pack, write: each a step class, the
+type it carries on and how that is keyed) and a finish (the commit). Locally the plan runs on packstream's own
+runner (:mod:`~pipeline._job._local`: forked workers, no Beam); with ``--runner`` it runs as a Beam graph
+(:mod:`~pipeline._job._graph`), on Dataflow, Dask, Flink or Spark. Both runners walk the plan and name no
+step, and call the same step objects, so their outputs are byte-identical. The plan as Beam builds it (its
+labels are the plan's)::
 
     Create(inputs) -> CutTasks -> Spread -> EncodeTasks ------------------------------+
                       (split big     (tasks    read a task, normalize, render,          |
@@ -44,8 +47,9 @@ The modules, one job each::
     _context   RunContext: what the launcher decided (options, inputs, tokenizer, Layout); every step gets it
     _outputs   the typed values the steps emit
     _steps     the steps (Beam's shape: setup, process, teardown; no runner in them)
-    _local     the local runner: the steps in this process or dealt to forked workers, then the commit
-    _graph     the steps as a Beam graph (a DoFn each), for the runners --runner names
+    _plan      Plan, Source, Stage: the job's shape as data; PACK, the pack's plan (a second command declares its own)
+    _local     the local runner: any plan's stages in this process or dealt to forked workers, then its finish
+    _graph     any plan as a Beam graph (a DoFn a stage, a GroupByKey between), for the runners --runner names
     _commit    finalize(): counts (_counts), status, manifest, commit; stopped() for a run that did not finish
     _runner    Beam's options and the runner, through Beam's public API
     _outcome   how a run ended, as a type: Committed, Failed, TemplateLaunched, Interrupted

@@ -14,8 +14,8 @@
       environ     the tokenizer's threads for local workers (the Rust library reads them), restored
       workers     the local workers (forked before any thread starts), reaped (killed on an error)
       progress    the progress folder and its reporter (local runs)
-      job         the local runner (pipeline._job._local), or Beam's runner runs the graph
-                  (pipeline._job._graph); a signal cancels a remote job
+      job         the job's plan (pipeline._job._plan.PACK) on the local runner (pipeline._job._local), or
+                  as the Beam graph on Beam's runner (pipeline._job._graph); a signal cancels a remote job
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pipeline import _output, _progress, _read, _trace, _write
 from pipeline._job import _local
 from pipeline._job._commit import Verdict, remove_spill, stopped
 from pipeline._job._context import Inputs, RunContext, decide
+from pipeline._job._plan import PACK
 from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, from_manifest
 from pipeline._job._runner import DASK_RUNNER, local_beam_options, names_runner, pipeline_options, unknown_beam_args
 from pipeline._options import PackOptions
@@ -149,7 +150,7 @@ def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome
         ctx = dataclasses.replace(ctx, progress=folder)
         if workers is not None:
             with _trace.span("job"):
-                _local.run(ctx, workers)
+                _local.run(ctx, workers, PACK)
         else:
             _run_beam(ctx, launch.pipe_opts)
         if launch.template and not local:  # DataflowRunner wrote the job graph there and submitted nothing
@@ -248,7 +249,7 @@ def _run_beam(ctx: RunContext, pipe_opts) -> None:
 
     try:
         p = beam.Pipeline(options=pipe_opts)
-        build(p, ctx)
+        build(p, ctx, PACK)
         with _trace.span("job"):
             result = p.run()
         try:

@@ -1,20 +1,22 @@
-"""The local runner: the job's steps on this machine's cores, with no Beam in the way.
+"""The local runner: a job's plan (:mod:`pipeline._job._plan`) on this machine's cores, with no Beam in the way.
 
 ::
 
     launcher (packstream pack)                            worker processes (--workers N, forked warm)
-      cut the inputs into read tasks
-      deal the tasks, one to each idle worker   ------>   EncodeTasks: read, render, tokenize, spill
-      keep the Spilled descriptions and reports <------   (a task's values, small: files and counts)
-      deal the packing groups                   ------>   PackGroups: read back, pack, park the rows
-      deal the shards                           ------>   WriteShards: stream the rows into the file
-      the commit (pipeline._job._commit.finalize), here
+      the plan's source: the inputs cut into elements
+      deal a stage's elements, one to each idle  ------>  the stage's step: setup once, process each
+      worker, biggest first (the source's order)          element, teardown at the end
+      keep the carried values, keyed and grouped <------  (an element's values, small: files and counts)
+      and the reports
+      the next stage: its (key, [part, ...]), in key order; ... until the last stage
+      the plan's finish (a pack: pipeline._job._commit.finalize), here, over every stage's reports
 
-The steps are :mod:`pipeline._job._steps`, the same objects Beam's runners run
-(:mod:`pipeline._job._graph`), so the output is byte-identical either way. Only descriptions and
-counts cross between processes; tokens move through the spill files. Tasks go to whichever worker is
-idle, so a slow task never holds up the others; a stage starts once the last one's values are all
-in (every packing group takes examples from every read task).
+The runner walks any :class:`~pipeline._job._plan.Plan` and names no step: a worker is handed the run's
+context and plan once, then the index of a stage and an element. The steps are the same objects Beam's
+runners run (:mod:`pipeline._job._graph` walks the same plan), so the output is byte-identical either way.
+Only descriptions and counts cross between processes; tokens move through the spill files. Elements go to
+whichever worker is idle, so a slow task never holds up the others; a stage starts once the last one's
+values are all in (every packing group takes examples from every read task).
 
 Why not Beam here: a local run spent ~0.85 CPU-seconds importing Beam before it read a record, and
 its FnApiRunner moved every value through gRPC threads in every process; on 2 cores that was a third
@@ -44,35 +46,22 @@ from typing import Any, Iterable, Iterator, Optional
 
 from packers import PackstreamError
 from pipeline import _trace
-from pipeline._job._commit import finalize
-from pipeline._job._context import RunContext
-from pipeline._job._outputs import Packed, Spilled
+from pipeline._job._plan import Plan
 from pipeline._workers import signals
 
-STEPS = ("encode", "pack", "write")
-"""The stages a worker runs, in order: read tasks, packing groups, shards."""
-
-
-def _make_step(kind: str, ctx: RunContext):
-    from pipeline._job._steps import EncodeTasks, PackGroups, WriteShards
-
-    step = {"encode": EncodeTasks, "pack": PackGroups, "write": WriteShards}[kind](ctx)
-    if hasattr(step, "setup"):
-        step.setup()
-    return step
-
-
 class _Steps:
-    """One process's step objects, each set up on its first element and torn down at the end."""
+    """One process's steps of the plan, each built and set up on its stage's first element, torn down at the end."""
 
-    def __init__(self, ctx: Optional[RunContext] = None):
-        self.ctx = ctx
-        self.steps: dict[str, Any] = {}
+    def __init__(self, ctx: Any = None, plan: Optional[Plan] = None):
+        self.ctx, self.plan = ctx, plan
+        self.steps: dict[int, Any] = {}
 
-    def process(self, kind: str, element: Any) -> list:
-        step = self.steps.get(kind)
+    def process(self, stage: int, element: Any) -> list:
+        step = self.steps.get(stage)
         if step is None:
-            step = self.steps[kind] = _make_step(kind, self.ctx)
+            step = self.steps[stage] = self.plan.stages[stage].step(self.ctx)
+            if hasattr(step, "setup"):
+                step.setup()
         return list(step.process(element))
 
     def close(self) -> None:
@@ -87,12 +76,12 @@ class InProcess:
 
     workers = 1
 
-    def start(self, ctx: RunContext) -> None:
-        self.steps = _Steps(ctx)
+    def start(self, ctx: Any, plan: Plan) -> None:
+        self.steps = _Steps(ctx, plan)
 
-    def map(self, kind: str, elements: Iterable) -> Iterator:
+    def map(self, stage: int, elements: Iterable) -> Iterator:
         for element in elements:
-            yield from self.steps.process(kind, element)
+            yield from self.steps.process(stage, element)
 
     def close(self, kill: bool = False) -> None:
         steps = getattr(self, "steps", None)
@@ -126,13 +115,16 @@ class Workers:
             self.close(kill=True)
             raise
 
-    def start(self, ctx: RunContext) -> None:
-        """Hand every worker the run's context (once: the steps are built from it)."""
+    def start(self, ctx: Any, plan: Plan) -> None:
+        """Hand every worker the run's context and plan (once: the steps are built from them)."""
+        self.plan = plan
         for conn in self.conns:
-            conn.send(("ctx", ctx))
+            conn.send(("start", (ctx, plan)))
 
-    def map(self, kind: str, elements: Iterable) -> Iterator:
-        """Run ``kind`` over ``elements``, an element to each idle worker; the values, as each element finishes."""
+    def map(self, stage: int, elements: Iterable) -> Iterator:
+        """Run the plan's ``stage`` (its index) over ``elements``, an element to each idle worker; the values, as
+        each element finishes."""
+        name = self.plan.stages[stage].name
         todo = deque(elements)
         busy: dict[Connection, tuple[int, Any]] = {}
         idle = list(self.conns)
@@ -140,20 +132,20 @@ class Workers:
             while todo and idle:
                 conn = idle.pop()
                 element = todo.popleft()
-                conn.send((kind, element))
+                conn.send(("step", (stage, element)))
                 busy[conn] = (self.conns.index(conn), element)
             for conn in wait(list(busy)):
                 i, element = busy.pop(conn)
                 try:
                     what, value = conn.recv()
                 except (EOFError, OSError):
-                    raise self._lost(i, kind) from None
+                    raise self._lost(i, name) from None
                 if what == "error":
-                    raise RuntimeError(f"a local worker failed in step {kind!r}:\n{value}")
+                    raise RuntimeError(f"a local worker failed in step {name!r}:\n{value}")
                 idle.append(conn)
                 yield from value
 
-    def _lost(self, i: int, kind: str) -> BaseException:
+    def _lost(self, i: int, name: str) -> BaseException:
         """A worker that ended on its own: the signal that is on its way if there is one (the whole group got it),
         else one line that names the worker and how it ended."""
         proc = self.procs[i]
@@ -165,7 +157,7 @@ class Workers:
         how = (f"killed by {signals.name(-code)}" if code is not None and code < 0
                else f"exited {code}" if code is not None else "stopped answering")
         return PackstreamError(
-            f"local worker {i + 1} of {self.workers} (pid {proc.pid}) {how} while running step {kind!r}; the run "
+            f"local worker {i + 1} of {self.workers} (pid {proc.pid}) {how} while running step {name!r}; the run "
             f"stopped (if it was out of memory, use fewer --workers or a smaller --max-tokens)")
 
     def close(self, kill: bool = False, timeout: float = 10.0) -> None:
@@ -208,16 +200,16 @@ def _serve(conn: Connection, launcher: int) -> None:
     try:
         while True:
             try:
-                kind, value = conn.recv()
+                what, value = conn.recv()
             except (EOFError, OSError):  # the launcher is gone
                 return
-            if kind == "stop":
+            if what == "stop":
                 return
-            if kind == "ctx":
-                steps.ctx = value
+            if what == "start":
+                steps.ctx, steps.plan = value
                 continue
             try:
-                out = ("done", steps.process(kind, value))
+                out = ("done", steps.process(*value))
             except Exception:  # noqa: BLE001 - a bug in a step: the launcher fails the run with its traceback
                 out = ("error", traceback.format_exc())
             conn.send(out)
@@ -230,40 +222,27 @@ def start(workers: int) -> "InProcess | Workers":
     return InProcess() if workers <= 1 else Workers(workers)
 
 
-def run(ctx: RunContext, workers: "InProcess | Workers") -> dict:
-    """The whole job on ``workers`` (started with the run's context here); returns the manifest it committed."""
-    from pipeline._job._steps import cut_tasks
-
-    workers.start(ctx)
+def run(ctx: Any, workers: "InProcess | Workers", plan: Plan) -> Any:
+    """``plan`` on ``workers`` (started with the run's context here), stage by stage; returns what its finish
+    returns (a pack: the manifest it committed)."""
+    workers.start(ctx, plan)
+    source = plan.source
+    elements: list = [e for each in source.inputs(ctx) for e in source.cut(each, ctx)]
+    if source.order is not None:
+        elements.sort(key=source.order, reverse=True)  # the biggest first, so the last ones dealt are short
     reports: list = []
-    tasks = [t for f in ctx.files for t in cut_tasks(f, ctx.task_bytes)]
-    tasks.sort(key=_weight, reverse=True)  # the biggest first, so the last ones dealt are short
-    slices: dict[tuple[str, int], list] = {}
-    for item in workers.map("encode", tasks):
-        if isinstance(item, Spilled):
-            slices.setdefault((item.split, item.group), []).append(item.slice)
-        else:
-            reports.append(item)
-    pieces: dict[tuple[str, int], list] = {key: [] for key in ctx.every_shard()}
-    for item in workers.map("pack", sorted(slices.items(), key=lambda kv: kv[0])):
-        if isinstance(item, Packed):
-            pieces.setdefault((item.split, item.shard), []).append(item.piece)
-        else:
-            reports.append(item)
-    reports += workers.map("write", sorted(pieces.items(), key=lambda kv: kv[0]))
+    for i, stage in enumerate(plan.stages):
+        carried: dict = {key: [] for key in stage.every(ctx)} if stage.every is not None else {}
+        for item in workers.map(i, elements):
+            if stage.carries is not None and isinstance(item, stage.carries):
+                key, part = stage.key(item)
+                carried.setdefault(key, []).append(part)
+            else:
+                reports.append(item)
+        elements = sorted(carried.items(), key=_key)
     with _trace.span("finalize"):
-        return finalize(ctx, reports)
+        return plan.finish(ctx, reports)
 
 
-def _weight(task: Any) -> float:
-    """A read task's size for dealing them biggest first: a JSONL task's bytes, a whole local file's size; a task
-    whose size is not known cheaply (rows of a table, a remote file) counts as the biggest (it goes first)."""
-    jsonl = task.file.kind == "jsonl"  # start and stop are bytes (the last task's stop is None: to the end)
-    if jsonl and task.stop is not None:
-        return float(task.stop - task.start)
-    if (jsonl or task.start == 0) and task.stop is None and "://" not in task.file.path:
-        try:
-            return float(os.path.getsize(task.file.path) - (task.start if jsonl else 0))
-        except OSError:
-            pass
-    return float("inf")
+def _key(kv: tuple) -> Any:
+    return kv[0]

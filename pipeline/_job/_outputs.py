@@ -1,8 +1,9 @@
 """What the job's steps emit: one small frozen type per kind of value.
 
 Every step has one output, a mix of these values (runners such as Dask support nothing more), and
-the graph picks each kind out by its type (:func:`only`); the commit sums up the rest
-(:class:`pipeline._job._commit.Reports`, one handler per type)::
+the runners pick out the type that a stage of the plan carries on (:class:`pipeline._job._plan.Stage`,
+``carries``: as :func:`only` does); the commit sums up the rest, the reports (:func:`reports`;
+:class:`pipeline._job._commit.Reports`, one handler per type)::
 
     EncodeTasks  -> Spilled, Rejects, Stats, Failure
     PackGroups   -> Packed, Rejects, Stats, Flags, Failure
