@@ -184,7 +184,8 @@ def test_rejected_is_counted_like_packs_summary_and_parquet(tmp_path):
         + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
     )
     out = tmp_path / "o"
-    run(PackOptions(inputs=(str(src),), output=str(out), max_tokens=64, output_format=OutputFormat.PARQUET))
+    run(PackOptions(inputs=(str(src),), output=str(out), max_tokens=64, output_format=OutputFormat.PARQUET,
+                    max_reject_fraction=1.0))  # 3 of 4 records off the main path, on purpose
     report = inspect(str(out))
     assert report["format"] == "parquet" and report["rows"] == 1 and report["examples"] == 1
     assert report["examples_packed"] == 1 and report["records_read"] == 4
