@@ -85,7 +85,7 @@ _LAZY = {
     "decide": ("pipeline._job._context", "decide"),
     "interrupted_message": ("pipeline._job._launch", "interrupted_message"),
     **{name: ("pipeline._job._outputs", name) for name in (
-        "Failure", "Flags", "Packed", "Rejects", "Spilled", "Stats", "Written", "cannot_write", "only", "reports")},
+        "Failure", "Flags", "Packed", "Rejects", "Spilled", "Stats", "Written", "cannot_write")},
     **{name: ("pipeline._job._runner", name) for name in (
         "DASK_RUNNER", "beam_flags", "runner_args", "unknown_beam_args")},
     # Packers internals that import torch: the attention backend, the guard and its probe.

@@ -13,7 +13,7 @@ from packers import InternalError, PackstreamError
 from pipeline import PackOptions
 from tests._internals import (
     DASK_RUNNER, Failure, Flags, Inputs, Packed, Rejects, Reports, Spilled, Stats, Verdict, Written, _read, _spill,
-    beam_flags, cannot_write, decide, only, reports, runner_args, unknown_beam_args,
+    beam_flags, cannot_write, decide, runner_args, unknown_beam_args,
 )
 
 TOKENIZER = {"name": "tok", "vocab_sha256": "0" * 64, "pad_token_id": 0, "eos_token_id": 2, "eos_token": "</s>"}
@@ -51,9 +51,13 @@ def test_steps_emit_one_type_per_kind_and_the_graph_picks_them_by_type():
     piece = _spill.Piece(3, "packed.arrow", 0, 1)
     mixed = [Spilled("train", 3, sl), Stats({"records_read": 1}), Packed("train", 1, piece), Rejects("r.jsonl"),
              Failure("x"), Flags(True, False), Written({"name": "s"})]
-    assert [kv for item in mixed for kv in only(Spilled)(item)] == [(("train", 3), sl)]
-    assert [kv for item in mixed for kv in only(Packed)(item)] == [(("train", 1), piece)]
-    assert [type(i).__name__ for i in mixed if reports(i)] == ["Stats", "Rejects", "Failure", "Flags", "Written"]
+    from tests._internals import _graph, _plan
+
+    carried = lambda kind: [kv for item in mixed for kv in _graph._keyed_parts(item, kind, _plan.keyed)]  # noqa: E731
+    assert carried(Spilled) == [(("train", 3), sl)]
+    assert carried(Packed) == [(("train", 1), piece)]
+    assert [type(i).__name__ for i in mixed if _graph._not_carried(i, Spilled) and _graph._not_carried(i, Packed)] == [
+        "Stats", "Rejects", "Failure", "Flags", "Written"]
 
 
 def test_the_commit_sums_the_reports_by_type():

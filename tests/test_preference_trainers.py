@@ -68,7 +68,11 @@ def _kto(n: int, seed: int = 1) -> list[tuple[Example, int]]:
 def _models(kind: str = "llama", attn: str = "sdpa", overrides: dict | None = None):
     """A tiny random policy of ``kind`` and, as its reference, a frozen copy moved by 0.3 x noise."""
     torch.manual_seed(0)
-    policy = tiny_model(kind, attn, **(overrides or {}))
+    return _with_reference(tiny_model(kind, attn, **(overrides or {})))
+
+
+def _with_reference(policy):
+    """``(policy, reference)``: the reference a frozen copy of ``policy`` moved by 0.3 x noise (seed 7)."""
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -28,7 +28,7 @@ from packers import Batching, PackedDataset, PackstreamError, Sampling
 from tests._internals import _trainer_settings as ts
 from tests._shards import make_pair_row, make_row, write_manifest, write_shards
 from tests.test_preference_trainers import (ACCUM, B, EOS, STEPS, _common, _compare, _kto, _models, _pairs, _run,
-                                            _text, _tokenizer)
+                                            _text, _tokenizer, _with_reference)
 
 trl = pytest.importorskip("trl")
 
@@ -319,13 +319,7 @@ def _mixtral():
 
     cfg = transformers.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.001)
     torch.manual_seed(0)
-    policy = transformers.MixtralForCausalLM._from_config(cfg, attn_implementation="sdpa")
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return policy, ref
+    return _with_reference(transformers.MixtralForCausalLM._from_config(cfg, attn_implementation="sdpa"))
 
 
 @pytest.mark.slow

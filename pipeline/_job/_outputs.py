@@ -2,8 +2,8 @@
 
 Every step has one output, a mix of these values (runners such as Dask support nothing more), and
 the runners pick out the type that a stage of the plan carries on (:class:`pipeline._job._plan.Stage`,
-``carries``: as :func:`only` does); the commit sums up the rest, the reports (:func:`reports`;
-:class:`pipeline._job._commit.Reports`, one handler per type)::
+``carries``); the commit sums up the rest, the reports (:class:`pipeline._job._commit.Reports`, one handler per
+type)::
 
     EncodeTasks  -> Spilled, Rejects, Stats, Failure
     PackGroups   -> Packed, Rejects, Stats, Flags, Failure
@@ -18,7 +18,7 @@ is a :class:`Failure` that the manifest records, and the launcher turns a failed
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from packers import PackstreamError
 from pipeline._spill import Piece, Slice
@@ -98,13 +98,3 @@ def cannot_write(e: OSError, output: str) -> str:
     from packers.files import show_path
 
     return f"cannot write to --output {show_path(output)} ({type(e).__name__}: {e.strerror or e})"
-
-
-def only(kind: type) -> Callable[[Any], Iterable]:
-    """For ``beam.FlatMap``: the ``(key, value)`` of every ``kind`` value (:class:`Spilled`, :class:`Packed`)."""
-    return lambda item: [item.keyed()] if isinstance(item, kind) else []
-
-
-def reports(item: Any) -> bool:
-    """For ``beam.Filter``: a value for the commit (not one that feeds the next step)."""
-    return not isinstance(item, (Spilled, Packed))
