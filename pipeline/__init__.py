@@ -10,8 +10,16 @@ and :func:`run`, the launcher), ``_workers`` (signals and local worker processes
 from pipeline._options import DEFAULT_TOKENIZER, Format, OutputFormat, PackMode, PackOptions, TrainOn
 
 
-def run(options: PackOptions, beam_args=()) -> dict:
-    """Run the packing job; returns the manifest (see ``manifest.json``). Raises PackstreamError when the run fails
+def __getattr__(name: str):
+    if name == "RepackOptions":  # the job's module (Beam-free), loaded when asked for
+        from pipeline._job import RepackOptions
+
+        return RepackOptions
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+
+
+def run(options: "PackOptions | RepackOptions", beam_args=()) -> dict:
+    """Run the packing job (a :class:`RepackOptions`: ``packstream repack``); returns the manifest (see ``manifest.json``). Raises PackstreamError when the run fails
     (:func:`launch` returns how it ended instead)."""
     from pipeline._job import run as _run
 
@@ -27,4 +35,5 @@ def launch(options: PackOptions, beam_args=()):
     return _launch(options, beam_args)
 
 
-__all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "TrainOn", "launch", "run"]
+__all__ = ["DEFAULT_TOKENIZER", "Format", "OutputFormat", "PackMode", "PackOptions", "RepackOptions", "TrainOn", "launch",
+           "run"]

@@ -222,6 +222,18 @@ def _media_roots(manifest: dict) -> list[tuple[str, str]]:
     return [("images read under", printable(", ".join(roots[:3]) + more))]
 
 
+def _repacked_lines(manifest: dict) -> list[tuple[str, str]]:
+    """A repack's folders (nothing was tokenized again), and the examples their pack cut, carried as they are."""
+    lines = [("repacked from", printable(f"{src['folder']}  (run {src['run_id']}, contract version "
+                                         f"{src['contract_version']})")) for src in manifest.get("repacked_from") or ()]
+    c = manifest["counts"]
+    if c.get("carried_truncated") or c.get("carried_split"):
+        lines.append(("carried cut", f"{c.get('carried_truncated', 0):,} truncated / {c.get('carried_split', 0):,} "
+                                     "split pieces, as the first pack cut them (marked; never joined back: pack the raw "
+                                     "inputs to cut them at this budget)"))
+    return lines
+
+
 def summary_table(manifest: dict, packed: str | None = None) -> str:
     """The run's counts for people: what it packed (``packed``, when the inputs need saying: the bundled sample),
     which tokenizer packed it, every reason a record left the main path, with its first case."""
@@ -232,6 +244,7 @@ def summary_table(manifest: dict, packed: str | None = None) -> str:
         return first_case(first.get(reason))
 
     lines = [("packed", packed)] if packed else []
+    lines += _repacked_lines(manifest)
     lines += [
         ("records read", f"{c['records_read']:,}"
          + (f"  (+{c['repeated_copies']:,} repeated copies)" if c.get("repeated_copies") else "")

@@ -309,6 +309,78 @@ def _quiet_logs(quiet: bool) -> None:
         logging.getLogger().setLevel(logging.ERROR)
 
 
+def _repack_options():
+    """Click decorators for ``repack``: pack's row options (``pipeline._job._repack.ROW_OPTIONS``), each defaulting
+    to the folders' own, and its run options."""
+    from pipeline._job import ROW_OPTIONS
+    from pipeline._options import PackOptions
+
+    hints = typing.get_type_hints(PackOptions)
+    decorators = []
+    for f in dataclasses.fields(PackOptions):
+        meta = f.metadata.get("cli")
+        if not meta or f.name not in ROW_OPTIONS + ("workers", "tokenizer_threads", "force_workers", "overwrite"):
+            continue
+        names = [meta["flag"]] + ([meta["short"]] if meta["short"] else [])
+        kw: dict[str, Any] = {"help": meta["help"] + (" [default: the folders' own]" if f.name in ROW_OPTIONS else "")}
+        if meta["kind"] == "flag":
+            names = [f"{meta['flag']}/--no-{meta['flag'][2:]}"]
+            kw.update(default=None)
+        elif meta["kind"] == "switch":
+            kw.update(is_flag=True, default=False)
+        elif meta["kind"] == "auto":
+            kw.update(type=_AUTO_COUNT, default=0, metavar=meta["metavar"], show_default="auto")
+        else:
+            kw.update(type=_click_type(f, hints[f.name]), metavar=meta["metavar"], default=None)
+        decorators.append(click.option(*names, f.name, **kw))
+    return lambda fn: functools.reduce(lambda acc, d: d(acc), reversed(decorators), fn)
+
+
+@main.command("repack", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+@click.argument("folders", nargs=-1, type=click.UNPROCESSED, metavar="FOLDER...")
+@click.option("--output", "-o", default=None, metavar="DIR", help="Output folder (local); as pack's --output.")
+@click.option("--config", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="A --config as pack's, whose data sets may name packed folders (with weight and loss_weight) "
+                   "beside raw inputs (tokenized as pack does).")
+@_repack_options()
+@click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
+def repack_command(folders, output, config, quiet, **params):
+    """Repack packed FOLDERs of text rows to a new budget, mixture or split, without tokenizing again.
+
+    Takes pack's row options (--max-tokens, --mode, --seed, --validation-fraction, --num-shards, --long, ...);
+    an option not given is the folders' own. The rows equal those `packstream pack` writes from the folders'
+    raw inputs with the same options, when no example was cut at the first pack (cut ones are carried, marked).
+    Beam options (--runner=DaskRunner, ...) pass through as for pack.
+    """
+    from pipeline._job import Committed, Failed, Interrupted
+    from pipeline._job import launch as _launch
+    from pipeline._job import ROW_OPTIONS, RepackOptions
+
+    own = [o for p in click.get_current_context().command.params for o in getattr(p, "opts", [])]
+    try:
+        paths, beam_args = split_beam_args(folders, own)
+        if output is None:
+            raise click.UsageError("Missing option '--output' / '-o'.")
+        rows = tuple((k, v) for k, v in params.items() if k in ROW_OPTIONS and v is not None)
+        ropts = RepackOptions(folders=tuple(paths), config=config, output=output, rows=rows,
+                              overwrite=params["overwrite"], workers=params["workers"],
+                              tokenizer_threads=params["tokenizer_threads"], force_workers=params["force_workers"])
+        _quiet_logs(quiet)
+    except PackstreamError as e:
+        _fail(e)
+    outcome = _launch(ropts, beam_args, quiet=True)
+    match outcome:
+        case Committed(manifest=manifest):
+            if not quiet:
+                click.echo(summary_table(manifest))
+        case Failed(error=error, exit_code=code, manifest=manifest):
+            _fail(error, code, summary=manifest if code == ExitCode.REJECTED else None)
+        case Interrupted(message=message):
+            _fail(message, outcome.exit_code)
+        case _:
+            raise InternalError(f"the launcher returned {outcome!r}, which is not an Outcome")
+
+
 @main.command("estimate")
 @click.argument("inputs", nargs=-1)
 @options_for("estimate")

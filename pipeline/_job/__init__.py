@@ -58,8 +58,9 @@ The modules, one job each::
 """
 
 from pipeline._job._launch import launch, run
+from pipeline._job._repack import ROW_OPTIONS, RepackOptions
 from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, TooManyRejected
 from pipeline._job._runner import DASK_RUNNER, beam_flags, pipeline_options, runner_args, unknown_beam_args
 
-__all__ = ["DASK_RUNNER", "Committed", "Failed", "Interrupted", "Outcome", "TemplateLaunched", "TooManyRejected",
+__all__ = ["ROW_OPTIONS", "RepackOptions", "DASK_RUNNER", "Committed", "Failed", "Interrupted", "Outcome", "TemplateLaunched", "TooManyRejected",
            "beam_flags", "launch", "pipeline_options", "run", "runner_args", "unknown_beam_args"]

@@ -222,6 +222,10 @@ def manifest_of(ctx: RunContext, verdict: Verdict, counts: dict, shards: list, w
         manifest["notes"] = list(ctx.notes)
     if ctx.inputs_from:  # relative INPUT paths: where they were resolved from; absent when none is (byte-identical)
         manifest["inputs_from"] = ctx.inputs_from
+    if ctx.sizes:  # what the layout was sized from, per input: a repack sizes its own from them
+        manifest["input_sizes"] = list(ctx.sizes)
+    if ctx.packed:  # a repack: the packed folders it read, each as its manifest names it (verify checks them)
+        manifest["repacked_from"] = [src.lineage() for src in ctx.packed]
     if ctx.parallelism:  # a local run: the workers x threads it ran with and why (issue 28); absent on a cluster
         manifest["run"] = dict(ctx.parallelism)
     if not verdict.complete:

@@ -72,6 +72,12 @@ class RunContext:
     parallelism: Optional[dict] = None
     """A local run: its worker processes, tokenizer threads and why (:meth:`pipeline._workers.parallel.Parallelism.
     to_dict`), the manifest's ``run``; None on a cluster, whose runner owns the processes."""
+    sizes: tuple[dict, ...] = ()
+    """Per input (as ``files``), what the layout was sized from: ``{"records": expected records, "bytes": size}``
+    (the manifest's ``input_sizes``: ``packstream repack`` sizes a new layout from them as pack would)."""
+    packed: tuple = ()
+    """``packstream repack``: the packed folders read in place of their raw inputs
+    (:class:`pipeline._job._repack.PackedSource`); () for a pack."""
 
     def every_shard(self) -> list[tuple[str, int]]:
         """(split, shard) of every shard the run writes, an empty one too: the validation split's only when the run
@@ -106,6 +112,13 @@ class RunContext:
         """The manifest's ``inputs``."""
         return input_entries(self.files)
 
+    def read_files(self) -> tuple[_read.InputFile, ...]:
+        """The inputs the run reads, tokenizes and encodes: all of them, but those a repack takes from packed folders."""
+        if not self.packed:
+            return self.files
+        taken = {(f.path, f.split) for src in self.packed for f in src.files}
+        return tuple(f for f in self.files if (f.path, f.split) not in taken)
+
 
 def input_entries(files: Sequence[_read.InputFile]) -> list[dict]:
     """The manifest's ``inputs``: one entry per input file."""
@@ -122,6 +135,8 @@ class Inputs:
     size: int
     skipped: tuple[_read.Skipped, ...] = ()
     """Files of folder inputs not read, with the reason (:func:`pipeline._read.expand_datasets`)."""
+    sizes: tuple[int, ...] = ()
+    """Each file's size in bytes (as ``files``)."""
 
 
 def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = _read.TASK_BYTES) -> RunContext:
@@ -129,12 +144,15 @@ def decide(options: PackOptions, inputs: Inputs, run_id: str, task_bytes: int = 
     JSONL, Parquet and datasets folders; from sizes elsewhere), so they are the same for the same inputs: the
     output is too. ``task_bytes`` only says how the read tasks are cut, which never changes the output."""
     weights = [d.weight for d in options.datasets()]
-    records = sum(_read.expected_records(f) * weights[f.dataset] for f in inputs.files)
+    expected = [_read.expected_records(f) for f in inputs.files]
+    records = sum(n * weights[f.dataset] for n, f in zip(expected, inputs.files))
+    sizes = tuple({"records": int(n), "bytes": int(b)} for n, b in zip(expected, inputs.sizes)) \
+        if len(inputs.sizes) == len(inputs.files) else ()
     groups, shards = _write.shard_layout(options, records, inputs.size)
     digest = _write.run_digest(options.to_dict(), input_entries(inputs.files), inputs.tokenizer)
     return RunContext(options=options, files=inputs.files, read_once=inputs.read_once, skipped=inputs.skipped,
                       tokenizer=inputs.tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
                       notes=tuple(_write.shard_cap_notes(options, shards)) + _read.index_notes(inputs.files),
-                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes,
+                      spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes, sizes=sizes,
                       inputs_from=os.getcwd() if any(_read.relative_input(p) for p in options.inputs) else None)

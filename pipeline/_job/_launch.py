@@ -37,7 +37,7 @@ from pipeline import _output, _progress, _read, _trace, _write
 from pipeline._job import _local
 from pipeline._job._commit import Verdict, remove_spill, stopped
 from pipeline._job._context import Inputs, RunContext, decide
-from pipeline._job._plan import PACK
+from pipeline._job._plan import PACK, REPACK, Plan
 from pipeline._job._outcome import Committed, Failed, Interrupted, Outcome, TemplateLaunched, from_manifest
 from pipeline._job._runner import DASK_RUNNER, local_beam_options, names_runner, pipeline_options, unknown_beam_args
 from pipeline._options import PackOptions
@@ -60,6 +60,8 @@ class Launch:
     """A Flex Template launch (``--template_location``): where the job graph goes; nothing is run."""
     avoid: tuple[str, ...]
     """The inputs and the folders their globs start from: paths the output folder must not touch."""
+    plan: Plan = PACK
+    """The job: :data:`~pipeline._job._plan.PACK`, or a repack's."""
 
 
 def run(options: PackOptions, beam_args: Sequence[str] = (), progress: Optional[_progress.Progress] = None,
@@ -85,7 +87,8 @@ def launch(options: PackOptions, beam_args: Sequence[str] = (), progress: Option
     """
     started = time.time()
     try:
-        outcome = _launched(prepare(options, beam_args, quiet=quiet), progress)
+        outcome = _launched(prepare(options, beam_args, quiet=quiet) if isinstance(options, PackOptions)
+                            else prepare_repack(options, beam_args), progress)
     except signals.Interrupted as e:
         return Interrupted(e.signum, str(e))
     except PackstreamError as e:
@@ -117,7 +120,7 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     with _trace.span("launch_tokenizer"):
         identity = tokenizer_identity(options.tokenizer, options.trust_remote_code)
         _check_launch(options, identity, quiet)
-    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped))
+    inputs = Inputs(tuple(files), tuple(notes), identity, sum(sizes), tuple(skipped), tuple(sizes))
     with _trace.span("launch_parallelism"):  # a --processor run's images, measured on a sample: work, not bytes
         par, size, scale = parallel.for_run(options, files, sizes)
     task_bytes = dask_task_bytes or _read.task_bytes(size, par.workers if local else None, scale)
@@ -133,6 +136,43 @@ def prepare(options: PackOptions, beam_args: Sequence[str] = (), *, quiet: bool 
     return Launch(ctx, pipe_opts, par.workers, par.env() if local else {}, template, tuple(avoid))
 
 
+def prepare_repack(ropts, beam_args: Sequence[str] = ()) -> Launch:
+    """:func:`prepare` for ``packstream repack`` (:class:`pipeline._job._repack.RepackOptions`): the equivalent pack
+    resolved from the folders (:func:`pipeline._job._repack.context`); the tokenizer is loaded only for raw inputs."""
+    from pipeline._job import _repack
+
+    ropts = dataclasses.replace(ropts, output=_output.normalize_output(ropts.output))
+    local = not names_runner(beam_args)
+    if local and beam_args:
+        unknown_beam_args(beam_args)
+        raise PackstreamError(local_beam_options(beam_args))
+    pipe_opts = None if local else pipeline_options(beam_args)
+    run_id = uuid.uuid4().hex[:12]
+    ctx = _repack.context(ropts, run_id)
+    raw = ctx.read_files()
+    if raw:  # raw inputs beside the folders: tokenized as pack does, with the folders' tokenizer
+        identity = tokenizer_identity(ctx.options.tokenizer, ctx.options.trust_remote_code)
+        if identity.get("vocab_sha256") != ctx.tokenizer.get("vocab_sha256"):
+            raise PackstreamError(f"tokenizer {identity['name']} here is not the one the folders were packed with "
+                                  f"({ctx.tokenizer.get('name')}); install that version to encode the raw inputs")
+        _check_launch(ctx.options, identity, True)
+    shard_bytes = sum(os.path.getsize(os.path.join(src.folder, n)) for src in ctx.packed for n in src.shards)
+    raw_sizes = [_read.input_bytes(f) for f in raw]
+    elements = len(_repack.repack_inputs(ctx))
+    par = parallel.choose(ropts.workers, ropts.tokenizer_threads, float(shard_bytes + sum(raw_sizes)),
+                          read_tasks=lambda n: elements + (_read.read_tasks(list(raw), sum(raw_sizes), n) if raw else 0))
+    task_bytes = _read.task_bytes(sum(raw_sizes), par.workers if local else None) if raw else _read.TASK_BYTES
+    options = ctx.options
+    if local:
+        options = dataclasses.replace(options, workers=par.workers, tokenizer_threads=par.threads)
+    ctx = dataclasses.replace(ctx, options=options, task_bytes=task_bytes)
+    if local:
+        ctx = dataclasses.replace(ctx, outcome=os.path.join(tempfile.gettempdir(), f"packstream-outcome-{run_id}.json"),
+                                  parallelism=par.to_dict())
+    avoid = [src.folder for src in ctx.packed] + [f.path for f in raw]
+    return Launch(ctx, pipe_opts, par.workers, par.env() if local else {}, None, tuple(avoid), REPACK)
+
+
 def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome:
     """Run the job with its resources held (see the module docstring): what the folder's manifest records, or
     the template launch the runner was asked for."""
@@ -145,14 +185,14 @@ def _launched(launch: Launch, progress: Optional[_progress.Progress]) -> Outcome
         stack.enter_context(_environ(launch.environ))
         local = launch.pipe_opts is None
         workers = stack.enter_context(_workers(launch.workers)) if local else None
-        folder = stack.enter_context(_progress.watching(progress, ctx.files, local=local,
+        folder = stack.enter_context(_progress.watching(progress, ctx.read_files(), local=local,
                                                         budget=ctx.options.max_tokens))
         ctx = dataclasses.replace(ctx, progress=folder)
         if workers is not None:
             with _trace.span("job"):
-                _local.run(ctx, workers, PACK)
+                _local.run(ctx, workers, launch.plan)
         else:
-            _run_beam(ctx, launch.pipe_opts)
+            _run_beam(ctx, launch.pipe_opts, launch.plan)
         if launch.template and not local:  # DataflowRunner wrote the job graph there and submitted nothing
             return TemplateLaunched(launch.template, ctx.options.to_dict())
         return _read_back(ctx)
@@ -240,7 +280,7 @@ def _workers(n: int) -> Iterator["_local.InProcess | _local.Workers"]:
     workers.close()
 
 
-def _run_beam(ctx: RunContext, pipe_opts) -> None:
+def _run_beam(ctx: RunContext, pipe_opts, plan: Plan = PACK) -> None:
     """Build the Beam graph and run it to its end on the runner the options name. A runner error that the commit
     explained (the outcome file) is that PackstreamError; a signal cancels a remote job."""
     import apache_beam as beam
@@ -249,7 +289,7 @@ def _run_beam(ctx: RunContext, pipe_opts) -> None:
 
     try:
         p = beam.Pipeline(options=pipe_opts)
-        build(p, ctx, PACK)
+        build(p, ctx, plan)
         with _trace.span("job"):
             result = p.run()
         try:

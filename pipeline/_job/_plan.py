@@ -19,18 +19,10 @@ Both runners walk a plan and know nothing else about the job: the local runner
 :class:`Spilled` per packing group); pack (a group's slices -> :class:`Packed` per shard, every shard present);
 write (a shard's pieces -> the shard file); then :func:`~pipeline._job._commit.finalize`.
 
-A second command declares its own plan from the same steps, and both runners run it unchanged. A ``repack``,
-whose source is a packed folder's examples in place of read/render/encode, keeps pack and write as they are and
-puts one new step first, one that spills the folder's examples per packing group as encode does::
-
-    REPACK = Plan(
-        source=Source(inputs=packed_shards, cut=example_batches, key=batch_name),
-        stages=(Stage("respill", RespillExamples, StageLabels("RespillExamples", carried="Slices",
-                                                               grouped="ByGroup", reports="Reports"),
-                      carries=Spilled),
-                *PACK.stages[1:]),
-        finish=finalize,
-    )
+A second command declares its own plan from the same steps, and both runners run it unchanged: :data:`REPACK`
+(``packstream repack``, :mod:`pipeline._job._repack`) puts one step first in place of encode, one that spills a
+packed folder's examples per packing group as encode spills a read task's (and encodes a raw input beside them
+with encode itself), then keeps pack, write and the commit as they are.
 
 Everything in a plan is a module-level function or class, never a lambda, so a stage pickles by reference
 (the local runner's workers may be started with ``spawn``, Beam ships the steps to its workers).
@@ -39,13 +31,13 @@ Everything in a plan is a module-level function or class, never a lambda, so a s
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 from pipeline._job._commit import finalize
 from pipeline._job._context import RunContext
 from pipeline._job._outputs import Packed, Spilled
-from pipeline._job._steps import EncodeTasks, PackGroups, WriteShards, cut_tasks
+from pipeline._job._repack import SpillExamples, element_key, element_weight, repack_cut, repack_inputs
+from pipeline._job._steps import EncodeTasks, PackGroups, WriteShards, cut_tasks, task_weight  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,20 +161,6 @@ def every_shard(ctx: RunContext) -> Iterable[tuple[str, int]]:
     return ctx.every_shard()
 
 
-def task_weight(task: Any) -> float:
-    """A read task's size for dealing them biggest first: a JSONL task's bytes, a whole local file's size; a task
-    whose size is not known cheaply (rows of a table, a remote file) counts as the biggest (it goes first)."""
-    jsonl = task.file.kind == "jsonl"  # start and stop are bytes (the last task's stop is None: to the end)
-    if jsonl and task.stop is not None:
-        return float(task.stop - task.start)
-    if (jsonl or task.start == 0) and task.stop is None and "://" not in task.file.path:
-        try:
-            return float(os.path.getsize(task.file.path) - (task.start if jsonl else 0))
-        except OSError:
-            pass
-    return float("inf")
-
-
 PACK = Plan(
     source=Source(inputs=job_inputs, cut=read_tasks, key=task_name, order=task_weight),
     stages=(
@@ -196,3 +174,15 @@ PACK = Plan(
     finish=finalize,
 )
 """``packstream pack``: read tasks -> encode -> pack -> write -> the commit."""
+
+
+REPACK = Plan(
+    source=Source(inputs=repack_inputs, cut=repack_cut, key=element_key, order=element_weight),
+    stages=(
+        Stage("spill", SpillExamples, carries=Spilled,
+              labels=StageLabels("SpillExamples", carried="Slices", grouped="ByGroup", reports="Reports")),
+        *PACK.stages[1:],
+    ),
+    finish=finalize,
+)
+"""``packstream repack``: packed shards (and any raw inputs' read tasks) -> spill -> pack -> write -> the commit."""

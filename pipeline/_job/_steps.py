@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -256,6 +256,20 @@ def cut_tasks(f: _read.InputFile, task_bytes: int) -> list[_read.ReadTask]:
         tasks = _read.cut_tasks(f, task_bytes)
         info["tasks"] = len(tasks)
     return tasks
+
+
+def task_weight(task: Any) -> float:
+    """A read task's size for dealing them biggest first: a JSONL task's bytes, a whole local file's size; a task
+    whose size is not known cheaply (rows of a table, a remote file) counts as the biggest (it goes first)."""
+    jsonl = task.file.kind == "jsonl"  # start and stop are bytes (the last task's stop is None: to the end)
+    if jsonl and task.stop is not None:
+        return float(task.stop - task.start)
+    if (jsonl or task.start == 0) and task.stop is None and "://" not in task.file.path:
+        try:
+            return float(os.path.getsize(task.file.path) - (task.start if jsonl else 0))
+        except OSError:
+            pass
+    return float("inf")
 
 
 def _deal(chunks: Sequence[pa.RecordBatch], count: int) -> dict[int, list[pa.RecordBatch]]:

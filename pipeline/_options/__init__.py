@@ -22,11 +22,11 @@ from pipeline._options._modes import (
     DEFAULT_TOKENIZER, ROLES, WINNER_OPS, Eos, Format, ImageStorage, LeadingAssistant, OutputFormat, PackMode, PairBest, Preference,
     SameRole, Strings, TextSplit, Ids, TrainOn, Turns, TreePaths, TruncateSide, parse_path, winner_test,
 )
-from pipeline._options._pack import MAX_REPEAT, MAX_SEED, DatasetSpec, PackOptions
+from pipeline._options._pack import MAX_REPEAT, MAX_SEED, DatasetSpec, PackOptions, options_from_config
 
 __all__ = [
     "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_EXPANDED", "check_type", "load_config", "load_yaml", "cli",
     "FormatOptions", "LATER_DEFAULTS", "DEFAULT_TOKENIZER", "ROLES", "WINNER_OPS", "Eos", "Format", "ImageStorage", "LeadingAssistant", "OutputFormat",
     "PackMode", "PairBest", "Preference", "SameRole", "Strings", "TextSplit", "Turns", "Ids", "TrainOn", "TreePaths", "TruncateSide", "parse_path",
-    "winner_test", "MAX_REPEAT", "MAX_SEED", "DatasetSpec", "PackOptions",
+    "winner_test", "MAX_REPEAT", "MAX_SEED", "DatasetSpec", "PackOptions", "options_from_config",
 ]

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from packers import LongPolicy, PackstreamError, VisionSpec
 from packers.schema import MAX_TOKENS_LIMIT
@@ -342,6 +342,34 @@ class PackOptions(FormatOptions):
             v = getattr(self, f.name)
             out[f.name] = [d.to_dict() for d in v] if f.name == "config" else jsonable(v)
         return out
+
+
+def options_from_config(config: dict, inputs: Sequence[str], output: str,
+                        trust_remote_code: bool = False) -> PackOptions:
+    """The :class:`PackOptions` of a finished run, from ``manifest.json``'s ``config`` (data sets included).
+
+    ``inputs`` replaces the recorded INPUT paths (not possible for a ``--config`` run: its data sets
+    name their own paths). ``trust_remote_code`` comes from the caller, never from the manifest.
+    """
+    names = {f.name for f in dataclasses.fields(PackOptions)}
+    fmt_names = {f.name for f in dataclasses.fields(FormatOptions)}
+    given = ("config", "inputs", "output", "trust_remote_code")  # set below, never taken from the manifest as is
+    kw = {k: v for k, v in config.items() if k in names and k not in given}
+    try:
+        specs = tuple(
+            DatasetSpec(name=d["name"], paths=tuple(d["paths"]), weight=d.get("weight", 1.0), split=d.get("split"),
+                        format=FormatOptions(**{k: v for k, v in d.items() if k in fmt_names}))
+            for d in config.get("config") or ()
+        )
+        if specs and inputs:
+            raise PackstreamError("this run read --config data sets, each with its own paths; verify --inputs re-reads "
+                                  "the paths recorded in manifest.json: give no INPUT paths")
+        kw.update(config=specs, inputs=() if specs else tuple(inputs) or tuple(config.get("inputs") or ()),
+                  output=output, trust_remote_code=trust_remote_code)
+        return PackOptions(**kw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PackstreamError(f"manifest.json config cannot be read back into options ({type(e).__name__}: {e}); "
+                              "it was written by another packstream version: verify with that version") from None
 
 
 @functools.lru_cache(maxsize=8)

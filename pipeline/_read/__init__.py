@@ -24,7 +24,7 @@ A record that cannot even be parsed comes out as a :class:`~pipeline._formats.Re
 """
 
 from pipeline._read._files import COMPRESSIONS, CorruptStream, SUPPORTED, InputFile, compression, file_kind, open_raw, supported_text
-from pipeline._read._inputs import Skipped, expand_datasets, expand_inputs, relative_input
+from pipeline._read._inputs import Skipped, expand_datasets, expand_inputs, relative_input, rename_sources
 from pipeline._read._csv import csv_header, csv_records, index_note
 
 
@@ -34,7 +34,7 @@ def index_notes(files) -> tuple[str, ...]:
 from pipeline._read._json import json_items, parse_line
 from pipeline._read._text import text_records
 from pipeline._read._lines import jsonl_texts, line_ends, split_lines
-from pipeline._read._packed import PackedExample, packed_examples
+from pipeline._read._packed import PackedExample, open_folder, open_shard, packed_examples, rows_batch
 from pipeline._read._sample import Sample, sample
 from pipeline._read._tables import row_decoder, table_rows
 from pipeline._read._tasks import (
@@ -44,7 +44,7 @@ from pipeline._read._tasks import (
 
 __all__ = [
     "COMPRESSIONS", "SUPPORTED", "InputFile", "compression", "file_kind", "open_raw", "supported_text",
-    "Skipped", "expand_datasets", "expand_inputs", "relative_input", "csv_header", "csv_records", "index_note", "index_notes", "text_records", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
+    "Skipped", "expand_datasets", "expand_inputs", "relative_input", "rename_sources", "open_folder", "open_shard", "rows_batch", "csv_header", "csv_records", "index_note", "index_notes", "text_records", "json_items", "parse_line", "jsonl_texts", "line_ends", "split_lines",
     "Sample", "sample", "row_decoder", "table_rows", "MIN_TASK_BYTES", "TASK_BYTES", "TASK_ROWS", "TASKS_PER_WORKER",
     "UNKNOWN_WORKERS", "CorruptInput", "ReadTask", "count_records", "cut_tasks", "expected_records", "input_bytes",
     "read_file", "read_task", "PackedExample", "packed_examples", "read_tasks", "task_bytes", "task_count", "until_break", "CorruptStream",

@@ -8,10 +8,12 @@ worker traceback.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import posixpath
 import zlib
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from packers import PackstreamError
 from packers.files import check_regular, check_utf8_name, show_path
@@ -311,14 +313,34 @@ def expand_datasets(datasets) -> tuple[list[InputFile], list[str], list[Skipped]
     root = _common_root([p for p, _, _ in found])
     out = []
     for p, k, d in found:
-        source = p[len(root):].lstrip("/") if root else p
-        source = source or posixpath.basename(p.rstrip("/"))
+        source = source_name(p, root)
         if k == "hf_disk":
             out.extend(_hf_splits(p, source, d, datasets[d].split))
         else:
             split = datasets[d].format.text_split.value if k == "text" else ""
             out.append(InputFile(p, source, k, dataset=d, text_split=split))
     return out, notes, [not_read[p] for p in sorted(not_read)]
+
+
+def source_name(path: str, root: str) -> str:
+    """An input's source name: its path relative to ``root``, the common root of all the run's inputs (a datasets
+    folder adds ``[split]``, see :func:`expand_datasets`)."""
+    source = path[len(root):].lstrip("/") if root else path
+    return source or posixpath.basename(path.rstrip("/"))
+
+
+def rename_sources(files: Sequence[InputFile]) -> list[InputFile]:
+    """``files`` in the order :func:`expand_datasets` gives a run's inputs (by path, a datasets folder's splits in
+    turn), each named as that run names it: by the common root of them all. ``packstream repack`` names the inputs
+    of several packed folders, and raw inputs beside them, as one ``pack`` over them all would."""
+    ordered = sorted(files, key=lambda f: (f.path, f.split))
+    root = _common_root(sorted({f.path for f in ordered}))
+    out = []
+    for f in ordered:
+        base = source_name(f.path, root)
+        source = f"{base}[{f.split}]" if f.kind == "hf_disk" and f.split else base
+        out.append(dataclasses.replace(f, source=source))
+    return out
 
 
 def expand_inputs(patterns: tuple[str, ...]) -> list[InputFile]:

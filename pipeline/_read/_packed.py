@@ -44,6 +44,7 @@ from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, RowChecks, Sh
 from packers.rowcheck import Batch, Failure, check_batch, gather
 from packers.shardcheck import check_rows, checked_metadata
 from packers.schema import CONTRACT_VERSION, VIDEO_CONTRACT_VERSION, Side
+from pipeline import _rows
 
 _NO_IMAGES = "repack of image rows is not supported yet"
 _NO_VIDEOS = "repack of video rows is not supported yet"
@@ -91,6 +92,18 @@ def packed_examples(folder: str, *, split: Optional[str] = None) -> Iterator[Pac
     for entry in m.listed(split):
         table = _open(folder, m, entry)
         yield from _examples(table, entry.split, sources, budget if truncated else None)
+
+
+def open_folder(folder: str) -> Manifest:
+    """The complete manifest of the packed text ``folder`` (a local folder), checked as the loader checks it; one
+    PackstreamError line when it is not a finished packstream run, or its rows hold images or videos."""
+    return _manifest(folder)
+
+
+def open_shard(folder: str, m: Manifest, entry: ShardEntry) -> pa.Table:
+    """The rows of ``entry`` (one of ``m.listed()``), once its bytes, schema, metadata, counts and every row agree
+    with the manifest and the row contract: one ContractError line naming the shard (and the row) otherwise."""
+    return _open(folder, m, entry)
 
 
 def _manifest(folder: str) -> Manifest:
@@ -215,3 +228,67 @@ def _pairs(r, row, cut, source, split, budget) -> Iterator[PackedExample]:
             loss_mask=np.concatenate([c_mask, r_mask]), desirable=labels[j] if labels else None,
             chosen_length=len(c_ids), completion_spans=rel,
             maybe_truncated=budget is not None and len(c_ids) + len(r_ids) <= budget)
+
+
+def rows_batch(table: pa.Table, pairs: bool) -> tuple[_rows.ExampleBatch, Optional[np.ndarray]]:
+    """A checked shard's rows as the :class:`pipeline._rows.ExampleBatch` its examples were before packing, in row
+    order, vectorized (no Python object per example but its id): an example of tokens ``seq_offsets[j]:seq_offsets[j
+    + 1]`` of its row, with its id, KTO label and mark; a pair (``pairs``) as one item, its chosen side then its
+    rejected side (``cuts``: where the rejected side starts). Ids and sources are as packed: the caller renames them.
+
+    Also returns each sequence's cut mark (``cuts`` column, version 9: ``[pieces, length]``), one row per item (a pair:
+    its chosen side's), or None when the shard has no such column (version 6) or no row holds a mark.
+    """
+    table = table.combine_chunks()
+    n_rows = table.num_rows
+
+    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+        col = table.column(name)
+        arr = col.chunk(0) if col.num_chunks else pa.array([], col.type)
+        offsets = arr.offsets.to_numpy().astype(np.int64)
+        values = arr.values.to_numpy(zero_copy_only=False) if len(arr.values) else np.zeros(0, np.int64)
+        return offsets - offsets[0] if len(offsets) else np.zeros(1, np.int64), values[offsets[0]:offsets[-1]] \
+            if len(offsets) else values
+
+    tok_off, tokens = flat("input_ids")
+    _, mask = flat("loss_mask")
+    so, sv = flat("seq_offsets")
+    rows_of = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(so))
+    last = so[1:] - 1
+    first = so[:-1]
+    start_at = np.delete(np.arange(len(sv), dtype=np.int64), last)
+    stop_at = np.delete(np.arange(len(sv), dtype=np.int64), first)
+    starts = sv[start_at].astype(np.int64) + tok_off[rows_of[start_at]]
+    stops = sv[stop_at].astype(np.int64) + tok_off[rows_of[stop_at]]
+    seq_rows = rows_of[start_at]
+    n_seq = len(starts)
+    ids_col = table.column("example_ids").combine_chunks()
+    eids = ids_col.flatten().to_pylist() if n_rows else []
+    do, dv = flat("desirable")
+    labels = None
+    if len(dv):
+        labels = np.full(n_seq, -1, np.int8)
+        has = np.diff(do) > 0  # a row's labels: none, or one per sequence
+        seq_has = has[seq_rows]
+        labels[seq_has] = dv.astype(np.int8)
+    marks = None
+    if "cuts" in table.column_names:
+        co, cv = flat("cuts")
+        if len(cv):
+            marks = np.zeros((n_seq, 2), np.int32)
+            seq_has = (np.diff(co) > 0)[seq_rows]
+            marks[seq_has] = cv.reshape(-1, 2)
+    if not pairs:
+        lengths = stops - starts
+        batch = _rows.ExampleBatch.from_arrays(eids, [""] * n_seq, [-1] * n_seq, lengths, tokens.astype(np.int32),
+                                               mask.astype(np.uint8), desirable=labels)
+        return batch, marks
+    if n_seq % 2:
+        raise ContractError(f"{n_seq} sequences in a shard of pairs; {RESTORE}")
+    pids = table.column("pair_ids").combine_chunks().flatten().to_pylist()[0::2] if n_rows else []
+    chosen = stops[0::2] - starts[0::2]
+    lengths = stops[1::2] - starts[0::2]
+    batch = _rows.ExampleBatch.from_arrays(pids, [""] * len(pids), [-1] * len(pids), lengths, tokens.astype(np.int32),
+                                           mask.astype(np.uint8), chosen,
+                                           desirable=None if labels is None else labels[0::2])
+    return batch, None if marks is None else marks

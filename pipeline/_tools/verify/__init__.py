@@ -51,6 +51,8 @@ The checks live in ``_folder`` (the manifest, the files, the dead letters, the c
 
 from __future__ import annotations
 
+import json
+
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -111,10 +113,42 @@ def verify(folder: str, inputs: Optional[Sequence[str]] = None, *, trust_remote_
     check_ids(stored, report)
     dead = check_dead_letters(folder, names, m, stored, report)
     check_counts(m, measured, stored, dead, complete=len(measured) == len(m.shards), report=report)
+    check_lineage(m.raw, report)
     if input_check is not None:
         check_inputs(folder, m, input_check, stored, dead, report)
     report.elapsed_s = time.time() - started
     return report
+
+
+def check_lineage(raw: dict, report: Report) -> None:
+    """A repacked folder (``repacked_from``): each source folder at hand must still hold the manifest the repack read
+    (its sha256, and the run id it names). A source that is gone is not a problem: the output stands alone."""
+    import hashlib
+    import os
+
+    for i, entry in enumerate(raw.get("repacked_from") or ()):
+        where = f"manifest.json repacked_from[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("folder"), str):
+            report.add(where, "is not a {folder, run_id, manifest_sha256, contract_version} entry")
+            continue
+        path = os.path.join(entry["folder"], "manifest.json")
+        if not os.path.isfile(path):
+            continue
+        from packers.files import GiB, read_checked
+
+        body = read_checked(path, what="manifest.json", limit=GiB)
+        sha = hashlib.sha256(body).hexdigest()
+        if sha != entry.get("manifest_sha256"):
+            report.add(where, f"{entry['folder']}/manifest.json has sha256 {sha[:16]}…, the repack read "
+                              f"{str(entry.get('manifest_sha256'))[:16]}…: the source folder changed since (repack it "
+                              "again, or restore the folder)")
+            continue
+        try:
+            run_id = json.loads(body).get("run_id")
+        except ValueError:
+            run_id = None
+        if run_id != entry.get("run_id"):
+            report.add(where, f"{entry['folder']} has run id {run_id!r}, the entry says {entry.get('run_id')!r}")
 
 
 def _stderr(line: str) -> None:
