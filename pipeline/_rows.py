@@ -29,6 +29,7 @@ import pyarrow as pa
 import packers
 from packers import LongPolicy
 from packers.manifest import escape_source
+from packers.rowcheck import row_sums
 from pipeline import _arrow
 from pipeline._formats import Reason
 from pipeline._options import PackOptions, TruncateSide
@@ -235,10 +236,12 @@ class ExampleBatch:
         """The examples at ``which`` (in that order), with ``suffix`` added to their ids."""
         which = np.asarray(which, dtype=np.int64)
         starts, stops = self.offsets[which], self.offsets[which + 1]
-        idx = _ranges(starts, stops)
-        return ExampleBatch.from_arrays([self.ids[i] + suffix for i in which], [self.sources[i] for i in which],
-                                        [self.positions[i] for i in which], stops - starts,
-                                        self.input_ids[idx], self.loss_mask[idx],
+        runs = _runs(starts, stops)
+        wl = which.tolist()
+        ids = [self.ids[i] + suffix for i in wl] if suffix else [self.ids[i] for i in wl]
+        return ExampleBatch.from_arrays(ids, [self.sources[i] for i in wl],
+                                        [self.positions[i] for i in wl], stops - starts,
+                                        _gather(self.input_ids, runs), _gather(self.loss_mask, runs),
                                         None if self.cuts is None else self.cuts[which],
                                         desirable=None if self.desirable is None else self.desirable[which],
                                         ).with_images(None if self.images is None else self.images.take(which))
@@ -271,6 +274,28 @@ def _images(batches: Sequence[ExampleBatch]) -> Images | None:
     if all(b.images is None for b in batches):
         return None
     return Images.concat([Images.none(len(b)) if b.images is None else b.images for b in batches])
+
+
+def _runs(starts: np.ndarray, stops: np.ndarray) -> tuple[list[int], list[int]]:
+    """The ranges ``[starts[i], stops[i])`` with each run of adjacent ones merged (``stops[i] == starts[i + 1]``), as
+    lists: a take in order, or of whole groups, copies a few long slices instead of one index per token."""
+    if not len(starts):
+        return [], []
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] != stops[:-1]
+    first = np.flatnonzero(new)
+    last = np.concatenate([first[1:], [len(starts)]]) - 1
+    return starts[first].tolist(), stops[last].tolist()
+
+
+def _gather(values: np.ndarray, runs: tuple[list[int], list[int]]) -> np.ndarray:
+    """``values[a:b]`` for each run ``(a, b)``, concatenated (:func:`_runs`)."""
+    a, b = runs
+    if len(a) == 1:  # one run: a view (batches are never written in place once built)
+        return values[a[0]:b[0]]
+    if not a:
+        return values[:0].copy()
+    return np.concatenate([values[x:y] for x, y in zip(a, b)])
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -567,10 +592,9 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
     tok_row_off = np.concatenate([[0], np.cumsum(row_tokens)])
     ordered_ids = [piece_ids[i] for i in piece_order.tolist()]
     # num_targets: a row's targets, less those on a sequence's first token (the Collator's labels drop them).
-    mask_cum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
     at_first = np.bincount(np.repeat(np.arange(rows), row_pieces), weights=loss_mask[csum - piece_lens],
                            minlength=rows).astype(np.int64) if rows else np.zeros(0, np.int64)
-    num_targets = mask_cum[tok_row_off[1:]] - mask_cum[tok_row_off[:-1]] - at_first
+    num_targets = row_sums(loss_mask, tok_row_off[:-1], row_tokens) - at_first
     if placed.sides is None:
         none = np.zeros(rows + 1, np.int64)
         pair_cols = [_list(none, [], pa.string()), _list(none, np.zeros(0, np.uint8), pa.uint8()),

@@ -156,7 +156,7 @@ def prepare_repack(ropts, beam_args: Sequence[str] = ()) -> Launch:
             raise PackstreamError(f"tokenizer {identity['name']} here is not the one the folders were packed with "
                                   f"({ctx.tokenizer.get('name')}); install that version to encode the raw inputs")
         _check_launch(ctx.options, identity, True)
-    shard_bytes = sum(os.path.getsize(os.path.join(src.folder, n)) for src in ctx.packed for n in src.shards)
+    shard_bytes = sum(os.path.getsize(os.path.join(src.folder, n)) for src in ctx.packed for n, _ in src.shards)
     raw_sizes = [_read.input_bytes(f) for f in raw]
     elements = len(_repack.repack_inputs(ctx))
     par = parallel.choose(ropts.workers, ropts.tokenizer_threads, float(shard_bytes + sum(raw_sizes)),

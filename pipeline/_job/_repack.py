@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -46,7 +47,12 @@ RUN_OPTIONS = ("tokenizer", "chat_template", "pairs", "max_record_bytes", "batch
 one repack must agree on them (a raw input beside them is encoded with them)."""
 
 ROWS_PER_PART = 4096
-"""Rows of a packed shard read back and spilled at a time."""
+"""The most rows of a packed shard one element reads back and spills (memory: a part's examples, as a read task's)."""
+MIN_PART_ROWS = 64
+PARTS_PER_WORKER = 4
+"""A shard is cut into parts of about ``rows / (PARTS_PER_WORKER x workers)`` rows (within MIN_PART_ROWS ..
+ROWS_PER_PART), so every worker respills some of even one big shard. The parts never change the output: a group's
+examples are sorted by id before they are packed."""
 
 CARRIED_COUNTS = ("records_read", "repeated_copies", "extra_paths", "not_sampled", "dropped_too_long_tokens",
                   "no_target_pieces", "no_target_piece_tokens")
@@ -63,8 +69,8 @@ class PackedSource:
     """The sha256 of its manifest.json at launch: a folder changed under the run is refused."""
     run_id: str
     contract_version: int
-    shards: tuple[str, ...]
-    """The shards its manifest lists, in name order."""
+    shards: tuple[tuple[str, int], ...]
+    """The shards its manifest lists, in name order, with their rows."""
     files: tuple[_read.InputFile, ...]
     """Its recorded inputs, named and numbered (data set) as the repack names them."""
     renames: tuple[tuple[str, str], ...]
@@ -82,14 +88,17 @@ class PackedSource:
 
 @dataclasses.dataclass(frozen=True)
 class PackedShard:
-    """An element of the repack's source: one shard of one packed folder."""
+    """An element of the repack's source: rows ``[start, stop)`` of one shard of one packed folder (the part that
+    starts at row 0 also checks the whole file's sha256)."""
 
     source: int
     name: str
+    start: int = 0
+    stop: int = 0
 
     @property
     def key(self) -> str:
-        return f"packed-{self.source}-{self.name}"
+        return f"packed-{self.source}-{self.name}-{self.start}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +200,7 @@ def resolve(ropts: RepackOptions) -> tuple[PackOptions, tuple[PackedSource, ...]
         renames = tuple((escape_source(e.source), escape_source(x.source)) for e, x in zip(_inputs(f), mine))
         sources.append(PackedSource(folder=f.path, manifest_sha256=f.sha, run_id=f.manifest.run_id,
                                     contract_version=int(f.manifest.raw.get("contract_version")),
-                                    shards=tuple(s.name for s in f.manifest.listed(None)), files=mine,
+                                    shards=tuple((s.name, s.rows) for s in f.manifest.listed(None)), files=mine,
                                     renames=renames, reweight=reweight, pairs=bool(f.manifest.config.get("pairs"))))
     return options, tuple(sources), files, [sized[(x.path, x.split)] for x in files]
 
@@ -413,9 +422,13 @@ def repack_inputs(ctx: RunContext) -> list:
     """The repack's source: its raw inputs (read and encoded as pack does), each packed folder's losses, and every
     packed shard."""
     out: list = list(ctx.read_files())
+    rows = sum(n for src in ctx.packed for _, n in src.shards)
+    workers = ctx.options.workers or 4  # a cluster: parts for a few workers' worth of spreading
+    part = min(ROWS_PER_PART, max(MIN_PART_ROWS, -(-rows // (PARTS_PER_WORKER * workers))))
     for i, src in enumerate(ctx.packed):
         out.append(PackedLosses(i))
-        out.extend(PackedShard(i, name) for name in src.shards)
+        for name, n in src.shards:
+            out.extend(PackedShard(i, name, a, min(a + part, n)) for a in range(0, max(n, 1), part))
     return out
 
 
@@ -483,28 +496,26 @@ class SpillExamples:
         return m
 
     def _shard(self, element: PackedShard):
-        """One packed shard -> its examples, spilled per packing group, :data:`ROWS_PER_PART` rows at a time (the
-        shard is memory-mapped: memory stays a part's examples, as a read task's in encode)."""
+        """Rows ``[start, stop)`` of a packed shard -> their examples, spilled per packing group (the shard is
+        memory-mapped: memory stays a part's examples, as a read task's in encode)."""
         ctx, src = self.ctx, self.ctx.packed[element.source]
         m = self._manifest(element.source)
         entry = next(s for s in m.listed(None) if s.name == element.name)
-        table = _read.open_shard(src.folder, m, entry)
+        table = _read.open_shard(src.folder, m, entry, rows=(element.start, element.stop),
+                                 digest=element.start == 0)
         stats: dict[str, int] = {}
-        parts = 0
-        for start in range(0, table.num_rows, ROWS_PER_PART):
-            batch, marks = _read.rows_batch(table.slice(start, ROWS_PER_PART), src.pairs)
-            batch = self._weighted(_renamed(batch, src), src, stats)
-            keys = [ctx.layout.key(_whole_id(eid), ctx.options.validation_fraction) for eid in batch.ids]
-            for split in ("train", "validation"):
-                which = [i for i, k in enumerate(keys) if k[0] == split]
-                if not which:
-                    continue
-                sub = batch.take(which)
-                groups = np.array([keys[i][1] for i in which], dtype=np.int64)
-                for sl in _spill.write_part(ctx.spill, f"{element.key}-{parts}", sub, groups):
-                    yield Spilled(split, sl.group, sl)
-                stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
-                parts += 1
+        batch, marks = _read.rows_batch(table, src.pairs)
+        batch = self._weighted(_renamed(batch, src), src, stats)
+        keys = [ctx.layout.key(_whole_id(eid), ctx.options.validation_fraction) for eid in batch.ids]
+        for split in ("train", "validation"):
+            which = [i for i, k in enumerate(keys) if k[0] == split]
+            if not which:
+                continue
+            sub = batch if len(which) == len(batch) else batch.take(which)
+            groups = np.array([keys[i][1] for i in which], dtype=np.int64)
+            for sl in _spill.write_part(ctx.spill, f"{element.key}-{split}", sub, groups):
+                yield Spilled(split, sl.group, sl)
+            stats[f"examples_{split}"] = stats.get(f"examples_{split}", 0) + len(which)
         yield Stats(stats)
 
     def _weighted(self, batch: _rows.ExampleBatch, src: PackedSource, stats: dict) -> _rows.ExampleBatch:
@@ -564,28 +575,27 @@ class SpillExamples:
         yield Stats(stats)
 
 
+_SOURCE_END = re.compile(r"[:@]")
+_POSITION = re.compile(r"@(\d+)(?=[~#]|$)")
+
+
 def _renamed(batch: _rows.ExampleBatch, src: PackedSource) -> _rows.ExampleBatch:
     """The batch's ids with their sources as the repack names them, and each example's source and position (its
-    line or index, where its id holds it: ``src@7``; else -1)."""
+    line or index, where its id holds it: ``src@7``; else -1, the record's own id keys it)."""
     renames = dict(src.renames)
     names = {new: x.source for (_, new), x in zip(src.renames, src.files)}
+    same = all(old == new for old, new in src.renames)
     ids, sources, positions = [], [], []
     for eid in batch.ids:
-        old = id_source(eid)
-        new = renames.get(old, old)
-        rest = eid[len(old):]
-        ids.append(new + rest if new != old else eid)
+        m = _SOURCE_END.search(eid)
+        cut = m.start() if m else len(eid)
+        old = eid[:cut]
+        new = old if same else renames.get(old, old)
+        ids.append(eid if new == old else new + eid[cut:])
         sources.append(names.get(new, new))
-        positions.append(_position(rest))
+        p = _POSITION.match(eid, cut)
+        positions.append(int(p.group(1)) if p else -1)
     return dataclasses.replace(batch, ids=ids, sources=sources, positions=positions)
-
-
-def _position(rest: str) -> int:
-    """The position in an id's ``@7...`` (after its source), or -1 when the record's own id keys it."""
-    if not rest.startswith("@"):
-        return -1
-    digits = rest[1:].split("~", 1)[0].split("#", 1)[0]
-    return int(digits) if digits.isdigit() else -1
 
 
 def _whole_id(eid: str) -> str:

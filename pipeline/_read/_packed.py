@@ -100,10 +100,15 @@ def open_folder(folder: str) -> Manifest:
     return _manifest(folder)
 
 
-def open_shard(folder: str, m: Manifest, entry: ShardEntry) -> pa.Table:
+def open_shard(folder: str, m: Manifest, entry: ShardEntry, rows: Optional[tuple[int, int]] = None,
+               digest: bool = True) -> pa.Table:
     """The rows of ``entry`` (one of ``m.listed()``), once its bytes, schema, metadata, counts and every row agree
-    with the manifest and the row contract: one ContractError line naming the shard (and the row) otherwise."""
-    return _open(folder, m, entry)
+    with the manifest and the row contract: one ContractError line naming the shard (and the row) otherwise.
+
+    ``rows``: only rows ``[start, stop)`` (memory-mapped: the others are never touched), and only they are held to
+    the row contract; ``digest``: False skips the file's sha256 (a repack reads a shard in parts, each part on any
+    worker, and checks the whole file's digest in its first part: a mismatch fails the run before it commits)."""
+    return _open(folder, m, entry, rows, digest)
 
 
 def _manifest(folder: str) -> Manifest:
@@ -122,7 +127,8 @@ def _manifest(folder: str) -> Manifest:
     return m
 
 
-def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
+def _open(folder: str, m: Manifest, s: ShardEntry, rows: Optional[tuple[int, int]] = None,
+          digest: bool = True) -> pa.Table:
     """The rows of the listed shard ``s``, once its bytes, schema, metadata and counts agree with its entry."""
     at = f"{show_path(folder)}/{s.name}"
     path = os.path.join(folder, s.name)
@@ -132,10 +138,11 @@ def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
         raise ContractError(f"{at}: listed in {MANIFEST} but missing or not a regular file; {RESTORE}") from None
     if size != s.bytes:
         raise ContractError(f"{at}: {size:,} bytes, {MANIFEST} says {s.bytes:,}; {RESTORE}")
-    with open_checked(path, what="shard") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
-    if sha != s.sha256:
-        raise ContractError(f"{at}: sha256 {sha[:16]}…, {MANIFEST} says {s.sha256[:16]}…; {RESTORE}")
+    if digest:
+        with open_checked(path, what="shard") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        if sha != s.sha256:
+            raise ContractError(f"{at}: sha256 {sha[:16]}…, {MANIFEST} says {s.sha256[:16]}…; {RESTORE}")
     try:
         if s.ext == "parquet":
             import pyarrow.parquet as pq
@@ -153,7 +160,11 @@ def _open(folder: str, m: Manifest, s: ShardEntry) -> pa.Table:
         raise PackstreamError(f"{at}: contract version {meta['contract_version']} rows hold {what}; "
                               f"{_NO_VIDEOS if 'videos' in what else _NO_IMAGES}")
     check_rows(at, table, s)
-    _check_contract(at, table, m.row_checks)
+    start = 0
+    if rows is not None:
+        start = rows[0]
+        table = table.slice(start, rows[1] - start)
+    _check_contract(at, table, m.row_checks, start)
     return table
 
 
@@ -161,7 +172,7 @@ _CHUNK = 1024
 """Rows per call of the loader's vectorized row checks."""
 
 
-def _check_contract(at: str, table: pa.Table, checks: RowChecks) -> None:
+def _check_contract(at: str, table: pa.Table, checks: RowChecks, first: int = 0) -> None:
     """Every row against the packed-row contract and the manifest's ``row_checks``, by the checks the loader runs on
     every batch it yields (:func:`packers.rowcheck.check_batch`): a row whose ``seq_offsets`` run backwards or past
     its tokens, whose mask is not 0/1, whose pairs are not whole, ... is one ContractError naming the shard, the row
@@ -171,7 +182,7 @@ def _check_contract(at: str, table: pa.Table, checks: RowChecks) -> None:
         f = b if isinstance(b, Failure) else check_batch(b, checks)
         if f is None:
             continue
-        where = f"{at} row {start + f.row}"
+        where = f"{at} row {first + start + f.row}"
         if f.sequence is not None and isinstance(b, Batch):
             where += f" sequence {f.sequence} ({b.example_ids[f.row][f.sequence].as_py()})"
         raise ContractError(f"{where}: check {f.check} failed: {f.detail}; the shard is not what packstream pack "
@@ -280,15 +291,14 @@ def rows_batch(table: pa.Table, pairs: bool) -> tuple[_rows.ExampleBatch, Option
             marks[seq_has] = cv.reshape(-1, 2)
     if not pairs:
         lengths = stops - starts
-        batch = _rows.ExampleBatch.from_arrays(eids, [""] * n_seq, [-1] * n_seq, lengths, tokens.astype(np.int32),
-                                               mask.astype(np.uint8), desirable=labels)
+        batch = _rows.ExampleBatch.from_arrays(eids, [""] * n_seq, [-1] * n_seq, lengths, tokens, mask,
+                                               desirable=labels)
         return batch, marks
     if n_seq % 2:
         raise ContractError(f"{n_seq} sequences in a shard of pairs; {RESTORE}")
     pids = table.column("pair_ids").combine_chunks().flatten().to_pylist()[0::2] if n_rows else []
     chosen = stops[0::2] - starts[0::2]
     lengths = stops[1::2] - starts[0::2]
-    batch = _rows.ExampleBatch.from_arrays(pids, [""] * len(pids), [-1] * len(pids), lengths, tokens.astype(np.int32),
-                                           mask.astype(np.uint8), chosen,
+    batch = _rows.ExampleBatch.from_arrays(pids, [""] * len(pids), [-1] * len(pids), lengths, tokens, mask, chosen,
                                            desirable=None if labels is None else labels[0::2])
     return batch, None if marks is None else marks
