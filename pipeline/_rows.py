@@ -453,6 +453,7 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     stats["duplicates"] = len(rejected)
     if options.pairs:
         return _pack_pairs(batch, options, eos_id, rejected, stats)
+    batch = carried_pieces(batch, options, rejected, stats)
     ex, starts, stops, parts = pieces(batch, options, rejected, stats)
     result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
@@ -464,10 +465,44 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     return _finish(batch, placed, options, eos_id, rejected, stats)
 
 
+def whole_id(example_id: str) -> str:
+    """The id of the example a piece was cut from: ``x#2`` -> ``x`` (a record's own id escapes ``#``, so an example id
+    holds one only as the piece mark of an example ``--long split`` cut at an earlier pack, which a repack carries)."""
+    base, _, k = example_id.rpartition("#")
+    return base if base and k.isdigit() else example_id
+
+
+def carried_pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]) -> ExampleBatch:
+    """A repack's pieces of examples an earlier pack split (ids ``<id>#k``, kept in one group by their whole id):
+    an example any of whose pieces exceeds this budget goes whole, as one ``too_long`` dead letter: a piece is never
+    cut again (it would train a piece of a piece) nor joined back (the first pack's cut stays visible)."""
+    budget = options.max_tokens
+    long = np.flatnonzero(batch.lengths > budget).tolist()
+    bad = {whole_id(batch.ids[i]): i for i in long if whole_id(batch.ids[i]) != batch.ids[i]}
+    if not bad:
+        return batch
+    drop = [i for i, eid in enumerate(batch.ids) if whole_id(eid) in bad]
+    for whole, i in sorted(bad.items()):
+        n = int(batch.lengths[i])
+        rejected.append(reject_record(
+            batch.sources[i], batch.positions[i], Reason.TOO_LONG,
+            f"{whole} was split into pieces by the pack this folder came from, and its piece {batch.ids[i]} has {n} "
+            f"tokens > budget {budget}; a repack never cuts a piece again: pack the raw inputs at --max-tokens "
+            f"{budget}, or repack at a budget of at least {n}", whole))
+        stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
+        stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + int(
+            sum(int(batch.lengths[j]) for j in drop if whole_id(batch.ids[j]) == whole))
+    keep = np.setdiff1d(np.arange(len(batch)), np.array(drop, dtype=np.int64))
+    return batch.take(keep)
+
+
 def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_id: int | None, rejected: list[dict],
             stats: dict[str, int]) -> Group:
-    """The group of placed pieces: its rows (:func:`assemble`), dead letters and counts."""
-    stats["examples_packed"] = len(np.unique(placed.ex))
+    """The group of placed pieces: its rows (:func:`assemble`), dead letters and counts. An example counts once
+    however many pieces it went in, a repack's carried pieces (``<id>#k``) too."""
+    placed_ex = np.unique(placed.ex)
+    carried = [batch.ids[e] for e in placed_ex.tolist() if "#" in batch.ids[e]] if batch.cuts is None else []
+    stats["examples_packed"] = len(placed_ex) - len(carried) + len({whole_id(eid) for eid in carried})
     stats["pieces"] = int(len(placed.ex))
     group = assemble(batch, placed, options, eos_id)
     stats["rows"] = group.num_rows

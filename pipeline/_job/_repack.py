@@ -581,7 +581,8 @@ _POSITION = re.compile(r"@(\d+)(?=[~#]|$)")
 
 def _renamed(batch: _rows.ExampleBatch, src: PackedSource) -> _rows.ExampleBatch:
     """The batch's ids with their sources as the repack names them, and each example's source and position (its
-    line or index, where its id holds it: ``src@7``; else -1, the record's own id keys it)."""
+    line or index, where its id holds it: ``src@7``; else 0: packed rows keep no position, and the dead letter of
+    such a record names it by its ``example_id``)."""
     renames = dict(src.renames)
     names = {new: x.source for (_, new), x in zip(src.renames, src.files)}
     same = all(old == new for old, new in src.renames)
@@ -594,15 +595,14 @@ def _renamed(batch: _rows.ExampleBatch, src: PackedSource) -> _rows.ExampleBatch
         ids.append(eid if new == old else new + eid[cut:])
         sources.append(names.get(new, new))
         p = _POSITION.match(eid, cut)
-        positions.append(int(p.group(1)) if p else -1)
+        positions.append(int(p.group(1)) if p else 0)  # rows keep no position: a record's own id names it
     return dataclasses.replace(batch, ids=ids, sources=sources, positions=positions)
 
 
 def _whole_id(eid: str) -> str:
     """The id of the example a piece was cut from (``x#2`` -> ``x``): pack keys an example's split and group before
     cutting it, so a repack keeps every piece of one example in one split and group."""
-    base, _, k = eid.rpartition("#")
-    return base if base and k.isdigit() else eid
+    return _rows.whole_id(eid)
 
 
 def _record_id(eid: str) -> str:
@@ -620,6 +620,27 @@ def _copy_id(eid: str, copy: int) -> str:
 # --- the context --------------------------------------------------------------------------------------------------
 
 
+def _lost_notes(sources: Sequence[PackedSource], options: PackOptions) -> list[str]:
+    """One line per folder whose pack lost or cut examples at its budget: a repack carries what the rows hold,
+    so those examples are missing (dropped) or stay cut (truncated, split) at the new budget too."""
+    notes = []
+    for src in sources:
+        m = _read.open_folder(src.folder)
+        c, budget = m.raw.get("counts") or {}, m.config.get("max_tokens")
+        where = show_path(src.folder)
+        dropped = int(c.get("dropped_too_long") or 0)
+        if dropped and options.max_tokens > (budget or 0):
+            notes.append(f"{where} dropped {dropped:,} records longer than its budget {budget} (--long drop): its rows "
+                         f"do not hold them, so this repack at {options.max_tokens} lacks them too; pack the raw inputs "
+                         "to include them")
+        cut = int(c.get("truncated_examples") or 0) + int(c.get("split_examples") or 0)
+        if cut:
+            notes.append(f"{where} cut {cut:,} examples at its budget {budget} ({int(c.get('truncated_examples') or 0):,} "
+                         f"truncated, {int(c.get('split_examples') or 0):,} split): carried as they were cut, never "
+                         "joined back; pack the raw inputs to cut them at this budget")
+    return notes
+
+
 def context(ropts: RepackOptions, run_id: str, task_bytes: int = _read.TASK_BYTES) -> RunContext:
     """The repack's :class:`RunContext`: the equivalent pack's options, inputs, tokenizer, layout and run id."""
     options, sources, files, sizes = resolve(ropts)
@@ -634,7 +655,7 @@ def context(ropts: RepackOptions, run_id: str, task_bytes: int = _read.TASK_BYTE
     inputs_from = first.raw.get("inputs_from") if not options.config else None
     return RunContext(options=options, files=tuple(files), read_once=(), tokenizer=tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
-                      notes=tuple(_write.shard_cap_notes(options, shards)),
+                      notes=tuple(_write.shard_cap_notes(options, shards)) + tuple(_lost_notes(sources, options)),
                       spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes,
                       inputs_from=inputs_from if isinstance(inputs_from, str) else None,
                       sizes=tuple(sizes), packed=sources)
