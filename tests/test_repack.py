@@ -223,3 +223,30 @@ def test_folders_of_different_tokenizers_are_refused(packed, tmp_path):
 def test_repack_options_refuse_what_pack_refuses(packed, tmp_path):
     with pytest.raises(PackstreamError, match="--max-tokens 4 is out of range"):
         pipeline.run(RepackOptions(folders=(str(packed),), output=str(tmp_path / "o"), rows=(("max_tokens", 4),)))
+
+
+@pytest.mark.parametrize("offsets", ["backwards", "past_the_end"])
+def test_rows_that_break_the_contract_are_refused_naming_the_row(packed, tmp_path, offsets):
+    """A shard rewritten with a broken row but a manifest that matches its bytes: the row contract's checks,
+    run on every row before an example is cut from it, refuse it in one line naming the shard and the row."""
+    import hashlib
+
+    import pyarrow as pa
+
+    shard = next(packed.glob("train-*.arrow"))
+    table = pa.ipc.open_stream(pa.memory_map(str(shard))).read_all()
+    rows = table.to_pylist()
+    seq = rows[-1]["seq_offsets"]
+    rows[-1]["seq_offsets"] = ([seq[0], seq[2], seq[1], *seq[3:]] if offsets == "backwards" and len(seq) > 2
+                               else [*seq[:-1], seq[-1] + 5])
+    broken = pa.Table.from_pylist(rows, schema=table.schema)
+    with pa.OSFile(str(shard), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(broken)
+    m = manifest(packed)
+    data = shard.read_bytes()
+    m["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (packed / "manifest.json").write_text(json.dumps(m))
+    outcome = pipeline.launch(RepackOptions(folders=(str(packed),), output=str(tmp_path / "o")))
+    assert outcome.exit_code == 2 and "\n" not in outcome.error, outcome
+    assert f"{shard.name} row {len(rows) - 1}" in outcome.error and "check" in outcome.error
+    assert not (tmp_path / "o" / "manifest.json").exists() or manifest(tmp_path / "o")["status"] == "failed"

@@ -47,7 +47,9 @@ RUN_OPTIONS = ("tokenizer", "chat_template", "pairs", "max_record_bytes", "batch
 one repack must agree on them (a raw input beside them is encoded with them)."""
 
 ROWS_PER_PART = 4096
-"""The most rows of a packed shard one element reads back and spills (memory: a part's examples, as a read task's)."""
+PART_TOKENS = 2**22
+"""The most rows, and row tokens (a part's rows at the folder's budget), one element reads back and spills: memory
+is a part's examples, bounded as a read task's in encode, whatever the folder's size."""
 MIN_PART_ROWS = 64
 PARTS_PER_WORKER = 4
 """A shard is cut into parts of about ``rows / (PARTS_PER_WORKER x workers)`` rows (within MIN_PART_ROWS ..
@@ -79,6 +81,8 @@ class PackedSource:
     """A --config weight on the folder: below 1, keep that stable fraction of its examples; an integer above 1,
     repeat each; 1: as packed."""
     pairs: bool = False
+    budget: int = 4096
+    """The folder's ``--max-tokens``."""
 
     def lineage(self) -> dict:
         """The output manifest's ``repacked_from`` entry."""
@@ -201,7 +205,8 @@ def resolve(ropts: RepackOptions) -> tuple[PackOptions, tuple[PackedSource, ...]
         sources.append(PackedSource(folder=f.path, manifest_sha256=f.sha, run_id=f.manifest.run_id,
                                     contract_version=int(f.manifest.raw.get("contract_version")),
                                     shards=tuple((s.name, s.rows) for s in f.manifest.listed(None)), files=mine,
-                                    renames=renames, reweight=reweight, pairs=bool(f.manifest.config.get("pairs"))))
+                                    renames=renames, reweight=reweight, pairs=bool(f.manifest.config.get("pairs")),
+                                    budget=int(f.manifest.config.get("max_tokens") or 4096)))
     return options, tuple(sources), files, [sized[(x.path, x.split)] for x in files]
 
 
@@ -424,8 +429,9 @@ def repack_inputs(ctx: RunContext) -> list:
     out: list = list(ctx.read_files())
     rows = sum(n for src in ctx.packed for _, n in src.shards)
     workers = ctx.options.workers or 4  # a cluster: parts for a few workers' worth of spreading
-    part = min(ROWS_PER_PART, max(MIN_PART_ROWS, -(-rows // (PARTS_PER_WORKER * workers))))
     for i, src in enumerate(ctx.packed):
+        most = max(1, min(ROWS_PER_PART, PART_TOKENS // max(1, src.budget)))
+        part = min(most, max(MIN_PART_ROWS, -(-rows // (PARTS_PER_WORKER * workers))))
         out.append(PackedLosses(i))
         for name, n in src.shards:
             out.extend(PackedShard(i, name, a, min(a + part, n)) for a in range(0, max(n, 1), part))
