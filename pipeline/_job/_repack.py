@@ -151,6 +151,16 @@ def is_packed_folder(path: str) -> bool:
     return "://" not in path and os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def _remote_packed(path: str) -> bool:
+    """A remote path holding a packstream manifest.json (never read as raw rows); False when it cannot be told."""
+    from pipeline import _fs
+
+    try:
+        return bool(_fs.exists(path.rstrip("/") + "/" + MANIFEST))
+    except Exception:  # noqa: BLE001 - no credentials, no such bucket: the raw reader says what is wrong
+        return False
+
+
 def _manifest_sha(folder: str) -> str:
     from packers.files import GiB, read_checked
 
@@ -216,6 +226,9 @@ def _datasets(ropts: RepackOptions) -> list[tuple[str, Any]]:
 
     if not ropts.config:
         for p in ropts.folders:
+            if "://" in p:
+                raise PackstreamError(f"{p}: repack reads local folders only for now; copy the folder here first "
+                                      "(gsutil -m cp -r, aws s3 sync), or pack its raw inputs on the cluster")
             if not is_packed_folder(p):
                 what = "no such folder" if not os.path.exists(p) else "not a packed folder (no manifest.json)"
                 raise PackstreamError(f"{show_path(p)}: {what}; repack takes the --output folders of packstream pack "
@@ -223,6 +236,10 @@ def _datasets(ropts: RepackOptions) -> list[tuple[str, Any]]:
         return [("packed", [_load(p, None)]) for p in ropts.folders]
     order: list[tuple[str, Any]] = []
     for spec in load_config(ropts.config, FormatOptions()):
+        for p in spec.paths:
+            if "://" in p and _remote_packed(p):
+                raise PackstreamError(f"--config data set {spec.name!r}: {p} is a packed folder, and repack reads local "
+                                      "folders only for now; copy it here first (gsutil -m cp -r, aws s3 sync)")
         packed = [p for p in spec.paths if is_packed_folder(p)]
         if packed and len(packed) != len(spec.paths):
             raw = next(p for p in spec.paths if p not in packed)
