@@ -12,6 +12,16 @@ what every grouped-mode worker runs. Ids::
     mix.jsonl:q17~2              the 2nd copy of a record of a data set with weight 2
     t0.jsonl@9#1                 the 2nd piece of an example split by --long split
 
+Every placed sequence also gets a cut mark ``[pieces, length]`` (the rows' ``cuts`` column, :data:`packers.SCHEMA`):
+``[0, 0]`` whole, ``[1, N]`` a window --long truncate kept of N tokens (a pair side whose completion was cut: N its
+length before), ``[n, N]`` piece ``#k`` of the ``n = ceil(N / budget)`` pieces --long split cut N tokens into. Budget 8,
+an example of 19 tokens::
+
+    --long truncate   t0.jsonl@9      tokens [0, 8)     mark [1, 19]
+    --long split      t0.jsonl@9#0    tokens [0, 8)     mark [3, 19]
+                      t0.jsonl@9#1    tokens [8, 16)    mark [3, 19]
+                      t0.jsonl@9#2    tokens [16, 19)   mark [3, 19]
+
 Sources and string ids are escaped (``%``, ``:``, ``@``, ``#``, ``~`` as ``%25`` ...), so every
 id reads back to exactly one (source, record, copy, piece).
 """
@@ -185,11 +195,16 @@ class ExampleBatch:
     """int8 (n,): each example's KTO label (1, 0, -1 for none); None when no example carries one."""
     images: Images | None = None
     """The examples' images (``--processor`` runs); None in a text-only run."""
+    marks: np.ndarray | None = None
+    """int32 (n, 2): per example that arrives already cut (a repack of packed rows), its cut mark ``[pieces, length]``
+    (the rows' ``cuts`` column: ``[0, 0]`` whole, ``[1, N]`` truncated, ``[n, N]`` a piece, ``[-1, -1]`` an older
+    split's piece); for pairs (n, 4), the chosen side's mark then the rejected side's. None when none carries one.
+    Packing keeps a mark and never cuts a piece again (:func:`pieces`)."""
 
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
                     input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None, *,
-                    desirable: np.ndarray | None = None) -> "ExampleBatch":
+                    desirable: np.ndarray | None = None, marks: np.ndarray | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if cuts is not None:
@@ -200,8 +215,13 @@ class ExampleBatch:
             desirable = np.asarray(desirable, dtype=np.int8)
             if desirable.shape != (len(ids),):
                 raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
+        if marks is not None:
+            marks = np.asarray(marks, dtype=np.int32)
+            if marks.shape != (len(ids), mark_width(cuts is not None)):
+                raise packers.InternalError(f"cut marks of shape {marks.shape} for {len(ids)} examples; expected "
+                                            f"({len(ids)}, {mark_width(cuts is not None)})")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False), cuts, desirable)
+                   loss_mask.astype(np.uint8, copy=False), cuts, desirable, marks=marks)
 
     def with_images(self, images: Images | None) -> "ExampleBatch":
         """These examples carrying ``images`` (one entry per example; None: a text-only run)."""
@@ -241,6 +261,7 @@ class ExampleBatch:
                                         self.input_ids[idx], self.loss_mask[idx],
                                         None if self.cuts is None else self.cuts[which],
                                         desirable=None if self.desirable is None else self.desirable[which],
+                                        marks=None if self.marks is None else self.marks[which],
                                         ).with_images(None if self.images is None else self.images.take(which))
 
     @classmethod
@@ -256,7 +277,7 @@ class ExampleBatch:
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
                                np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
-                               desirable=_labels(batches)).with_images(_images(batches))
+                               desirable=_labels(batches), marks=_marks(batches)).with_images(_images(batches))
 
 
 def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
@@ -264,6 +285,19 @@ def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
     if all(b.desirable is None for b in batches):
         return None
     return np.concatenate([np.full(len(b), -1, np.int8) if b.desirable is None else b.desirable for b in batches])
+
+
+def mark_width(pairs: bool) -> int:
+    """Values of :attr:`ExampleBatch.marks` per example: a ``[pieces, length]`` mark, two for a pair's two sides."""
+    return 4 if pairs else 2
+
+
+def _marks(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
+    """The batches' cut marks concatenated (``[0, 0]``, whole, for a batch without), or None when none has any."""
+    if all(b.marks is None for b in batches):
+        return None
+    width = mark_width(batches[0].cuts is not None)
+    return np.concatenate([np.zeros((len(b), width), np.int32) if b.marks is None else b.marks for b in batches])
 
 
 def _images(batches: Sequence[ExampleBatch]) -> Images | None:
@@ -310,10 +344,15 @@ class Group:
 
 
 def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
-    """Each example's spans under the --long policy: (example index, start, stop, part); part -1 = whole.
+    """Each example's spans under the --long policy: (example index, start, stop, part, mark); part -1 = whole;
+    mark (int32 (m, 2)) each span's cut mark ``[pieces, length]`` (the module docstring).
 
     Never a piece without a target token: a truncated example whose kept window has none is
-    rejected (``no_target_tokens``); such pieces of a split example are dropped and counted.
+    rejected (``no_target_tokens``); such pieces of a split example are dropped and counted (and
+    still count in their siblings' ``pieces``). An example that arrived cut (:attr:`ExampleBatch.marks`)
+    keeps its mark; when it is still over the budget, a truncated window is truncated again under
+    --long truncate (its mark keeps the original length), and a piece of an earlier split is never
+    cut again: it is dropped (``too_long``), as a truncated window is under --long split.
     """
     budget = options.max_tokens
     lengths = batch.lengths
@@ -322,10 +361,11 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
     starts = np.zeros(len(batch), np.int64)
     stops = lengths.astype(np.int64).copy()
     parts = np.full(len(batch), -1, np.int64)
+    marks = np.zeros((len(batch), 2), np.int32) if batch.marks is None else batch.marks.copy()
     if not len(long):
-        return ex, starts, stops, parts
+        return ex, starts, stops, parts, marks
     keep = np.ones(len(batch), dtype=bool)
-    extra: list[tuple[int, int, int, int]] = []
+    extra: list[tuple[int, int, int, int, int, int]] = []
     for i in long.tolist():
         n = int(lengths[i])
         o = int(batch.offsets[i])
@@ -344,6 +384,13 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
             why = (f"{n} tokens > budget {budget}, and a KTO example (labelled desirable or undesirable) is never "
                    "split by --long split: its later pieces would start mid-answer with no prompt and carry the "
                    "record's label; use --long truncate (as TRL does) or --long drop, or a larger --max-tokens")
+        elif int(marks[i, 0]) not in (packers.Cut.WHOLE, packers.Cut.TRUNCATED):  # its mark could say only one cut
+            why = (f"{n} tokens > budget {budget}, and it is a piece of an example split at an earlier pack (cuts "
+                   f"{marks[i].tolist()}), which is never cut again; pack the raw inputs at this --max-tokens")
+        elif options.long is LongPolicy.SPLIT and int(marks[i, 0]) == packers.Cut.TRUNCATED:
+            why = (f"{n} tokens > budget {budget}, and it is a window of an example of {int(marks[i, 1])} tokens "
+                   "truncated at an earlier pack, which --long split does not split again (its pieces' marks could "
+                   "not say both cuts); use --long truncate, or pack the raw inputs at this --max-tokens")
         if why is not None:
             rejected.append(reject_record(source, position, Reason.TOO_LONG, why, eid))
             stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
@@ -361,27 +408,31 @@ def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stat
                 keep[i] = False
                 continue
             starts[i], stops[i] = a, b
+            if int(marks[i, 0]) != packers.Cut.TRUNCATED:  # a window cut again keeps its original length
+                marks[i] = (packers.Cut.TRUNCATED, n)
             stats["truncated_examples"] = stats.get("truncated_examples", 0) + 1
             stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + n - budget
         else:
             keep[i] = False
             stats["split_examples"] = stats.get("split_examples", 0) + 1
+            count = -(-n // budget)  # every piece, those dropped below for holding no target included
             for k, a in enumerate(range(0, n, budget)):
                 b = min(a + budget, n)
                 if mask[a:b].any():
-                    extra.append((i, a, b, k))
+                    extra.append((i, a, b, k, count, n))
                 else:
                     stats["no_target_pieces"] = stats.get("no_target_pieces", 0) + 1
                     stats["no_target_piece_tokens"] = stats.get("no_target_piece_tokens", 0) + b - a
     sel = np.flatnonzero(keep)
-    ex, starts, stops, parts = ex[sel], starts[sel], stops[sel], parts[sel]
+    ex, starts, stops, parts, marks = ex[sel], starts[sel], stops[sel], parts[sel], marks[sel]
     if extra:
         e = np.array(extra, dtype=np.int64)
         ex, starts, stops, parts = (np.concatenate([ex, e[:, 0]]), np.concatenate([starts, e[:, 1]]),
                                     np.concatenate([stops, e[:, 2]]), np.concatenate([parts, e[:, 3]]))
+        marks = np.concatenate([marks, e[:, 4:6].astype(np.int32)])
         order = np.lexsort((parts, ex))  # pieces of one example stay together, in order
-        ex, starts, stops, parts = ex[order], starts[order], stops[order], parts[order]
-    return ex, starts, stops, parts
+        ex, starts, stops, parts, marks = ex[order], starts[order], stops[order], parts[order], marks[order]
+    return ex, starts, stops, parts, marks
 
 
 DUPLICATE_FIX = ("if ids repeat by design (several completions of one prompt), pass --ids position to key records "
@@ -428,14 +479,14 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     stats["duplicates"] = len(rejected)
     if options.pairs:
         return _pack_pairs(batch, options, eos_id, rejected, stats)
-    ex, starts, stops, parts = pieces(batch, options, rejected, stats)
+    ex, starts, stops, parts, marks = pieces(batch, options, rejected, stats)
     result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
     if len(result.dropped) or len(result.empty):  # pieces fit the budget and are never empty
         raise packers.InternalError(f"pack() dropped {len(result.dropped)} / emptied {len(result.empty)} pieces")
     o = result.order
     suffixes = ["" if p < 0 else f"#{p}" for p in parts[o].tolist()]
-    placed = Placement(ex[o], starts[o], stops[o], suffixes, result.row_offsets)
+    placed = Placement(ex[o], starts[o], stops[o], suffixes, result.row_offsets, marks=marks[o])
     return _finish(batch, placed, options, eos_id, rejected, stats)
 
 
@@ -444,11 +495,32 @@ def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_
     """The group of placed pieces: its rows (:func:`assemble`), dead letters and counts."""
     stats["examples_packed"] = len(np.unique(placed.ex))
     stats["pieces"] = int(len(placed.ex))
+    if options.processor is None:  # the cut marks the rows' cuts column holds (image rows carry none)
+        for key, n in cut_counts(batch, placed).items():
+            stats[key] = stats.get(key, 0) + n
     group = assemble(batch, placed, options, eos_id)
     stats["rows"] = group.num_rows
     group.rejected = rejected
     group.stats = stats
     return group
+
+
+CUT_STATS = ("cut_truncated", "cut_pieces", "cut_carried")
+"""The stats of :func:`cut_counts`, the manifest's ``counts.cut_sequences`` (truncated, pieces, carried)."""
+
+
+def cut_counts(batch: ExampleBatch, placed: "Placement") -> dict[str, int]:
+    """What the placed sequences' cut marks say, counted from the placements (never by reading shards back): how
+    many are truncated windows (``[1, N]``), how many pieces of split examples (``[n >= 2, N]`` or ``[-1, -1]``),
+    and of those how many carry the mark their example arrived with (:attr:`ExampleBatch.marks`)."""
+    p = placed.marks[:, 0].astype(np.int64)
+    carried = 0
+    if batch.marks is not None and len(p):
+        arrived = batch.marks.reshape(len(batch), -1, 2)
+        side = placed.sides if placed.sides is not None else np.zeros(len(p), np.int64)
+        carried = int((arrived[placed.ex, side, 0] != packers.Cut.WHOLE).sum())
+    return {"cut_truncated": int((p == packers.Cut.TRUNCATED).sum()),
+            "cut_pieces": int(((p >= 2) | (p == packers.Cut.OLD_PIECE)).sum()), "cut_carried": carried}
 
 
 def prompt_lengths(batch: ExampleBatch) -> np.ndarray:
@@ -490,6 +562,19 @@ def pack_pair_group(batch: ExampleBatch, options: PackOptions, rejected: list[di
     return result, prompt
 
 
+def pair_marks(batch: ExampleBatch, ex: np.ndarray, side: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """The cut marks of placed pair sides (side ``side[j]`` of pair ``ex[j]``, ``kept[j]`` of its tokens): ``[1, N]``
+    for a side whose completion was cut (N its length before: the arrived mark's, for a side truncated at an
+    earlier pack), else the mark it arrived with (``[0, 0]`` for a fresh one)."""
+    full = np.where(side == 0, batch.cuts[ex], batch.lengths[ex] - batch.cuts[ex])
+    marks = (np.zeros((len(ex), 2), np.int32) if batch.marks is None
+             else batch.marks.reshape(len(batch), 2, 2)[ex, side].astype(np.int32))
+    cut = kept < full
+    again = cut & (marks[:, 0] == packers.Cut.TRUNCATED)
+    marks[cut & ~again] = np.stack([np.full(len(ex), int(packers.Cut.TRUNCATED)), full], axis=1)[cut & ~again]
+    return marks
+
+
 def as_pairs(batch: ExampleBatch) -> ExampleBatch:
     """``batch`` as a batch of pairs: an empty batch gets empty cuts; examples that are not pairs are a bug."""
     if batch.cuts is not None:
@@ -508,7 +593,8 @@ def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, r
     ex, side = seqs // 2, seqs % 2
     starts = np.where(side == 0, 0, batch.cuts[ex])
     suffixes = [packers.Side(s).suffix for s in side.tolist()]
-    placed = Placement(ex, starts, starts + result.stops, suffixes, result.row_offsets, prompts=prompt[ex], sides=side)
+    placed = Placement(ex, starts, starts + result.stops, suffixes, result.row_offsets, prompts=prompt[ex], sides=side,
+                       marks=pair_marks(batch, ex, side, result.stops))
     return _finish(batch, placed, options, eos_id, rejected, stats)
 
 
@@ -522,7 +608,8 @@ class Placement:
     ``[starts[j], stops[j])`` of example ``ex[j]``, with id ``batch.ids[ex[j]] + suffixes[j]``.
 
     For the sides of pairs, ``prompts[j]`` is piece ``j``'s prompt length (its completion is everything after)
-    and ``sides[j]`` its side (0 chosen, 1 rejected); both None for plain examples.
+    and ``sides[j]`` its side (0 chosen, 1 rejected); both None for plain examples. ``marks[j]`` is piece ``j``'s
+    cut mark ``[pieces, length]`` (int32 (m, 2); None: every piece whole).
     """
 
     ex: np.ndarray
@@ -532,6 +619,11 @@ class Placement:
     row_offsets: np.ndarray
     prompts: np.ndarray | None = None
     sides: np.ndarray | None = None
+    marks: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.marks is None:
+            object.__setattr__(self, "marks", np.zeros((len(self.ex), 2), np.int32))
 
 
 def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_id: int | None) -> Group:
@@ -595,6 +687,7 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         desirable,
     ]
     if options.processor is None:
+        arrays.append(cuts_column(placed.marks[piece_order], row_pieces))
         chunks: tuple[pa.RecordBatch, ...] = (pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA),)
     else:
         videos = options.vision().videos
@@ -609,6 +702,19 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         last_tok = input_ids[np.cumsum(piece_lens) - 1]
         eos_ok = bool(np.all((last_tok == eos_id) | (piece_lens == budget)))
     return Group(chunks, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
+
+
+def cuts_column(marks: np.ndarray, row_pieces: np.ndarray) -> pa.ListArray:
+    """The rows' ``cuts``: the pieces' marks (in row order, ``row_pieces[r]`` in row ``r``), two per sequence in a
+    row where one was cut, none in a row of whole sequences::
+
+        marks [[0, 0], [3, 19], [0, 0]]   row_pieces [1, 2]   ->   cuts [], [3, 19, 0, 0]
+    """
+    rows = len(row_pieces)
+    row_of = np.repeat(np.arange(rows), row_pieces)
+    cut = np.bincount(row_of, weights=marks.any(axis=1), minlength=rows) > 0 if rows else np.zeros(0, bool)
+    offsets = np.concatenate([[0], np.cumsum(np.where(cut, 2 * row_pieces, 0))]).astype(np.int64)
+    return _list(offsets, marks[cut[row_of]].reshape(-1).astype(np.int32), pa.int32())
 
 
 _MAX_BINARY = 2**31 - 1

@@ -49,6 +49,9 @@ def count(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict
                    for sp in sorted({s["split"] for s in shards})},
         "normalization": dict(sorted(notes.items())),
     }
+    if o.processor is None:  # text rows carry cut marks (contract version 9); image rows none
+        counts["cut_sequences"] = {"truncated": stats.get("cut_truncated", 0), "pieces": stats.get("cut_pieces", 0),
+                                   "carried": stats.get("cut_carried", 0)}
     if check and (stats.get("pieces", counts["pieces"]) != counts["pieces"] or stats.get("rows", rows) != rows):
         raise InternalError(f"shards hold {rows} rows / {counts['pieces']} pieces, packing made "
                             f"{stats.get('rows')} / {stats.get('pieces')}")
