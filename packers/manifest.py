@@ -21,8 +21,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
 
     status           "complete" | "failed"
     error            why a failed run failed (failed only)
-    contract_version 9 (6 before the rows' ``cuts`` column, still read), 7 with images, 8 with videos (then also
-                     "vision", "media_roots"); 3-5 are refused: "repack"
+    contract_version 9 (6: rows without ``cuts``), 7 with images, 8 with videos (+"vision", "media_roots"); 3-5 refused
     run_id           16 hex digits: a digest of what decides the run's bytes (options but the output
                      folder, inputs, tokenizer); every shard carries it in its schema metadata
     shards           [{"name", "split", "rows", "examples", "tokens", "target_tokens", "bytes", "sha256"}]
@@ -196,24 +195,6 @@ class SplitCounts:
 
 
 @dataclass(frozen=True)
-class CutCounts:
-    """``counts.cut_sequences`` (contract version 9): the packed sequences whose ``cuts`` mark says they were cut,
-    counted by the packing step from what it placed; ``packstream verify`` holds them against the rows' marks.
-
-    The relation to the run's other counts, when no example arrived already cut (``carried`` 0; only a repack
-    carries marks): without ``--pairs``, ``truncated == truncated_examples`` and the distinct examples of the split
-    pieces are ``split_examples``; with ``--pairs``, the distinct pairs with a truncated side are
-    ``truncated_examples`` (a pair counts once, one or both of its sides marked) and ``pieces`` is 0."""
-
-    truncated: int
-    """Sequences marked ``[1, N]``: truncated windows (pair sides cut)."""
-    pieces: int
-    """Sequences marked ``[n, N]``, ``n >= 2``, or ``[-1, -1]``: pieces of split examples."""
-    carried: int
-    """Of those, the sequences whose mark came with their example (a repack of cut rows), not made by this run."""
-
-
-@dataclass(frozen=True)
 class FirstRejected:
     source: str
     position: int
@@ -224,6 +205,7 @@ COUNT_KEYS = ("records_read", "not_sampled", "repeated_copies", "extra_paths", "
               "truncated_examples", "split_examples", "no_target_pieces", "pieces", "rows", "tokens",
               "target_tokens", "lower_bound")
 """The integer counts readers use (``counts`` holds a few more, for people)."""
+CUT_KEYS = ("truncated", "pieces", "carried")  # counts.cut_sequences (version 9): see pipeline._tools.verify._folder
 
 
 @dataclass(frozen=True)
@@ -250,8 +232,7 @@ class Counts:
     rejected_by_reason: Mapping[str, int]
     first_rejected: Mapping[str, FirstRejected]
     splits: Mapping[str, SplitCounts]
-    cut_sequences: Optional[CutCounts] = None
-    """None in a manifest of contract version 6 (its rows carry no marks)."""
+    cut_sequences: Optional[Mapping[str, int]] = None  # CUT_KEYS: the sequences cut marks call so; None in version 6
 
 
 @dataclass(frozen=True)
@@ -518,10 +499,6 @@ def _decode_counts(r: _Reader, raw: Mapping[str, Any]) -> Counts:
     for reason, v in first.items():
         if not isinstance(v, dict):
             raise r.fail(f"counts.first_rejected.{_short(reason, 40)}", v, "an object")
-    cut = None
-    if "cut_sequences" in c:
-        cs = r.obj(c, "cut_sequences", "counts.cut_sequences")
-        cut = CutCounts(**{k: r.count(cs, k, f"counts.cut_sequences.{k}") for k in ("truncated", "pieces", "carried")})
     return Counts(
         **{k: r.count(c, k, f"counts.{k}") for k in COUNT_KEYS},
         fill=r.number(c, "fill", "counts.fill"),
@@ -532,7 +509,8 @@ def _decode_counts(r: _Reader, raw: Mapping[str, Any]) -> Counts:
                         for k, v in first.items()},
         splits={sp: SplitCounts(rows=r.count(v, "rows", f"counts.splits.{sp}.rows"),
                                 tokens=r.count(v, "tokens", f"counts.splits.{sp}.tokens")) for sp, v in splits.items()},
-        cut_sequences=cut,
+        cut_sequences={k: r.count(r.obj(c, "cut_sequences", "counts.cut_sequences"), k, f"counts.cut_sequences.{k}")
+                       for k in CUT_KEYS} if "cut_sequences" in c else None,
     )
 
 
@@ -660,11 +638,6 @@ def _count_problems(m: Manifest) -> list[tuple[str, str]]:
     fill = c.tokens / (c.rows * budget) if c.rows else 0.0
     if not math.isclose(c.fill, fill, rel_tol=1e-9, abs_tol=1e-12):
         out.append(("counts.fill", f"says {c.fill!r}, tokens / (rows * budget) is {fill!r}"))
-    cut = c.cut_sequences
-    if cut is not None and (cut.carried > cut.truncated + cut.pieces or cut.truncated + cut.pieces > c.pieces):
-        out.append(("counts.cut_sequences", f"says truncated {cut.truncated} + pieces {cut.pieces} (carried "
-                                            f"{cut.carried}) of {c.pieces} sequences; carried is at most the cut "
-                                            "sequences, and they at most all sequences"))
     return out
 
 
@@ -707,15 +680,10 @@ def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:
     return {
         "contract_version": version,
         **({"vision": m.raw.get("vision")} if not is_text(version) else {}),
-        "budget": m.row_checks.budget,
-        "tokenizer": m.tokenizer.name,
-        "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256,
-        "eos_token_id": m.tokenizer.eos_token_id,
-        "pad_token_id": m.tokenizer.pad_token_id,
-        "run_id": m.run_id,
-        "split": entry.split,
-        "shard_index": entry.index,
-        "shard_count": entry.count,
+        "budget": m.row_checks.budget, "tokenizer": m.tokenizer.name,
+        "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256, "eos_token_id": m.tokenizer.eos_token_id,
+        "pad_token_id": m.tokenizer.pad_token_id, "run_id": m.run_id,
+        "split": entry.split, "shard_index": entry.index, "shard_count": entry.count,
     }
 
 

@@ -12,16 +12,6 @@ what every grouped-mode worker runs. Ids::
     mix.jsonl:q17~2              the 2nd copy of a record of a data set with weight 2
     t0.jsonl@9#1                 the 2nd piece of an example split by --long split
 
-Every placed sequence also gets a cut mark ``[pieces, length]`` (the rows' ``cuts`` column, :data:`packers.SCHEMA`):
-``[0, 0]`` whole, ``[1, N]`` a window --long truncate kept of N tokens (a pair side whose completion was cut: N its
-length before), ``[n, N]`` piece ``#k`` of the ``n = ceil(N / budget)`` pieces --long split cut N tokens into. Budget 8,
-an example of 19 tokens::
-
-    --long truncate   t0.jsonl@9      tokens [0, 8)     mark [1, 19]
-    --long split      t0.jsonl@9#0    tokens [0, 8)     mark [3, 19]
-                      t0.jsonl@9#1    tokens [8, 16)    mark [3, 19]
-                      t0.jsonl@9#2    tokens [16, 19)   mark [3, 19]
-
 Sources and string ids are escaped (``%``, ``:``, ``@``, ``#``, ``~`` as ``%25`` ...), so every
 id reads back to exactly one (source, record, copy, piece).
 """
@@ -41,7 +31,8 @@ from packers import LongPolicy
 from packers.manifest import escape_source
 from pipeline import _arrow
 from pipeline._formats import Reason
-from pipeline._options import PackOptions, TruncateSide
+from pipeline._long import cut_counts, cuts_column, long_pieces, pair_marks
+from pipeline._options import PackOptions
 
 
 def stable_hash(text: str, salt: str = "") -> int:
@@ -204,7 +195,7 @@ class ExampleBatch:
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
                     input_ids: np.ndarray, loss_mask: np.ndarray, cuts: np.ndarray | None = None, *,
-                    desirable: np.ndarray | None = None, marks: np.ndarray | None = None) -> "ExampleBatch":
+                    desirable: np.ndarray | None = None) -> "ExampleBatch":
         offsets = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if cuts is not None:
@@ -215,13 +206,18 @@ class ExampleBatch:
             desirable = np.asarray(desirable, dtype=np.int8)
             if desirable.shape != (len(ids),):
                 raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
-        if marks is not None:
-            marks = np.asarray(marks, dtype=np.int32)
-            if marks.shape != (len(ids), mark_width(cuts is not None)):
-                raise packers.InternalError(f"cut marks of shape {marks.shape} for {len(ids)} examples; expected "
-                                            f"({len(ids)}, {mark_width(cuts is not None)})")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
-                   loss_mask.astype(np.uint8, copy=False), cuts, desirable, marks=marks)
+                   loss_mask.astype(np.uint8, copy=False), cuts, desirable)
+
+    def with_marks(self, marks: np.ndarray | None) -> "ExampleBatch":
+        """These examples carrying the cut marks they arrived with (:attr:`marks`; None: none was cut)."""
+        if marks is None:
+            return self
+        marks = np.asarray(marks, dtype=np.int32)
+        if marks.shape != (len(self), mark_width(self.cuts is not None)):
+            raise packers.InternalError(f"cut marks of shape {marks.shape} for {len(self)} examples; expected "
+                                        f"({len(self)}, {mark_width(self.cuts is not None)})")
+        return dataclasses.replace(self, marks=marks)
 
     def with_images(self, images: Images | None) -> "ExampleBatch":
         """These examples carrying ``images`` (one entry per example; None: a text-only run)."""
@@ -261,8 +257,8 @@ class ExampleBatch:
                                         self.input_ids[idx], self.loss_mask[idx],
                                         None if self.cuts is None else self.cuts[which],
                                         desirable=None if self.desirable is None else self.desirable[which],
-                                        marks=None if self.marks is None else self.marks[which],
-                                        ).with_images(None if self.images is None else self.images.take(which))
+                                        ).with_images(None if self.images is None else self.images.take(which)
+                                                      ).with_marks(None if self.marks is None else self.marks[which])
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
@@ -277,7 +273,7 @@ class ExampleBatch:
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
                                np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
-                               desirable=_labels(batches), marks=_marks(batches)).with_images(_images(batches))
+                               desirable=_labels(batches)).with_images(_images(batches)).with_marks(_marks(batches))
 
 
 def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
@@ -344,95 +340,12 @@ class Group:
 
 
 def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
-    """Each example's spans under the --long policy: (example index, start, stop, part, mark); part -1 = whole;
-    mark (int32 (m, 2)) each span's cut mark ``[pieces, length]`` (the module docstring).
-
-    Never a piece without a target token: a truncated example whose kept window has none is
-    rejected (``no_target_tokens``); such pieces of a split example are dropped and counted (and
-    still count in their siblings' ``pieces``). An example that arrived cut (:attr:`ExampleBatch.marks`)
-    keeps its mark; when it is still over the budget, a truncated window is truncated again under
-    --long truncate (its mark keeps the original length), and a piece of an earlier split is never
-    cut again: it is dropped (``too_long``), as a truncated window is under --long split.
-    """
-    budget = options.max_tokens
-    lengths = batch.lengths
-    long = np.flatnonzero(lengths > budget)
-    ex = np.arange(len(batch), dtype=np.int64)
-    starts = np.zeros(len(batch), np.int64)
-    stops = lengths.astype(np.int64).copy()
-    parts = np.full(len(batch), -1, np.int64)
-    marks = np.zeros((len(batch), 2), np.int32) if batch.marks is None else batch.marks.copy()
-    if not len(long):
-        return ex, starts, stops, parts, marks
-    keep = np.ones(len(batch), dtype=bool)
-    extra: list[tuple[int, int, int, int, int, int]] = []
-    for i in long.tolist():
-        n = int(lengths[i])
-        o = int(batch.offsets[i])
-        mask = batch.loss_mask[o:o + n]
-        eid, source, position = batch.ids[i], batch.sources[i], batch.positions[i]
-        k = int(batch.images.counts[i]) if batch.images is not None else 0
-        labelled = batch.desirable is not None and int(batch.desirable[i]) >= 0
-        why = None
-        if k:  # an image is never cut, nor an example from its images: such an example goes whole or not at all
-            why = (f"{n} tokens > budget {budget}, and the example holds {k} image(s) or video(s), which are never cut (whatever "
-                   "--long says); use a larger --max-tokens, or smaller images (the processor's max_pixels; for videos "
-                   "--video-fps, --video-max-frames, --video-max-pixels)")
-        elif options.long is LongPolicy.DROP:
-            why = f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, or a larger --max-tokens"
-        elif options.long is LongPolicy.SPLIT and labelled:  # TRL's KTOTrainer truncates; it never splits
-            why = (f"{n} tokens > budget {budget}, and a KTO example (labelled desirable or undesirable) is never "
-                   "split by --long split: its later pieces would start mid-answer with no prompt and carry the "
-                   "record's label; use --long truncate (as TRL does) or --long drop, or a larger --max-tokens")
-        elif int(marks[i, 0]) not in (packers.Cut.WHOLE, packers.Cut.TRUNCATED):  # its mark could say only one cut
-            why = (f"{n} tokens > budget {budget}, and it is a piece of an example split at an earlier pack (cuts "
-                   f"{marks[i].tolist()}), which is never cut again; pack the raw inputs at this --max-tokens")
-        elif options.long is LongPolicy.SPLIT and int(marks[i, 0]) == packers.Cut.TRUNCATED:
-            why = (f"{n} tokens > budget {budget}, and it is a window of an example of {int(marks[i, 1])} tokens "
-                   "truncated at an earlier pack, which --long split does not split again (its pieces' marks could "
-                   "not say both cuts); use --long truncate, or pack the raw inputs at this --max-tokens")
-        if why is not None:
-            rejected.append(reject_record(source, position, Reason.TOO_LONG, why, eid))
-            stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
-            stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
-            keep[i] = False
-        elif options.long is LongPolicy.TRUNCATE:
-            a, b = (0, budget) if options.truncate_side is TruncateSide.RIGHT else (n - budget, n)
-            if not mask[a:b].any():
-                other = "left" if options.truncate_side is TruncateSide.RIGHT else "right"
-                rejected.append(reject_record(
-                    source, position, Reason.NO_TARGET_TOKENS,
-                    f"{n} tokens > budget {budget}, and the {budget} tokens --long truncate keeps "
-                    f"(--truncate-side {options.truncate_side.value}) hold no target token; use --truncate-side "
-                    f"{other}, --long split, or a larger --max-tokens", eid))
-                keep[i] = False
-                continue
-            starts[i], stops[i] = a, b
-            if int(marks[i, 0]) != packers.Cut.TRUNCATED:  # a window cut again keeps its original length
-                marks[i] = (packers.Cut.TRUNCATED, n)
-            stats["truncated_examples"] = stats.get("truncated_examples", 0) + 1
-            stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + n - budget
-        else:
-            keep[i] = False
-            stats["split_examples"] = stats.get("split_examples", 0) + 1
-            count = -(-n // budget)  # every piece, those dropped below for holding no target included
-            for k, a in enumerate(range(0, n, budget)):
-                b = min(a + budget, n)
-                if mask[a:b].any():
-                    extra.append((i, a, b, k, count, n))
-                else:
-                    stats["no_target_pieces"] = stats.get("no_target_pieces", 0) + 1
-                    stats["no_target_piece_tokens"] = stats.get("no_target_piece_tokens", 0) + b - a
-    sel = np.flatnonzero(keep)
-    ex, starts, stops, parts, marks = ex[sel], starts[sel], stops[sel], parts[sel], marks[sel]
-    if extra:
-        e = np.array(extra, dtype=np.int64)
-        ex, starts, stops, parts = (np.concatenate([ex, e[:, 0]]), np.concatenate([starts, e[:, 1]]),
-                                    np.concatenate([stops, e[:, 2]]), np.concatenate([parts, e[:, 3]]))
-        marks = np.concatenate([marks, e[:, 4:6].astype(np.int32)])
-        order = np.lexsort((parts, ex))  # pieces of one example stay together, in order
-        ex, starts, stops, parts, marks = ex[order], starts[order], stops[order], parts[order], marks[order]
-    return ex, starts, stops, parts, marks
+    """Each example's spans under the --long policy, and their cut marks (:func:`pipeline._long.long_pieces`): (example
+    index, start, stop, part, mark); the examples it drops are dead letters in ``rejected``."""
+    dead: list[tuple[int, Reason, str]] = []
+    out = long_pieces(batch, options, dead, stats)
+    rejected += [reject_record(batch.sources[i], batch.positions[i], reason, why, batch.ids[i]) for i, reason, why in dead]
+    return out
 
 
 DUPLICATE_FIX = ("if ids repeat by design (several completions of one prompt), pass --ids position to key records "
@@ -505,24 +418,6 @@ def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_
     return group
 
 
-CUT_STATS = ("cut_truncated", "cut_pieces", "cut_carried")
-"""The stats of :func:`cut_counts`, the manifest's ``counts.cut_sequences`` (truncated, pieces, carried)."""
-
-
-def cut_counts(batch: ExampleBatch, placed: "Placement") -> dict[str, int]:
-    """What the placed sequences' cut marks say, counted from the placements (never by reading shards back): how
-    many are truncated windows (``[1, N]``), how many pieces of split examples (``[n >= 2, N]`` or ``[-1, -1]``),
-    and of those how many carry the mark their example arrived with (:attr:`ExampleBatch.marks`)."""
-    p = placed.marks[:, 0].astype(np.int64)
-    carried = 0
-    if batch.marks is not None and len(p):
-        arrived = batch.marks.reshape(len(batch), -1, 2)
-        side = placed.sides if placed.sides is not None else np.zeros(len(p), np.int64)
-        carried = int((arrived[placed.ex, side, 0] != packers.Cut.WHOLE).sum())
-    return {"cut_truncated": int((p == packers.Cut.TRUNCATED).sum()),
-            "cut_pieces": int(((p >= 2) | (p == packers.Cut.OLD_PIECE)).sum()), "cut_carried": carried}
-
-
 def prompt_lengths(batch: ExampleBatch) -> np.ndarray:
     """Each pair's prompt length: the tokens of its chosen side before the first target (the completion)."""
     targets = np.flatnonzero(batch.loss_mask)
@@ -560,19 +455,6 @@ def pack_pair_group(batch: ExampleBatch, options: PackOptions, rejected: list[di
         stats["truncated_examples"] = stats.get("truncated_examples", 0) + len(cut)
         stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + result.truncated_tokens
     return result, prompt
-
-
-def pair_marks(batch: ExampleBatch, ex: np.ndarray, side: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """The cut marks of placed pair sides (side ``side[j]`` of pair ``ex[j]``, ``kept[j]`` of its tokens): ``[1, N]``
-    for a side whose completion was cut (N its length before: the arrived mark's, for a side truncated at an
-    earlier pack), else the mark it arrived with (``[0, 0]`` for a fresh one)."""
-    full = np.where(side == 0, batch.cuts[ex], batch.lengths[ex] - batch.cuts[ex])
-    marks = (np.zeros((len(ex), 2), np.int32) if batch.marks is None
-             else batch.marks.reshape(len(batch), 2, 2)[ex, side].astype(np.int32))
-    cut = kept < full
-    again = cut & (marks[:, 0] == packers.Cut.TRUNCATED)
-    marks[cut & ~again] = np.stack([np.full(len(ex), int(packers.Cut.TRUNCATED)), full], axis=1)[cut & ~again]
-    return marks
 
 
 def as_pairs(batch: ExampleBatch) -> ExampleBatch:
@@ -702,19 +584,6 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         last_tok = input_ids[np.cumsum(piece_lens) - 1]
         eos_ok = bool(np.all((last_tok == eos_id) | (piece_lens == budget)))
     return Group(chunks, [], {}, eos_ok, bool(loss_mask.all()) if len(loss_mask) else True)
-
-
-def cuts_column(marks: np.ndarray, row_pieces: np.ndarray) -> pa.ListArray:
-    """The rows' ``cuts``: the pieces' marks (in row order, ``row_pieces[r]`` in row ``r``), two per sequence in a
-    row where one was cut, none in a row of whole sequences::
-
-        marks [[0, 0], [3, 19], [0, 0]]   row_pieces [1, 2]   ->   cuts [], [3, 19, 0, 0]
-    """
-    rows = len(row_pieces)
-    row_of = np.repeat(np.arange(rows), row_pieces)
-    cut = np.bincount(row_of, weights=marks.any(axis=1), minlength=rows) > 0 if rows else np.zeros(0, bool)
-    offsets = np.concatenate([[0], np.cumsum(np.where(cut, 2 * row_pieces, 0))]).astype(np.int64)
-    return _list(offsets, marks[cut[row_of]].reshape(-1).astype(np.int32), pa.int32())
 
 
 _MAX_BINARY = 2**31 - 1

@@ -21,8 +21,7 @@ from packers import ContractError, LongPolicy, PackedDataset, Sampling, validate
 from packers.rowcheck import check_batch, gather
 from packers.manifest import RowChecks
 from pipeline import PackOptions, run
-from pipeline._rows import ExampleBatch, cut_counts, pack_group
-from pipeline._tools.verify import verify
+from tests._internals import ExampleBatch, pack_group, verify
 from tests._shards import make_row, random_examples, write_manifest, write_shards
 
 
@@ -136,7 +135,7 @@ def _batch(lengths, *, targets=None, marks=None, cuts=None, desirable=None) -> E
     mask = np.concatenate(targets) if targets is not None else np.ones(int(lengths.sum()), np.uint8)
     return ExampleBatch.from_arrays([f"s@{i}" for i in range(len(lengths))], ["s"] * len(lengths),
                                     list(range(len(lengths))), lengths, tokens, mask, cuts,
-                                    desirable=desirable, marks=marks)
+                                    desirable=desirable).with_marks(marks)
 
 
 def _placed(group) -> dict[str, tuple[list[int], list[int]]]:

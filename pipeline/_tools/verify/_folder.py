@@ -136,7 +136,12 @@ def _check_cut_counts(m: Manifest, stored: Stored, report: Report) -> None:
     """The rows' ``cuts`` marks (contract version 9) against ``counts.cut_sequences``, which the packing step counted
     from its placements: the truncated sequences and the split pieces, exactly. When no example arrived cut
     (``carried`` 0), also against the run's example counts: the examples (pairs) with a truncated sequence are
-    ``truncated_examples``, the examples with pieces ``split_examples`` (:class:`packers.manifest.CutCounts`)."""
+    ``truncated_examples`` (a truncated pair counts once, one or both of its sides marked), the examples with pieces
+    ``split_examples``.
+
+    ``counts.cut_sequences`` (:data:`packers.manifest.CUT_KEYS`): ``truncated``, the sequences marked ``[1, N]``;
+    ``pieces``, those marked ``[n >= 2, N]`` or ``[-1, -1]``; ``carried``, of those, the ones whose mark came with
+    their example (a repack of cut rows), not made by this run."""
     if m.raw.get("contract_version") != CONTRACT_VERSION:
         return  # version 6 rows carry no marks; image and video rows neither
     c, cut = m.counts, m.counts.cut_sequences
@@ -148,11 +153,11 @@ def _check_cut_counts(m: Manifest, stored: Stored, report: Report) -> None:
     pieces = sum(p for _, p in stored.cuts.values())
     held = "; ".join(f"{n} holds {t} truncated, {p} pieces" for n, (t, p) in stored.cuts.items() if t or p) \
         or "no shard holds a cut mark"
-    if (cut.truncated, cut.pieces) != (truncated, pieces):
-        report.add("manifest.json counts.cut_sequences", f"says {cut.truncated} truncated sequences and {cut.pieces} "
+    if (cut["truncated"], cut["pieces"]) != (truncated, pieces):
+        report.add("manifest.json counts.cut_sequences", f"says {cut['truncated']} truncated sequences and {cut['pieces']} "
                                                          f"split pieces, the shards' cuts marks {truncated} and {pieces} "
                                                          f"({held}); {CUT_FIX}")
-    if cut.carried == 0 and (len(stored.truncated), len(stored.split)) != (c.truncated_examples, c.split_examples):
+    if cut["carried"] == 0 and (len(stored.truncated), len(stored.split)) != (c.truncated_examples, c.split_examples):
         report.add("manifest.json counts.truncated_examples", f"says {c.truncated_examples} truncated and "
                                                               f"{c.split_examples} split examples, the shards' cuts "
                                                               f"marks {len(stored.truncated)} and {len(stored.split)} "
