@@ -10,8 +10,8 @@ from packers.errors import ContractError, InternalError, PackstreamError
 from packers._options import Balance, Batching, BatchBy, CostModel, LossWeighting, Sampling, Sharding
 from packers._pack import LongPolicy, PackResult, Strategy, pack, pack_stream
 from packers._pairs import pack_pairs
-from packers.schema import (CONTRACT_VERSION, SCHEMA, VIDEO_CONTRACT_VERSION, VIDEO_SCHEMA, VISION_CONTRACT_VERSION,
-                            VISION_SCHEMA, Side, read_metadata,
+from packers.schema import (CONTRACT_VERSION, SCHEMA, SCHEMA_V6, TEXT_VERSIONS, VIDEO_CONTRACT_VERSION, VIDEO_SCHEMA, VISION_CONTRACT_VERSION,
+                            VISION_SCHEMA, Cut, Side, read_metadata,
                             schema_metadata, shard_schema, validate_row)
 from packers._vision import ImageSizeError, VisionFamily, VisionSpec
 from packers._stats import PackStats, pack_stats
@@ -40,6 +40,9 @@ _TORCH_NAMES = {
 __all__ = [
     "CONTRACT_VERSION",
     "SCHEMA",
+    "SCHEMA_V6",
+    "Cut",
+    "TEXT_VERSIONS",
     "VISION_CONTRACT_VERSION",
     "VISION_SCHEMA",
     "VIDEO_CONTRACT_VERSION",

@@ -21,7 +21,7 @@ The manifest's keys that readers rely on (the writer, :mod:`pipeline._job`, fill
 
     status           "complete" | "failed"
     error            why a failed run failed (failed only)
-    contract_version 6, 7 with images, 8 with videos (then also "vision", "media_roots"); 3-5 are refused: "repack"
+    contract_version 9 (6: rows without ``cuts``), 7 with images, 8 with videos (+"vision", "media_roots"); 3-5 refused
     run_id           16 hex digits: a digest of what decides the run's bytes (options but the output
                      folder, inputs, tokenizer); every shard carries it in its schema metadata
     shards           [{"name", "split", "rows", "examples", "tokens", "target_tokens", "bytes", "sha256"}]
@@ -71,7 +71,7 @@ from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
 from packers.errors import ContractError, PackstreamError, is_int, is_weight, short
 from packers.files import MiB, load_json, read_checked, show_path
-from packers.schema import CONTRACT_VERSION, READABLE_VERSIONS, mask_rule_refusal
+from packers.schema import CONTRACT_VERSION, READABLE_VERSIONS, is_text, mask_rule_refusal
 
 MANIFEST = "manifest.json"
 LOCK = ".packstream.lock"
@@ -205,6 +205,7 @@ COUNT_KEYS = ("records_read", "not_sampled", "repeated_copies", "extra_paths", "
               "truncated_examples", "split_examples", "no_target_pieces", "pieces", "rows", "tokens",
               "target_tokens", "lower_bound")
 """The integer counts readers use (``counts`` holds a few more, for people)."""
+CUT_KEYS = ("truncated", "pieces", "carried")  # counts.cut_sequences (version 9): see pipeline._tools.verify._folder
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,7 @@ class Counts:
     rejected_by_reason: Mapping[str, int]
     first_rejected: Mapping[str, FirstRejected]
     splits: Mapping[str, SplitCounts]
+    cut_sequences: Optional[Mapping[str, int]] = None  # CUT_KEYS: the sequences cut marks call so; None in version 6
 
 
 @dataclass(frozen=True)
@@ -507,6 +509,8 @@ def _decode_counts(r: _Reader, raw: Mapping[str, Any]) -> Counts:
                         for k, v in first.items()},
         splits={sp: SplitCounts(rows=r.count(v, "rows", f"counts.splits.{sp}.rows"),
                                 tokens=r.count(v, "tokens", f"counts.splits.{sp}.tokens")) for sp, v in splits.items()},
+        cut_sequences={k: r.count(r.obj(c, "cut_sequences", "counts.cut_sequences"), k, f"counts.cut_sequences.{k}")
+                       for k in CUT_KEYS} if "cut_sequences" in c else None,
     )
 
 
@@ -675,16 +679,11 @@ def expected_metadata(m: Manifest, entry: ShardEntry) -> dict[str, Any]:
     version = m.raw.get("contract_version", CONTRACT_VERSION)
     return {
         "contract_version": version,
-        **({"vision": m.raw.get("vision")} if version != CONTRACT_VERSION else {}),
-        "budget": m.row_checks.budget,
-        "tokenizer": m.tokenizer.name,
-        "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256,
-        "eos_token_id": m.tokenizer.eos_token_id,
-        "pad_token_id": m.tokenizer.pad_token_id,
-        "run_id": m.run_id,
-        "split": entry.split,
-        "shard_index": entry.index,
-        "shard_count": entry.count,
+        **({"vision": m.raw.get("vision")} if not is_text(version) else {}),
+        "budget": m.row_checks.budget, "tokenizer": m.tokenizer.name,
+        "tokenizer_vocab_sha256": m.tokenizer.vocab_sha256, "eos_token_id": m.tokenizer.eos_token_id,
+        "pad_token_id": m.tokenizer.pad_token_id, "run_id": m.run_id,
+        "split": entry.split, "shard_index": entry.index, "shard_count": entry.count,
     }
 
 

@@ -22,6 +22,7 @@ from packers._tiles import grid_problem
 from packers._video import group_runs
 from packers._vision import VisionFamily
 from packers.manifest import RowChecks
+from packers.schema import cut_problem
 
 
 # -- reading: every gathered batch is checked against the contract and the manifest's row_checks ----------
@@ -31,8 +32,8 @@ from packers.manifest import RowChecks
 class Batch:
     """A gathered batch of rows as flat numpy arrays: ``values[name]`` back to back, ``lengths[name]`` per row."""
 
-    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets, sides, completion_spans, desirable
-    lengths: dict[str, np.ndarray]  # the same columns
+    values: dict[str, np.ndarray]  # input_ids, loss_mask, seq_offsets, sides, completion_spans, desirable, cuts
+    lengths: dict[str, np.ndarray]  # the same columns (cuts only from a table that has it: contract version 9)
     num_tokens: np.ndarray
     num_targets: np.ndarray
     example_ids: Any  # the gathered example_ids (a ChunkedArray of lists)
@@ -50,13 +51,16 @@ class Failure:
 
 
 _NUMERIC_LISTS = ("input_ids", "loss_mask", "seq_offsets", "sides", "completion_spans", "desirable")
+_OPTIONAL_LISTS = ("cuts",)
+"""Columns of the newer text schema only (contract version 9); a version-6 table has none of them."""
 _STRING_LISTS = ("example_ids", "pair_ids")
 
 
 def gather(table: pa.Table, *, check: bool) -> Batch | Failure:
     """The batch's columns as flat numpy arrays; with ``check``, first the first row holding a null (the
     schema says non-null, but a damaged file may hold them anyway, and numpy cannot view them)."""
-    cols = {name: table.column(name).combine_chunks() for name in _NUMERIC_LISTS}
+    names = _NUMERIC_LISTS + tuple(n for n in _OPTIONAL_LISTS if n in table.column_names)
+    cols = {name: table.column(name).combine_chunks() for name in names}
     if check:
         for name in ("num_tokens", "num_targets"):
             if (col := table.column(name)).null_count:
@@ -105,7 +109,9 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
     run of pairs (``row_checks.pairs``), one side, pair id and completion span per sequence, sides
     alternating chosen/rejected, a pair's two sides sharing their pair id and their prompt tokens, each
     span inside its sequence after its first token, ``loss_mask`` 1 exactly on the spans; ``desirable`` empty or
-    one of 1, 0, -1 per sequence; then what the
+    one of 1, 0, -1 per sequence; ``cuts`` (version 9) empty or a mark per sequence (:func:`packers.schema.cut_problem`:
+    ``[0, 0]`` whole, ``[1, N]`` or ``[n >= 2, N]`` with N more than its tokens, a split piece's id ending ``#k``,
+    ``[-1, -1]``); then what the
     manifest says every row of the run satisfies: ``eos_at_boundaries``, ``targets_in_every_sequence``,
     ``all_targets`` (see :mod:`packers.manifest`).
 
@@ -132,8 +138,8 @@ def check_batch(b: Batch, checks: RowChecks) -> Failure | None:
         return Failure(i, "loss_mask_values", f"loss_mask[{t - int(lengths[:i].sum())}] is {int(mask[t])}; only 0 and 1 "
                                               "are allowed")
     seqs = _Sequences.of(b.values["seq_offsets"], lengths, offsets - 1, inside)
-    return (_check_pair_columns(b, checks.pairs, seqs) or _check_desirable(b, seqs) or _check_row_checks(checks, b, seqs)
-            or _check_targets(b, lengths, seqs))
+    return (_check_pair_columns(b, checks.pairs, seqs) or _check_desirable(b, seqs) or _check_cuts(b, seqs)
+            or _check_row_checks(checks, b, seqs) or _check_targets(b, lengths, seqs))
 
 
 def _first(bad: np.ndarray) -> int:
@@ -279,6 +285,40 @@ def _check_desirable(b: Batch, seqs: _Sequences) -> Failure | None:
         i = int(np.searchsorted(D.cumsum(), t, side="right"))
         return Failure(i, "desirable", f"holds {int(values[t])}; only 1 (desirable), 0 (undesirable) and -1 (no label)")
     return None
+
+
+def _check_cuts(b: Batch, seqs: _Sequences) -> Failure | None:
+    """The ``cuts`` column (contract version 9; nothing to check in a version-6 batch): per row empty or two values
+    per sequence, each mark as :func:`packers.schema.cut_problem` says. Vectorized over the marks; only the ids of
+    split pieces (rare) are read, to check their ``#k``."""
+    if "cuts" not in b.lengths:
+        return None
+    C = b.lengths["cuts"].astype(np.int64)
+    if (bad := (C != 0) & (C != 2 * seqs.per_row)).any():
+        i = _first(bad)
+        return Failure(i, "cuts", f"holds {int(C[i])} values for {int(seqs.per_row[i])} sequences; two ([pieces, length]) "
+                                  "per sequence, or none in a row where no sequence was cut")
+    if not C.any():
+        return None
+    marked = np.flatnonzero(np.repeat(C > 0, seqs.per_row))  # the batch's sequences that carry a mark, in order
+    marks = b.values["cuts"].astype(np.int64).reshape(-1, 2)
+    p, n = marks[:, 0], marks[:, 1]
+    own = (seqs.end - seqs.start)[marked]
+    cut = (p == 1) | (p >= 2)
+    bad = (p < -1) | ((p == 0) & (n != 0)) | ((p == -1) != (n == -1)) | (cut & (n <= own))
+    piece = np.flatnonzero(((p >= 2) | (p == -1)) & ~bad)
+    if len(piece):  # a split piece's id ends with #k, k < n
+        ids = _flat_strings(b.example_ids).take(pa.array(marked[piece])).to_pylist()
+        for m, eid in zip(piece.tolist(), ids):
+            if cut_problem(int(p[m]), int(n[m]), int(own[m]), eid) is not None:
+                bad[m] = True
+                break
+    if not bad.any():
+        return None
+    m = _first(bad)
+    j = int(marked[m])
+    eid = _flat_strings(b.example_ids)[j].as_py()
+    return seqs.failure(j, "cuts", cut_problem(int(p[m]), int(n[m]), int(own[m]), eid) or "")
 
 
 def _check_pair_columns(b: Batch, pairs: bool, seqs: _Sequences) -> Failure | None:

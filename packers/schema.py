@@ -1,4 +1,4 @@
-"""The packed-row contract (version 6): one Arrow schema, written by the pipeline and read by the loader.
+"""The packed-row contract (version 9): one Arrow schema, written by the pipeline and read by the loader.
 
 A packed row holds several tokenized examples back to back, with no padding stored. Here is
 one row of budget 16 holding three examples (``T`` is a target token, ``.`` is not)::
@@ -10,6 +10,7 @@ one row of budget 16 holding three examples (``T`` is a target token, ``.`` is n
     num_targets  7                                                  the targets the loss sees (below)
     pair_ids, sides, completion_spans   []                          no pairs in this row
     desirable    []                                                 no KTO labels in this row
+    cuts         []                                                 no sequence of this row was cut
 
 and what the loader (:class:`packers.Collator`) derives from it at training time::
 
@@ -57,6 +58,18 @@ Columns (see :data:`SCHEMA`):
   per sequence: 1 desirable, 0 undesirable, -1 no label (KTO data: a record's boolean ``label``,
   ``kto_tag`` or ``--kto-label`` field). :class:`packers.Collator` gives it as the batch's
   ``desirable``, and :func:`packers.sequence_logps` beside each example's log-prob.
+* ``cuts`` ``list<int32>``: empty in a row where no sequence was cut; else two per sequence,
+  ``[pieces, length]`` (:class:`Cut`): ``[0, 0]`` a whole example; ``[1, N]`` an example of ``N`` tokens
+  truncated (``--long truncate``; a pair side: ``N`` the side's length before its completion was cut);
+  ``[n, N]``, ``n >= 2``, a piece of an example of ``N`` tokens that ``--long split`` cut into ``n = ceil(N /
+  budget)`` pieces (those dropped for holding no target token count), the piece's own index the ``#k`` of
+  its id; ``[-1, -1]`` a piece of an example split by an older packstream (a version-6 folder repacked),
+  count unknown. ``N`` is more than the sequence's own length. Metadata for tools: the Collator ignores it.
+  A cut row of budget 8 (an example of 19 tokens split into 3 pieces, this row holding its piece 2)::
+
+      example_ids  ["t0.jsonl@9#2", "a:1"]
+      seq_offsets  [0,              3,      8]
+      cuts         [3, 19,          0, 0]
 
 A row holds pairs or plain examples, never both (a run is ``--pairs`` or not; the manifest's
 ``row_checks.pairs`` says which).
@@ -72,13 +85,16 @@ Version history: 1, the first five columns; 2, ``num_targets`` and the pair colu
 :data:`VISION_SCHEMA` (images); 5, :data:`VIDEO_SCHEMA` (videos, ``--video-fps``); 6 (this), the same schema as 3 under
 TRL's mask rule (:data:`MASK_RULE_CHANGE`: the prompt of a prompt-completion, KTO or preference record is context
 whatever roles it holds, a conversation keeps the chat template's ending, a string prompt/completion record is raw
-text with EOS appended); 7 and 8, the same rule with :data:`VISION_SCHEMA` and :data:`VIDEO_SCHEMA`. An older folder
-is refused with "repack" (:func:`read_metadata`); one of version 3, 4 or 5 in words that say what changed.
+text with EOS appended); 7 and 8, the same rule with :data:`VISION_SCHEMA` and :data:`VIDEO_SCHEMA`; 9 (this),
+``cuts``: a per-sequence mark of examples cut by --long truncate/split (:data:`SCHEMA`; version 6 is
+:data:`SCHEMA_V6`, still read, its cut sequences unmarked). The image and video schemas (7, 8) are built on
+:data:`SCHEMA_V6` and carry no ``cuts`` column (out of scope for now). An older folder is refused with "repack"
+(:func:`read_metadata`); one of version 3, 4 or 5 in words that say what changed.
 
 >>> import pyarrow as pa
 >>> row = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
 ...        "seq_offsets": [0, 6, 10], "example_ids": ["a:1", "b:2"], "num_tokens": 10, "num_targets": 5,
-...        "pair_ids": [], "sides": [], "completion_spans": [], "desirable": []}
+...        "pair_ids": [], "sides": [], "completion_spans": [], "desirable": [], "cuts": []}
 >>> validate_row(pa.Table.from_pylist([row], schema=SCHEMA).to_pylist()[0], budget=16)
 >>> validate_row({**row, "seq_offsets": [0, 6, 9]}, budget=16)
 Traceback (most recent call last):
@@ -87,12 +103,21 @@ packers.errors.ContractError: seq_offsets must end at len(input_ids)=10, got 9
 >>> pair = {"input_ids": [5, 9, 2, 41, 17, 1, 5, 9, 2, 30, 1], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1],
 ...         "seq_offsets": [0, 6, 11], "example_ids": ["dpo@1#chosen", "dpo@1#rejected"], "num_tokens": 11,
 ...         "num_targets": 5, "pair_ids": ["dpo@1", "dpo@1"], "sides": [0, 1], "completion_spans": [3, 6, 9, 11],
-...         "desirable": []}
+...         "desirable": [], "cuts": []}
 >>> validate_row(pair, budget=16)
 >>> validate_row({**pair, "input_ids": [5, 9, 2, 41, 17, 1, 5, 8, 2, 30, 1]}, budget=16)
 Traceback (most recent call last):
 ...
 packers.errors.ContractError: pair dpo@1: the prompts differ (chosen [5, 9, 2], rejected [5, 8, 2])
+
+The same two examples, the first a window of 6 tokens that ``--long truncate`` kept of 20, the second whole;
+then a mark whose length is not more than its window's:
+
+>>> validate_row({**row, "cuts": [1, 20, 0, 0]}, budget=16)
+>>> validate_row({**row, "cuts": [1, 6, 0, 0]}, budget=16)
+Traceback (most recent call last):
+...
+packers.errors.ContractError: sequence 0 (a:1): cuts [1, 6] says it was cut from 6 tokens, but it holds 6; a cut sequence's length N is more than its own; the row was changed since packing: restore the folder or re-run packstream pack
 
 A shared contract module: the pipeline (writer, verify, inspect) and the loader both use it, so it
 has no leading underscore; users reach the same names through :mod:`packers`.
@@ -108,8 +133,8 @@ import pyarrow as pa
 
 from packers.errors import ContractError
 
-CONTRACT_VERSION = 6
-"""Bump on any incompatible change to :data:`SCHEMA`, its metadata keys, or what its rows mean (the tokens and masks a
+CONTRACT_VERSION = 9
+"""The contract version of a text run (:data:`SCHEMA`; 6 before the ``cuts`` column, still read). Bump on any incompatible change to :data:`SCHEMA`, its metadata keys, or what its rows mean (the tokens and masks a
 record becomes; see the version history above)."""
 
 MASK_RULE_CHANGE = ("packed before packstream's TRL mask rule: prompt-completion, KTO and preference prompts are "
@@ -127,7 +152,7 @@ MAX_TOKENS_LIMIT = 1 << 24
 """The largest row budget: offsets are int32, and best-fit keeps a bucket per capacity (O(budget) memory).
 16,777,216 tokens is far above any row a model trains on."""
 
-SCHEMA = pa.schema(
+SCHEMA_V6 = pa.schema(
     [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
@@ -141,7 +166,17 @@ SCHEMA = pa.schema(
         pa.field("desirable", pa.list_(pa.int8()), nullable=False),
     ]
 )
-"""The shard schema. Never inferred from data: every writer casts to it."""
+"""The shard schema of contract version 6 (text rows before ``cuts``), and the base of the image and video schemas
+(versions 7 and 8, unchanged)."""
+
+TEXT_V6_VERSION = 6
+"""The text version before the ``cuts`` column: :data:`SCHEMA_V6`, still read."""
+
+TEXT_VERSIONS = (TEXT_V6_VERSION, CONTRACT_VERSION)
+"""The contract versions of text rows (no vision metadata): 6 (:data:`SCHEMA_V6`) and 9 (:data:`SCHEMA`)."""
+
+SCHEMA = pa.schema(list(SCHEMA_V6) + [pa.field("cuts", pa.list_(pa.int32()), nullable=False)])
+"""The shard schema (version 9): :data:`SCHEMA_V6` and ``cuts``. Never inferred from data: every writer casts to it."""
 
 IMAGE_TYPE = pa.struct([pa.field("path", pa.string()), pa.field("bytes", pa.binary())])
 """One image as a row carries it: a path or URI (resolved when packed), or the encoded bytes (Hugging Face datasets'
@@ -152,14 +187,14 @@ VISION_CONTRACT_VERSION = 7
 so no older packstream trains the image placeholders as text. (4 before the TRL mask rule.)"""
 
 VISION_SCHEMA = pa.schema(
-    list(SCHEMA)
+    list(SCHEMA_V6)
     + [
         pa.field("image_offsets", pa.list_(pa.int32()), nullable=False),
         pa.field("image_grid_thw", pa.list_(pa.int32()), nullable=False),
         pa.field("images", pa.list_(IMAGE_TYPE), nullable=False),
     ]
 )
-"""The shard schema of a run with images (``packstream pack --processor``): :data:`SCHEMA` and, per row, in row order,
+"""The shard schema of a run with images (``packstream pack --processor``): :data:`SCHEMA_V6` and, per row, in row order,
 each image's start ``image_offsets`` (the token offset of its first placeholder token), its patch grid
 ``image_grid_thw`` (three per image: t, h, w, as the processor's ``image_grid_thw``) and the image itself ``images``.
 An image's placeholder run is :meth:`packers.VisionSpec.grid_tokens` tokens long, lies inside one example, and is
@@ -189,7 +224,12 @@ run is ``t * h * w / merge**2`` tokens, inside one example, never a target. Empt
 
 VIDEO_COLUMNS = ("video_offsets", "video_grid_thw", "videos", "second_per_grid_ts")
 
-READABLE_VERSIONS = (CONTRACT_VERSION, VISION_CONTRACT_VERSION, VIDEO_CONTRACT_VERSION)
+READABLE_VERSIONS = (TEXT_V6_VERSION, VISION_CONTRACT_VERSION, VIDEO_CONTRACT_VERSION, CONTRACT_VERSION)
+
+
+def is_text(contract_version: Any) -> bool:
+    """A text contract version (6 or 9: no images, no vision metadata)."""
+    return type(contract_version) is int and contract_version in TEXT_VERSIONS
 
 
 def mask_rule_refusal(what: str, version: Any) -> str | None:
@@ -210,7 +250,7 @@ def mask_rule_refusal(what: str, version: Any) -> str | None:
 
 def vision_version(vision: str | None) -> int:
     """The contract version of a run whose vision spec is ``vision`` (:meth:`packers.VisionSpec.to_json`; None: text):
-    6, 7 with images, 8 when the spec packs videos (its ``video_fps`` is set)."""
+    9, 7 with images, 8 when the spec packs videos (its ``video_fps`` is set)."""
     if vision is None:
         return CONTRACT_VERSION
     try:
@@ -228,6 +268,8 @@ def row_schema(contract_version: int) -> pa.Schema:
         return VIDEO_SCHEMA
     if contract_version == CONTRACT_VERSION:
         return SCHEMA
+    if contract_version == TEXT_V6_VERSION:
+        return SCHEMA_V6
     old = mask_rule_refusal("data", contract_version)
     if old is not None:
         raise ContractError(old)
@@ -320,7 +362,7 @@ def read_metadata(schema: pa.Schema) -> dict[str, Any]:
             f"shard has contract version {out['contract_version']}, this packstream reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; repack the data or install a matching packstream"
         )
-    if (out["contract_version"] != CONTRACT_VERSION) != ("vision" in out):
+    if is_text(out["contract_version"]) == ("vision" in out):  # text (6, 9) has no vision metadata; 7, 8 have it
         raise ContractError(f"shard has contract version {out['contract_version']} "
                             f"{'without' if 'vision' not in out else 'with'} packstream.vision metadata; "
                             "it was not written by packstream: repack the data")
@@ -367,6 +409,7 @@ def validate_row(row: Mapping[str, Any], budget: int) -> None:
                             "(loss_mask 1, not on a sequence's first token)")
     validate_pairs(row)
     validate_desirable(row)
+    validate_cuts(row)
 
 
 def validate_desirable(row: Mapping[str, Any]) -> None:
@@ -377,6 +420,72 @@ def validate_desirable(row: Mapping[str, Any]) -> None:
         raise ContractError(f"desirable holds {len(values)} values for {nseq} sequences; expected {nseq} (or none)")
     if any(int(v) not in (1, 0, NO_LABEL) for v in values):
         raise ContractError(f"desirable holds a value other than 1, 0 and {NO_LABEL}: {values[:8]}")
+
+
+_CUT_FIX = "the row was changed since packing: restore the folder or re-run packstream pack"
+
+
+class Cut(enum.IntEnum):
+    """The first value of a sequence's ``cuts`` mark ``[pieces, length]`` (the values >= 2 are split pieces)."""
+
+    OLD_PIECE = -1
+    """A piece of an example split by an older packstream (version 6, repacked): ``[-1, -1]``."""
+    WHOLE = 0
+    """A whole example: ``[0, 0]``."""
+    TRUNCATED = 1
+    """A window ``--long truncate`` kept (or a pair side cut): ``[1, N]``."""
+
+
+def piece_index(example_id: str) -> int | None:
+    """The ``k`` of an id ending ``#k`` (a piece of a split example), else None.
+
+    >>> piece_index("t0.jsonl@9#2"), piece_index("dpo@1#chosen"), piece_index("a:1")
+    (2, None, None)
+    """
+    head, sep, tail = example_id.rpartition("#")
+    return int(tail) if sep and tail.isdigit() and tail.isascii() else None
+
+
+def cut_problem(pieces: int, length: int, own: int, example_id: str) -> str | None:
+    """What is wrong with one sequence's mark ``[pieces, length]`` (``own`` its tokens; see the ``cuts`` column),
+    or None; the one definition :func:`validate_row` and the loader's vectorized check (:mod:`packers.rowcheck`)
+    follow."""
+    mark = f"cuts [{pieces}, {length}]"
+    if pieces < -1:
+        return f"{mark}: pieces is {pieces}; it is -1 (an older split's piece), 0 (whole), 1 (truncated) or >= 2"
+    if pieces == Cut.WHOLE and length != 0:
+        return f"{mark}: a whole sequence (pieces 0) has length 0"
+    if pieces == Cut.OLD_PIECE and length != -1:
+        return f"{mark}: an older split's piece (pieces -1) has length -1"
+    if length == -1 and pieces != Cut.OLD_PIECE:
+        return f"{mark}: length -1 goes only with pieces -1"
+    if pieces in (Cut.TRUNCATED,) or pieces >= 2:
+        if length <= own:
+            return (f"{mark} says it was cut from {length} tokens, but it holds {own}; a cut sequence's length N is "
+                    "more than its own")
+    if pieces >= 2 or pieces == Cut.OLD_PIECE:
+        k = piece_index(example_id)
+        if k is None or (pieces >= 2 and k >= pieces):
+            return (f"{mark} marks a piece of a split example, but its id does not end with #k, k < {pieces}"
+                    if pieces >= 2 else f"{mark} marks a piece of a split example, but its id does not end with #k")
+    return None
+
+
+def validate_cuts(row: Mapping[str, Any]) -> None:
+    """The ``cuts`` column of one row: empty, or a mark ``[pieces, length]`` per sequence (:func:`cut_problem`);
+    nothing to check in a row without the column (contract version 6)."""
+    values = [int(v) for v in (row.get("cuts") or [])]
+    offs, ex = row["seq_offsets"], row["example_ids"]
+    nseq = len(offs) - 1
+    if not values:
+        return
+    if len(values) != 2 * nseq:
+        raise ContractError(f"cuts holds {len(values)} values for {nseq} sequences; expected {2 * nseq} (a [pieces, "
+                            "length] mark per sequence), or none in a row where no sequence was cut")
+    for j in range(nseq):
+        why = cut_problem(values[2 * j], values[2 * j + 1], int(offs[j + 1]) - int(offs[j]), ex[j])
+        if why is not None:
+            raise ContractError(f"sequence {j} ({ex[j]}): {why}; {_CUT_FIX}")
 
 
 def validate_pairs(row: Mapping[str, Any]) -> None:

@@ -226,11 +226,11 @@ def _repacked_lines(manifest: dict) -> list[tuple[str, str]]:
     """A repack's folders (nothing was tokenized again), and the examples their pack cut, carried as they are."""
     lines = [("repacked from", printable(f"{src['folder']}  (run {src['run_id']}, contract version "
                                          f"{src['contract_version']})")) for src in manifest.get("repacked_from") or ()]
-    c = manifest["counts"]
-    if c.get("carried_truncated") or c.get("carried_split"):
-        lines.append(("carried cut", f"{c.get('carried_truncated', 0):,} truncated / {c.get('carried_split', 0):,} "
-                                     "split pieces, as the first pack cut them (marked; never joined back: pack the raw "
-                                     "inputs to cut them at this budget)"))
+    carried = (manifest["counts"].get("cut_sequences") or {}).get("carried")
+    if carried:
+        lines.append(("carried cut", f"{carried:,} sequences cut by the first pack (truncated windows, split pieces), "
+                                     "carried as they were, marked; never joined back: pack the raw inputs to cut them "
+                                     "at this budget"))
     return lines
 
 

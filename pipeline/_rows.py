@@ -32,7 +32,8 @@ from packers.manifest import escape_source
 from packers.rowcheck import row_sums
 from pipeline import _arrow
 from pipeline._formats import Reason
-from pipeline._options import PackOptions, TruncateSide
+from pipeline._long import carried_pieces, cut_counts, cuts_column, long_pieces, pair_marks, reject_record, whole_id  # noqa: F401
+from pipeline._options import PackOptions
 
 
 def stable_hash(text: str, salt: str = "") -> int:
@@ -88,14 +89,6 @@ def split_of(example_id: str, validation_fraction: float) -> str:
 def group_of(example_id: str, groups: int) -> int:
     """The packing group of an example: a stable hash of its id (all copies of one id land together)."""
     return stable_hash(example_id, salt="group") % groups
-
-
-def reject_record(source: str, position: int, reason: Reason, detail: str, example_id: str | None = None) -> dict:
-    """A dead-letter record. ``position`` is a 1-based line for JSONL, a 0-based index otherwise."""
-    rec = {"source": source, "position": position, "reason": reason.value, "detail": detail}
-    if example_id is not None:
-        rec["example_id"] = example_id
-    return rec
 
 
 def reject_sort_key(r: dict) -> tuple:
@@ -186,6 +179,11 @@ class ExampleBatch:
     """int8 (n,): each example's KTO label (1, 0, -1 for none); None when no example carries one."""
     images: Images | None = None
     """The examples' images (``--processor`` runs); None in a text-only run."""
+    marks: np.ndarray | None = None
+    """int32 (n, 2): per example that arrives already cut (a repack of packed rows), its cut mark ``[pieces, length]``
+    (the rows' ``cuts`` column: ``[0, 0]`` whole, ``[1, N]`` truncated, ``[n, N]`` a piece, ``[-1, -1]`` an older
+    split's piece); for pairs (n, 4), the chosen side's mark then the rejected side's. None when none carries one.
+    Packing keeps a mark and never cuts a piece again (:func:`pieces`)."""
 
     @classmethod
     def from_arrays(cls, ids: Sequence[str], sources: Sequence[str], positions: Sequence[int], lengths: np.ndarray,
@@ -203,6 +201,16 @@ class ExampleBatch:
                 raise packers.InternalError(f"{desirable.shape} desirability labels for {len(ids)} examples")
         return cls(list(ids), list(sources), list(positions), offsets, input_ids.astype(np.int32, copy=False),
                    loss_mask.astype(np.uint8, copy=False), cuts, desirable)
+
+    def with_marks(self, marks: np.ndarray | None) -> "ExampleBatch":
+        """These examples carrying the cut marks they arrived with (:attr:`marks`; None: none was cut)."""
+        if marks is None:
+            return self
+        marks = np.asarray(marks, dtype=np.int32)
+        if marks.shape != (len(self), mark_width(self.cuts is not None)):
+            raise packers.InternalError(f"cut marks of shape {marks.shape} for {len(self)} examples; expected "
+                                        f"({len(self)}, {mark_width(self.cuts is not None)})")
+        return dataclasses.replace(self, marks=marks)
 
     def with_images(self, images: Images | None) -> "ExampleBatch":
         """These examples carrying ``images`` (one entry per example; None: a text-only run)."""
@@ -244,7 +252,8 @@ class ExampleBatch:
                                         _gather(self.input_ids, runs), _gather(self.loss_mask, runs),
                                         None if self.cuts is None else self.cuts[which],
                                         desirable=None if self.desirable is None else self.desirable[which],
-                                        ).with_images(None if self.images is None else self.images.take(which))
+                                        ).with_images(None if self.images is None else self.images.take(which)
+                                                      ).with_marks(None if self.marks is None else self.marks[which])
 
     @classmethod
     def concat(cls, batches: Sequence["ExampleBatch"]) -> "ExampleBatch":
@@ -259,7 +268,7 @@ class ExampleBatch:
                                np.concatenate([b.input_ids for b in batches]),
                                np.concatenate([b.loss_mask for b in batches]),
                                np.concatenate([b.cuts for b in batches]) if paired == {True} else None,
-                               desirable=_labels(batches)).with_images(_images(batches))
+                               desirable=_labels(batches)).with_images(_images(batches)).with_marks(_marks(batches))
 
 
 def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
@@ -267,6 +276,19 @@ def _labels(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
     if all(b.desirable is None for b in batches):
         return None
     return np.concatenate([np.full(len(b), -1, np.int8) if b.desirable is None else b.desirable for b in batches])
+
+
+def mark_width(pairs: bool) -> int:
+    """Values of :attr:`ExampleBatch.marks` per example: a ``[pieces, length]`` mark, two for a pair's two sides."""
+    return 4 if pairs else 2
+
+
+def _marks(batches: Sequence[ExampleBatch]) -> np.ndarray | None:
+    """The batches' cut marks concatenated (``[0, 0]``, whole, for a batch without), or None when none has any."""
+    if all(b.marks is None for b in batches):
+        return None
+    width = mark_width(batches[0].cuts is not None)
+    return np.concatenate([np.zeros((len(b), width), np.int32) if b.marks is None else b.marks for b in batches])
 
 
 def _images(batches: Sequence[ExampleBatch]) -> Images | None:
@@ -335,78 +357,12 @@ class Group:
 
 
 def pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]):
-    """Each example's spans under the --long policy: (example index, start, stop, part); part -1 = whole.
-
-    Never a piece without a target token: a truncated example whose kept window has none is
-    rejected (``no_target_tokens``); such pieces of a split example are dropped and counted.
-    """
-    budget = options.max_tokens
-    lengths = batch.lengths
-    long = np.flatnonzero(lengths > budget)
-    ex = np.arange(len(batch), dtype=np.int64)
-    starts = np.zeros(len(batch), np.int64)
-    stops = lengths.astype(np.int64).copy()
-    parts = np.full(len(batch), -1, np.int64)
-    if not len(long):
-        return ex, starts, stops, parts
-    keep = np.ones(len(batch), dtype=bool)
-    extra: list[tuple[int, int, int, int]] = []
-    for i in long.tolist():
-        n = int(lengths[i])
-        o = int(batch.offsets[i])
-        mask = batch.loss_mask[o:o + n]
-        eid, source, position = batch.ids[i], batch.sources[i], batch.positions[i]
-        k = int(batch.images.counts[i]) if batch.images is not None else 0
-        labelled = batch.desirable is not None and int(batch.desirable[i]) >= 0
-        why = None
-        if k:  # an image is never cut, nor an example from its images: such an example goes whole or not at all
-            why = (f"{n} tokens > budget {budget}, and the example holds {k} image(s) or video(s), which are never cut (whatever "
-                   "--long says); use a larger --max-tokens, or smaller images (the processor's max_pixels; for videos "
-                   "--video-fps, --video-max-frames, --video-max-pixels)")
-        elif options.long is LongPolicy.DROP:
-            why = f"{n} tokens > budget {budget} (--long drop); use --long split or truncate, or a larger --max-tokens"
-        elif options.long is LongPolicy.SPLIT and labelled:  # TRL's KTOTrainer truncates; it never splits
-            why = (f"{n} tokens > budget {budget}, and a KTO example (labelled desirable or undesirable) is never "
-                   "split by --long split: its later pieces would start mid-answer with no prompt and carry the "
-                   "record's label; use --long truncate (as TRL does) or --long drop, or a larger --max-tokens")
-        if why is not None:
-            rejected.append(reject_record(source, position, Reason.TOO_LONG, why, eid))
-            stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
-            stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + n
-            keep[i] = False
-        elif options.long is LongPolicy.TRUNCATE:
-            a, b = (0, budget) if options.truncate_side is TruncateSide.RIGHT else (n - budget, n)
-            if not mask[a:b].any():
-                other = "left" if options.truncate_side is TruncateSide.RIGHT else "right"
-                rejected.append(reject_record(
-                    source, position, Reason.NO_TARGET_TOKENS,
-                    f"{n} tokens > budget {budget}, and the {budget} tokens --long truncate keeps "
-                    f"(--truncate-side {options.truncate_side.value}) hold no target token; use --truncate-side "
-                    f"{other}, --long split, or a larger --max-tokens", eid))
-                keep[i] = False
-                continue
-            starts[i], stops[i] = a, b
-            stats["truncated_examples"] = stats.get("truncated_examples", 0) + 1
-            stats["truncated_tokens"] = stats.get("truncated_tokens", 0) + n - budget
-        else:
-            keep[i] = False
-            stats["split_examples"] = stats.get("split_examples", 0) + 1
-            for k, a in enumerate(range(0, n, budget)):
-                b = min(a + budget, n)
-                if mask[a:b].any():
-                    extra.append((i, a, b, k))
-                else:
-                    stats["no_target_pieces"] = stats.get("no_target_pieces", 0) + 1
-                    stats["no_target_piece_tokens"] = stats.get("no_target_piece_tokens", 0) + b - a
-    sel = np.flatnonzero(keep)
-    ex, starts, stops, parts = ex[sel], starts[sel], stops[sel], parts[sel]
-    if extra:
-        e = np.array(extra, dtype=np.int64)
-        ex, starts, stops, parts = (np.concatenate([ex, e[:, 0]]), np.concatenate([starts, e[:, 1]]),
-                                    np.concatenate([stops, e[:, 2]]), np.concatenate([parts, e[:, 3]]))
-        order = np.lexsort((parts, ex))  # pieces of one example stay together, in order
-        ex, starts, stops, parts = ex[order], starts[order], stops[order], parts[order]
-    return ex, starts, stops, parts
+    """Each example's spans under the --long policy, and their cut marks (:func:`pipeline._long.long_pieces`): (example
+    index, start, stop, part, mark); the examples it drops are dead letters in ``rejected``."""
+    dead: list[tuple[int, Reason, str]] = []
+    out = long_pieces(batch, options, dead, stats)
+    rejected += [reject_record(batch.sources[i], batch.positions[i], reason, why, batch.ids[i]) for i, reason, why in dead]
+    return out
 
 
 DUPLICATE_FIX = ("if ids repeat by design (several completions of one prompt), pass --ids position to key records "
@@ -454,46 +410,15 @@ def pack_group(batch: ExampleBatch, options: PackOptions, eos_id: int | None) ->
     if options.pairs:
         return _pack_pairs(batch, options, eos_id, rejected, stats)
     batch = carried_pieces(batch, options, rejected, stats)
-    ex, starts, stops, parts = pieces(batch, options, rejected, stats)
+    ex, starts, stops, parts, marks = pieces(batch, options, rejected, stats)
     result = packers.pack(stops - starts, options.max_tokens, "bfd", max_per_row=options.max_per_row,
                           refine=options.refine and options.max_per_row is None)
     if len(result.dropped) or len(result.empty):  # pieces fit the budget and are never empty
         raise packers.InternalError(f"pack() dropped {len(result.dropped)} / emptied {len(result.empty)} pieces")
     o = result.order
     suffixes = ["" if p < 0 else f"#{p}" for p in parts[o].tolist()]
-    placed = Placement(ex[o], starts[o], stops[o], suffixes, result.row_offsets)
+    placed = Placement(ex[o], starts[o], stops[o], suffixes, result.row_offsets, marks=marks[o])
     return _finish(batch, placed, options, eos_id, rejected, stats)
-
-
-def whole_id(example_id: str) -> str:
-    """The id of the example a piece was cut from: ``x#2`` -> ``x`` (a record's own id escapes ``#``, so an example id
-    holds one only as the piece mark of an example ``--long split`` cut at an earlier pack, which a repack carries)."""
-    base, _, k = example_id.rpartition("#")
-    return base if base and k.isdigit() else example_id
-
-
-def carried_pieces(batch: ExampleBatch, options: PackOptions, rejected: list[dict], stats: dict[str, int]) -> ExampleBatch:
-    """A repack's pieces of examples an earlier pack split (ids ``<id>#k``, kept in one group by their whole id):
-    an example any of whose pieces exceeds this budget goes whole, as one ``too_long`` dead letter: a piece is never
-    cut again (it would train a piece of a piece) nor joined back (the first pack's cut stays visible)."""
-    budget = options.max_tokens
-    long = np.flatnonzero(batch.lengths > budget).tolist()
-    bad = {whole_id(batch.ids[i]): i for i in long if whole_id(batch.ids[i]) != batch.ids[i]}
-    if not bad:
-        return batch
-    drop = [i for i, eid in enumerate(batch.ids) if whole_id(eid) in bad]
-    for whole, i in sorted(bad.items()):
-        n = int(batch.lengths[i])
-        rejected.append(reject_record(
-            batch.sources[i], batch.positions[i], Reason.TOO_LONG,
-            f"{whole} was split into pieces by the pack this folder came from, and its piece {batch.ids[i]} has {n} "
-            f"tokens > budget {budget}; a repack never cuts a piece again: pack the raw inputs at --max-tokens "
-            f"{budget}, or repack at a budget of at least {n}", whole))
-        stats["dropped_too_long"] = stats.get("dropped_too_long", 0) + 1
-        stats["dropped_too_long_tokens"] = stats.get("dropped_too_long_tokens", 0) + int(
-            sum(int(batch.lengths[j]) for j in drop if whole_id(batch.ids[j]) == whole))
-    keep = np.setdiff1d(np.arange(len(batch)), np.array(drop, dtype=np.int64))
-    return batch.take(keep)
 
 
 def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_id: int | None, rejected: list[dict],
@@ -504,6 +429,9 @@ def _finish(batch: ExampleBatch, placed: "Placement", options: PackOptions, eos_
     carried = [batch.ids[e] for e in placed_ex.tolist() if "#" in batch.ids[e]] if batch.cuts is None else []
     stats["examples_packed"] = len(placed_ex) - len(carried) + len({whole_id(eid) for eid in carried})
     stats["pieces"] = int(len(placed.ex))
+    if options.processor is None:  # the cut marks the rows' cuts column holds (image rows carry none)
+        for key, n in cut_counts(batch, placed).items():
+            stats[key] = stats.get(key, 0) + n
     group = assemble(batch, placed, options, eos_id)
     stats["rows"] = group.num_rows
     group.rejected = rejected
@@ -568,7 +496,8 @@ def _pack_pairs(batch: ExampleBatch, options: PackOptions, eos_id: int | None, r
     ex, side = seqs // 2, seqs % 2
     starts = np.where(side == 0, 0, batch.cuts[ex])
     suffixes = [packers.Side(s).suffix for s in side.tolist()]
-    placed = Placement(ex, starts, starts + result.stops, suffixes, result.row_offsets, prompts=prompt[ex], sides=side)
+    placed = Placement(ex, starts, starts + result.stops, suffixes, result.row_offsets, prompts=prompt[ex], sides=side,
+                       marks=pair_marks(batch, ex, side, result.stops))
     return _finish(batch, placed, options, eos_id, rejected, stats)
 
 
@@ -582,7 +511,8 @@ class Placement:
     ``[starts[j], stops[j])`` of example ``ex[j]``, with id ``batch.ids[ex[j]] + suffixes[j]``.
 
     For the sides of pairs, ``prompts[j]`` is piece ``j``'s prompt length (its completion is everything after)
-    and ``sides[j]`` its side (0 chosen, 1 rejected); both None for plain examples.
+    and ``sides[j]`` its side (0 chosen, 1 rejected); both None for plain examples. ``marks[j]`` is piece ``j``'s
+    cut mark ``[pieces, length]`` (int32 (m, 2); None: every piece whole).
     """
 
     ex: np.ndarray
@@ -592,6 +522,11 @@ class Placement:
     row_offsets: np.ndarray
     prompts: np.ndarray | None = None
     sides: np.ndarray | None = None
+    marks: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.marks is None:
+            object.__setattr__(self, "marks", np.zeros((len(self.ex), 2), np.int32))
 
 
 def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_id: int | None) -> Group:
@@ -654,6 +589,7 @@ def assemble(batch: ExampleBatch, placed: Placement, options: PackOptions, eos_i
         desirable,
     ]
     if options.processor is None:
+        arrays.append(cuts_column(placed.marks[piece_order], row_pieces))
         chunks: tuple[pa.RecordBatch, ...] = (pa.RecordBatch.from_arrays(arrays, schema=packers.SCHEMA),)
     else:
         videos = options.vision().videos

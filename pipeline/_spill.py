@@ -65,6 +65,11 @@ VISION_SPILL_SCHEMA = pa.schema(list(SPILL_SCHEMA) + [
 ])
 """The spill schema of a ``--processor`` run's examples: each example's images beside its tokens."""
 
+MARKED_SPILL_SCHEMA = pa.schema(list(SPILL_SCHEMA) + [
+    pa.field("marks", pa.list_(pa.int32()), nullable=False),  # ExampleBatch.marks: 2 per example, 4 per pair
+])
+"""The spill schema of a repack's examples that arrived cut: each one's cut marks beside its tokens (text only)."""
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Slice:
@@ -108,7 +113,9 @@ def write_part(folder: str, name: str, batch: ExampleBatch, groups: np.ndarray) 
     starts = np.concatenate([[0], bounds]).astype(np.int64)
     stops = np.concatenate([bounds, [len(order)]]).astype(np.int64)
     slices = []
-    with _ipc_file(path, SPILL_SCHEMA if batch.images is None else VISION_SPILL_SCHEMA) as w:
+    schema = VISION_SPILL_SCHEMA if batch.images is not None else SPILL_SCHEMA if batch.marks is None \
+        else MARKED_SPILL_SCHEMA
+    with _ipc_file(path, schema) as w:
         for k, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
             w.write_batch(_record_batch(batch, a, b))
             slices.append(Slice(int(sorted_groups[a]), path, k, b - a))
@@ -161,8 +168,13 @@ def _record_batch(batch: ExampleBatch, a: int, b: int) -> pa.RecordBatch:
         _arrow.array(np.full(b - a, -1, np.int64) if batch.cuts is None else batch.cuts[a:b], pa.int64()),
         _arrow.array(np.full(b - a, -1, np.int8) if batch.desirable is None else batch.desirable[a:b], pa.int8()),
     ]
-    if batch.images is None:
+    if batch.images is None and batch.marks is None:
         return pa.RecordBatch.from_arrays(columns, schema=SPILL_SCHEMA)
+    if batch.images is None:
+        w = batch.marks.shape[1]
+        columns.append(_arrow.list_array(np.arange(0, (b - a + 1) * w, w, dtype=np.int32),
+                                         batch.marks[a:b].astype(np.int32).reshape(-1), pa.int32()))
+        return pa.RecordBatch.from_arrays(columns, schema=MARKED_SPILL_SCHEMA)
     imgs = batch.images
     i = imgs.index[a:b + 1]
     off = (i - i[0]).astype(np.int64)
@@ -176,9 +188,16 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
     """The examples of ``slices``, concatenated in the given order."""
     ids, sources, positions, lengths, tok_ids, masks, cuts, labels = [], [], [], [], [], [], [], []
     images: list[Images | None] = []
+    marks: list[np.ndarray | None] = []
     for s in slices:
         rb = _read_batch(s.path, s.batch)
-        images.append(_read_images(rb) if rb.num_columns > len(SPILL_SCHEMA) else None)
+        images.append(_read_images(rb) if "image_offsets" in rb.schema.names else None)
+        if "marks" in rb.schema.names:
+            col = rb.column(rb.schema.get_field_index("marks"))
+            flat = _arrow.to_numpy(col.flatten()).astype(np.int32)
+            marks.append(flat.reshape(rb.num_rows, -1) if rb.num_rows else flat.reshape(0, 2))
+        else:
+            marks.append(None)
         cuts.append(_arrow.to_numpy(rb.column(5)))
         labels.append(_arrow.to_numpy(rb.column(6)))
         ids += rb.column(0).to_pylist()
@@ -195,7 +214,16 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
                                     np.concatenate(masks), None if (cut < 0).all() else cut,
                                     desirable=None if (label < 0).all() else label,
                                     ).with_images(None if all(i is None for i in images) else Images.concat(
-                                        [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)]))
+                                        [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)])
+                                    ).with_marks(_marks_of(marks, lengths, cut))
+
+
+def _marks_of(marks: list, lengths: list, cut: np.ndarray) -> "np.ndarray | None":
+    """The slices' cut marks concatenated (``[0, 0]`` per side for a slice without), or None when none has any."""
+    if all(m is None for m in marks):
+        return None
+    width = next(m.shape[1] for m in marks if m is not None)
+    return np.concatenate([np.zeros((len(n), width), np.int32) if m is None else m for m, n in zip(marks, lengths)])
 
 
 def _spilled_grids(imgs: Images, a: int, z: int) -> np.ndarray:

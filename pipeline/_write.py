@@ -385,6 +385,14 @@ def _yaml_features(schema: pa.Schema) -> str:
     return "\n".join(lines)
 
 
+def _cuts_column(manifest: dict) -> str:
+    """The card's words for the ``cuts`` column, in a run whose rows have it (contract version 9)."""
+    if "cuts" not in packers.schema.row_schema(manifest["contract_version"]).names:
+        return ""
+    return ("\n`cuts` (list<int32>, two per sequence `[pieces, length]`: `[0, 0]` whole, `[1, N]` truncated from N "
+            "tokens, `[n, N]` piece `#k` of n of a split example of N tokens), empty in rows where nothing was cut.")
+
+
 def _vision_columns(manifest: dict[str, Any]) -> str:
     """The card's words on the image columns of a run with images (contract version 7, 8 with videos); "" otherwise."""
     if "vision" not in manifest:
@@ -506,7 +514,7 @@ Columns: `input_ids` (list<int32>), `loss_mask` (list<uint8>, 1 = training targe
 `seq_offsets` (list<int32>, `[0, end_1, ..., len]`), `example_ids` (list<string>), `num_tokens` (int32),
 `num_targets` (int32, the targets the loss sees), `pair_ids` (list<string>), `sides` (list<uint8>, 0 chosen,
 1 rejected) and `completion_spans` (list<int32>, `[start, stop)` per sequence), empty in rows without
-pairs; and `desirable` (list<int8>, KTO labels: 1, 0, -1 for none per sequence), empty in rows without labels.{_vision_columns(manifest)}
+pairs; and `desirable` (list<int8>, KTO labels: 1, 0, -1 for none per sequence), empty in rows without labels.{_cuts_column(manifest)}{_vision_columns(manifest)}
 
 Load it with `datasets.load_dataset("<this folder>")`, or zero-copy with
 `packers.PackedDataset("<this folder>")`, and collate with `packers.Collator()`.

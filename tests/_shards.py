@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from packers import CONTRACT_VERSION, read_metadata, shard_schema
+from packers import CONTRACT_VERSION, SCHEMA_V6, read_metadata, shard_schema
 from packers.manifest import MANIFEST, REJECTED, SHARD_NAME, Status, shard_place
 from packers.schema import Side, count_targets, place_metadata
 
@@ -88,6 +88,7 @@ def make_row(examples: Sequence[Example]) -> dict:
         "sides": [],
         "completion_spans": [],
         "desirable": [],
+        "cuts": [],
     }
 
 
@@ -136,7 +137,7 @@ def v2_row(r: dict) -> dict:
         targets = count_targets(r["loss_mask"], r["seq_offsets"])
     except (IndexError, TypeError):  # offsets broken on purpose: the test checks those
         targets = 0
-    out = {"num_targets": targets, "pair_ids": [], "sides": [], "completion_spans": [], "desirable": [], **r}
+    out = {"num_targets": targets, "pair_ids": [], "sides": [], "completion_spans": [], "desirable": [], "cuts": [], **r}
     out["num_tokens"] = len(r["input_ids"])
     return out
 
@@ -153,9 +154,11 @@ def write_shards(
     tokenizer: str = "test-tokenizer",
     vocab_sha256: str = "0" * 64,
     run_id: str | None = None,
+    contract_version: int = CONTRACT_VERSION,
 ) -> list[Path]:
     """Write ``rows`` as ``num_shards`` ``split`` stream files (contiguous slices) under ``folder``, then the
     folder's manifest (:func:`write_manifest`, over every shard there); returns the shard paths.
+    ``contract_version=6``: a folder an older packstream wrote (:data:`packers.SCHEMA_V6`, no ``cuts`` column).
 
     ``run_id`` (16 hex digits) defaults to a hash of the folder's path: shards written into one folder by
     several calls belong to one run, and two folders are two runs."""
@@ -166,12 +169,17 @@ def write_shards(
         budget=budget, tokenizer=tokenizer, vocab_sha256=vocab_sha256, pad_token_id=pad_token_id,
         eos_token_id=eos_token_id, run_id=run_id,
     )
+    if contract_version == 6:
+        schema = SCHEMA_V6.with_metadata({**schema.metadata, b"packstream.contract_version": b"6"})
     bounds = np.linspace(0, len(rows), num_shards + 1).astype(int)
     paths = []
     for k in range(num_shards):
         part = rows[bounds[k] : bounds[k + 1]]
         placed = schema.with_metadata(place_metadata(schema.metadata, split=split, shard_index=k, shard_count=num_shards))
-        table = pa.Table.from_pylist([v2_row(r) for r in part], schema=placed)
+        cells = [v2_row(r) for r in part]
+        if contract_version == 6:
+            cells = [{k: v for k, v in c.items() if k != "cuts"} for c in cells]
+        table = pa.Table.from_pylist(cells, schema=placed)
         path = folder / f"{split}-{k:05d}-of-{num_shards:05d}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, placed) as writer:
             writer.write_table(table)
@@ -201,6 +209,8 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
     """
     folder = Path(folder)
     shards, meta, seqs, packed = [], {}, {"eos": True, "targets": True, "all": True, "pairs": True}, set()
+    cut = {"truncated": 0, "pieces": 0, "carried": 0}
+    cut_examples: dict[str, set] = {"truncated": set(), "pieces": set()}
     for path in sorted(p for p in folder.iterdir() if SHARD_NAME.match(p.name)):
         table = _read_shard(path)
         meta = read_metadata(table.schema)
@@ -214,6 +224,11 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
             seqs["all"] &= all(mask)
             seqs["pairs"] &= bool(r["sides"])
             packed.update(i.split("#")[0] for i in r["example_ids"])
+            for eid, p in zip(r["example_ids"], (r.get("cuts") or [])[0::2]):
+                kind = "truncated" if p == 1 else "pieces" if p >= 2 or p == -1 else None
+                if kind:
+                    cut[kind] += 1
+                    cut_examples[kind].add(eid.rsplit("#", 1)[0])
         shards.append({
             "name": path.name,
             "split": shard_place(path.name)[0],
@@ -227,12 +242,16 @@ def write_manifest(folder: str | os.PathLike, *, status: str = Status.COMPLETE.v
     budget = meta.get("budget", 1)
     counts = recount({"records_read": len(packed), "not_sampled": 0, "repeated_copies": 0, "extra_paths": 0,
                       "examples_packed": len(packed), "rejected": 0, "rejected_by_reason": {}, "first_rejected": {},
-                      "dropped_too_long": 0, "truncated_examples": 0, "split_examples": 0, "no_target_pieces": 0},
+                      "dropped_too_long": 0, "truncated_examples": len(cut_examples["truncated"]),
+                      "split_examples": len(cut_examples["pieces"]), "no_target_pieces": 0},
                      shards, budget)
+    version = meta.get("contract_version", CONTRACT_VERSION)
+    if version == CONTRACT_VERSION:  # what the packing step counted of its placements (version 9 only)
+        counts["cut_sequences"] = cut
     (folder / REJECTED).touch()
     manifest = {
         "status": status,
-        "contract_version": CONTRACT_VERSION,
+        "contract_version": version,
         "run_id": meta.get("run_id", "0" * 16),
         "shards": shards,
         "files": [s["name"] for s in shards] + [REJECTED],

@@ -24,7 +24,7 @@ LAYERS = {
     "tools": {"pipeline._tools"},
     "encode": {"pipeline._encode"},
     "workers": {"pipeline._workers"},
-    "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._image_parts", "pipeline._rows", "pipeline._write",
+    "stages": {"pipeline._read", "pipeline._formats", "pipeline._render", "pipeline._image_parts", "pipeline._rows", "pipeline._long", "pipeline._write",
                "pipeline._options", "pipeline._spill", "pipeline._tokenizer", "pipeline._output", "pipeline._trace",
                "pipeline._exit", "pipeline._report", "pipeline._sink", "pipeline._fs", "pipeline._arrow",
                "pipeline._media"},

@@ -250,3 +250,38 @@ def test_rows_that_break_the_contract_are_refused_naming_the_row(packed, tmp_pat
     assert outcome.exit_code == 2 and "\n" not in outcome.error, outcome
     assert f"{shard.name} row {len(rows) - 1}" in outcome.error and "check" in outcome.error
     assert not (tmp_path / "o" / "manifest.json").exists() or manifest(tmp_path / "o")["status"] == "failed"
+
+
+@pytest.mark.parametrize("long", ["truncate", "split"])
+def test_examples_cut_at_the_first_pack_are_carried_marked(tmp_path, long):
+    """Cut at budget 48, repacked at 4096: every cut sequence is carried with the mark the first pack gave it
+    (``[1, N]`` truncated from N tokens, ``[n, N]`` piece of n), never joined back; the counts say how many, the
+    summary and a note say so, and every record is still accounted for."""
+    import pyarrow as pa
+
+    src = write_records(tmp_path / "in" / "d.jsonl", "sft", 30, 9, longest=30)
+    first = pipeline.run(PackOptions(inputs=(str(src),), output=str(tmp_path / "a"), max_tokens=48, long=long,
+                                     max_reject_fraction=1.0))
+    cut = first["counts"]["cut_sequences"]
+    assert cut["truncated" if long == "truncate" else "pieces"] > 0
+    m = pipeline.run(RepackOptions(folders=(str(tmp_path / "a"),), output=str(tmp_path / "b"),
+                                   rows=(("max_tokens", 4096),)))
+    c = m["counts"]
+    assert c["cut_sequences"] == {**cut, "carried": cut["truncated"] + cut["pieces"]}
+    assert c["records_read"] == first["counts"]["records_read"] and c["examples_packed"] == first["counts"]["examples_packed"]
+    assert any("cut" in n and "carried" in n for n in m["notes"])
+    marks = {}
+    for shard in m["shards"]:
+        for row in pa.ipc.open_stream(pa.memory_map(str(tmp_path / "b" / shard["name"]))).read_all().to_pylist():
+            for j, eid in enumerate(row["example_ids"]):
+                if row["cuts"] and row["cuts"][2 * j]:
+                    marks[eid] = tuple(row["cuts"][2 * j:2 * j + 2])
+    assert len(marks) == cut["truncated"] + cut["pieces"]
+    for eid, (n, length) in marks.items():
+        assert (n == 1) == (long == "truncate") and length > 48
+        assert ("#" in eid) == (long == "split")
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "b")]).exit_code == 0

@@ -527,7 +527,7 @@ def test_a_record_in_two_splits(copy):
     t_rows.append({"input_ids": rows[0]["input_ids"][:end], "loss_mask": rows[0]["loss_mask"][:end],
                    "seq_offsets": [0, end], "example_ids": [moved + "~2"], "num_tokens": end,
                    "num_targets": sum(rows[0]["loss_mask"][1:end]), "pair_ids": [], "sides": [],
-                   "completion_spans": [], "desirable": []})  # a "copy" in train
+                   "completion_spans": [], "desirable": [], "cuts": []})  # a "copy" in train
     _write_rows(train, table.schema, t_rows)
     reseal(out, everything=True)
     found = problems(out)

@@ -12,11 +12,6 @@ _NOTES = tuple(NOTE_UNITS)
 """What normalization did to records that were kept (pipeline._formats), summed into counts.normalization."""
 
 
-CARRIED_CUT = ("carried_truncated", "carried_split")
-"""A repack's counts of examples the first pack cut (``--long truncate`` windows, ``--long split`` pieces), carried
-marked and never joined back (:mod:`pipeline._job._repack`)."""
-
-
 def count(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict, check: bool = True) -> dict:
     """The manifest's counts. ``check``: the shards must hold what packing made (not after a failed write)."""
     budget = o.max_tokens
@@ -54,9 +49,9 @@ def count(o: PackOptions, stats: dict, shards: list, rejected: dict, first: dict
                    for sp in sorted({s["split"] for s in shards})},
         "normalization": dict(sorted(notes.items())),
     }
-    for k in CARRIED_CUT:  # a repack's examples cut at the first pack, carried as they are: absent when none
-        if stats.get(k):
-            counts[k] = stats[k]
+    if o.processor is None:  # text rows carry cut marks (contract version 9); image rows none
+        counts["cut_sequences"] = {"truncated": stats.get("cut_truncated", 0), "pieces": stats.get("cut_pieces", 0),
+                                   "carried": stats.get("cut_carried", 0)}
     if check and (stats.get("pieces", counts["pieces"]) != counts["pieces"] or stats.get("rows", rows) != rows):
         raise InternalError(f"shards hold {rows} rows / {counts['pieces']} pieces, packing made "
                             f"{stats.get('rows')} / {stats.get('pieces')}")

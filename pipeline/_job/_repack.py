@@ -528,7 +528,7 @@ class SpillExamples:
                                  digest=element.start == 0)
         stats: dict[str, int] = {}
         batch, marks = _read.rows_batch(table, src.pairs)
-        batch = self._weighted(_renamed(batch, src), src, stats)
+        batch = self._weighted(_renamed(_marked(batch, marks, src), src), src, stats)
         keys = [ctx.layout.key(_whole_id(eid), ctx.options.validation_fraction) for eid in batch.ids]
         for split in ("train", "validation"):
             which = [i for i, k in enumerate(keys) if k[0] == split]
@@ -596,6 +596,22 @@ class SpillExamples:
         if part:
             yield Rejects(part)
         yield Stats(stats)
+
+
+def _marked(batch: _rows.ExampleBatch, marks: Optional[np.ndarray], src: PackedSource) -> _rows.ExampleBatch:
+    """The batch with the cut marks its rows hold (version 9: the ``cuts`` column, per sequence; a pair's two sides
+    side by side), or, for a version-6 folder (no marks), ``[-1, -1]`` on each piece (``<id>#k``): a piece of an
+    example split by an older packstream, count unknown. Version 6 never marked a truncated window."""
+    if marks is not None:
+        return batch.with_marks(marks.reshape(len(batch), -1))
+    if src.pairs:
+        return batch
+    piece = [i for i, eid in enumerate(batch.ids) if _rows.whole_id(eid) != eid]
+    if not piece:
+        return batch
+    found = np.zeros((len(batch), 2), np.int32)
+    found[piece] = -1
+    return batch.with_marks(found)
 
 
 _SOURCE_END = re.compile(r"[:@]")

@@ -43,7 +43,7 @@ from packers.manifest import (MANIFEST, RESTORE, SPLITS, Manifest, RowChecks, Sh
                               load_manifest, missing_manifest, require_complete)
 from packers.rowcheck import Batch, Failure, check_batch, gather
 from packers.shardcheck import check_rows, checked_metadata
-from packers.schema import CONTRACT_VERSION, VIDEO_CONTRACT_VERSION, Side
+from packers.schema import VIDEO_CONTRACT_VERSION, Side, is_text
 from pipeline import _rows
 
 _NO_IMAGES = "repack of image rows is not supported yet"
@@ -155,7 +155,7 @@ def _open(folder: str, m: Manifest, s: ShardEntry, rows: Optional[tuple[int, int
     except (pa.ArrowException, OSError) as e:
         raise ContractError(f"{at}: not a readable packstream shard ({e}); {RESTORE}") from None
     meta = checked_metadata(at, schema, m, s)  # the loader's checks (packers.shardcheck), in its words
-    if meta["contract_version"] != CONTRACT_VERSION:
+    if not is_text(meta["contract_version"]):
         what = "videos" if meta["contract_version"] == VIDEO_CONTRACT_VERSION else "images"
         raise PackstreamError(f"{at}: contract version {meta['contract_version']} rows hold {what}; "
                               f"{_NO_VIDEOS if 'videos' in what else _NO_IMAGES}")

@@ -132,7 +132,7 @@ def _encode_sample(f: _read.InputFile, k: int, encoder, options: PackOptions) ->
         lengths = (kept_c + kept_r).astype(np.int64)
         side_difference = np.abs(kept_c - kept_r)
     else:
-        ex, starts, stops, _ = _rows.pieces(batch, options, dead, stats)
+        ex, starts, stops, _, _ = _rows.pieces(batch, options, dead, stats)
         abs_starts, abs_stops = batch.offsets[ex] + starts, batch.offsets[ex] + stops
         lengths, targets = (stops - starts).astype(np.int64), cum[abs_stops] - cum[abs_starts]
     # The split of an example is the job's own (a hash of its id): copies (~k) and pieces (#k) stay together.

@@ -137,7 +137,8 @@ class _Shard:
                 reader = pa.ipc.open_stream(source)
                 self.schema, table = reader.schema, reader.read_all().select(columns)
             expected = (packers.VIDEO_SCHEMA if "videos" in self.schema.names else
-                        packers.VISION_SCHEMA if "images" in self.schema.names else packers.SCHEMA)
+                        packers.VISION_SCHEMA if "images" in self.schema.names else
+                        packers.SCHEMA if "cuts" in self.schema.names else packers.SCHEMA_V6)
             if not self.schema.remove_metadata().equals(expected):
                 raise PackstreamError(f"{show_path(path)}: its schema is not the packed-row contract's; run packstream "
                                       "verify on the folder")

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from packers import PackstreamError
+from packers import CONTRACT_VERSION
 from packers.files import load_json, show_path
 from packers.manifest import (
     LOCK, MANIFEST, MAX_DEAD_LETTER_BYTES, TMP_PREFIX, Manifest, ShardEntry, inconsistencies, is_datasets_cache,
@@ -127,6 +128,42 @@ def check_dead_letters(folder: str, names: list[str], m: Manifest, stored: Store
     return dead
 
 
+CUT_FIX = ("the rows' cuts marks or manifest.json were changed since packing: restore the folder or re-run "
+           "packstream pack")
+
+
+def _check_cut_counts(m: Manifest, stored: Stored, report: Report) -> None:
+    """The rows' ``cuts`` marks (contract version 9) against ``counts.cut_sequences``, which the packing step counted
+    from its placements: the truncated sequences and the split pieces, exactly. When no example arrived cut
+    (``carried`` 0), also against the run's example counts: the examples (pairs) with a truncated sequence are
+    ``truncated_examples`` (a truncated pair counts once, one or both of its sides marked), the examples with pieces
+    ``split_examples``.
+
+    ``counts.cut_sequences`` (:data:`packers.manifest.CUT_KEYS`): ``truncated``, the sequences marked ``[1, N]``;
+    ``pieces``, those marked ``[n >= 2, N]`` or ``[-1, -1]``; ``carried``, of those, the ones whose mark came with
+    their example (a repack of cut rows), not made by this run."""
+    if m.raw.get("contract_version") != CONTRACT_VERSION:
+        return  # version 6 rows carry no marks; image and video rows neither
+    c, cut = m.counts, m.counts.cut_sequences
+    if cut is None:
+        report.add("manifest.json counts.cut_sequences", f"missing; a contract version {CONTRACT_VERSION} run counts its "
+                                                         "cut sequences (re-run packstream pack)")
+        return
+    truncated = sum(t for t, _ in stored.cuts.values())
+    pieces = sum(p for _, p in stored.cuts.values())
+    held = "; ".join(f"{n} holds {t} truncated, {p} pieces" for n, (t, p) in stored.cuts.items() if t or p) \
+        or "no shard holds a cut mark"
+    if (cut["truncated"], cut["pieces"]) != (truncated, pieces):
+        report.add("manifest.json counts.cut_sequences", f"says {cut['truncated']} truncated sequences and {cut['pieces']} "
+                                                         f"split pieces, the shards' cuts marks {truncated} and {pieces} "
+                                                         f"({held}); {CUT_FIX}")
+    if cut["carried"] == 0 and (len(stored.truncated), len(stored.split)) != (c.truncated_examples, c.split_examples):
+        report.add("manifest.json counts.truncated_examples", f"says {c.truncated_examples} truncated and "
+                                                              f"{c.split_examples} split examples, the shards' cuts "
+                                                              f"marks {len(stored.truncated)} and {len(stored.split)} "
+                                                              f"({held}); {CUT_FIX}")
+
+
 def check_counts(m: Manifest, measured: dict[str, dict], stored: Stored, dead: Dead, complete: bool,
                   report: Report) -> None:
     """The manifest's counts against what the files hold (that they reconcile among themselves and with the
@@ -153,6 +190,7 @@ def check_counts(m: Manifest, measured: dict[str, dict], stored: Stored, dead: D
         said = {sp: {"rows": v.rows, "tokens": v.tokens} for sp, v in c.splits.items()}
         if said != splits:
             report.add("manifest.json counts.splits", f"says {said!r}, the shards hold {splits!r}")
+        _check_cut_counts(m, stored, report)
     if not dead.read:
         return
     by_reason = dict(dead.by_reason)

@@ -214,7 +214,7 @@ def _spans(batch: _rows.ExampleBatch, i: int, options: PackOptions, stats: dict[
     n = int(batch.offsets[i + 1] - batch.offsets[i])
     if n <= options.max_tokens:
         return [(-1, 0, n)]
-    _, a, b, parts = _rows.pieces(batch.take([i]), options, rejected, stats)  # the job's --long rules
+    _, a, b, parts, _ = _rows.pieces(batch.take([i]), options, rejected, stats)  # the job's --long rules
     if rejected:
         return rejected[0]["reason"]
     return list(zip(parts.tolist(), a.tolist(), b.tolist()))

@@ -25,8 +25,8 @@ from pipeline._tools.verify._base import Report, in_folder, is_remote, short
 
 _SHIFT_SHARD, _SHIFT_ROW = 64, 24  # a sequence's place, packed in one int: shard, row, sequence
 _MEDIA_NUMBERS = ("image_offsets", "image_grid_thw", "video_offsets", "video_grid_thw", "second_per_grid_ts")
-_SCHEMA_NAMES = {packers.CONTRACT_VERSION: "SCHEMA", packers.VISION_CONTRACT_VERSION: "VISION_SCHEMA",
-                 packers.VIDEO_CONTRACT_VERSION: "VIDEO_SCHEMA"}
+_SCHEMA_NAMES = {packers.CONTRACT_VERSION: "SCHEMA", packers.schema.TEXT_V6_VERSION: "SCHEMA_V6",
+                 packers.VISION_CONTRACT_VERSION: "VISION_SCHEMA", packers.VIDEO_CONTRACT_VERSION: "VIDEO_SCHEMA"}
 
 
 @dataclasses.dataclass
@@ -40,6 +40,13 @@ class Stored:
     """Piece id -> blake2b of its tokens, mask and images (:func:`piece_digest`; only with --inputs)."""
     bases: dict[str, str] = dataclasses.field(default_factory=dict)
     """A record's id (no ``~k``, no ``#k``) -> the split its sequences are in (only with a validation split)."""
+    cuts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Shard name -> the sequences its ``cuts`` marks say are truncated, and pieces of split examples (contract
+    version 9 shards only)."""
+    truncated: set = dataclasses.field(default_factory=set)
+    """The examples (pairs: the pair ids) with a sequence marked truncated (``[1, N]``)."""
+    split: set = dataclasses.field(default_factory=set)
+    """The examples with a sequence marked a piece (``[n >= 2, N]`` or ``[-1, -1]``)."""
 
     def add(self, eid: str, shard: int, row: int, k: int) -> None:
         loc = (shard << _SHIFT_SHARD) | (row << _SHIFT_ROW) | k
@@ -256,6 +263,8 @@ def check_shard(report: Report, shard: OpenShard, checks: RowChecks, stored: Sto
     for i in np.flatnonzero(bad).tolist():  # ids of broken rows still count (and collide), without tokens
         for k, eid in enumerate(cols.exs[cols.ex_off[i]:cols.ex_off[i + 1]]):
             stored.add(eid, shard.index, i, k)
+    if "cuts" in table.column_names:
+        _count_cuts(name, table, cols, stored)
     nrows = table.num_rows
     measured = {"rows": nrows, "examples": int(cols.ex_off[-1]) if nrows else 0, "tokens": int(cols.num.sum()),
                 "target_tokens": int(cols.mask.sum()) if len(cols.mask) else 0}
@@ -310,12 +319,34 @@ def _columns(report: Report, name: str, table: pa.Table) -> Optional[_Columns]:
     seq_off, seq, n3 = _list_column(table, "seq_offsets")
     ex_off, exs, n4 = _list_column(table, "example_ids")
     nulls = n1 + n2 + n3 + n4 + table.column("num_tokens").null_count + table.column("num_targets").null_count
-    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS + _MEDIA_NUMBERS if c in table.column_names)
+    nulls += sum(_list_column(table, c)[2] for c in PAIR_COLUMNS + _MEDIA_NUMBERS + ("cuts",) if c in table.column_names)
     if nulls:
         report.add(name, f"holds {nulls} null values; the contract has none")
         return None
     num = table.column("num_tokens").to_numpy().astype(np.int64) if table.num_rows else np.zeros(0, np.int64)
     return _Columns(tok_off, tok, mask_off, mask, seq_off, seq, ex_off, exs, num)
+
+
+def _count_cuts(name: str, table: pa.Table, c: _Columns, stored: Stored) -> None:
+    """What the shard's ``cuts`` marks say (for :func:`~pipeline._tools.verify._folder.check_counts`): its truncated
+    sequences and split pieces, and the examples they belong to. A row whose marks do not fit its sequences is the
+    row checks' to report; it counts nothing here."""
+    off, values, _ = _list_column(table, "cuts")
+    values = np.asarray(values, dtype=np.int64)
+    truncated = pieces = 0
+    for i in np.flatnonzero(np.diff(off) > 0).tolist():
+        ids = c.exs[c.ex_off[i]:c.ex_off[i + 1]]
+        marks = values[off[i]:off[i + 1]]
+        if len(marks) != 2 * len(ids):
+            continue
+        for eid, p in zip(ids, marks[0::2].tolist()):
+            if p == packers.Cut.TRUNCATED:
+                truncated += 1
+                stored.truncated.add(piece_base(eid))
+            elif p >= 2 or p == packers.Cut.OLD_PIECE:
+                pieces += 1
+                stored.split.add(piece_base(eid))
+    stored.cuts[name] = (truncated, pieces)
 
 
 def _check_images(report: Report, name: str, table: pa.Table, c: _Columns, vision: Any) -> np.ndarray:
