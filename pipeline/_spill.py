@@ -215,10 +215,10 @@ def read_slices(slices: Sequence[Slice]) -> ExampleBatch:
                                     desirable=None if (label < 0).all() else label,
                                     ).with_images(None if all(i is None for i in images) else Images.concat(
                                         [Images.none(len(n)) if i is None else i for i, n in zip(images, lengths)])
-                                    ).with_marks(_marks_of(marks, lengths, cut))
+                                    ).with_marks(_marks_of(marks, lengths))
 
 
-def _marks_of(marks: list, lengths: list, cut: np.ndarray) -> "np.ndarray | None":
+def _marks_of(marks: list, lengths: list) -> "np.ndarray | None":
     """The slices' cut marks concatenated (``[0, 0]`` per side for a slice without), or None when none has any."""
     if all(m is None for m in marks):
         return None

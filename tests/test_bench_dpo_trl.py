@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_dpo_trl.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_dpo_trl", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests._bench import load_bench
 
 
 def test_bench_dpo_trl_runs_both_paths_on_the_same_pairs(capsys):
-    bench = load_bench()
+    bench = load_bench("bench_dpo_trl")
     if not bench.DEMO.exists():
         pytest.skip(f"{bench.DEMO} not found")
     out = bench.main(["--pairs", "8", "--steps", "2", "--pairs-per-step", "2", "--budget", "1024", "--vocab", "256"])
@@ -34,4 +24,4 @@ def test_row_pairs_cut_prompt_and_completions_out_of_a_pair_row():
     # One pair: prompt [5, 9], chosen [41, 17], rejected [30]; both sides repeat the prompt.
     row = {"input_ids": [5, 9, 41, 17, 5, 9, 30], "seq_offsets": [0, 4, 7], "sides": [0, 1],
            "completion_spans": [2, 4, 6, 7]}
-    assert load_bench().row_pairs(row) == [([5, 9], [41, 17], [30])]
+    assert load_bench("bench_dpo_trl").row_pairs(row) == [([5, 9], [41, 17], [30])]

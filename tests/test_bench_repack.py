@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_repack.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_repack", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests._bench import load_bench
 
 
 def fake_data(root: Path) -> Path:
@@ -33,7 +25,7 @@ def fake_data(root: Path) -> Path:
 
 def test_bench_repack_smallest_mode(tmp_path, capsys):
     data = fake_data(tmp_path / "data")
-    res = load_bench().main(["--data", str(data), "--scale", "2", "--from", "256", "--to", "512", "--repeats", "1",
+    res = load_bench("bench_repack").main(["--data", str(data), "--scale", "2", "--from", "256", "--to", "512", "--repeats", "1",
                              "--workers", "1", "--memory-scales", "1", "2", "--no-trace",
                              "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "r.json")])
     s = res["speed"]
@@ -49,7 +41,7 @@ def test_bench_repack_smallest_mode(tmp_path, capsys):
 
 def test_bench_repack_identical_when_nothing_cut(tmp_path):
     data = fake_data(tmp_path / "data")
-    res = load_bench().main(["--data", str(data), "--scale", "1", "--from", "2048", "--to", "4096", "--repeats", "1",
+    res = load_bench("bench_repack").main(["--data", str(data), "--scale", "1", "--from", "2048", "--to", "4096", "--repeats", "1",
                              "--workers", "1", "--memory-scales", "--no-trace", "--workdir", str(tmp_path / "work")])
     c = res["speed"]["compare"]
     assert not any(c["first_pack_cut"].values()), c["first_pack_cut"]

@@ -33,7 +33,7 @@ from packers import PackstreamError
 from packers.files import show_path
 from packers.manifest import MANIFEST, Manifest, escape_source, id_source
 from pipeline import _read, _rows, _spill, _trace, _write
-from pipeline._job._context import Layout, RunContext
+from pipeline._job._context import Layout, RunContext, input_entries
 from pipeline._job._outputs import Failure, Rejects, Spilled, Stats
 from pipeline._options import DatasetSpec, FormatOptions, PackOptions
 
@@ -178,9 +178,11 @@ class _Folder:
     """The --config data set that names it (None: a FOLDER argument)."""
 
 
-def resolve(ropts: RepackOptions) -> tuple[PackOptions, tuple[PackedSource, ...], list[_read.InputFile], list[dict]]:
-    """The equivalent pack of a repack: its options, the packed sources, every input (named as that pack names
-    them) and their sizes (:attr:`RunContext.sizes`). One PackstreamError line for anything a repack cannot map."""
+def resolve(ropts: RepackOptions) -> tuple[PackOptions, tuple[PackedSource, ...], tuple[Manifest, ...],
+                                           list[_read.InputFile], list[dict]]:
+    """The equivalent pack of a repack: its options, the packed sources and their manifests (as read at launch),
+    every input (named as that pack names them) and their sizes (:attr:`RunContext.sizes`). One PackstreamError line
+    for anything a repack cannot map."""
     from pipeline._options import options_from_config
 
     order = _datasets(ropts)
@@ -217,7 +219,8 @@ def resolve(ropts: RepackOptions) -> tuple[PackOptions, tuple[PackedSource, ...]
                                     shards=tuple((s.name, s.rows) for s in f.manifest.listed(None)), files=mine,
                                     renames=renames, reweight=reweight, pairs=bool(f.manifest.config.get("pairs")),
                                     budget=int(f.manifest.config.get("max_tokens") or 4096)))
-    return options, tuple(sources), files, [sized[(x.path, x.split)] for x in files]
+    return (options, tuple(sources), tuple(f.manifest for f, _, _ in plan), files,
+            [sized[(x.path, x.split)] for x in files])
 
 
 def _datasets(ropts: RepackOptions) -> list[tuple[str, Any]]:
@@ -433,8 +436,6 @@ def _check_compatible(folders: Sequence[_Folder]) -> None:
                 raise PackstreamError(f"{show_path(a.path)} and {show_path(b.path)} were packed with different {flag} "
                                       f"({str(va)[:40]!r} and {str(vb)[:40]!r}); a repack mixes examples of one run's "
                                       "rules: repack them apart, or pack the raw inputs together")
-        if a.manifest.raw.get("contract_version") != b.manifest.raw.get("contract_version"):
-            pass  # versions this reader maps (6 and 9) hold the same examples; the output is the current version
 
 
 # --- the plan's source and its first stage -------------------------------------------------------------------------
@@ -569,7 +570,6 @@ class SpillExamples:
         for k, v in (counts.get("normalization") or {}).items():
             stats[k] = stats.get(k, 0) + int(v)
         renames = dict(src.renames)
-        shown = {old: new for old, new in renames.items()}
         names = {old: x.source for (old, _), x in zip(src.renames, src.files)}
         kept: list[dict] = []
         path = os.path.join(src.folder, m.raw.get("rejected_file") or "rejected.jsonl")
@@ -587,7 +587,7 @@ class SpillExamples:
                     eid = rec.get("example_id")
                     if isinstance(eid, str):
                         old = id_source(eid)
-                        eid = rec["example_id"] = shown.get(old, old) + eid[len(old):]
+                        eid = rec["example_id"] = renames.get(old, old) + eid[len(old):]
                         if w < 1 and not _rows.stable_hash(_record_id(eid), salt=f"sample:{seed}") < w * 2**64:
                             stats["not_sampled"] += 1
                             continue
@@ -659,12 +659,11 @@ def _copy_id(eid: str, copy: int) -> str:
 # --- the context --------------------------------------------------------------------------------------------------
 
 
-def _lost_notes(sources: Sequence[PackedSource], options: PackOptions) -> list[str]:
+def _lost_notes(sources: Sequence[PackedSource], manifests: Sequence[Manifest], options: PackOptions) -> list[str]:
     """One line per folder whose pack lost or cut examples at its budget: a repack carries what the rows hold,
     so those examples are missing (dropped) or stay cut (truncated, split) at the new budget too."""
     notes = []
-    for src in sources:
-        m = _read.open_folder(src.folder)
+    for src, m in zip(sources, manifests):
         c, budget = m.raw.get("counts") or {}, m.config.get("max_tokens")
         where = show_path(src.folder)
         dropped = int(c.get("dropped_too_long") or 0)
@@ -682,19 +681,17 @@ def _lost_notes(sources: Sequence[PackedSource], options: PackOptions) -> list[s
 
 def context(ropts: RepackOptions, run_id: str, task_bytes: int = _read.TASK_BYTES) -> RunContext:
     """The repack's :class:`RunContext`: the equivalent pack's options, inputs, tokenizer, layout and run id."""
-    options, sources, files, sizes = resolve(ropts)
-    first = _read.open_folder(sources[0].folder)
+    options, sources, manifests, files, sizes = resolve(ropts)
+    first = manifests[0]
     tokenizer = dict(first.raw.get("tokenizer") or {})
     weights = [d.weight for d in options.datasets()]
     records = sum(s["records"] * weights[f.dataset] for s, f in zip(sizes, files))
     groups, shards = _write.shard_layout(options, records, sum(s["bytes"] for s in sizes))
-    entries = [{"path": f.path, "source": f.source, "kind": f.kind, "split": f.split, "dataset": f.dataset}
-               for f in files]
-    digest = _write.run_digest(options.to_dict(), entries, tokenizer)
+    digest = _write.run_digest(options.to_dict(), input_entries(files), tokenizer)
     inputs_from = first.raw.get("inputs_from") if not options.config else None
     return RunContext(options=options, files=tuple(files), read_once=(), tokenizer=tokenizer,
                       layout=Layout(groups, shards), run_id=run_id, digest=digest,
-                      notes=tuple(_write.shard_cap_notes(options, shards)) + tuple(_lost_notes(sources, options)),
+                      notes=tuple(_write.shard_cap_notes(options, shards)) + tuple(_lost_notes(sources, manifests, options)),
                       spill=_spill.spill_folder(options.output, run_id), task_bytes=task_bytes,
                       inputs_from=inputs_from if isinstance(inputs_from, str) else None,
                       sizes=tuple(sizes), packed=sources)
